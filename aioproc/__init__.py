@@ -1,0 +1,73 @@
+"""aioproc: an asyncio-native process orchestrator.
+
+Public names are re-exported lazily: ``import aioproc`` (and importing a
+submodule such as ``aioproc.errors`` from inside a worker) loads no event loop
+machinery until a name that needs it is first used.  Worker processes rely on
+this to stay free of asyncio, anyio, aiofiles and uvloop.
+"""
+
+from __future__ import annotations
+
+import sys
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs workers
+
+if TYPE_CHECKING:
+    from typing import Any
+
+    from .context import PContext as PContext
+    from .context import RunProcsResult as RunProcsResult
+    from .context import run as run
+    from .context import start_processes as start_processes
+    from .errors import ChildFailedError as ChildFailedError
+    from .errors import ErrorHandler as ErrorHandler
+    from .errors import ForcedKillWarning as ForcedKillWarning
+    from .errors import ProcessFailure as ProcessFailure
+    from .errors import record as record
+    from .logs import DefaultLogsSpecs as DefaultLogsSpecs
+    from .logs import LogsDest as LogsDest
+    from .logs import LogsSpecs as LogsSpecs
+    from .logs import Std as Std
+    from .logs import to_map as to_map
+    from .signals import SignalException as SignalException
+    from .signals import translate_signals as translate_signals
+
+__version__ = "0.1.0"
+
+# public name -> submodule that defines it
+_EXPORTS: dict[str, str] = {
+    "PContext": "context",
+    "RunProcsResult": "context",
+    "run": "context",
+    "start_processes": "context",
+    "ChildFailedError": "errors",
+    "ErrorHandler": "errors",
+    "ForcedKillWarning": "errors",
+    "ProcessFailure": "errors",
+    "record": "errors",
+    "DefaultLogsSpecs": "logs",
+    "LogsDest": "logs",
+    "LogsSpecs": "logs",
+    "Std": "logs",
+    "to_map": "logs",
+    "SignalException": "signals",
+    "translate_signals": "signals",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module 'aioproc' has no attribute {name!r}") from None
+    # plain __import__: importlib would cost every worker an import
+    __import__(f"{__name__}.{module}")
+    value = getattr(sys.modules[f"{__name__}.{module}"], name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -1,0 +1,168 @@
+"""Child side of a function worker.  Standard library (and the user's code) only.
+
+The supervisor starts ``sys.executable -c <BOOT_CODE> <fd>`` (see ``_boot``)
+where ``fd`` is this worker's end of a socketpair.  Over it the child
+receives this module and ``_wire`` as compiled code, then INIT (the
+parent's ``sys.path``) and CALL (the function and its arguments), runs the
+function in the main thread and answers with RESULT or ERROR before exiting.
+
+Kept deliberately light: asyncio, anyio, aiofiles, uvloop and the parent-side
+aioproc modules are never imported here (a test checks ``sys.modules``), and
+``signal``/``threading`` are replaced by their C cores so a worker starts
+almost as fast as a bare interpreter.  A function importable by name with
+arguments and a result made of core types travels as ``marshal`` data, so
+such a worker never even imports ``pickle``; everything else is pickled
+(``_pickle``), and cloudpickle is imported by the unpickler only when the
+function was pickled by value (lambdas, closures, ``__main__`` functions).
+
+Lifeline: a daemon thread blocks on the channel; EOF means the supervisor is
+gone, and the worker then SIGKILLs its own process group (itself and every
+descendant) so nothing outlives an abruptly killed supervisor.
+"""
+
+from __future__ import annotations
+
+import _signal  # type: ignore[import-not-found]  # signal's C core: no enum import
+import _thread
+import marshal
+import os
+import sys
+
+if "_wire" not in globals():
+    # Imported normally.  When the supervisor ships this module as a code
+    # object (see ``_boot``), it pre-binds ``_wire`` so no package import runs.
+    from aioproc import _wire
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, NoReturn
+
+# argv[1]: directory holding the aioproc package; argv[2]: channel fd
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+
+
+def _lifeline(fd: int) -> None:
+    """Kill this worker's whole process group when the supervisor goes away."""
+    try:
+        while os.read(fd, 4096):
+            pass  # nothing is sent after CALL; ignore anything that is
+    except OSError:
+        pass
+    os.killpg(os.getpgid(0), _signal.SIGKILL)
+
+
+def error_report(exc: BaseException) -> dict[str, Any]:
+    """Describe ``exc`` for the parent: type, message, traceback, and the object.
+
+    The exception itself is pickled when possible so the parent can re-raise
+    the real type; the formatted traceback always travels as text.
+    """
+    import traceback
+
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        pickled: bytes | None = _wire.dumps(exc)
+    except Exception:
+        pickled = None
+    return {
+        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+        "message": str(exc),
+        "traceback": tb,
+        "exception": pickled,
+    }
+
+
+def _load_call(body: bytearray) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    view = memoryview(body)
+    if view[:1] == _wire.MARSHAL:
+        module, qualname, args, kwargs = marshal.loads(view[1:])
+        fn: Any = __import__(module, fromlist=["__name__"])
+        for part in qualname.split("."):
+            fn = getattr(fn, part)
+        return fn, args, kwargs
+    import _pickle
+
+    fn_len = int.from_bytes(view[1:9], "big")
+    fn = _pickle.loads(view[9 : 9 + fn_len])
+    args, kwargs = _pickle.loads(view[9 + fn_len :])
+    return fn, args, kwargs
+
+
+def _flush_std() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except Exception:
+            pass
+
+
+def _fail(fd: int, exc: BaseException, *, record: bool = True) -> NoReturn:
+    """Report ``exc`` (error.json + ERROR frame), print it, exit with code 1."""
+    import traceback
+
+    if record and os.environ.get(ERROR_FILE_ENV):
+        from aioproc._errorfile import write_error_file
+
+        write_error_file(os.environ[ERROR_FILE_ENV], exc)
+    traceback.print_exception(type(exc), exc, exc.__traceback__)
+    try:
+        _wire.write_frame(fd, _wire.ERROR, _wire.dumps(error_report(exc)))
+    except OSError:
+        pass  # supervisor gone: the lifeline is already ending us
+    # exit like a script with an uncaught exception: atexit handlers run
+    raise SystemExit(1)
+
+
+def main(fd: int) -> None:
+    os.set_inheritable(fd, False)  # descendants must not hold the lifeline open
+    kind, body = _wire.read_frame(fd)
+    if kind != _wire.INIT:
+        raise RuntimeError(f"aioproc worker: expected INIT frame, got kind {kind}")
+    init = marshal.loads(body)
+    # the parent's import path: functions pickled by reference import from it
+    sys.path[:] = init["sys_path"]
+    kind, body = _wire.read_frame(fd)
+    if kind != _wire.CALL:
+        raise RuntimeError(f"aioproc worker: expected CALL frame, got kind {kind}")
+    _thread.start_new_thread(_lifeline, (fd,))
+    del sys.argv[1:]
+    try:
+        fn, args, kwargs = _load_call(body)
+        del body
+    except BaseException as e:
+        _fail(fd, RuntimeError(f"could not unpickle the worker function or its arguments: {e!r}"))
+
+    try:
+        value = fn(*args, **kwargs)
+    except SystemExit:
+        raise  # the interpreter turns SystemExit.code into the exit status
+    except KeyboardInterrupt:
+        # Like the interpreter: report, then die by SIGINT so the exit code says so.
+        import traceback
+
+        traceback.print_exc()
+        _flush_std()
+        _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
+        os.kill(os.getpid(), _signal.SIGINT)
+        os._exit(130)  # not reached unless SIGINT is blocked
+    except BaseException as e:
+        # drop this module's frame: the traceback starts in the user's function
+        _fail(fd, e.with_traceback(e.__traceback__.tb_next if e.__traceback__ else None))
+
+    try:
+        payload = _wire.encode_value(value)
+    except BaseException as e:
+        _fail(
+            fd,
+            TypeError(
+                f"worker return value of type {type(value).__qualname__} cannot be pickled: {e}"
+            ),
+        )
+    del value
+    try:
+        _wire.write_frame(fd, _wire.RESULT, *payload)
+    except OSError:
+        raise SystemExit(1) from None  # supervisor gone mid-answer
+    # Exit the normal way so atexit handlers and non-daemon threads behave as in a script.
+    sys.exit(0)

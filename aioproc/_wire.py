@@ -1,0 +1,133 @@
+"""Frame format of the control channel, and the child's blocking half.
+
+A frame is a 9-byte header (kind: 1 byte, body length: 8 bytes, big endian)
+followed by the body.  The parent reads frames with an asyncio protocol
+(``_channel``); the child, which must not import asyncio, reads and writes
+them here with plain ``os.read``/``os.write`` on the inherited socket fd.
+
+Bodies that carry Python values start with a codec byte: MARSHAL for values
+made only of core types (``marshal`` is built in, so a worker that needs
+nothing else never imports ``pickle``), PICKLE for everything else.
+"""
+
+from __future__ import annotations
+
+import marshal
+import os
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+HEADER_SIZE = 9
+
+# parent -> child
+INIT = 1  # marshal: {"sys_path": [...]}
+CALL = 2  # codec byte + (MARSHAL: (module, qualname, args, kwargs) | PICKLE: see bootstrap)
+# child -> parent
+RESULT = 10  # codec byte + the return value
+ERROR = 11  # pickled dict describing the exception (see _bootstrap.error_report)
+
+MARSHAL = b"M"
+PICKLE = b"P"
+
+_CHUNK = 1 << 20
+
+
+def header(kind: int, length: int) -> bytes:
+    return kind.to_bytes(1, "big") + length.to_bytes(8, "big")
+
+
+def parse_header(data: bytes | bytearray) -> tuple[int, int]:
+    return data[0], int.from_bytes(data[1:HEADER_SIZE], "big")
+
+
+def dumps(obj: Any) -> bytes:
+    import _pickle
+
+    try:
+        return _pickle.dumps(obj, protocol=5)
+    except Exception:
+        # values defined in __main__ or dynamically need pickling by value
+        import cloudpickle
+
+        return cloudpickle.dumps(obj, protocol=5)  # type: ignore[no-any-return]
+
+
+def encode_value(value: Any) -> list[bytes]:
+    """Codec byte + body: marshal for core types, pickle otherwise."""
+    if _marshallable(value):
+        try:
+            return [MARSHAL, marshal.dumps(value)]
+        except ValueError:
+            pass
+    return [PICKLE, dumps(value)]
+
+
+_MARSHAL_WALK_LIMIT = 10_000
+_CORE = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _marshallable(value: Any, depth: int = 0) -> bool:
+    """True if marshal round-trips ``value`` exactly (exact core types only)."""
+    t = type(value)
+    if t in _CORE:
+        return True
+    if depth > 8:
+        return False
+    if (t is tuple or t is list or t is set or t is frozenset or t is dict) and len(
+        value
+    ) > _MARSHAL_WALK_LIMIT:
+        return False  # walking a huge container costs more than pickling it
+    if t is tuple or t is list or t is set or t is frozenset:
+        return all(_marshallable(v, depth + 1) for v in value)
+    if t is dict:
+        return all(
+            _marshallable(k, depth + 1) and _marshallable(v, depth + 1) for k, v in value.items()
+        )
+    return False
+
+
+def decode_value(body: bytes | bytearray | memoryview) -> Any:
+    """Inverse of ``encode_value`` (pickle is imported only when needed)."""
+    view = memoryview(body)
+    if view[:1] == MARSHAL:
+        return marshal.loads(view[1:])
+    import pickle
+
+    return pickle.loads(view[1:])
+
+
+class ChannelClosed(EOFError):
+    """The other side closed the channel (for the child: the supervisor is gone)."""
+
+
+def _read_exactly(fd: int, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    pos = 0
+    while pos < n:
+        # read into the tail of the buffer: no intermediate copies for big bodies
+        got = os.readv(fd, [view[pos : pos + _CHUNK]])
+        if got == 0:
+            raise ChannelClosed(f"channel closed after {pos} of {n} bytes")
+        pos += got
+    return buf
+
+
+def read_frame(fd: int) -> tuple[int, bytearray]:
+    """Block until one whole frame arrives on ``fd``; return (kind, body)."""
+    kind, length = parse_header(_read_exactly(fd, HEADER_SIZE))
+    return kind, _read_exactly(fd, length)
+
+
+def write_frame(fd: int, kind: int, *parts: bytes) -> None:
+    """Write one frame (body = ``parts`` concatenated), blocking until sent."""
+    _write_all(fd, memoryview(header(kind, sum(len(p) for p in parts))))
+    for part in parts:
+        _write_all(fd, memoryview(part))
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view) :]

@@ -1,0 +1,574 @@
+"""Worker failures, their error.json files, and the ``@record`` decorator.
+
+Exception and warning tree::
+
+    Exception
+    ├── ChildFailedError      one or more workers of a group failed
+    └── RemoteTraceback       a worker's own traceback, as text (a __cause__)
+    RuntimeWarning
+    └── ForcedKillWarning     a worker ignored its stop signal and was SIGKILLed
+
+``SignalException`` (the supervisor received a termination signal) lives in
+``aioproc.signals`` with the signal machinery.
+
+A worker decorated with :func:`record` writes its uncaught exception to the
+file named by ``TORCHELASTIC_ERROR_FILE``, in torchelastic's error.json
+layout. The supervisor reads it back into a :class:`ProcessFailure` and
+raises :class:`ChildFailedError`, whose root cause is the first failure
+observed. Both sides interoperate with torch's own ``@record``.
+
+Workers import this module, so it imports only the standard library: no
+asyncio, and nothing heavy until a failure is formatted.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import functools
+import inspect
+import itertools
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+from aioproc import _errorfile
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs workers
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any, TypeVar, overload
+
+    _F = TypeVar("_F", bound=Callable[..., Any])
+
+__all__ = [
+    "ChildFailedError",
+    "ErrorHandler",
+    "ForcedKillWarning",
+    "ProcessFailure",
+    "RemoteTraceback",
+    "record",
+]
+
+logger = logging.getLogger(__name__)
+
+_NOT_AVAILABLE = "<N/A>"
+
+# Breaks ties between failures noticed at the same time.time() value, which
+# a coarse clock can return twice in a row.
+_sequence = itertools.count()
+
+
+class ForcedKillWarning(RuntimeWarning):
+    """A worker did not exit within the grace period and was sent SIGKILL."""
+
+
+class RemoteTraceback(Exception):
+    """A traceback formatted in a worker process, shown as this error's text.
+
+    Set as the ``__cause__`` of an exception rebuilt from a worker, so the
+    worker's own frames print above the supervisor's (like
+    ``multiprocessing.pool.RemoteTraceback``); also stands in for a worker
+    exception that could not be unpickled.
+
+    Args:
+        tb: The formatted traceback (or ``"Type: message"``).
+    """
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+
+@dataclass
+class ProcessFailure:
+    """The failure of one worker process, with what its error file says.
+
+    Construct it as soon as the exit is noticed: the construction time orders
+    failures, so the earliest one is the root cause.
+
+    The error file may be in either of torch's layouts: ``{"message":
+    {"message": ..., "extraInfo": {"py_callstack": ..., "timestamp": ...}}}``
+    (written by ``@record``), where ``message`` becomes the inner dict, or
+    ``{"message": "...", "timestamp": ...}``, where it stays a string. Unlike
+    torch, an error file that cannot be read or parsed does not raise (that
+    would lose the failure itself): its stripped raw text becomes the message
+    and a warning is logged.
+
+    Attributes:
+        local_rank: Rank of the worker on this host.
+        pid: Process id of the worker.
+        exitcode: Exit status; ``-N`` when killed by signal ``N``.
+        error_file: Path of the worker's error.json, or ``"<N/A>"`` when the
+            worker wrote none.
+        stopped: True when aioproc itself stopped this worker (another rank
+            failed, or the group was closed), so it is collateral rather than
+            a cause. An aioproc extension to torch's fields.
+        message: The error message: the error file's ``message`` (a dict for
+            the ``@record`` layout, else a string), or a description of the
+            exit when there is none.
+        timestamp: Seconds since the epoch: the error file's own timestamp
+            when it has one, else when the exit was noticed.
+        error_file_data: The parsed error file, or ``{}``.
+    """
+
+    local_rank: int
+    pid: int
+    exitcode: int
+    error_file: str
+    stopped: bool = False
+    message: str | dict[str, Any] = field(init=False)
+    timestamp: int = field(init=False)
+    error_file_data: dict[str, Any] = field(init=False)
+    # When the supervisor noticed the exit; sub-second, unlike `timestamp`.
+    _observed_at: float = field(init=False, repr=False, compare=False)
+    _seq: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._observed_at = time.time()
+        self._seq = next(_sequence)
+        self.message = ""
+        self.timestamp = int(self._observed_at)
+        self.error_file_data = {}
+        if os.path.isfile(self.error_file):
+            self._load_error_file()
+        else:
+            self.error_file = _NOT_AVAILABLE
+        if not self.message:
+            self.message = self._describe_exit()
+
+    def signal_name(self) -> str:
+        """Return the name of the signal that killed the worker (``"SIGSEGV"``).
+
+        Returns:
+            The signal's name, or ``"<N/A>"`` for a normal exit or a signal
+            number this platform does not name.
+        """
+        if self.exitcode >= 0:
+            return _NOT_AVAILABLE
+        try:
+            return signal.Signals(-self.exitcode).name
+        except ValueError:
+            return _NOT_AVAILABLE
+
+    def timestamp_isoformat(self) -> str:
+        """Return :attr:`timestamp` as local time, ``YYYY-MM-DD_HH:MM:SS``."""
+        from datetime import datetime  # only when formatting, never in workers
+
+        return datetime.fromtimestamp(self.timestamp).isoformat(sep="_")
+
+    def _order_key(self) -> tuple[int, float, int]:
+        # The file's own second comes first so the order agrees with what the
+        # workers wrote; the precise observation time and the sequence number
+        # order failures within that second.
+        return (self.timestamp, self._observed_at, self._seq)
+
+    def _load_error_file(self) -> None:
+        try:
+            with open(self.error_file, encoding="utf-8", errors="replace") as fp:
+                raw = fp.read()
+        except OSError as e:
+            logger.warning(
+                "could not read error file %s of local_rank %d (pid %d): %s",
+                self.error_file,
+                self.local_rank,
+                self.pid,
+                e,
+            )
+            return
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            data = None
+        if isinstance(data, dict):
+            self.error_file_data = data
+        message = data.get("message") if isinstance(data, dict) else None
+        if isinstance(message, str):
+            raw_timestamp = data.get("timestamp")
+        elif isinstance(message, dict):
+            extra = message.get("extraInfo")
+            raw_timestamp = extra.get("timestamp") if isinstance(extra, dict) else None
+        else:
+            logger.warning(
+                "error file %s of local_rank %d (pid %d) is not a torchelastic "
+                "error.json; keeping its raw text as the message",
+                self.error_file,
+                self.local_rank,
+                self.pid,
+            )
+            self.message = raw.strip()
+            return
+        self.message = message
+        if raw_timestamp is None:
+            return  # keep the observation time
+        try:
+            self.timestamp = int(raw_timestamp)
+        except (TypeError, ValueError):
+            logger.warning(
+                "error file %s has an invalid timestamp %r; using the time the exit was noticed",
+                self.error_file,
+                raw_timestamp,
+            )
+
+    def _describe_exit(self) -> str:
+        if self.exitcode < 0:
+            # Signals usually leave no error file; the exact wording is torch's.
+            return f"Signal {-self.exitcode} ({self.signal_name()}) received by PID {self.pid}"
+        if self.error_file == _NOT_AVAILABLE:
+            return (
+                f"Process {self.pid} exited with code {self.exitcode} and wrote no error "
+                "file; decorate its entrypoint with @aioproc.record (or torch's @record) "
+                "to capture its traceback"
+            )
+        return (
+            f"Process {self.pid} exited with code {self.exitcode}; its error file "
+            f"{self.error_file} holds no message"
+        )
+
+
+class ChildFailedError(Exception):
+    """One or more worker processes of a group failed.
+
+    Raised by the supervisor; also raise it from a ``@record`` entrypoint to
+    pass the root cause's error file up as this process's own.
+
+    ``str()`` gives :meth:`format_msg`. The exception pickles with its name
+    and failures.
+
+    Args:
+        name: Name of the group (the entrypoint), shown in the title.
+        failures: The failed processes by global rank; must not be empty.
+
+    Raises:
+        ValueError: ``failures`` is empty.
+    """
+
+    def __init__(self, name: str, failures: dict[int, ProcessFailure]) -> None:
+        if not failures:
+            raise ValueError(f"ChildFailedError({name!r}) needs at least one failure, got {{}}")
+        # args carry everything __init__ needs, so the default pickling works.
+        super().__init__(name, failures)
+        self.name = name
+        self.failures = failures
+        # The host where the failures were seen, kept across pickling.
+        self._host = _local_hostname()
+
+    def __str__(self) -> str:
+        return self.format_msg()
+
+    def get_first_failure(self) -> tuple[int, ProcessFailure]:
+        """Return the root cause: the earliest failure, with its rank.
+
+        Earliest by the error file's timestamp when there is one, then by
+        when the exit was noticed, to the sub-second, so there are no ties.
+
+        Returns:
+            ``(rank, failure)`` of the first failure.
+        """
+        return min(self.failures.items(), key=lambda item: item[1]._order_key())
+
+    def format_msg(self, boarder_delim: str = "=", section_delim: str = "-") -> str:
+        """Describe every failure, root cause last, in torchelastic's layout.
+
+        Args:
+            boarder_delim: Character of the outer rules (torch's spelling).
+            section_delim: Character of the rules between sections.
+
+        Returns:
+            A multi-line report that starts with a newline.
+        """
+        title = f"{self.name} FAILED"
+        root_rank, _ = self.get_first_failure()
+        root_block = ""
+        other_blocks: list[str] = []
+        width = len(title)
+        for idx, (rank, failure) in enumerate(self.failures.items()):
+            block = self._format_failure(idx, rank, failure)
+            width = max(width, *(len(line) for line in block.split("\n")))
+            if rank == root_rank:
+                root_block = block
+            else:
+                other_blocks.append(block)
+        width = min(width, 60)  # a long traceback line must not widen the rules
+        border = boarder_delim * width
+        section = section_delim * width
+        return "\n".join(
+            [
+                "",
+                border,
+                title,
+                section,
+                "Failures:",
+                "\n".join(other_blocks) or "  <NO_OTHER_FAILURES>",
+                section,
+                "Root Cause (first observed failure):",
+                root_block,
+                border,
+            ]
+        )
+
+    def _format_failure(self, idx: int, rank: int, failure: ProcessFailure) -> str:
+        stopped = " (stopped by aioproc)" if failure.stopped else ""
+        return "\n".join(
+            [
+                f"[{idx}]:",
+                f"  time      : {failure.timestamp_isoformat()}",
+                f"  host      : {self._host}",
+                f"  rank      : {rank} (local_rank: {failure.local_rank})",
+                f"  exitcode  : {failure.exitcode} (pid: {failure.pid}){stopped}",
+                f"  error_file: {failure.error_file}",
+                f"  traceback : {_failure_text(failure.message)}",
+            ]
+        )
+
+
+def _failure_text(message: str | dict[str, Any]) -> str:
+    # Prefer the traceback, then the one-line message, as torch shows them.
+    text: object = message
+    if isinstance(message, dict):
+        extra = message.get("extraInfo")
+        text = extra.get("py_callstack") if isinstance(extra, dict) else None
+        if not text:
+            text = message.get("message") or _NOT_AVAILABLE
+    # Continuation lines sit under the field names, like the rest of the block.
+    return str(text).rstrip("\n").replace("\n", "\n  ")
+
+
+@functools.lru_cache(maxsize=1)
+def _local_hostname() -> str:
+    # Imported here: only a failing supervisor needs it, never a worker.
+    import socket
+
+    return socket.getfqdn()
+
+
+class ErrorHandler:
+    """Writes a process's failure to its error.json, in torchelastic's layout.
+
+    The file is named by the ``TORCHELASTIC_ERROR_FILE`` environment
+    variable; without it nothing is written. Subclass it and override
+    :meth:`initialize` and :meth:`record_exception` to report elsewhere.
+    """
+
+    def _get_error_file_path(self) -> str | None:
+        """Return where this process's error.json goes, or None for nowhere."""
+        return os.environ.get(_errorfile.ERROR_FILE_ENV) or None
+
+    def initialize(self) -> None:
+        """Prepare to capture failures: dump Python stacks on fatal signals.
+
+        Enables :mod:`faulthandler` on stderr for all threads, unless it is
+        already enabled (by ``-X faulthandler``, ``PYTHONFAULTHANDLER``, a
+        test runner or the user), whose choice is kept. A failure to enable
+        it is logged, never raised: it must not stop the worker.
+        """
+        if faulthandler.is_enabled():
+            return
+        try:
+            faulthandler.enable(all_threads=True)
+        except Exception as e:  # e.g. sys.stderr is None or has no fd
+            logger.warning("could not enable faulthandler: %s: %s", type(e).__name__, e)
+
+    def record_exception(self, e: BaseException) -> None:
+        """Write ``e`` and its traceback to this process's error file.
+
+        Byte-compatible with torch's ``ErrorHandler.record_exception``. When
+        no error file is configured, a warning is logged instead. Write
+        errors are reported on stderr and swallowed, so that the original
+        exception is the one that propagates.
+
+        Args:
+            e: The exception to record.
+        """
+        path = self._get_error_file_path()
+        if not path:
+            logger.warning(
+                "%s is not set, so %s was not written to an error file",
+                _errorfile.ERROR_FILE_ENV,
+                type(e).__name__,
+            )
+            return
+        _errorfile.write_error_file(path, e)
+
+    def override_error_code_in_rootcause_data(
+        self,
+        rootcause_error_file: str,
+        rootcause_error: dict[str, Any],
+        error_code: int = 0,
+    ) -> None:
+        """Set ``errorCode`` in a child's error data to its real exit code.
+
+        A child killed by a signal cannot record its own exit code. Only the
+        ``@record`` layout (a dict ``message``) has room for it; other
+        layouts are left unchanged, with a warning.
+
+        Args:
+            rootcause_error_file: Where the data came from, for the warning.
+            rootcause_error: The parsed error file, modified in place.
+            error_code: The exit code to record.
+        """
+        message = rootcause_error.get("message")
+        if isinstance(message, dict):
+            message["errorCode"] = error_code
+        else:
+            logger.warning(
+                "child error file %s has no dict 'message' to hold errorCode %d; "
+                "copying it unchanged",
+                rootcause_error_file,
+                error_code,
+            )
+
+    def dump_error_file(self, rootcause_error_file: str, error_code: int = 0) -> None:
+        """Copy a child's error file to this process's error file.
+
+        Lets a launcher report its failed child's root cause as its own.
+        An existing error file of ours is logged and replaced.
+
+        Args:
+            rootcause_error_file: The child's error.json.
+            error_code: The child's exit code, written as ``errorCode``
+                when nonzero.
+
+        Raises:
+            OSError: The child's error file cannot be read.
+            ValueError: The child's error file is not a JSON object.
+        """
+        with open(rootcause_error_file) as fp:
+            rootcause_error = json.load(fp)
+        if not isinstance(rootcause_error, dict):
+            raise ValueError(
+                f"child error file {rootcause_error_file} holds "
+                f"{type(rootcause_error).__name__}, not a JSON object"
+            )
+        if error_code:
+            self.override_error_code_in_rootcause_data(
+                rootcause_error_file, rootcause_error, error_code
+            )
+        my_error_file = self._get_error_file_path()
+        if not my_error_file:
+            logger.error(
+                "%s is not set, so child error file %s was not copied",
+                _errorfile.ERROR_FILE_ENV,
+                rootcause_error_file,
+            )
+            return
+        self._discard_existing(my_error_file)
+        try:
+            _errorfile.dump_error_data(my_error_file, rootcause_error)
+        except OSError as e:
+            logger.warning("could not write error file %s: %s", my_error_file, e)
+        else:
+            logger.info("copied child error file %s to %s", rootcause_error_file, my_error_file)
+
+    def _discard_existing(self, path: str) -> None:
+        # A child that inherited our TORCHELASTIC_ERROR_FILE may have written
+        # to it before getting its own; log what is lost, then replace it.
+        if not os.path.isfile(path):
+            return
+        try:
+            with open(path, errors="replace") as fp:
+                original = fp.read()
+            logger.warning("error file %s exists and is replaced; it held:\n%s", path, original)
+            os.remove(path)
+        except OSError as e:
+            logger.warning("could not replace existing error file %s: %s", path, e)
+
+
+if TYPE_CHECKING:
+
+    @overload
+    def record(fn: _F, error_handler: ErrorHandler | None = None) -> _F: ...
+
+    @overload
+    def record(
+        fn: None = None, error_handler: ErrorHandler | None = None
+    ) -> Callable[[_F], _F]: ...
+
+
+def record(
+    fn: _F | None = None, error_handler: ErrorHandler | None = None
+) -> _F | Callable[[_F], _F]:
+    """Record an uncaught exception of ``fn`` in this process's error.json.
+
+    Use it once per process, on the entrypoint: ``@record``, ``@record()``
+    or ``@record(error_handler=...)``. Coroutine functions are supported.
+    The call:
+
+    - initializes the handler (faulthandler on);
+    - on :class:`ChildFailedError`, copies the root cause's error file into
+      this process's, with its exit code, so the child's traceback is what
+      reaches the scheduler;
+    - on any other ``Exception``, records it with
+      :meth:`ErrorHandler.record_exception`;
+    - always re-raises. Other ``BaseException`` subclasses (``SystemExit``,
+      ``KeyboardInterrupt``, cancellation) pass through and write nothing.
+      Unlike torch, ``SystemExit(0)`` is not swallowed, so ``sys.exit(0)``
+      exits as it would undecorated.
+
+    Args:
+        fn: The function to wrap; omit it to get a decorator.
+        error_handler: Handler to use; a new :class:`ErrorHandler` if None.
+
+    Returns:
+        The wrapped function, or a decorator when ``fn`` is None.
+    """
+    handler = error_handler if error_handler is not None else ErrorHandler()
+
+    # The ignores below: functools.wraps keeps f's signature, mypy cannot tell.
+    def decorate(f: _F) -> _F:
+        if inspect.iscoroutinefunction(f):
+
+            @functools.wraps(f)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                handler.initialize()
+                try:
+                    return await f(*args, **kwargs)
+                except ChildFailedError as e:
+                    _dump_root_cause(handler, e)
+                    raise
+                except Exception as e:
+                    handler.record_exception(e)
+                    raise
+
+            return async_wrapper  # type: ignore[return-value]
+
+        @functools.wraps(f)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            handler.initialize()
+            try:
+                return f(*args, **kwargs)
+            except ChildFailedError as e:
+                _dump_root_cause(handler, e)
+                raise
+            except Exception as e:
+                handler.record_exception(e)
+                raise
+
+        return wrapper  # type: ignore[return-value]
+
+    if fn is None:
+        return decorate
+    return decorate(fn)
+
+
+def _dump_root_cause(handler: ErrorHandler, error: ChildFailedError) -> None:
+    # Problems copying are logged, never raised: they must not replace the
+    # ChildFailedError that is propagating.
+    rank, failure = error.get_first_failure()
+    if failure.error_file == _NOT_AVAILABLE:
+        logger.info(
+            "rank %d (local_rank %d) failed without an error file; decorate its "
+            "entrypoint with @aioproc.record to capture its traceback",
+            rank,
+            failure.local_rank,
+        )
+        return
+    try:
+        handler.dump_error_file(failure.error_file, failure.exitcode)
+    except (OSError, ValueError) as e:
+        logger.warning("could not copy error file %s of rank %d: %s", failure.error_file, rank, e)

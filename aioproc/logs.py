@@ -1,0 +1,400 @@
+"""Where worker output and error files go: ``Std``, ``LogsSpecs`` and friends.
+
+A ``LogsSpecs`` turns the per-rank environments of one process group into a
+``LogsDest``: for every local rank, the file its stdout and stderr go to, the
+files to tee to the console, and the path of its error.json.  The supervisor
+calls ``reify`` once per group start (every restart), before any worker runs.
+
+``DefaultLogsSpecs`` lays the tree out exactly as torchelastic does, so tools
+that read torchrun's logs read ours::
+
+    <root_log_dir>/                  log_dir, or a fresh aioproc_* temp dir
+      <run_id>_<random>/             made once per spec, shared by all attempts
+        attempt_<restart_count>/     wiped and remade by every reify
+          filtered_stdout.log        lines matching the supervisor's filters
+          filtered_stderr.log
+          <local_rank>/
+            stdout.log               if redirects | tee has Std.OUT for the rank
+            stderr.log               if redirects | tee has Std.ERR for the rank
+            error.json               written by the worker if it fails
+
+An empty string as a stdout/stderr destination means "the console"; tee is a
+redirect to the file plus a copy of it on the console.  ``log_dir=os.devnull``
+writes no files at all.  This module is synchronous and stdlib-only: it runs
+before any worker exists, and the child side may import it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import stat
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import IntFlag
+
+from ._errorfile import ERROR_FILE_ENV
+
+__all__ = ["DefaultLogsSpecs", "LogsDest", "LogsSpecs", "Std", "to_map"]
+
+logger = logging.getLogger(__name__)
+
+RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+# torchelastic's fallback when the agent did not set a run id (unit tests).
+DEFAULT_RUN_ID = "test_run_id"
+
+_CONSOLE = ""  # a destination of "" means: leave the stream on the console
+_VALUE_RE = re.compile(r"[0-3]")
+_PAIR_RE = re.compile(r"([0-9]+)\s*:\s*([0-3])")
+_STD_FORMAT = (
+    "expected a single value 0-3 (e.g. '3') or comma-separated "
+    "<local_rank>:<value> pairs with values 0-3 (e.g. '0:3,1:0')"
+)
+
+
+class Std(IntFlag):
+    """Which standard streams a setting applies to (a bit mask)."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = OUT | ERR
+
+    @classmethod
+    def from_str(cls, vm: str) -> Std | dict[int, Std]:
+        """Parse a command-line value such as ``"3"`` or ``"0:3,1:0"``.
+
+        Accepts everything torchrun accepts, plus whitespace around items and
+        local ranks above 9.
+
+        Args:
+            vm: a single value ``0``-``3`` applying to every rank, or
+                comma-separated ``<local_rank>:<value>`` pairs.
+
+        Returns:
+            ``Std`` for a single value, else a ``{local_rank: Std}`` dict.
+
+        Raises:
+            ValueError: ``vm`` is malformed or names a local rank twice.
+        """
+        if not isinstance(vm, str):
+            raise TypeError(f"Std.from_str() takes a str, got {vm!r}")
+        text = vm.strip()
+        if _VALUE_RE.fullmatch(text):
+            return cls(int(text))
+        mapping: dict[int, Std] = {}
+        for item in text.split(","):
+            match = _PAIR_RE.fullmatch(item.strip())
+            if match is None:
+                raise ValueError(f"invalid Std value {vm!r} (bad item {item!r}): {_STD_FORMAT}")
+            rank = int(match[1])
+            # torch silently keeps the last of duplicates; a typo should not win quietly.
+            if rank in mapping:
+                raise ValueError(
+                    f"invalid Std value {vm!r}: local rank {rank} is given twice; {_STD_FORMAT}"
+                )
+            mapping[rank] = cls(int(match[2]))
+        return mapping
+
+
+def to_map(val_or_map: Std | dict[int, Std], local_world_size: int) -> dict[int, Std]:
+    """Expand a setting into one ``Std`` per local rank ``0..local_world_size-1``.
+
+    A ``Std`` applies to every rank; a mapping gives ``Std.NONE`` to the ranks
+    it leaves out.  Ranks outside the range are ignored, as in torch, so one
+    spec serves groups of any size.
+
+    Args:
+        val_or_map: a ``Std`` or a ``{local_rank: Std}`` mapping.
+        local_world_size: the number of local ranks.
+
+    Returns:
+        A new dict with exactly the keys ``range(local_world_size)``.
+    """
+    if isinstance(val_or_map, Std):
+        return dict.fromkeys(range(local_world_size), val_or_map)
+    return {rank: val_or_map.get(rank, Std.NONE) for rank in range(local_world_size)}
+
+
+@dataclass
+class LogsDest:
+    """Per-rank destinations produced by ``LogsSpecs.reify``.
+
+    Attributes:
+        stdouts: file each rank's stdout goes to; ``""`` leaves it on the console.
+        stderrs: file each rank's stderr goes to; ``""`` leaves it on the console.
+        tee_stdouts: for ranks whose stdout is also shown on the console, the
+            file it is written to (a rank absent here is not tee'd).
+        tee_stderrs: the same for stderr.
+        error_files: each rank's error.json path (the worker creates it).
+        filtered_stdout: file for tee'd stdout lines that match the
+            supervisor's duplicate filters (created only when there are filters).
+        filtered_stderr: the same for stderr.
+    """
+
+    stdouts: dict[int, str] = field(default_factory=dict)
+    stderrs: dict[int, str] = field(default_factory=dict)
+    tee_stdouts: dict[int, str] = field(default_factory=dict)
+    tee_stderrs: dict[int, str] = field(default_factory=dict)
+    error_files: dict[int, str] = field(default_factory=dict)
+    filtered_stdout: str = ""
+    filtered_stderr: str = ""
+
+
+class LogsSpecs(ABC):
+    """Decides where each worker's output and error file go.
+
+    Args:
+        log_dir: base directory for the log tree.
+        redirects: streams to write to files instead of the console: one
+            ``Std`` for every rank, or a ``{local_rank: Std}`` mapping.
+        tee: streams to write to files and also show on the console, in the
+            same form as ``redirects``.
+        local_ranks_filter: if given, only these ranks reach the console.
+    """
+
+    def __init__(
+        self,
+        log_dir: str | None = None,
+        redirects: Std | dict[int, Std] = Std.NONE,
+        tee: Std | dict[int, Std] = Std.NONE,
+        local_ranks_filter: set[int] | None = None,
+    ) -> None:
+        self._root_log_dir = log_dir
+        self._redirects = redirects
+        self._tee = tee
+        self._local_ranks_filter = local_ranks_filter
+
+    @abstractmethod
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        """Build the destinations for one start of a process group.
+
+        Args:
+            envs: each local rank's environment (ranks ``0..n-1``); an
+                implementation may add entries, such as the error file path.
+
+        Returns:
+            The destinations for every rank in ``envs``.
+        """
+
+    @property
+    @abstractmethod
+    def root_log_dir(self) -> str:
+        """The directory the log tree lives in."""
+
+    def prune(self) -> None:  # noqa: B027 (an optional hook, not abstract)
+        """Tidy what this spec created; called when a process group is closed.
+
+        The supervisor calls it after the group's workers are gone and their
+        output is flushed.  The default does nothing.
+        """
+
+
+class DefaultLogsSpecs(LogsSpecs):
+    """torchelastic's log layout (see the module docstring).
+
+    Args:
+        log_dir: base directory, created on first use if missing.  ``None``
+            (or ``""``) makes a private ``aioproc_*`` temp dir on first use,
+            which ``prune`` may remove again; ``os.devnull`` writes no files.
+        redirects: streams to write to files instead of the console.
+        tee: streams to write to files and also show on the console.
+        local_ranks_filter: if given and not empty, only these ranks reach the
+            console; the others' tee'd streams still go to their files and
+            their other streams are discarded.
+
+    Raises:
+        NotADirectoryError: ``log_dir`` exists and is not a directory.
+        TypeError: an argument has the wrong type.
+    """
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike[str] | None = None,
+        redirects: Std | dict[int, Std] = Std.NONE,
+        tee: Std | dict[int, Std] = Std.NONE,
+        local_ranks_filter: set[int] | frozenset[int] | None = None,
+    ) -> None:
+        # Check everything before creating anything, so bad input leaves no trace.
+        super().__init__(
+            _check_log_dir(log_dir),
+            _check_std("redirects", redirects),
+            _check_std("tee", tee),
+            _check_ranks_filter(local_ranks_filter),
+        )
+        self._ephemeral_root: str | None = None
+        self._run_log_dir: str | None = None
+
+    @property
+    def root_log_dir(self) -> str:
+        """The given ``log_dir``, or the temp dir made for it on first use."""
+        if self._root_log_dir is None:
+            self._root_log_dir = self._ephemeral_root = tempfile.mkdtemp(prefix="aioproc_")
+        return self._root_log_dir
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        """Create ``attempt_<restart_count>/<rank>/`` dirs and return their paths.
+
+        The run id and restart count come from rank 0's ``TORCHELASTIC_RUN_ID``
+        and ``TORCHELASTIC_RESTART_COUNT``.  Sets ``TORCHELASTIC_ERROR_FILE`` in
+        every rank's env (``envs`` is modified in place, as in torch).
+
+        Args:
+            envs: each local rank's environment, ranks ``0..n-1``.
+
+        Returns:
+            The destinations for every rank; all paths are absolute.
+        """
+        nprocs = len(envs)
+        env0 = envs[0] if nprocs else {}
+        redirects = to_map(self._redirects, nprocs)
+        tee = to_map(self._tee, nprocs)
+
+        if self._root_log_dir == os.devnull:
+            return self._reify_devnull(envs, tee)
+
+        run_id = env0.get(RUN_ID_ENV, DEFAULT_RUN_ID)
+        restart_count = env0.get(RESTART_COUNT_ENV, "0")
+        attempt_dir = os.path.join(self._make_run_log_dir(run_id), f"attempt_{restart_count}")
+        # A repeated restart count starts from a clean attempt, as in torch.
+        shutil.rmtree(attempt_dir, ignore_errors=True)
+        os.makedirs(attempt_dir)
+
+        dest = LogsDest(
+            filtered_stdout=os.path.join(attempt_dir, "filtered_stdout.log"),
+            filtered_stderr=os.path.join(attempt_dir, "filtered_stderr.log"),
+        )
+        for rank in range(nprocs):
+            rank_dir = os.path.join(attempt_dir, str(rank))
+            os.mkdir(rank_dir)
+            # tee is a redirect plus a copy on the console, so it implies the file.
+            to_file = redirects[rank] | tee[rank]
+            stdout = os.path.join(rank_dir, "stdout.log") if to_file & Std.OUT else _CONSOLE
+            stderr = os.path.join(rank_dir, "stderr.log") if to_file & Std.ERR else _CONSOLE
+            if self._on_console(rank):
+                if tee[rank] & Std.OUT:
+                    dest.tee_stdouts[rank] = stdout
+                if tee[rank] & Std.ERR:
+                    dest.tee_stderrs[rank] = stderr
+            else:
+                # Filtered out: tee'd streams still reach their files, the rest is dropped.
+                stdout = stdout or os.devnull
+                stderr = stderr or os.devnull
+            dest.stdouts[rank] = stdout
+            dest.stderrs[rank] = stderr
+            error_file = os.path.join(rank_dir, "error.json")
+            dest.error_files[rank] = error_file
+            envs[rank][ERROR_FILE_ENV] = error_file
+        return dest
+
+    def prune(self) -> None:
+        """Remove empty files and dirs from the temp dir this spec made.
+
+        Does nothing for a ``log_dir`` the user gave.  Files with content (and
+        the dirs holding them) are kept; if nothing is left, the temp dir goes
+        too and the next ``reify`` makes a fresh one.
+        """
+        root = self._ephemeral_root
+        if root is None:
+            return
+        for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
+            for name in filenames:
+                path = os.path.join(dirpath, name)
+                try:
+                    # lstat: a symlink is never followed, nor removed.
+                    st = os.lstat(path)
+                    if stat.S_ISREG(st.st_mode) and st.st_size == 0:
+                        os.unlink(path)
+                except OSError:
+                    continue  # vanished meanwhile or not ours to remove: leave it
+            try:
+                os.rmdir(dirpath)
+            except OSError:
+                pass  # still holds logs (or is gone already)
+        if not os.path.lexists(root):
+            # Never recreate a deleted name in a shared temp dir: start afresh.
+            self._root_log_dir = self._ephemeral_root = self._run_log_dir = None
+
+    def __repr__(self) -> str:
+        return (
+            f"DefaultLogsSpecs(log_dir={self._root_log_dir!r}, redirects={self._redirects!r}, "
+            f"tee={self._tee!r}, local_ranks_filter={self._local_ranks_filter!r})"
+        )
+
+    def _make_run_log_dir(self, run_id: str) -> str:
+        """Return ``<root>/<run_id>_<random>``, made on the first call only."""
+        if self._run_log_dir is None:
+            # Absolute, so the error file path in the env works from any worker cwd.
+            root = os.path.abspath(self.root_log_dir)
+            os.makedirs(root, exist_ok=True)
+            self._run_log_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=root)
+            logger.info("log directory set to: %s", self._run_log_dir)
+        return self._run_log_dir
+
+    def _on_console(self, rank: int) -> bool:
+        # As in torch, an empty filter means no filtering.
+        return not self._local_ranks_filter or rank in self._local_ranks_filter
+
+    def _reify_devnull(self, envs: dict[int, dict[str, str]], tee: dict[int, Std]) -> LogsDest:
+        # torch's devnull layout: streams stay on the console, tee and error
+        # files point at devnull and no error file env is given.  Unlike torch,
+        # local_ranks_filter still applies, and the filtered logs go to devnull
+        # rather than to an impossible path under it.
+        dest = LogsDest(filtered_stdout=os.devnull, filtered_stderr=os.devnull)
+        for rank in range(len(envs)):
+            shown = self._on_console(rank)
+            dest.stdouts[rank] = _CONSOLE if shown else os.devnull
+            dest.stderrs[rank] = _CONSOLE if shown else os.devnull
+            if shown:
+                dest.tee_stdouts[rank] = os.devnull
+                dest.tee_stderrs[rank] = os.devnull
+            dest.error_files[rank] = os.devnull
+            envs[rank][ERROR_FILE_ENV] = ""
+        return dest
+
+
+def _is_rank(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_log_dir(log_dir: str | os.PathLike[str] | None) -> str | None:
+    if log_dir is None:
+        return None
+    if not isinstance(log_dir, (str, os.PathLike)):
+        raise TypeError(f"log_dir must be a str, a path or None, got {log_dir!r}")
+    path = os.fspath(log_dir)
+    if not isinstance(path, str):
+        raise TypeError(f"log_dir must be a str, a path or None, got {log_dir!r}")
+    if not path:
+        return None  # torch treats "" like None
+    if path != os.devnull and os.path.exists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(f"log_dir {path!r} exists and is not a directory")
+    return path
+
+
+def _check_std(name: str, value: object) -> Std | dict[int, Std]:
+    if isinstance(value, Std):
+        return value
+    if isinstance(value, Mapping) and all(
+        _is_rank(rank) and isinstance(std, Std) for rank, std in value.items()
+    ):
+        return dict(value)  # a copy: later changes by the caller do not leak in
+    hint = " (parse strings with Std.from_str)" if isinstance(value, str) else ""
+    raise TypeError(
+        f"{name} must be a Std or a dict of local_rank (int >= 0) -> Std, got {value!r}{hint}"
+    )
+
+
+def _check_ranks_filter(value: object) -> set[int] | None:
+    if value is None:
+        return None
+    if isinstance(value, (set, frozenset)) and all(_is_rank(rank) for rank in value):
+        return set(value)
+    raise TypeError(
+        f"local_ranks_filter must be a set of local ranks (ints >= 0) or None, got {value!r}"
+    )

@@ -1,0 +1,93 @@
+"""Suite-wide fixtures: both event loops, and a leak check around every test.
+
+Every async test runs twice, on the default asyncio loop and on uvloop, via
+pytest-asyncio's loop-factory hook.  The autouse ``no_leaks`` fixture fails a
+test that leaves a child process (running or unreaped) or an open fd behind,
+and kills what it finds so one leak does not cascade into later tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import pytest
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is declared in the test extra
+    uvloop = None
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+        "asyncio": asyncio.new_event_loop
+    }
+    if uvloop is not None:
+        factories["uvloop"] = uvloop.new_event_loop
+    return factories
+
+
+def child_pids() -> set[int]:
+    """Direct children of this process (any thread), running or zombie."""
+    pids: set[int] = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                pids.update(int(p) for p in f.read().split())
+        except FileNotFoundError:
+            continue
+    return pids
+
+
+def open_fds() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+def _fd_target(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "?"
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    children_before = child_pids()
+    fds_before = open_fds()
+    yield
+    leaked_children = child_pids() - children_before
+    for pid in leaked_children:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+    leaked_fds = open_fds() - fds_before
+    problems: list[str] = []
+    if leaked_children:
+        problems.append(f"child processes left behind: {sorted(leaked_children)}")
+    if leaked_fds:
+        detail = ", ".join(f"{fd}->{_fd_target(fd)}" for fd in sorted(leaked_fds))
+        problems.append(f"file descriptors left open: {detail}")
+    if problems:
+        pytest.fail("; ".join(problems))
+
+
+def pytest_collection_modifyitems(items: list[Any]) -> None:
+    # Ensure the leak check wraps the event loop fixture: it must be set up
+    # before and torn down after the loop so the loop's own fds do not count.
+    for item in items:
+        names = getattr(item, "fixturenames", None)
+        if names and "no_leaks" in names:
+            names.remove("no_leaks")
+            names.insert(0, "no_leaks")
