@@ -59,7 +59,7 @@ class ReadProgress:
     def reached(self, fd: int) -> asyncio.Future[None]:
         """A future resolved once what is waiting on ``fd`` now has been consumed."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        target = self._received + bytes_waiting(fd)
+        target = self._received + (bytes_waiting(fd) if not self._eof else 0)
         if self._eof or self._received >= target:
             fut.set_result(None)
         else:

@@ -87,6 +87,17 @@ class TeeProtocol(asyncio.Protocol):
         self._framer = LineFramer(prefix) if console is not None else None
         self.progress = ReadProgress()
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._fd = -1
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        pipe = transport.get_extra_info("pipe")
+        self._fd = pipe.fileno() if pipe is not None else -1
+
+    def settled(self) -> asyncio.Future[None]:
+        """Resolves once the bytes waiting in the pipe now have been consumed."""
+        if self.progress.at_eof:
+            return self.closed
+        return self.progress.reached(self._fd)
 
     def data_received(self, data: bytes) -> None:
         if self._file is not None:

@@ -132,10 +132,7 @@ class Child:
 
     def output_settled(self) -> list[asyncio.Future[None]]:
         """Futures that resolve when all the worker wrote before exiting was read."""
-        futs = [
-            t.progress.reached(_fd_of(tr))
-            for t, tr in zip(self.tees, self._tee_transports, strict=True)
-        ]
+        futs = [t.settled() for t in self.tees]
         if self.channel is not None:
             futs.append(self.channel.settled())
         return futs
@@ -151,11 +148,6 @@ class Child:
             await asyncio.wait(pending, timeout=timeout)
         if self.channel is not None:
             await self.channel.aclose()
-
-
-def _fd_of(transport: asyncio.BaseTransport) -> int:
-    pipe = transport.get_extra_info("pipe")
-    return int(pipe.fileno()) if pipe is not None else -1
 
 
 def _signame(signum: int) -> str:

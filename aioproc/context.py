@@ -295,10 +295,13 @@ class PContext:
 
     async def _watch(self, rank: int, child: Child) -> None:
         code = await child.watcher.future
-        settled = child.output_settled()
-        if settled:
-            await asyncio.wait(settled, timeout=_DRAIN_TIMEOUT)
-        self._record(rank, child, code)
+        try:
+            settled = child.output_settled()
+            if settled:
+                await asyncio.wait(settled, timeout=_DRAIN_TIMEOUT)
+        finally:
+            # the outcome is recorded whatever happens, or wait() would hang
+            self._record(rank, child, code)
 
     def _record(self, rank: int, child: Child, code: int) -> None:
         value: Any = None

@@ -54,6 +54,13 @@ async def spin(turns: int = 10) -> None:
         await asyncio.sleep(0)
 
 
+async def interrupted(sig: int) -> None:
+    """Send ``sig`` inside ``translate_signals((sig,))`` and await forever."""
+    async with translate_signals((sig,)):
+        kill_self(sig)
+        await forever()
+
+
 def cancelling() -> int:
     task = asyncio.current_task()
     assert task is not None
@@ -78,9 +85,7 @@ def usr1_calls() -> Iterator[list[int]]:
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM, signal.SIGINT])
 async def test_signal_interrupts_await(sig: signal.Signals) -> None:
     with pytest.raises(SignalException) as info:
-        async with translate_signals((sig,)):
-            kill_self(sig)
-            await forever()
+        await interrupted(sig)
     assert info.value.sigval is sig
     assert isinstance(info.value.sigval, signal.Signals)
     assert str(info.value) == f"Process {os.getpid()} got signal: {sig}"
@@ -95,10 +100,14 @@ async def test_default_signals() -> None:
         signal.SIGHUP,
         signal.SIGQUIT,
     )
-    with pytest.raises(SignalException) as info:
+
+    async def body() -> None:
         async with translate_signals():
             kill_self(signal.SIGHUP)
             await forever()
+
+    with pytest.raises(SignalException) as info:
+        await body()
     assert info.value.sigval is signal.SIGHUP
 
 
@@ -112,20 +121,27 @@ async def test_no_signal_body_runs_normally() -> None:
 
 
 async def test_other_exceptions_pass_through() -> None:
-    with pytest.raises(KeyError):
+    async def raises_keyerror() -> None:
         async with translate_signals((signal.SIGUSR1,)):
             raise KeyError("boom")
-    with pytest.raises(TimeoutError):
+
+    async def times_out() -> None:
         async with translate_signals((signal.SIGUSR1,)), asyncio.timeout(0):
             await forever()
+
+    with pytest.raises(KeyError):
+        await raises_keyerror()
+    with pytest.raises(TimeoutError):
+        await times_out()
 
 
 async def test_cancellation_names_the_signal_and_pending_signal() -> None:
     seen: list[Any] = []
-    assert pending_signal() is None
-    with pytest.raises(SignalException):
-        async with translate_signals((signal.SIGUSR1,)) as ts:
-            assert pending_signal() is None
+    ts = translate_signals((signal.SIGUSR1,))
+
+    async def body() -> None:
+        async with ts:
+            seen.append(pending_signal())
             try:
                 kill_self(signal.SIGUSR1)
                 await forever()
@@ -135,7 +151,17 @@ async def test_cancellation_names_the_signal_and_pending_signal() -> None:
                 seen.append(pending_signal(asyncio.current_task()))
                 seen.append(ts.received)
                 raise
-    assert seen == [("got signal SIGUSR1",), signal.SIGUSR1, signal.SIGUSR1, signal.SIGUSR1]
+
+    assert pending_signal() is None
+    with pytest.raises(SignalException):
+        await body()
+    assert seen == [
+        None,
+        ("got signal SIGUSR1",),
+        signal.SIGUSR1,
+        signal.SIGUSR1,
+        signal.SIGUSR1,
+    ]
     assert pending_signal() is None
     assert "got SIGUSR1" in repr(ts)
 
@@ -149,14 +175,17 @@ async def test_pending_signal_is_per_task() -> None:
         other_saw.append(pending_signal())
         other_saw.append(pending_signal(main_task))
 
-    with pytest.raises(SignalException):
+    async def body() -> None:
         async with translate_signals((signal.SIGUSR1,)):
             try:
                 kill_self(signal.SIGUSR1)
                 await forever()
             finally:
-                # Cleanup awaits are allowed; the cancellation is not repeated.
+                # Cleanup may await; the cancellation is not repeated.
                 await asyncio.shield(asyncio.create_task(other()))
+
+    with pytest.raises(SignalException):
+        await body()
     assert other_saw == [None, signal.SIGUSR1]
     assert pending_signal(main_task) is None
 
@@ -168,11 +197,17 @@ def test_pending_signal_outside_a_loop() -> None:
 async def test_handlers_restored(usr1_calls: list[int]) -> None:
     handler = signal.getsignal(signal.SIGUSR1)
     int_handler = signal.getsignal(signal.SIGINT)
-    with pytest.raises(SignalException):
+    inside: list[Any] = []
+
+    async def body() -> None:
         async with translate_signals((signal.SIGUSR1, signal.SIGINT)):
-            assert signal.getsignal(signal.SIGUSR1) is not handler
+            inside.append(signal.getsignal(signal.SIGUSR1))
             kill_self(signal.SIGUSR1)
             await forever()
+
+    with pytest.raises(SignalException):
+        await body()
+    assert inside[0] is not handler
     assert signal.getsignal(signal.SIGUSR1) is handler
     assert signal.getsignal(signal.SIGINT) == int_handler
     assert usr1_calls == []
@@ -183,9 +218,7 @@ async def test_handlers_restored(usr1_calls: list[int]) -> None:
 @needs_uncancel
 async def test_uncancel_keeps_the_count() -> None:
     with pytest.raises(SignalException):
-        async with translate_signals((signal.SIGUSR1,)):
-            kill_self(signal.SIGUSR1)
-            await forever()
+        await interrupted(signal.SIGUSR1)
     assert cancelling() == 0
     # asyncio.timeout relies on the count: it must still turn its own
     # cancellation into TimeoutError, and plain awaits must not be cancelled.
@@ -209,16 +242,22 @@ async def test_inside_timeout_and_taskgroup() -> None:
             children_cancelled += 1
             raise
 
+    async def body() -> None:
+        async with (
+            asyncio.timeout(LIMIT),
+            translate_signals((signal.SIGTERM,)),
+            asyncio.TaskGroup() as tg,
+        ):
+            started = [asyncio.Event() for _ in range(3)]
+            for event in started:
+                tg.create_task(child(event))
+            for event in started:
+                await event.wait()
+            kill_self(signal.SIGTERM)
+            await forever()
+
     with pytest.raises(SignalException) as info:
-        async with asyncio.timeout(LIMIT), translate_signals((signal.SIGTERM,)):
-            async with asyncio.TaskGroup() as tg:
-                started = [asyncio.Event() for _ in range(3)]
-                for event in started:
-                    tg.create_task(child(event))
-                for event in started:
-                    await event.wait()
-                kill_self(signal.SIGTERM)
-                await forever()
+        await body()
     assert info.value.sigval is signal.SIGTERM
     assert children_cancelled == 3
     assert cancelling() == 0
@@ -226,11 +265,15 @@ async def test_inside_timeout_and_taskgroup() -> None:
 
 @needs_uncancel
 async def test_signal_after_body_completed() -> None:
-    ran = []
-    with pytest.raises(SignalException) as info:
+    ran: list[bool] = []
+
+    async def body() -> None:
         async with translate_signals((signal.SIGUSR1,)):
             kill_self(signal.SIGUSR1)
             ran.append(True)  # no await: the loop has not dispatched it yet
+
+    with pytest.raises(SignalException) as info:
+        await body()
     assert ran == [True]
     assert info.value.sigval is signal.SIGUSR1
     assert info.value.__context__ is None
@@ -241,14 +284,18 @@ async def test_signal_after_body_completed() -> None:
 
 @needs_uncancel
 async def test_body_swallowing_the_cancellation_still_raises() -> None:
-    swallowed = []
-    with pytest.raises(SignalException) as info:
+    swallowed: list[bool] = []
+
+    async def body() -> None:
         async with translate_signals((signal.SIGUSR1,)):
             try:
                 kill_self(signal.SIGUSR1)
                 await forever()
             except asyncio.CancelledError:
                 swallowed.append(True)
+
+    with pytest.raises(SignalException) as info:
+        await body()
     assert swallowed == [True]
     assert info.value.sigval is signal.SIGUSR1
     assert cancelling() == 0
@@ -256,20 +303,25 @@ async def test_body_swallowing_the_cancellation_still_raises() -> None:
 
 @needs_uncancel
 async def test_cleanup_error_propagates_unchanged() -> None:
-    with pytest.raises(RuntimeError, match="cleanup failed") as info:
+    async def body() -> None:
         async with translate_signals((signal.SIGUSR1,)):
             try:
                 kill_self(signal.SIGUSR1)
                 await forever()
             except asyncio.CancelledError:
                 raise RuntimeError("cleanup failed") from None
+
+    with pytest.raises(RuntimeError, match="cleanup failed") as info:
+        await body()
     assert isinstance(info.value.__context__, asyncio.CancelledError)
     assert cancelling() == 0
 
 
 @needs_uncancel
 async def test_later_signals_are_ignored() -> None:
-    with pytest.raises(SignalException) as info:
+    during_cleanup: list[Any] = []
+
+    async def body() -> None:
         async with translate_signals((signal.SIGUSR1, signal.SIGUSR2)):
             try:
                 kill_self(signal.SIGUSR1)
@@ -277,8 +329,12 @@ async def test_later_signals_are_ignored() -> None:
             finally:
                 kill_self(signal.SIGUSR2)
                 kill_self(signal.SIGUSR1)
-                await spin()  # dispatched while cleaning up: no second cancellation
-                assert pending_signal() is signal.SIGUSR1
+                await spin()  # both dispatched now: no second cancellation
+                during_cleanup.append(pending_signal())
+
+    with pytest.raises(SignalException) as info:
+        await body()
+    assert during_cleanup == [signal.SIGUSR1]
     assert info.value.sigval is signal.SIGUSR1
     assert cancelling() == 0
     await spin()
@@ -287,19 +343,29 @@ async def test_later_signals_are_ignored() -> None:
 
 async def test_nested_contexts(usr1_calls: list[int]) -> None:
     handler = signal.getsignal(signal.SIGUSR1)
-    with pytest.raises(SignalException) as outer_info:
-        async with translate_signals((signal.SIGUSR1, signal.SIGUSR2)) as outer:
-            with pytest.raises(SignalException) as inner_info:
-                async with translate_signals((signal.SIGUSR1,)) as inner:
+    inner_errors: list[SignalException] = []
+    outer = translate_signals((signal.SIGUSR1, signal.SIGUSR2))
+    inner = translate_signals((signal.SIGUSR1,))
+
+    async def body() -> None:
+        async with outer:
+            try:
+                async with inner:
                     kill_self(signal.SIGUSR1)
                     await forever()
-            assert inner.received is signal.SIGUSR1
+            except SignalException as exc:
+                inner_errors.append(exc)
             assert outer.received is None
             # The inner context left; the outer one still translates SIGUSR1.
             kill_self(signal.SIGUSR1)
             await forever()
-    assert inner_info.value.sigval is signal.SIGUSR1
-    assert outer_info.value.sigval is signal.SIGUSR1
+
+    with pytest.raises(SignalException) as info:
+        await body()
+    assert [e.sigval for e in inner_errors] == [signal.SIGUSR1]
+    assert inner.received is signal.SIGUSR1
+    assert info.value.sigval is signal.SIGUSR1
+    assert outer.received is signal.SIGUSR1
     assert signal.getsignal(signal.SIGUSR1) is handler
     assert usr1_calls == []
     assert cancelling() == 0
@@ -372,7 +438,6 @@ def test_off_main_thread_warns_and_runs_the_body(
 ) -> None:
     ran: list[bool] = []
     errors: list[BaseException] = []
-    caught: list[warnings.WarningMessage] = []
     before = signal.getsignal(signal.SIGTERM)
 
     async def body() -> None:

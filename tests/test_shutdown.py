@@ -1,0 +1,190 @@
+"""Stopping groups: graceful then forced, descendants, cancellation, no orphans."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+from proc_utils import Fifo, reaped, still_alive_after
+
+import aioproc
+from aioproc import DefaultLogsSpecs, ForcedKillWarning, Std
+
+CHILDREN = Path(__file__).parent / "children"
+GRANDCHILD = str(CHILDREN / "grandchild.py")
+
+
+def blocking_worker(fifo: str) -> None:
+    """Function worker: report its pid, then block until signalled."""
+    with open(fifo, "w") as f:
+        f.write(f"{os.getpid()} 0\n")
+    while True:
+        signal.pause()
+
+
+def envs(n: int) -> dict[int, dict[str, str]]:
+    return {r: {} for r in range(n)}
+
+
+def test_forced_kill_warning_is_public_runtime_warning() -> None:
+    assert issubclass(aioproc.ForcedKillWarning, RuntimeWarning)
+
+
+async def test_close_escalates_to_sigkill_and_names_the_stubborn_worker(tmp_path: Path) -> None:
+    async with Fifo(tmp_path / "fifo") as fifo:
+        pc = await aioproc.start_processes(
+            "stubborn",
+            sys.executable,
+            {0: (GRANDCHILD, fifo.path, "ignore-term"), 1: (GRANDCHILD, fifo.path, "wait")},
+            envs(2),
+        )
+        pairs = await fifo.pid_pairs(2)
+        with pytest.warns(ForcedKillWarning) as record:
+            await pc.close(timeout=0.5)
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert f"stubborn/0 (pid {pc.pids()[0]})" in message
+    assert "stubborn/1" not in message
+    assert "SIGTERM" in message and "SIGKILL" in message
+    result = pc.poll()
+    assert result is not None
+    assert result.failures[0].exitcode == -signal.SIGKILL
+    assert result.failures[1].exitcode == -signal.SIGTERM
+    assert all(f.stopped for f in result.failures.values())
+    assert all(reaped(pid) for pid in pc.pids().values())
+    # the grandchild of rank 0 inherited SIG_IGN for SIGTERM: only the group SIGKILL ends it
+    assert await still_alive_after([g for _, g in pairs], timeout=5) == set()
+
+
+async def test_close_uses_death_sig() -> None:
+    pc = await aioproc.start_processes("sleepers", "sleep", {0: (1000,), 1: (1000,)}, envs(2))
+    await pc.close(death_sig=signal.SIGINT, timeout=10)
+    result = pc.poll()
+    assert result is not None
+    assert {r: f.exitcode for r, f in result.failures.items()} == {
+        0: -signal.SIGINT,
+        1: -signal.SIGINT,
+    }
+    assert result.failures[0].message == (
+        f"Signal {int(signal.SIGINT)} (SIGINT) received by PID {pc.pids()[0]}"
+    )
+
+
+async def test_close_is_idempotent_and_fine_before_start() -> None:
+    pc = await aioproc.start_processes("t", "/bin/true", {0: ()}, envs(1))
+    await pc.close()
+    await pc.close()
+    assert pc.poll() is not None
+    ctx = aioproc.start_processes("never", "/bin/true", {0: ()}, envs(1))
+    async with ctx as started:
+        pass
+    await started.close()
+
+
+async def test_close_rejects_bad_death_sig() -> None:
+    pc = await aioproc.start_processes("t", "sleep", {0: (1000,)}, envs(1))
+    try:
+        with pytest.raises(ValueError, match="12345"):
+            await pc.close(death_sig=12345)
+    finally:
+        await pc.close(timeout=5)
+
+
+async def test_grandchild_left_by_an_exited_worker_is_stopped_on_close(tmp_path: Path) -> None:
+    async with Fifo(tmp_path / "fifo") as fifo:
+        async with aioproc.start_processes(
+            "leaver", sys.executable, {0: (GRANDCHILD, fifo.path, "exit")}, envs(1)
+        ) as pc:
+            ((worker, grandchild),) = await fifo.pid_pairs(1)
+            result = await pc.wait()
+            assert result is not None and not result.is_failed()
+            assert reaped(worker)
+            assert await still_alive_after([grandchild], timeout=0.2) == {grandchild}
+    assert await still_alive_after([grandchild], timeout=5) == set()
+
+
+async def test_cancelling_wait_inside_async_with_leaves_nothing(tmp_path: Path) -> None:
+    pids: dict[int, int] = {}
+    async with Fifo(tmp_path / "fifo") as fifo:
+
+        async def supervise() -> None:
+            async with aioproc.start_processes(
+                "cancelled", blocking_worker, {r: (fifo.path,) for r in range(3)}, envs(3)
+            ) as pc:
+                pids.update(pc.pids())
+                await pc.wait()
+
+        task = asyncio.create_task(supervise())
+        await fifo.lines(3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert len(pids) == 3
+    assert all(reaped(pid) for pid in pids.values())
+
+
+async def test_anyio_cancel_scope_stops_stubborn_workers_within_grace(tmp_path: Path) -> None:
+    async with Fifo(tmp_path / "fifo") as fifo:
+        with anyio.CancelScope() as scope, pytest.warns(ForcedKillWarning):
+            async with aioproc.start_processes(
+                "scoped",
+                sys.executable,
+                {r: (GRANDCHILD, fifo.path, "ignore-term") for r in range(2)},
+                envs(2),
+                grace_period=0.3,
+            ) as pc:
+                pairs = await fifo.pid_pairs(2)
+                scope.cancel()
+                await pc.wait()
+    assert scope.cancelled_caught
+    assert all(reaped(pid) for pid in pc.pids().values())
+    assert await still_alive_after([g for _, g in pairs], timeout=5) == set()
+
+
+async def test_grandchild_holding_stdout_does_not_delay_exit_or_close(tmp_path: Path) -> None:
+    specs = DefaultLogsSpecs(log_dir=str(tmp_path / "logs"), tee=Std.OUT)
+    pc = await aioproc.start_processes(
+        "holder", "/bin/sh", {0: ("-c", "sleep 30 & echo started")}, envs(1), specs
+    )
+    try:
+        result = await pc.wait(timeout=10)  # the sleep keeps the pipe open for 30 s
+        assert result is not None
+        assert result.return_values == {0: None}
+        with open(result.stdouts[0]) as f:
+            assert f.read() == "started\n"
+    finally:
+        await pc.close(timeout=5)
+
+
+async def test_exit_detection_uses_no_thread_per_worker(tmp_path: Path) -> None:
+    before = threading.active_count()
+    pc = await aioproc.start_processes("many", "sleep", {r: (1000,) for r in range(32)}, envs(32))
+    try:
+        assert threading.active_count() == before
+    finally:
+        await pc.close(timeout=5)
+
+
+async def test_supervisor_killed_with_sigkill_leaves_no_orphans(tmp_path: Path) -> None:
+    async with Fifo(tmp_path / "fifo") as fifo:
+        sup = await asyncio.create_subprocess_exec(
+            sys.executable, str(CHILDREN / "supervisor.py"), fifo.path
+        )
+        try:
+            pairs = await fifo.pid_pairs(8)
+        finally:
+            if sup.returncode is None:
+                sup.kill()
+            await sup.wait()
+        killed_at = time.monotonic()
+        pids = [p for pair in pairs for p in pair]
+        assert len(set(pids)) == 16
+        alive = await still_alive_after(pids, timeout=2.0)
+        assert alive == set(), f"alive {time.monotonic() - killed_at:.1f} s after SIGKILL: {alive}"
