@@ -21,12 +21,13 @@ import pickle
 import shutil
 import signal
 import socket
+import string
 import subprocess
 import sys
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import IO, Any, TypeAlias
 
 import cloudpickle
 
@@ -34,15 +35,19 @@ from . import _wire
 from ._boot import boot_argv, boot_blob
 from ._channel import Channel
 from ._lifeline import Guardian
-from ._output import ConsoleSink, TeeProtocol
+from ._output import TeeProtocol
 from ._shield import shielded
 from ._shutdown import stop_groups
 from ._spawn import Child, spawn
 from .errors import ChildFailedError, ProcessFailure, RemoteTraceback
 from .logs import DefaultLogsSpecs, LogsDest, LogsSpecs
 from .signals import SignalException, pending_signal
+from .sinks import CallbackSink, ConsoleSink, FileSink, Sink, _FilteredFileSink
 
 __all__ = ["PContext", "RunProcsResult", "run", "start_processes"]
+
+SinkLike: TypeAlias = Sink | Callable[..., Any] | str | IO[str]
+"""A sink, a callable taking an ``OutputLine``, a file path or an open text file."""
 
 START_METHODS = ("spawn",)
 DEFAULT_GRACE_PERIOD = 30.0
@@ -100,12 +105,21 @@ class PContext:
         args: Mapping[int, tuple[Any, ...]],
         envs: Mapping[int, Mapping[str, str]],
         logs_specs: LogsSpecs,
-        log_line_prefixes: Mapping[int, str] | None = None,
+        log_line_prefixes: Mapping[int, str] | str | None = None,
         start_method: str = "spawn",
         *,
         grace_period: float = DEFAULT_GRACE_PERIOD,
+        sinks: Sequence[SinkLike] | None = None,
+        duplicate_stdout_filters: Sequence[str] | None = None,
+        duplicate_stderr_filters: Sequence[str] | None = None,
     ) -> None:
         _validate(name, entrypoint, args, envs, logs_specs, log_line_prefixes, start_method)
+        self._sinks = _make_sinks(sinks)
+        self._filters = {
+            "stdout": _check_filters("duplicate_stdout_filters", duplicate_stdout_filters),
+            "stderr": _check_filters("duplicate_stderr_filters", duplicate_stderr_filters),
+        }
+        self._filter_sinks: dict[str, Sink] = {}
         if not isinstance(grace_period, (int, float)) or grace_period < 0:
             raise ValueError(f"grace_period must be a number >= 0, got {grace_period!r}")
         self.name = name
@@ -119,7 +133,8 @@ class PContext:
         self.stdouts: dict[int, str] = {}
         self.stderrs: dict[int, str] = {}
         self.error_files: dict[int, str] = {}
-        self._prefixes = dict(log_line_prefixes) if log_line_prefixes else {}
+        self._prefix_template = log_line_prefixes if isinstance(log_line_prefixes, str) else None
+        self._prefixes = dict(log_line_prefixes) if isinstance(log_line_prefixes, Mapping) else {}
         self._state = _State.NEW
         self._children: dict[int, Child] = {}
         self._watchers: dict[int, asyncio.Task[None]] = {}
@@ -173,6 +188,9 @@ class PContext:
         self.stdouts = dict(dest.stdouts)
         self.stderrs = dict(dest.stderrs)
         self.error_files = dict(dest.error_files)
+        for stream, path in (("stdout", dest.filtered_stdout), ("stderr", dest.filtered_stderr)):
+            if self._filters[stream] and path:
+                self._filter_sinks[stream] = _FilteredFileSink(path, self._filters[stream])
         try:
             self._guardian = Guardian()
             for rank in range(self.nprocs):
@@ -217,24 +235,27 @@ class PContext:
     async def _spawn_rank(self, rank: int, dest: LogsDest, payload: list[bytes] | None) -> Child:
         env = {**os.environ, **self.envs[rank]}
         label = f"{self.name}/{rank}"
-        prefix = self._prefixes.get(rank, f"[{self.name}{rank}]:")
+        prefix = self._prefix(rank)
         files: list[Any] = []
         parent_sock = child_sock = None
         try:
             streams: dict[str, Any] = {}
             tees: dict[str, TeeProtocol] = {}
-            for key, path, tee_map, console in (
-                ("stdout", dest.stdouts.get(rank, ""), dest.tee_stdouts, sys.stdout),
-                ("stderr", dest.stderrs.get(rank, ""), dest.tee_stderrs, sys.stderr),
+            for key, path, tee_map in (
+                ("stdout", dest.stdouts.get(rank, ""), dest.tee_stdouts),
+                ("stderr", dest.stderrs.get(rank, ""), dest.tee_stderrs),
             ):
                 if not path:
                     streams[key] = None
                     continue
+                sinks = list(self._sinks) if rank in tee_map else []
+                if key in self._filter_sinks:
+                    sinks.append(self._filter_sinks[key])
                 # a local open(); the tee owns it or it is closed below
                 f = open(path, "wb", buffering=0)  # noqa: ASYNC230, SIM115
-                if rank in tee_map:
+                if sinks:
                     streams[key] = subprocess.PIPE
-                    tees[key] = TeeProtocol(f, ConsoleSink(console), prefix)
+                    tees[key] = TeeProtocol(f, rank, key, prefix, sinks)
                 else:
                     streams[key] = f
                     files.append(f)
@@ -265,8 +286,8 @@ class PContext:
                 )
             except BaseException:
                 for t in tees.values():
-                    if t._file is not None:
-                        t._file.close()
+                    if t.log_file is not None:
+                        t.log_file.close()
                 if channel is not None:
                     await channel.aclose()
                 raise
@@ -281,6 +302,17 @@ class PContext:
             channel.send(_wire.INIT, init)
             channel.send(_wire.CALL, *call)
         return child
+
+    def _prefix(self, rank: int) -> str:
+        """torch's default ``[{name}{rank}]:``, a per-rank override or a template."""
+        template = self._prefixes.get(rank, self._prefix_template)
+        if template is None:
+            return f"[{self.name}{rank}]:"
+        return string.Template(template).safe_substitute(
+            role_name=self.name,
+            rank=self.envs[rank].get("RANK", str(rank)),
+            local_rank=str(rank),
+        )
 
     def _frame_handler(self, rank: int) -> Callable[[int, bytearray], None]:
         def on_frame(kind: int, body: bytearray) -> None:
@@ -468,6 +500,8 @@ class PContext:
                     rank, child.pid, -signal.SIGKILL, self.error_files.get(rank, ""), stopped=True
                 )
         await asyncio.gather(*(c.close_streams(_DRAIN_TIMEOUT) for c in children))
+        for sink in [*self._sinks, *self._filter_sinks.values()]:
+            await sink.aclose()
         if self._watchers:
             await asyncio.wait(self._watchers.values())
         if self._guardian is not None:
@@ -513,10 +547,13 @@ def start_processes(
     args: Mapping[int, tuple[Any, ...]],
     envs: Mapping[int, Mapping[str, str]],
     logs_specs: LogsSpecs | None = None,
-    log_line_prefixes: Mapping[int, str] | None = None,
+    log_line_prefixes: Mapping[int, str] | str | None = None,
     start_method: str = "spawn",
     *,
     grace_period: float = DEFAULT_GRACE_PERIOD,
+    sinks: Sequence[SinkLike] | None = None,
+    duplicate_stdout_filters: Sequence[str] | None = None,
+    duplicate_stderr_filters: Sequence[str] | None = None,
 ) -> _StartProcesses:
     """Start ``len(args)`` workers running ``entrypoint``.
 
@@ -537,10 +574,21 @@ def start_processes(
         logs_specs: where output and error files go (default:
             ``DefaultLogsSpecs()``: inherited output, error files in a
             temporary directory that is removed when left empty).
-        log_line_prefixes: ``{local_rank: prefix}`` for tee'd console lines.
+        log_line_prefixes: ``{local_rank: prefix}`` for tee'd lines, or one
+            template for every rank with ``${role_name}`` (the group name),
+            ``${rank}`` (the rank's ``RANK`` env var, else its local rank)
+            and ``${local_rank}``; a per-rank value may be a template too.
+            Default ``[{name}{local_rank}]:``.
         start_method: only ``"spawn"``: every worker is a fresh interpreter.
         grace_period: seconds between SIGTERM and SIGKILL when a failure
             stops the group or the ``async with`` block exits.
+        sinks: where tee'd lines go (``aioproc.sinks``): ``Sink`` objects,
+            callables taking an ``OutputLine`` (sync or async), file paths or
+            open text files.  Default: one ``ConsoleSink``.
+        duplicate_stdout_filters: lines of redirected or tee'd stdout that
+            contain any of these strings also go, prefixed, to the attempt's
+            ``filtered_stdout.log`` (torch's option).
+        duplicate_stderr_filters: the same for stderr.
 
     Raises:
         TypeError, ValueError, RuntimeError, FileNotFoundError,
@@ -556,6 +604,9 @@ def start_processes(
         log_line_prefixes,
         start_method,
         grace_period=grace_period,
+        sinks=sinks,
+        duplicate_stdout_filters=duplicate_stdout_filters,
+        duplicate_stderr_filters=duplicate_stderr_filters,
     )
     return _StartProcesses(pc)
 
@@ -568,10 +619,11 @@ async def run(
     *,
     name: str | None = None,
     logs_specs: LogsSpecs | None = None,
-    log_line_prefixes: Mapping[int, str] | None = None,
+    log_line_prefixes: Mapping[int, str] | str | None = None,
     start_method: str = "spawn",
     timeout: float | None = None,
     grace_period: float = DEFAULT_GRACE_PERIOD,
+    sinks: Sequence[SinkLike] | None = None,
 ) -> RunProcsResult:
     """Run ``nprocs`` workers to completion: start, wait, close.
 
@@ -627,6 +679,7 @@ async def run(
         log_line_prefixes,
         start_method,
         grace_period=grace_period,
+        sinks=sinks,
     ) as pc:
         result = await pc.wait(-1 if timeout is None else timeout)
         if result is None:
@@ -698,12 +751,40 @@ def _validate(
                 )
     if not isinstance(logs_specs, LogsSpecs):
         raise TypeError(f"logs_specs must be a LogsSpecs, got {logs_specs!r}")
-    if log_line_prefixes is not None:
+    if log_line_prefixes is not None and not isinstance(log_line_prefixes, str):
         if not isinstance(log_line_prefixes, Mapping):
             raise TypeError(f"log_line_prefixes must be a dict, got {log_line_prefixes!r}")
         bad = set(log_line_prefixes) - expected
         if bad:
             raise ValueError(f"log_line_prefixes has unknown local ranks {sorted(bad, key=repr)}")
+
+
+def _make_sinks(sinks: Sequence[SinkLike] | None) -> list[Sink]:
+    if sinks is None:
+        return [ConsoleSink()]
+    if isinstance(sinks, (str, Sink)) or not isinstance(sinks, Sequence):
+        raise TypeError(f"sinks must be a list of sinks, got {sinks!r}")
+    out: list[Sink] = []
+    for sink in sinks:
+        if isinstance(sink, Sink):
+            out.append(sink)
+        elif isinstance(sink, str) or hasattr(sink, "write"):
+            out.append(FileSink(sink))  # type: ignore[arg-type]
+        elif callable(sink):
+            out.append(CallbackSink(sink))
+        else:
+            raise TypeError(
+                f"unsupported sink {sink!r}: expected a Sink, a callable, a path or a text file"
+            )
+    return out
+
+
+def _check_filters(what: str, filters: Sequence[str] | None) -> tuple[str, ...]:
+    if filters is None:
+        return ()
+    if isinstance(filters, str) or not all(isinstance(f, str) and f for f in filters):
+        raise TypeError(f"{what} must be a list of non-empty strings, got {filters!r}")
+    return tuple(filters)
 
 
 def _function_ref(fn: object) -> tuple[str, str] | None:

@@ -188,3 +188,30 @@ async def test_supervisor_killed_with_sigkill_leaves_no_orphans(tmp_path: Path) 
         assert len(set(pids)) == 16
         alive = await still_alive_after(pids, timeout=2.0)
         assert alive == set(), f"alive {time.monotonic() - killed_at:.1f} s after SIGKILL: {alive}"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGUSR1])
+async def test_signal_stops_workers_with_that_signal(sig: signal.Signals) -> None:
+    pc = None
+    with pytest.raises(aioproc.SignalException) as info:
+        async with aioproc.translate_signals((signal.SIGINT, signal.SIGUSR1)):
+            async with aioproc.start_processes(
+                "sig", "sleep", {0: (1000,), 1: (1000,)}, envs(2)
+            ) as pc:
+                asyncio.get_running_loop().call_soon(os.kill, os.getpid(), sig)
+                await pc.wait()
+    assert info.value.sigval == sig
+    assert pc is not None
+    result = pc.poll()
+    assert result is not None
+    assert {r: f.exitcode for r, f in result.failures.items()} == {0: -sig, 1: -sig}
+    assert all(reaped(pid) for pid in pc.pids().values())
+
+
+async def test_signal_exception_raised_in_body_stops_workers_with_its_signal() -> None:
+    with pytest.raises(aioproc.SignalException):
+        async with aioproc.start_processes("sig", "sleep", {0: (1000,)}, envs(1)) as pc:
+            raise aioproc.SignalException("stop", signal.SIGINT)
+    result = pc.poll()
+    assert result is not None
+    assert result.failures[0].exitcode == -signal.SIGINT
