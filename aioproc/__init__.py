@@ -31,6 +31,12 @@ if TYPE_CHECKING:
     from .logs import to_map as to_map
     from .signals import SignalException as SignalException
     from .signals import translate_signals as translate_signals
+    from .sinks import CallbackSink as CallbackSink
+    from .sinks import ConsoleSink as ConsoleSink
+    from .sinks import FileSink as FileSink
+    from .sinks import OutputLine as OutputLine
+    from .sinks import OutputStream as OutputStream
+    from .sinks import Sink as Sink
 
 __version__ = "0.1.0"
 
@@ -52,6 +58,12 @@ _EXPORTS: dict[str, str] = {
     "to_map": "logs",
     "SignalException": "signals",
     "translate_signals": "signals",
+    "CallbackSink": "sinks",
+    "ConsoleSink": "sinks",
+    "FileSink": "sinks",
+    "OutputLine": "sinks",
+    "OutputStream": "sinks",
+    "Sink": "sinks",
 }
 
 __all__ = sorted(_EXPORTS)

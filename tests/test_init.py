@@ -1,0 +1,43 @@
+"""The public namespace: every exported name exists, and importing is light."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import aioproc
+
+
+@pytest.mark.parametrize("name", aioproc.__all__)
+def test_every_exported_name_resolves(name: str) -> None:
+    obj = getattr(aioproc, name)
+    assert obj is not None
+    module = obj.__module__
+    assert module.startswith("aioproc."), (name, module)
+
+
+def test_all_is_sorted_and_unique() -> None:
+    assert aioproc.__all__ == sorted(set(aioproc.__all__))
+
+
+def test_unknown_attribute_raises_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="no_such_name"):
+        _ = aioproc.no_such_name  # type: ignore[attr-defined]
+
+
+def test_import_is_light_and_installs_nothing() -> None:
+    code = (
+        "import signal, sys, threading, json, asyncio\n"
+        "before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}\n"
+        "import aioproc\n"
+        "light = sorted(m for m in ('anyio', 'aiofiles', 'uvloop', 'cloudpickle') if m in sys.modules)\n"
+        "after = {s: signal.getsignal(s) for s in before}\n"
+        "print(json.dumps({'light': light, 'same': before == after,"
+        " 'threads': threading.active_count()}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    report = json.loads(out.stdout)
+    assert report == {"light": [], "same": True, "threads": 1}
