@@ -178,12 +178,13 @@ class PContext:
             raise _AlreadyStartedError(
                 f"{self!r} was already started; a PContext can be started once"
             )
-        self._state = _State.RUNNING
-        loop = asyncio.get_running_loop()
-        self._finished = loop.create_future()
+        # everything that can reject the input runs before anything is created
         payloads = self._call_payloads() if self.is_function else {}
         if not self.is_function:
             _check_executable(str(self.entrypoint), self.envs)
+        self._state = _State.RUNNING
+        loop = asyncio.get_running_loop()
+        self._finished = loop.create_future()
         dest = self.logs_specs.reify(self.envs)
         self.stdouts = dict(dest.stdouts)
         self.stderrs = dict(dest.stderrs)
