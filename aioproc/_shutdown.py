@@ -29,8 +29,9 @@ KILL_WAIT = 5.0
 async def stop_groups(children: Sequence[Child], death_sig: int, timeout: float) -> list[Child]:
     """Stop ``children``: ``death_sig`` to each group, grace ``timeout``, then SIGKILL.
 
-    Returns the workers that had to be killed.  The caller shields this from
-    cancellation; it always returns within ``timeout + KILL_WAIT`` seconds.
+    Returns the workers that had to be killed (see ``warn_forced``).  The
+    caller shields this from cancellation; it always returns within
+    ``timeout + KILL_WAIT`` seconds.
     """
     running = [c for c in children if c.returncode is None]
     for c in running:
@@ -48,13 +49,6 @@ async def stop_groups(children: Sequence[Child], death_sig: int, timeout: float)
     if forced:
         for c in forced:
             c.forced = True
-        names = ", ".join(f"{c.label} (pid {c.pid})" for c in forced)
-        warnings.warn(
-            f"{len(forced)} worker(s) did not exit within {timeout:g} s of "
-            f"{signal.Signals(death_sig).name} and were killed with SIGKILL: {names}",
-            ForcedKillWarning,
-            stacklevel=3,
-        )
         await asyncio.wait({c.watcher.future for c in forced}, timeout=KILL_WAIT)
         for c in forced:
             if not c.watcher.future.done():
@@ -67,3 +61,21 @@ async def stop_groups(children: Sequence[Child], death_sig: int, timeout: float)
                 )
                 c.watcher.detach()
     return forced
+
+
+def warn_forced(forced: Sequence[Child], death_sig: int, timeout: float) -> None:
+    """Issue the ``ForcedKillWarning`` for ``forced`` (after cleanup is complete).
+
+    Warned only after everything is reaped and closed, so a warnings filter
+    that turns it into an error can never abort a cleanup half-way.  Not
+    issued when SIGKILL was the requested signal in the first place.
+    """
+    if not forced or death_sig == signal.SIGKILL:
+        return
+    names = ", ".join(f"{c.label} (pid {c.pid})" for c in forced)
+    warnings.warn(
+        f"{len(forced)} worker(s) did not exit within {timeout:g} s of "
+        f"{signal.Signals(death_sig).name} and were killed with SIGKILL: {names}",
+        ForcedKillWarning,
+        stacklevel=4,
+    )

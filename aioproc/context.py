@@ -37,7 +37,7 @@ from ._channel import Channel
 from ._lifeline import Guardian
 from ._output import TeeProtocol
 from ._shield import shielded
-from ._shutdown import stop_groups
+from ._shutdown import stop_groups, warn_forced
 from ._spawn import Child, spawn
 from .errors import ChildFailedError, ProcessFailure, RemoteTraceback
 from .logs import DefaultLogsSpecs, LogsDest, LogsSpecs
@@ -147,6 +147,8 @@ class PContext:
         self._stopping = False
         self._auto_stop: asyncio.Task[None] | None = None
         self._finished: asyncio.Future[None] | None = None
+        self._spawned: asyncio.Event | None = None  # set when start() stops launching
+        self._forced: list[Child] = []
 
     def __repr__(self) -> str:
         kind = "function" if callable(self.entrypoint) else "binary"
@@ -185,6 +187,7 @@ class PContext:
         self._state = _State.RUNNING
         loop = asyncio.get_running_loop()
         self._finished = loop.create_future()
+        self._spawned = asyncio.Event()
         dest = self.logs_specs.reify(self.envs)
         self.stdouts = dict(dest.stdouts)
         self.stderrs = dict(dest.stderrs)
@@ -202,8 +205,10 @@ class PContext:
                     self._watch(rank, child), name=f"aioproc-watch-{child.label}"
                 )
         except BaseException:
+            self._spawned.set()
             await shielded(self._shutdown(signal.SIGKILL, 0))
             raise
+        self._spawned.set()
 
     def _call_payloads(self) -> dict[int, list[bytes]]:
         """Encode the INIT and CALL frames of every rank, before anything starts.
@@ -392,9 +397,16 @@ class PContext:
             self._finished.set_result(None)
 
     async def _stop_after_failure(self) -> None:
+        # a failure can be noticed while start() is still launching ranks
+        assert self._spawned is not None
+        await self._spawned.wait()
         running = [c for c in self._children.values() if c.returncode is None]
         if running:
-            await stop_groups(list(self._children.values()), signal.SIGTERM, self.grace_period)
+            self._forced += await stop_groups(
+                list(self._children.values()), signal.SIGTERM, self.grace_period
+            )
+            warn_forced(self._forced, signal.SIGTERM, self.grace_period)
+            self._forced.clear()
 
     def _result(self) -> RunProcsResult:
         return RunProcsResult(
@@ -487,8 +499,9 @@ class PContext:
             self._auto_stop.cancel()
             await asyncio.wait({self._auto_stop})
         children = list(self._children.values())
+        forced: list[Child] = []
         if children:
-            await stop_groups(children, sig, timeout)
+            forced = await stop_groups(children, sig, timeout)
         watchers = [t for t in self._watchers.values() if not t.done()]
         if watchers:
             await asyncio.wait(watchers, timeout=_DRAIN_TIMEOUT + 1)
@@ -510,6 +523,7 @@ class PContext:
         self._check_finished()
         self._state = _State.CLOSED
         self.logs_specs.prune()
+        warn_forced(forced, sig, timeout)
 
 
 class _StartProcesses:

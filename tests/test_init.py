@@ -31,9 +31,11 @@ def test_unknown_attribute_raises_attribute_error() -> None:
 def test_import_is_light_and_installs_nothing() -> None:
     code = (
         "import signal, sys, threading, json, asyncio\n"
-        "before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}\n"
+        "sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)\n"
+        "before = {s: signal.getsignal(s) for s in sigs}\n"
         "import aioproc\n"
-        "light = sorted(m for m in ('anyio', 'aiofiles', 'uvloop', 'cloudpickle') if m in sys.modules)\n"
+        "heavy = ('anyio', 'aiofiles', 'uvloop', 'cloudpickle')\n"
+        "light = sorted(m for m in heavy if m in sys.modules)\n"
         "after = {s: signal.getsignal(s) for s in before}\n"
         "print(json.dumps({'light': light, 'same': before == after,"
         " 'threads': threading.active_count()}))\n"
