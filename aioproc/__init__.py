@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from .sinks import OutputLine as OutputLine
     from .sinks import OutputStream as OutputStream
     from .sinks import Sink as Sink
+    from .tail import TailLog as TailLog
 
 __version__ = "0.1.0"
 
@@ -64,6 +65,7 @@ _EXPORTS: dict[str, str] = {
     "OutputLine": "sinks",
     "OutputStream": "sinks",
     "Sink": "sinks",
+    "TailLog": "tail",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -70,9 +70,13 @@ class LineSplitter:
                 held[:] = b"\r" + shown[-1] + (b"" if segments[-1] else b"\r")
             else:
                 held[:] = b"\r"
-        while len(held) > MAX_LINE:
-            lines.append(_decode(held[:MAX_LINE]))
-            del held[:MAX_LINE]
+        if len(held) > MAX_LINE:
+            if held[:1] == b"\r":
+                del held[:1]  # a progress marker, not text
+            while len(held) > MAX_LINE:
+                cut = _char_boundary(held, MAX_LINE)
+                lines.append(_decode(held[:cut]))
+                del held[:cut]
             status = None
         return lines, status
 
@@ -89,9 +93,22 @@ def _final_state(raw: bytes | bytearray) -> list[str]:
     if b"\r" in raw:
         segments = [s for s in raw.split(b"\r") if s]
         raw = segments[-1] if segments else b""
-    if len(raw) <= MAX_LINE:
-        return [_decode(raw)]
-    return [_decode(raw[i : i + MAX_LINE]) for i in range(0, len(raw), MAX_LINE)]
+    pieces = []
+    while len(raw) > MAX_LINE:
+        cut = _char_boundary(raw, MAX_LINE)
+        pieces.append(_decode(raw[:cut]))
+        raw = raw[cut:]
+    pieces.append(_decode(raw))
+    return pieces
+
+
+def _char_boundary(data: bytes | bytearray, limit: int) -> int:
+    """The largest cut <= ``limit`` that does not split a UTF-8 character."""
+    cut = limit
+    # back up over at most 3 continuation bytes (0b10xxxxxx)
+    while cut > limit - 3 and cut < len(data) and data[cut] & 0xC0 == 0x80:
+        cut -= 1
+    return cut if cut > limit - 3 else limit
 
 
 class LineFramer:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import marshal
 import os
 import pickle
@@ -24,10 +25,11 @@ import socket
 import string
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import IO, Any, TypeAlias
+from typing import IO, Any, NamedTuple, TypeAlias
 
 import cloudpickle
 
@@ -44,7 +46,9 @@ from .logs import DefaultLogsSpecs, LogsDest, LogsSpecs
 from .signals import SignalException, pending_signal
 from .sinks import CallbackSink, ConsoleSink, FileSink, Sink, _FilteredFileSink
 
-__all__ = ["PContext", "RunProcsResult", "run", "start_processes"]
+__all__ = ["PContext", "RunProcsResult", "WorkerEvent", "run", "start_processes"]
+
+logger = logging.getLogger("aioproc")
 
 SinkLike: TypeAlias = Sink | Callable[..., Any] | str | IO[str]
 """A sink, a callable taking an ``OutputLine``, a file path or an open text file."""
@@ -77,6 +81,16 @@ class RunProcsResult:
 
     def is_failed(self) -> bool:
         return len(self.failures) > 0
+
+
+class WorkerEvent(NamedTuple):
+    """A worker started or exited (``exitcode`` is None for "started")."""
+
+    kind: str  # "started" | "exited"
+    local_rank: int
+    pid: int
+    exitcode: int | None
+    time: float
 
 
 class _State(enum.Enum):
@@ -112,6 +126,8 @@ class PContext:
         sinks: Sequence[SinkLike] | None = None,
         duplicate_stdout_filters: Sequence[str] | None = None,
         duplicate_stderr_filters: Sequence[str] | None = None,
+        pass_fds: Sequence[int] = (),
+        on_event: Callable[[WorkerEvent], None] | None = None,
     ) -> None:
         _validate(name, entrypoint, args, envs, logs_specs, log_line_prefixes, start_method)
         self._sinks = _make_sinks(sinks)
@@ -120,6 +136,12 @@ class PContext:
             "stderr": _check_filters("duplicate_stderr_filters", duplicate_stderr_filters),
         }
         self._filter_sinks: dict[str, Sink] = {}
+        if isinstance(pass_fds, (str, bytes)) or not all(
+            isinstance(fd, int) and fd >= 0 for fd in pass_fds
+        ):
+            raise TypeError(f"pass_fds must be a sequence of fds, got {pass_fds!r}")
+        self._pass_fds = tuple(pass_fds)
+        self._on_event = on_event
         if not isinstance(grace_period, (int, float)) or grace_period < 0:
             raise ValueError(f"grace_period must be a number >= 0, got {grace_period!r}")
         self.name = name
@@ -201,6 +223,7 @@ class PContext:
                 child = await self._spawn_rank(rank, dest, payloads.get(rank))
                 self._children[rank] = child
                 self._guardian.watch(child.pgid)
+                self._notify(WorkerEvent("started", rank, child.pid, None, time.time()))
                 self._watchers[rank] = loop.create_task(
                     self._watch(rank, child), name=f"aioproc-watch-{child.label}"
                 )
@@ -268,11 +291,11 @@ class PContext:
             if payload is not None:
                 parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
                 argv = boot_argv(child_sock.fileno())
-                pass_fds: tuple[int, ...] = (child_sock.fileno(),)
+                pass_fds: tuple[int, ...] = (child_sock.fileno(), *self._pass_fds)
                 stdin: int | None = subprocess.DEVNULL
             else:
                 argv = [str(self.entrypoint), *map(str, self.args[rank])]
-                pass_fds = ()
+                pass_fds = self._pass_fds
                 stdin = None
             channel = None
             if parent_sock is not None:
@@ -308,6 +331,14 @@ class PContext:
             channel.send(_wire.INIT, init)
             channel.send(_wire.CALL, *call)
         return child
+
+    def _notify(self, event: WorkerEvent) -> None:
+        if self._on_event is None:
+            return
+        try:
+            self._on_event(event)
+        except Exception:
+            logger.exception("on_event callback failed for %s", event)
 
     def _prefix(self, rank: int) -> str:
         """torch's default ``[{name}{rank}]:``, a per-rank override or a template."""
@@ -370,6 +401,9 @@ class PContext:
                 self._auto_stop = asyncio.get_running_loop().create_task(
                     self._stop_after_failure(), name=f"aioproc-stop-{self.name}"
                 )
+        self._notify(
+            WorkerEvent("exited", rank, child.pid, code, child.watcher.exit_time or time.time())
+        )
         self._check_finished()
 
     def _remote_exception(self, rank: int) -> BaseException | None:
@@ -569,6 +603,8 @@ def start_processes(
     sinks: Sequence[SinkLike] | None = None,
     duplicate_stdout_filters: Sequence[str] | None = None,
     duplicate_stderr_filters: Sequence[str] | None = None,
+    pass_fds: Sequence[int] = (),
+    on_event: Callable[[WorkerEvent], None] | None = None,
 ) -> _StartProcesses:
     """Start ``len(args)`` workers running ``entrypoint``.
 
@@ -604,6 +640,10 @@ def start_processes(
             contain any of these strings also go, prefixed, to the attempt's
             ``filtered_stdout.log`` (torch's option).
         duplicate_stderr_filters: the same for stderr.
+        pass_fds: extra fds every worker inherits (kept open under the same
+            numbers), e.g. a channel the worker reports to.
+        on_event: called on the loop with a ``WorkerEvent`` when a worker
+            has started and when its exit has been recorded.
 
     Raises:
         TypeError, ValueError, RuntimeError, FileNotFoundError,
@@ -622,6 +662,8 @@ def start_processes(
         sinks=sinks,
         duplicate_stdout_filters=duplicate_stdout_filters,
         duplicate_stderr_filters=duplicate_stderr_filters,
+        pass_fds=pass_fds,
+        on_event=on_event,
     )
     return _StartProcesses(pc)
 
