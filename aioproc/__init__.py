@@ -15,6 +15,12 @@ TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs worker
 if TYPE_CHECKING:
     from typing import Any
 
+    from .agent import AgentEvent as AgentEvent
+    from .agent import LocalElasticAgent as LocalElasticAgent
+    from .agent import RestartPolicy as RestartPolicy
+    from .agent import RunResult as RunResult
+    from .agent import WorkerSpec as WorkerSpec
+    from .agent import WorkerState as WorkerState
     from .context import PContext as PContext
     from .context import RunProcsResult as RunProcsResult
     from .context import run as run
@@ -43,6 +49,12 @@ __version__ = "0.1.0"
 
 # public name -> submodule that defines it
 _EXPORTS: dict[str, str] = {
+    "AgentEvent": "agent",
+    "LocalElasticAgent": "agent",
+    "RestartPolicy": "agent",
+    "RunResult": "agent",
+    "WorkerSpec": "agent",
+    "WorkerState": "agent",
     "PContext": "context",
     "RunProcsResult": "context",
     "run": "context",

@@ -1,0 +1,415 @@
+"""``LocalElasticAgent``: run a role's workers on this host, restart on failure.
+
+One attempt is one ``start_processes`` group.  The agent gives every worker
+torchrun's environment, waits for the group (all-or-nothing, event driven:
+an exit is noticed when it happens), and on failure stops the whole group,
+waits the restart policy's backoff and starts the next attempt, logging
+into ``attempt_<n>`` beside the earlier attempts' logs, while restarts
+remain.  Everything that happens is published as an ``AgentEvent``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from ..context import START_METHODS, PContext, SinkLike, WorkerEvent, start_processes
+from ..errors import ChildFailedError
+from ..logs import DefaultLogsSpecs, LogsSpecs
+from ..signals import pending_signal
+from . import events as ev
+from .events import AgentEvent, EventHub
+from .spec import RunResult, WorkerSpec, WorkerState
+
+if TYPE_CHECKING:
+    from .watchdog import WatchdogServer
+
+__all__ = ["LocalElasticAgent"]
+
+logger = logging.getLogger("aioproc")
+
+LOG_LINE_PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+LOCAL_RANK_MACRO = "${local_rank}"
+
+
+class LocalElasticAgent:
+    """Runs ``spec`` on this host with restarts (torchelastic's local agent).
+
+    Args:
+        spec: what to run.
+        start_method: only ``"spawn"``.
+        exit_barrier_timeout: accepted for compatibility; with one host every
+            worker is in one group, so there is no cross-node exit barrier.
+        log_dir: base directory of the logs (torch's layout); ``None``: a
+            private temp dir.
+        logs_specs: a ``LogsSpecs`` overriding ``log_dir`` and the spec's
+            redirects/tee.
+        grace_period: seconds between the stop signal and SIGKILL.
+        run_id: ``TORCHELASTIC_RUN_ID`` (default: a random id).
+        sinks: where tee'd lines go (see ``start_processes``).
+        on_event: called with every ``AgentEvent``.
+
+    Usage::
+
+        result = await LocalElasticAgent(spec).run()
+        async with LocalElasticAgent(spec) as agent:
+            result = await agent.run()
+    """
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        start_method: str = "spawn",
+        exit_barrier_timeout: float = 300,
+        log_dir: str | None = None,
+        logs_specs: LogsSpecs | None = None,
+        *,
+        grace_period: float = 30.0,
+        run_id: str | None = None,
+        sinks: Sequence[SinkLike] | None = None,
+        on_event: Callable[[AgentEvent], Any] | None = None,
+    ) -> None:
+        if not isinstance(spec, WorkerSpec):
+            raise TypeError(f"spec must be a WorkerSpec, got {spec!r}")
+        if start_method not in START_METHODS:
+            raise ValueError(f"unknown start_method {start_method!r}: only 'spawn' is supported")
+        if not isinstance(grace_period, (int, float)) or grace_period < 0:
+            raise ValueError(f"grace_period must be a number >= 0, got {grace_period!r}")
+        if logs_specs is None:
+            logs_specs = DefaultLogsSpecs(
+                log_dir=log_dir,
+                redirects=spec.redirects,
+                tee=spec.tee,
+                local_ranks_filter=spec.local_ranks_filter,
+            )
+        self._spec = spec
+        self._start_method = start_method
+        self._exit_barrier_timeout = exit_barrier_timeout
+        self._logs_specs = logs_specs
+        self._grace_period = float(grace_period)
+        self._run_id = run_id or uuid.uuid4().hex[:12]
+        self._sinks = sinks
+        self._events = EventHub()
+        if on_event is not None:
+            self._events.add_callback(on_event)
+        self._state = WorkerState.INIT
+        self._restart_count = 0
+        self._remaining_restarts = spec.max_restarts
+        self._pc: PContext | None = None
+        self._running = False
+        self._pids: dict[int, int] = {}
+        self._watchdog_expired: dict[int, str] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"<LocalElasticAgent {self._spec.role} x{self._spec.local_world_size} "
+            f"{self._state.value} restarts={self._restart_count}/{self._spec.max_restarts}>"
+        )
+
+    # ----------------------------------------------------------------- state
+
+    @property
+    def spec(self) -> WorkerSpec:
+        return self._spec
+
+    @property
+    def state(self) -> WorkerState:
+        return self._state
+
+    @property
+    def restart_count(self) -> int:
+        return self._restart_count
+
+    @property
+    def run_id(self) -> str:
+        return self._run_id
+
+    def pids(self) -> dict[int, int]:
+        """``{local_rank: pid}`` of the current attempt's workers."""
+        return dict(self._pids)
+
+    def events(self) -> AsyncIterator[AgentEvent]:
+        """An async iterator of events from now until ``run()`` returns."""
+        return self._events.subscribe()
+
+    def add_event_handler(self, fn: Callable[[AgentEvent], Any]) -> None:
+        self._events.add_callback(fn)
+
+    @property
+    def event_history(self) -> list[AgentEvent]:
+        return list(self._events.history)
+
+    # ------------------------------------------------------------------- run
+
+    async def run(self) -> RunResult:
+        """Run the workers until they succeed or the restarts are used up.
+
+        Returns:
+            ``RunResult`` keyed by global rank: SUCCEEDED with the return
+            values, or FAILED with the last attempt's failures.
+
+        Raises:
+            SignalException: when run inside ``translate_signals`` and a
+                signal arrives; the workers are stopped with that signal first.
+
+        Cancellation: the current attempt's workers are stopped (SIGTERM,
+        then SIGKILL after the grace period; shielded and bounded) before the
+        cancellation propagates.
+        """
+        if self._running:
+            raise RuntimeError(f"{self!r} is already running")
+        self._running = True
+        spec = self._spec
+        policy = spec.restart_policy
+        master_addr = spec.master_addr or "127.0.0.1"
+        master_port = spec.master_port or _free_port(master_addr)
+        consecutive = 0
+        watchdog: WatchdogServer | None = None
+        if spec.watchdog:
+            from .watchdog import WatchdogServer
+
+            watchdog = WatchdogServer(self._on_watchdog_expired)
+        try:
+            if watchdog is not None:
+                await watchdog.start()
+            while True:
+                attempt = self._restart_count
+                started = time.monotonic()
+                result = await self._run_attempt(attempt, master_addr, master_port, watchdog)
+                if not result.is_failed():
+                    return self._finish(WorkerState.SUCCEEDED, result.return_values, {})
+                root_rank, root = ChildFailedError(spec.role, result.failures).get_first_failure()
+                if root.exitcode in policy.expected_exit_codes:
+                    return self._finish(
+                        WorkerState.SUCCEEDED,
+                        result.return_values,
+                        result.failures,
+                        f"rank {root_rank} exited with expected exit code {root.exitcode}",
+                    )
+                self._publish(
+                    ev.ATTEMPT_FAILED,
+                    local_rank=root_rank,
+                    rank=root_rank,
+                    pid=root.pid,
+                    exitcode=root.exitcode,
+                    signal=root.signal_name() if root.exitcode < 0 else None,
+                    message=_text(root.message),
+                )
+                if policy.reset_after is not None and (
+                    time.monotonic() - started >= policy.reset_after
+                ):
+                    self._remaining_restarts = spec.max_restarts
+                    consecutive = 0
+                if self._remaining_restarts <= 0:
+                    return self._finish(WorkerState.FAILED, result.return_values, result.failures)
+                self._remaining_restarts -= 1
+                self._restart_count += 1
+                delay = policy.delay(consecutive)
+                consecutive += 1
+                self._state = WorkerState.UNHEALTHY
+                self._publish(
+                    ev.RESTART_SCHEDULED,
+                    delay=delay,
+                    message=f"restart {self._restart_count} of {spec.max_restarts} "
+                    f"in {delay:.3g} s",
+                )
+                if delay > 0:
+                    await asyncio.sleep(delay)  # the policy's backoff delay
+        except BaseException as e:
+            if not isinstance(e, Exception) or _is_signal(e):
+                self._state = WorkerState.STOPPED
+                sigval = getattr(e, "sigval", None) or pending_signal()
+                if sigval is not None:
+                    self._publish(ev.SIGNAL_RECEIVED, signal=signal.Signals(sigval).name)
+            else:
+                self._state = WorkerState.FAILED
+            raise
+        finally:
+            if watchdog is not None:
+                await watchdog.aclose()
+            self._running = False
+            self._events.close()
+
+    async def _run_attempt(
+        self, attempt: int, master_addr: str, master_port: int, watchdog: WatchdogServer | None
+    ) -> RunResult:
+        spec = self._spec
+        n = spec.local_world_size
+        envs = {r: self._worker_env(r, attempt, master_addr, master_port) for r in range(n)}
+        if watchdog is not None:
+            for env in envs.values():
+                env.update(watchdog.env())
+        args = {r: _substitute(spec.args, r) for r in range(n)}
+        self._pids = {}
+        self._watchdog_expired = {}
+        self._state = WorkerState.HEALTHY
+        self._publish(ev.ATTEMPT_STARTED, message=f"attempt {attempt}")
+        template = os.environ.get(LOG_LINE_PREFIX_TEMPLATE_ENV)
+        async with start_processes(
+            spec.role,
+            spec.entrypoint,
+            args,
+            envs,
+            self._logs_specs,
+            template,
+            self._start_method,
+            grace_period=self._grace_period,
+            sinks=self._sinks,
+            duplicate_stdout_filters=spec.duplicate_stdout_filters,
+            duplicate_stderr_filters=spec.duplicate_stderr_filters,
+            pass_fds=watchdog.pass_fds() if watchdog is not None else (),
+            on_event=self._on_worker_event,
+        ) as pc:
+            self._pc = pc
+            if watchdog is not None:
+                watchdog.set_workers(pc.pids())
+            try:
+                result = await pc.wait()
+            finally:
+                self._pc = None
+        assert result is not None
+        for rank, scope in self._watchdog_expired.items():
+            if rank in result.failures:
+                result.failures[rank].message = scope
+        state = WorkerState.FAILED if result.is_failed() else WorkerState.SUCCEEDED
+        return RunResult(state, dict(result.return_values), dict(result.failures))
+
+    def _worker_env(
+        self, local_rank: int, attempt: int, master_addr: str, master_port: int
+    ) -> dict[str, str]:
+        spec = self._spec
+        n = spec.local_world_size
+        env = dict(spec.env or {})
+        env.update(
+            LOCAL_RANK=str(local_rank),
+            RANK=str(local_rank),
+            GROUP_RANK="0",
+            ROLE_RANK=str(local_rank),
+            ROLE_NAME=spec.role,
+            LOCAL_WORLD_SIZE=str(n),
+            WORLD_SIZE=str(n),
+            GROUP_WORLD_SIZE="1",
+            ROLE_WORLD_SIZE=str(n),
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            TORCHELASTIC_RESTART_COUNT=str(attempt),
+            TORCHELASTIC_MAX_RESTARTS=str(spec.max_restarts),
+            TORCHELASTIC_RUN_ID=self._run_id,
+        )
+        if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in env and n > 1:
+            if local_rank == 0 and attempt == 0:
+                logger.warning(
+                    "Setting OMP_NUM_THREADS=1 for each of the %d workers to avoid "
+                    "overloading the host; tune it for best performance.",
+                    n,
+                )
+            env["OMP_NUM_THREADS"] = "1"
+        return env
+
+    def _finish(
+        self,
+        state: WorkerState,
+        values: dict[int, Any],
+        failures: dict[int, Any],
+        message: str = "",
+    ) -> RunResult:
+        self._state = state
+        kind = ev.GROUP_SUCCEEDED if state == WorkerState.SUCCEEDED else ev.GROUP_FAILED
+        self._publish(kind, message=message)
+        return RunResult(state, values, failures)
+
+    # ------------------------------------------------------------- callbacks
+
+    def _publish(self, kind: str, **fields: Any) -> None:
+        self._events.publish(
+            AgentEvent(kind=kind, role=self._spec.role, attempt=self._restart_count, **fields)
+        )
+
+    def _on_worker_event(self, event: WorkerEvent) -> None:
+        if event.kind == "started":
+            self._pids[event.local_rank] = event.pid
+            self._publish(
+                ev.WORKER_STARTED,
+                time=event.time,
+                local_rank=event.local_rank,
+                rank=event.local_rank,
+                pid=event.pid,
+            )
+        else:
+            code = event.exitcode
+            sig = None
+            if code is not None and code < 0:
+                try:
+                    sig = signal.Signals(-code).name
+                except ValueError:
+                    sig = f"signal {-code}"
+            self._publish(
+                ev.WORKER_EXITED,
+                time=event.time,
+                local_rank=event.local_rank,
+                rank=event.local_rank,
+                pid=event.pid,
+                exitcode=code,
+                signal=sig,
+            )
+
+    def _on_watchdog_expired(self, local_rank: int, pid: int, scope: str, after: float) -> None:
+        message = f"watchdog timer '{scope}' expired after {after:g} s"
+        self._watchdog_expired[local_rank] = message
+        self._publish(
+            ev.WATCHDOG_FIRED, local_rank=local_rank, rank=local_rank, pid=pid, message=message
+        )
+
+    # ---------------------------------------------------------------- close
+
+    async def stop(self, death_sig: int = signal.SIGTERM, timeout: float | None = None) -> None:
+        """Stop the current attempt's workers (the run then ends as failed).
+
+        Cancellation: shielded and bounded, like ``PContext.close``.
+        """
+        pc = self._pc
+        if pc is not None:
+            await pc.close(death_sig, self._grace_period if timeout is None else timeout)
+
+    async def __aenter__(self) -> LocalElasticAgent:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+
+def _substitute(args: Sequence[Any], local_rank: int) -> tuple[Any, ...]:
+    """torchrun's ``${local_rank}`` macro in string arguments."""
+    return tuple(
+        a.replace(LOCAL_RANK_MACRO, str(local_rank)) if isinstance(a, str) else a for a in args
+    )
+
+
+def _free_port(addr: str) -> int:
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return int(s.getsockname()[1])
+
+
+def _is_signal(e: BaseException) -> bool:
+    return type(e).__name__ == "SignalException"
+
+
+def _text(message: Any) -> str:
+    if isinstance(message, dict):
+        return str(message.get("message", message))
+    return str(message)

@@ -1,0 +1,184 @@
+"""What the agent runs: ``WorkerSpec``, ``RestartPolicy``, ``WorkerState``, ``RunResult``."""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ProcessFailure
+from ..logs import Std
+
+__all__ = ["RestartPolicy", "RunResult", "WorkerSpec", "WorkerState"]
+
+
+class WorkerState(str, enum.Enum):
+    """State of a worker group, with torchelastic's names."""
+
+    UNKNOWN = "UNKNOWN"
+    INIT = "INIT"
+    HEALTHY = "HEALTHY"
+    UNHEALTHY = "UNHEALTHY"
+    STOPPED = "STOPPED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+
+    @staticmethod
+    def is_running(state: WorkerState) -> bool:
+        return state in (WorkerState.HEALTHY, WorkerState.UNHEALTHY)
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When and how fast a failed group is restarted.
+
+    The delay before restart ``n`` (0-based, counted since the last reset) is
+    ``min(max_delay, initial_delay * factor**n)``, scaled by a random factor
+    in ``[1 - jitter, 1 + jitter]`` so that many agents do not restart in
+    lockstep.
+
+    Attributes:
+        expected_exit_codes: exit codes of the root-cause worker that end the
+            run without a restart, as success (supervisord's ``exitcodes``).
+            0 is always a success.
+        initial_delay: seconds before the first restart.
+        factor: growth of the delay per consecutive restart.
+        max_delay: cap on the delay.
+        jitter: relative random spread of each delay, in [0, 1].
+        reset_after: an attempt that stayed up at least this many seconds
+            counts as healthy: the delay starts again from ``initial_delay``
+            and the full ``max_restarts`` budget is available again.
+            ``None`` never resets (torchrun's behaviour).
+    """
+
+    expected_exit_codes: frozenset[int] = frozenset()
+    initial_delay: float = 0.0
+    factor: float = 2.0
+    max_delay: float = 60.0
+    jitter: float = 0.0
+    reset_after: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("initial_delay", "max_delay"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"RestartPolicy.{name} must be >= 0, got {value!r}")
+        if not isinstance(self.factor, (int, float)) or self.factor < 1:
+            raise ValueError(f"RestartPolicy.factor must be >= 1, got {self.factor!r}")
+        if not isinstance(self.jitter, (int, float)) or not 0 <= self.jitter <= 1:
+            raise ValueError(f"RestartPolicy.jitter must be in [0, 1], got {self.jitter!r}")
+        if self.reset_after is not None and (
+            not isinstance(self.reset_after, (int, float)) or self.reset_after <= 0
+        ):
+            raise ValueError(f"RestartPolicy.reset_after must be > 0, got {self.reset_after!r}")
+        object.__setattr__(self, "expected_exit_codes", frozenset(self.expected_exit_codes))
+
+    def delay(self, n: int, rng: Callable[[float, float], float] = random.uniform) -> float:
+        """Seconds to wait before the ``n``-th consecutive restart (0-based)."""
+        base = min(self.max_delay, self.initial_delay * self.factor**n)
+        if self.jitter and base:
+            base *= rng(1 - self.jitter, 1 + self.jitter)
+        return float(base)
+
+
+@dataclass
+class WorkerSpec:
+    """A role's workers on this host (torchelastic's ``WorkerSpec``, one node).
+
+    Attributes:
+        role: the role name (``ROLE_NAME``; prefixes ``[role<rank>]:``).
+        local_world_size: number of workers.
+        entrypoint: a callable (function workers) or an executable (binary
+            workers; use ``sys.executable`` and a script in ``args`` for
+            Python scripts, as torchrun does).
+        args: arguments for every worker; ``"${local_rank}"`` inside a string
+            argument is replaced by the worker's local rank.
+        max_restarts: restarts of the whole group allowed after failures.
+        monitor_interval: accepted for torch compatibility.  aioproc notices
+            a worker's exit the moment it happens and runs no periodic health
+            check, so this value bounds nothing.
+        redirects, tee, local_ranks_filter: as in ``DefaultLogsSpecs``.
+        master_addr, master_port: rendezvous address for the workers
+            (``MASTER_ADDR``/``MASTER_PORT``); a free port when not given.
+        env: extra environment for every worker.
+        restart_policy: backoff and expected exit codes between attempts.
+        watchdog: enable ``aioproc.timer`` watchdog timers in the workers.
+        duplicate_stdout_filters, duplicate_stderr_filters: as in
+            ``start_processes``.
+    """
+
+    role: str
+    local_world_size: int
+    entrypoint: Callable[..., Any] | str
+    args: Sequence[Any] = ()
+    max_restarts: int = 3
+    monitor_interval: float = 0.1
+    redirects: Std | dict[int, Std] = Std.NONE
+    tee: Std | dict[int, Std] = Std.NONE
+    local_ranks_filter: set[int] | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    env: Mapping[str, str] | None = None
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    watchdog: bool = False
+    duplicate_stdout_filters: Sequence[str] | None = None
+    duplicate_stderr_filters: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.role, str) or not self.role:
+            raise ValueError(f"WorkerSpec.role must be a non-empty str, got {self.role!r}")
+        if (
+            isinstance(self.local_world_size, bool)
+            or not isinstance(self.local_world_size, int)
+            or self.local_world_size <= 0
+        ):
+            raise ValueError(
+                f"WorkerSpec.local_world_size must be a positive int, got {self.local_world_size!r}"
+            )
+        if not isinstance(self.entrypoint, str) and not callable(self.entrypoint):
+            raise TypeError(
+                f"WorkerSpec.entrypoint must be a callable or a str, got {self.entrypoint!r}"
+            )
+        if isinstance(self.args, (str, bytes)) or not isinstance(self.args, Sequence):
+            raise TypeError(f"WorkerSpec.args must be a tuple, got {self.args!r}")
+        if (
+            isinstance(self.max_restarts, bool)
+            or not isinstance(self.max_restarts, int)
+            or self.max_restarts < 0
+        ):
+            raise ValueError(
+                f"WorkerSpec.max_restarts must be an int >= 0, got {self.max_restarts!r}"
+            )
+        if self.master_port is not None and not (
+            isinstance(self.master_port, int) and 0 < self.master_port < 65536
+        ):
+            raise ValueError(f"WorkerSpec.master_port must be a TCP port, got {self.master_port!r}")
+        if self.env is not None:
+            for key, value in self.env.items():
+                if not isinstance(key, str) or not isinstance(value, str):
+                    raise TypeError(f"WorkerSpec.env must map str to str; got {key!r}: {value!r}")
+        if not isinstance(self.restart_policy, RestartPolicy):
+            raise TypeError(
+                f"WorkerSpec.restart_policy must be a RestartPolicy, got {self.restart_policy!r}"
+            )
+        self.args = tuple(self.args)
+
+    def get_entrypoint_name(self) -> str:
+        """The entrypoint's name (torch's method of the same name)."""
+        if isinstance(self.entrypoint, str):
+            return self.entrypoint.rsplit("/", 1)[-1]
+        return getattr(self.entrypoint, "__qualname__", repr(self.entrypoint))
+
+
+@dataclass
+class RunResult:
+    """Outcome of ``LocalElasticAgent.run()``, keyed by global rank."""
+
+    state: WorkerState
+    return_values: dict[int, Any] = field(default_factory=dict)
+    failures: dict[int, ProcessFailure] = field(default_factory=dict)
+
+    def is_failed(self) -> bool:
+        return self.state == WorkerState.FAILED
