@@ -1,0 +1,82 @@
+"""P6: ``close()`` of N running function workers that exit on SIGTERM.
+
+Every worker runs ``_workers.ready_then_sleep``: it writes one byte to a FIFO
+(see ``_util.ReadyFifo`` for why a FIFO) and then blocks in ``time.sleep``.
+The clock starts only when all N bytes have arrived, i.e. every worker is
+inside its function, and stops when ``await pc.close()`` returns; then every
+worker must be gone and reaped.
+
+Baseline: the same workers as raw subprocesses; SIGTERM to each, then await
+them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+
+import _workers
+from _util import Config, ReadyFifo, Row, Target, assert_gone, interleaved, rows_from
+
+import aioproc
+
+READY_TIMEOUT = 60.0
+
+
+async def aioproc_close(n: int) -> float:
+    with ReadyFifo(n) as fifo:
+        pc = await aioproc.start_processes(
+            "p6",
+            _workers.ready_then_sleep,
+            args={r: (fifo.path,) for r in range(n)},
+            envs={r: {} for r in range(n)},
+        )
+        try:
+            await fifo.wait(READY_TIMEOUT)
+            if pc.poll() is not None:
+                raise AssertionError(f"P6: workers ended before close(): {pc.poll()}")
+            t0 = time.perf_counter()
+            await pc.close()
+            dt = time.perf_counter() - t0
+        finally:
+            await pc.close()
+        assert_gone(list(pc.pids().values()), "P6 aioproc: after close()")
+        return dt
+
+
+async def raw_close(n: int) -> float:
+    with ReadyFifo(n) as fifo:
+        procs = [
+            await asyncio.create_subprocess_exec(
+                *_workers.script("ready_then_sleep", fifo.path, "60")
+            )
+            for _ in range(n)
+        ]
+        try:
+            await fifo.wait(READY_TIMEOUT)
+            t0 = time.perf_counter()
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
+            await asyncio.gather(*(p.wait() for p in procs))
+            dt = time.perf_counter() - t0
+        finally:
+            for p in procs:
+                if p.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        p.kill()
+            await asyncio.gather(*(p.wait() for p in procs))
+        assert_gone([p.pid for p in procs], "P6 baseline")
+        return dt
+
+
+def p6(cfg: Config) -> list[Row]:
+    n = cfg.p6_n
+    series = interleaved(cfg, lambda: raw_close(n), lambda: aioproc_close(n))
+    return rows_from(
+        f"P6 close() of {n} running function workers",
+        series,
+        Target("max", 0.050, "ms"),
+        note="baseline: raw subprocesses, SIGTERM each -> all awaited",
+    )

@@ -1,0 +1,95 @@
+"""P1 and P2: launching a group and collecting every result, against the raw floor.
+
+P1: N function workers (``_workers.ret_rank``) through ``start_processes``
+until ``wait()`` has every return value, against N concurrent
+``sys.executable -c pass`` (the cost of N bare interpreters).
+P2: N ``/bin/true`` binary workers against N raw
+``asyncio.create_subprocess_exec("/bin/true")``.  Both baselines start all
+processes, then await all of them.  ``close()`` runs after the clock stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import _workers
+from _util import Config, Row, Target, interleaved, rows_from
+
+import aioproc
+
+TRUE = "/bin/true"
+
+
+async def raw_concurrent(argv: list[str], n: int) -> float:
+    """Start ``n`` copies of ``argv``, then await them all: the floor."""
+    t0 = time.perf_counter()
+    procs = [await asyncio.create_subprocess_exec(*argv) for _ in range(n)]
+    codes = await asyncio.gather(*(p.wait() for p in procs))
+    dt = time.perf_counter() - t0
+    if any(codes):
+        raise RuntimeError(f"baseline {argv[0]} exit codes {set(codes)}")
+    return dt
+
+
+async def aioproc_functions(n: int) -> float:
+    """Start ``n`` function workers and wait for all their return values."""
+    t0 = time.perf_counter()
+    pc = await aioproc.start_processes(
+        "p1", _workers.ret_rank, args={r: (r,) for r in range(n)}, envs={r: {} for r in range(n)}
+    )
+    try:
+        result = await pc.wait()
+        dt = time.perf_counter() - t0
+    finally:
+        await pc.close()
+    assert result is not None
+    if result.return_values != {r: r for r in range(n)}:
+        raise AssertionError(f"P1: wrong return values / failures: {result}")
+    return dt
+
+
+async def aioproc_binaries(entrypoint: str, n: int) -> float:
+    """Start ``n`` binary workers and wait for all of them to succeed."""
+    t0 = time.perf_counter()
+    pc = await aioproc.start_processes(
+        "p2", entrypoint, args={r: () for r in range(n)}, envs={r: {} for r in range(n)}
+    )
+    try:
+        result = await pc.wait()
+        dt = time.perf_counter() - t0
+    finally:
+        await pc.close()
+    assert result is not None
+    if result.failures:
+        raise AssertionError(f"P2: failures: {result.failures}")
+    return dt
+
+
+def p1(cfg: Config) -> list[Row]:
+    n = cfg.p1_n
+    series = interleaved(
+        cfg,
+        lambda: raw_concurrent([sys.executable, "-c", "pass"], n),
+        lambda: aioproc_functions(n),
+    )
+    return rows_from(
+        f"P1 {n} function workers: start -> all results",
+        series,
+        Target("ratio", 1.3),
+        note=f"baseline: {n} x `python -c pass`",
+        cpu_note=True,
+    )
+
+
+def p2(cfg: Config) -> list[Row]:
+    n = cfg.p2_n
+    series = interleaved(cfg, lambda: raw_concurrent([TRUE], n), lambda: aioproc_binaries(TRUE, n))
+    return rows_from(
+        f"P2 {n} binary workers {TRUE}: start -> all done",
+        series,
+        Target("ratio", 1.2),
+        note=f"baseline: {n} x create_subprocess_exec",
+        cpu_note=True,
+    )

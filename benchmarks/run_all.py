@@ -1,0 +1,181 @@
+"""Run every aioproc benchmark and print one markdown table.
+
+    python benchmarks/run_all.py [--quick] [--loop asyncio|uvloop|both] [--rounds N]
+
+Each benchmark lives in its own module (``bench_*.py``); ``_util`` holds the
+timing, medians and the table; ``_workers`` the code the workers run.  Every
+figure is a median over rounds, measured interleaved with a baseline in the
+same run (see ``_util.interleaved``); the table gives candidate, baseline,
+their ratio, the target and PASS/FAIL, per loop, then says which loop is
+faster.  ``--quick`` is CI's smoke test (smaller N, fewer rounds, < 60 s).
+
+Exits non-zero only when a benchmark could not run (an exception, a wrong
+result), never because a row missed its target.
+
+Top-level imports stay minimal: torch's spawn workers re-import this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="CI smoke test: small N, few rounds")
+    p.add_argument("--loop", choices=("asyncio", "uvloop", "both"), default="both")
+    p.add_argument("--rounds", type=int, default=None, help="measured rounds per benchmark")
+    p.add_argument(
+        "--only",
+        default="",
+        help="comma-separated subset: p1,p2,p3,p5,p6,leak,torch (default: all)",
+    )
+    p.add_argument("--no-torch", action="store_true", help="skip the torch comparison")
+    args = p.parse_args(argv)
+    if args.rounds is not None and args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    return args
+
+
+def _revision() -> str:
+    """The checkout's commit and how many tracked files differ from it (read-only git)."""
+    import subprocess
+
+    root = os.path.dirname(HERE)
+    try:
+        sha = subprocess.run(
+            ["git", "-C", root, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "--untracked-files=no", "aioproc"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split("\n")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown revision (no git)"
+    changed = [line[3:] for line in dirty if line.strip()]
+    return f"git {sha}" + (f" + uncommitted changes in {', '.join(changed)}" if changed else "")
+
+
+def _header(argv: list[str]) -> list[str]:
+    import _util
+
+    uv = "not installed"
+    if _util.uvloop_available():
+        import uvloop
+
+        uv = uvloop.__version__
+    return [
+        f"command: `{shlex.join([sys.executable, *argv])}`",
+        f"aioproc: {_revision()}",
+        f"date: {time.strftime('%Y-%m-%d %H:%M:%S %z')}",
+        f"machine: nproc={os.cpu_count()} ({len(os.sched_getaffinity(0))} usable), "
+        f"{platform.machine()} Linux {platform.release()}",
+        f"python: {platform.python_version()} ({sys.executable}); uvloop {uv}",
+    ]
+
+
+def main(argv: list[str]) -> int:
+    sys.path.insert(0, HERE)
+    sys.path.insert(1, os.path.dirname(HERE))  # the aioproc checkout, if not installed
+    import _util
+
+    args = _parse(argv[1:])
+    loops: tuple[str, ...] = _util.LOOPS if args.loop == "both" else (args.loop,)
+    notes: list[str] = []
+    if "uvloop" in loops and not _util.uvloop_available():
+        loops = tuple(x for x in loops if x != "uvloop")
+        notes.append("uvloop not installed: uvloop rows skipped")
+    if not loops:
+        print("no event loop to run on", file=sys.stderr)
+        return 2
+    if args.quick:
+        cfg = _util.Config.quick_mode(loops, args.rounds)
+    else:
+        cfg = _util.Config.full(loops, args.rounds)
+
+    for line in _header(argv):
+        print(f"- {line}")
+    print(
+        f"- mode: {'quick' if cfg.quick else 'full'}, loops: {', '.join(loops)}, "
+        f"rounds: {cfg.rounds} (+{cfg.warmup} warm-up; torch function workloads: "
+        f"{cfg.torch_rounds})",
+        flush=True,
+    )
+
+    import _workers
+
+    note = _workers.precompile()
+    if note:
+        notes.append(note)
+
+    import bench_close
+    import bench_core
+    import bench_failure
+    import bench_leak
+    import bench_threads
+    import bench_torch
+
+    benches = {
+        "p1": bench_core.p1,
+        "p2": bench_core.p2,
+        "p3": bench_failure.p3,
+        "p5": bench_threads.p5,
+        "p6": bench_close.p6,
+        "leak": bench_leak.leak,
+        # last: torch's spawn context starts a resource-tracker child and
+        # installs signal handlers; nothing measured after it
+        "torch": bench_torch.torch_rows,
+    }
+    only = [s.strip() for s in args.only.split(",") if s.strip()] or list(benches)
+    unknown = set(only) - set(benches)
+    if unknown:
+        print(f"unknown benchmark(s): {sorted(unknown)}", file=sys.stderr)
+        return 2
+    if args.no_torch and "torch" in only:
+        only.remove("torch")
+        notes.append("torch comparison skipped (--no-torch)")
+
+    rows: list[_util.Row] = []
+    errors = 0
+    t_all = time.perf_counter()
+    for key in only:
+        t0 = time.perf_counter()
+        print(f"... {key}", file=sys.stderr, flush=True)
+        try:
+            out = benches[key](cfg)
+        except Exception as e:
+            errors += 1
+            traceback.print_exc()
+            rows.append(_util.error_row(key, e))
+            continue
+        if isinstance(out, str):
+            notes.append(out)
+        else:
+            rows += out
+        print(f"    {key}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+    print()
+    print(_util.format_table(rows))
+    print()
+    for note in notes:
+        print(f"- {note}")
+    print(f"- {_util.loop_verdict(rows)}")
+    print(f"- total time: {time.perf_counter() - t_all:.0f} s")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
