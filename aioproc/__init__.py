@@ -15,6 +15,7 @@ TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs worker
 if TYPE_CHECKING:
     from typing import Any
 
+    from ._bootstrap import worker_state as worker_state
     from .agent import AgentEvent as AgentEvent
     from .agent import LocalElasticAgent as LocalElasticAgent
     from .agent import RestartPolicy as RestartPolicy
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from .context import RunProcsResult as RunProcsResult
     from .context import run as run
     from .context import start_processes as start_processes
+    from .errors import BrokenWorkerError as BrokenWorkerError
     from .errors import ChildFailedError as ChildFailedError
     from .errors import ErrorHandler as ErrorHandler
     from .errors import ForcedKillWarning as ForcedKillWarning
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
     from .logs import LogsSpecs as LogsSpecs
     from .logs import Std as Std
     from .logs import to_map as to_map
+    from .pool import WorkerPool as WorkerPool
+    from .pool import open_pool as open_pool
     from .signals import SignalException as SignalException
     from .signals import translate_signals as translate_signals
     from .sinks import CallbackSink as CallbackSink
@@ -44,6 +48,8 @@ if TYPE_CHECKING:
     from .sinks import OutputStream as OutputStream
     from .sinks import Sink as Sink
     from .tail import TailLog as TailLog
+    from .worker import WorkerProcess as WorkerProcess
+    from .worker import open_worker as open_worker
 
 __version__ = "0.1.0"
 
@@ -78,6 +84,12 @@ _EXPORTS: dict[str, str] = {
     "OutputStream": "sinks",
     "Sink": "sinks",
     "TailLog": "tail",
+    "BrokenWorkerError": "errors",
+    "WorkerPool": "pool",
+    "open_pool": "pool",
+    "WorkerProcess": "worker",
+    "open_worker": "worker",
+    "worker_state": "_bootstrap",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -14,9 +14,17 @@ from __future__ import annotations
 
 import functools
 import marshal
+import pickle
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+from . import _wire
+from .errors import RemoteTraceback
 
 BOOT_CODE = """\
 import marshal, os, sys
@@ -33,10 +41,14 @@ def _read(n):
 wire_code, boot_code = marshal.loads(_read(int.from_bytes(_read(8), "big")))
 _wire = type(sys)("aioproc._wire")
 exec(wire_code, _wire.__dict__)
-_boot = {"__name__": "aioproc._bootstrap", "_wire": _wire}
-exec(boot_code, _boot)
+_boot = type(sys)("aioproc._bootstrap")
+_boot._wire = _wire
+exec(boot_code, _boot.__dict__)
+# registered so user code can reach aioproc.worker_state() in this process
+sys.modules["aioproc._wire"] = _wire
+sys.modules["aioproc._bootstrap"] = _boot
 del _read, wire_code, boot_code, _wire
-_boot["main"](fd)
+_boot.main(fd)
 """
 
 
@@ -61,3 +73,76 @@ def boot_argv(fd: int) -> list[str]:
         BOOT_CODE,
         str(fd),
     ]
+
+
+def init_frame(*, serve: bool = False, has_init: bool = False) -> bytes:
+    """Body of the INIT frame: the parent's import path and the worker's mode."""
+    paths = [p for p in sys.path if isinstance(p, str)]
+    return marshal.dumps({"sys_path": paths, "serve": serve, "has_init": has_init})
+
+
+def function_ref(fn: object) -> tuple[str, str] | None:
+    """``(module, qualname)`` if ``fn`` can be imported back by name in a worker."""
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str):
+        return None
+    if module == "__main__" or "<" in qualname:
+        return None
+    obj: object = sys.modules.get(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return (module, qualname) if obj is fn else None
+
+
+class CallEncoder:
+    """Encodes CALL frame bodies for one function, pickling it at most once.
+
+    A function importable by name whose arguments are core types travels as
+    marshal data (the worker then never imports pickle); otherwise the
+    function is cloudpickled once and each call's arguments separately.
+    """
+
+    def __init__(self, fn: Any) -> None:
+        self._fn = fn
+        self._ref = function_ref(fn)
+        self._pickled: bytes | None = None
+
+    def encode(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[bytes]:
+        args, kwargs = tuple(args), dict(kwargs)
+        if self._ref is not None and _wire._marshallable((args, kwargs)):
+            return [_wire.MARSHAL, marshal.dumps((*self._ref, args, kwargs))]
+        if self._pickled is None:
+            try:
+                self._pickled = cloudpickle.dumps(self._fn, protocol=5)
+            except Exception as e:
+                raise TypeError(f"function {self._fn!r} cannot be pickled: {e}") from e
+        try:
+            pickled_args = cloudpickle.dumps((args, kwargs), protocol=5)
+        except Exception as e:
+            raise TypeError(f"arguments for {self._fn!r} cannot be pickled: {e}") from e
+        fn = self._pickled
+        return [_wire.PICKLE, len(fn).to_bytes(8, "big"), fn, pickled_args]
+
+
+def rebuild_exception(body: bytes | bytearray) -> BaseException | None:
+    """The exception a worker reported in an ERROR frame, with its traceback.
+
+    The worker's own exception object when it unpickles, else a
+    ``RemoteTraceback`` with its type and message; either way its
+    ``__cause__`` is a ``RemoteTraceback`` holding the worker's traceback.
+    """
+    try:
+        report = pickle.loads(body)
+    except Exception:
+        return None
+    exc: BaseException | None = None
+    if report.get("exception") is not None:
+        try:
+            exc = pickle.loads(report["exception"])
+        except Exception:
+            exc = None
+    if not isinstance(exc, BaseException):
+        exc = RemoteTraceback(f"{report['type']}: {report['message']}")
+    exc.__cause__ = RemoteTraceback(report["traceback"])
+    return exc

@@ -114,6 +114,77 @@ def _fail(fd: int, exc: BaseException, *, record: bool = True) -> NoReturn:
     raise SystemExit(1)
 
 
+STATE: Any = None
+"""What the persistent worker's ``init`` returned (read via ``aioproc.worker_state``)."""
+
+
+def worker_state() -> Any:
+    """Inside a persistent worker: the value its ``init`` returned.
+
+    This is how functions sent with ``WorkerProcess.call()`` reach state
+    created once per worker (an open file, a model, a connection)::
+
+        def write(step):
+            writer = aioproc.worker_state()
+            writer.write(step)
+
+    Raises:
+        RuntimeError: outside a persistent worker.
+    """
+    if not _SERVING:
+        raise RuntimeError("worker_state() is only available inside a persistent worker")
+    return STATE
+
+
+_SERVING = False
+
+
+def _serve(fd: int, has_init: bool) -> None:
+    """Persistent worker: answer CALL/PING frames until TERMINATE or EOF.
+
+    The first CALL is ``init``: its return value becomes the worker state.
+    An exception in a call is reported and the worker stays usable.  EOF on
+    the channel means the supervisor is gone: exit (the guardian also kills
+    the group).
+    """
+    global STATE, _SERVING
+    _SERVING = True
+    first = has_init
+    while True:
+        try:
+            kind, body = _wire.read_frame(fd)
+        except (_wire.ChannelClosed, OSError):
+            os._exit(0)
+        if kind == _wire.PING:
+            _wire.write_frame(fd, _wire.PONG)
+            continue
+        if kind == _wire.TERMINATE:
+            _flush_std()
+            sys.exit(0)
+        if kind != _wire.CALL:
+            raise RuntimeError(f"aioproc worker: unexpected frame kind {kind}")
+        try:
+            fn, args, kwargs = _load_call(body)
+            del body
+            value = fn(*args, **kwargs)
+            if first:
+                STATE, value = value, None
+            parts = _wire.encode_value(value)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as e:
+            e = e.with_traceback(e.__traceback__.tb_next if e.__traceback__ else None)
+            _wire.write_frame(fd, _wire.ERROR, _wire.dumps(error_report(e)))
+            if first:
+                _flush_std()
+                raise SystemExit(1) from None  # a failed init ends the worker
+            continue
+        finally:
+            first = False
+        del value
+        _wire.write_frame(fd, _wire.RESULT, *parts)
+
+
 def main(fd: int) -> None:
     os.set_inheritable(fd, False)  # descendants must not hold the lifeline open
     kind, body = _wire.read_frame(fd)
@@ -122,11 +193,14 @@ def main(fd: int) -> None:
     init = marshal.loads(body)
     # the parent's import path: functions pickled by reference import from it
     sys.path[:] = init["sys_path"]
+    del sys.argv[1:]
+    if init.get("serve"):
+        _serve(fd, has_init=init.get("has_init", False))
+        return
     kind, body = _wire.read_frame(fd)
     if kind != _wire.CALL:
         raise RuntimeError(f"aioproc worker: expected CALL frame, got kind {kind}")
     _thread.start_new_thread(_lifeline, (fd,))
-    del sys.argv[1:]
     try:
         fn, args, kwargs = _load_call(body)
         del body

@@ -22,9 +22,12 @@ if TYPE_CHECKING:
 HEADER_SIZE = 9
 
 # parent -> child
-INIT = 1  # marshal: {"sys_path": [...]}
+INIT = 1  # marshal: {"sys_path": [...], "serve": bool}
 CALL = 2  # codec byte + (MARSHAL: (module, qualname, args, kwargs) | PICKLE: see bootstrap)
+PING = 3  # persistent workers: answered with PONG
+TERMINATE = 4  # persistent workers: exit 0 now
 # child -> parent
+PONG = 12
 RESULT = 10  # codec byte + the return value
 ERROR = 11  # pickled dict describing the exception (see _bootstrap.error_report)
 

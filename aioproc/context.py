@@ -16,32 +16,27 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import marshal
 import os
-import pickle
 import shutil
 import signal
 import socket
 import string
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import IO, Any, NamedTuple, TypeAlias
 
-import cloudpickle
-
 from . import _wire
-from ._boot import boot_argv, boot_blob
+from ._boot import CallEncoder, boot_argv, boot_blob, init_frame, rebuild_exception
 from ._channel import Channel
 from ._lifeline import Guardian
 from ._output import TeeProtocol
 from ._shield import shielded
 from ._shutdown import stop_groups, warn_forced
 from ._spawn import Child, spawn
-from .errors import ChildFailedError, ProcessFailure, RemoteTraceback
+from .errors import ChildFailedError, ProcessFailure
 from .logs import DefaultLogsSpecs, LogsDest, LogsSpecs
 from .signals import SignalException, pending_signal
 from .sinks import CallbackSink, ConsoleSink, FileSink, Sink, _FilteredFileSink
@@ -220,6 +215,10 @@ class PContext:
         try:
             self._guardian = Guardian()
             for rank in range(self.nprocs):
+                if rank:
+                    # yield between launches: each Popen blocks the loop ~1 ms, so
+                    # other tasks keep running while a large group starts
+                    await asyncio.sleep(0)
                 child = await self._spawn_rank(rank, dest, payloads.get(rank))
                 self._children[rank] = child
                 self._guardian.watch(child.pgid)
@@ -234,31 +233,17 @@ class PContext:
         self._spawned.set()
 
     def _call_payloads(self) -> dict[int, list[bytes]]:
-        """Encode the INIT and CALL frames of every rank, before anything starts.
-
-        A function importable by name whose arguments are core types travels
-        as marshal data (the worker then never imports pickle); otherwise the
-        function is cloudpickled once and each rank's arguments separately.
-        """
-        init = marshal.dumps({"sys_path": [p for p in sys.path if isinstance(p, str)]})
-        ref = _function_ref(self.entrypoint)
+        """Encode the INIT and CALL frames of every rank, before anything starts."""
+        init = init_frame()
+        encoder = CallEncoder(self.entrypoint)
         out: dict[int, list[bytes]] = {}
-        fn: bytes | None = None
         for rank in range(self.nprocs):
-            args = self.args[rank]
-            if ref is not None and _wire._marshallable(args):
-                out[rank] = [init, _wire.MARSHAL, marshal.dumps((*ref, args, {}))]
-                continue
-            if fn is None:
-                try:
-                    fn = cloudpickle.dumps(self.entrypoint, protocol=5)
-                except Exception as e:
-                    raise TypeError(f"entrypoint {self.entrypoint!r} cannot be pickled: {e}") from e
             try:
-                pickled_args = cloudpickle.dumps((args, {}), protocol=5)
-            except Exception as e:
+                out[rank] = [init, *encoder.encode(self.args[rank], {})]
+            except TypeError as e:
+                if "arguments for" not in str(e):
+                    raise
                 raise TypeError(f"args for local rank {rank} cannot be pickled: {e}") from e
-            out[rank] = [init, _wire.PICKLE, len(fn).to_bytes(8, "big"), fn, pickled_args]
         return out
 
     async def _spawn_rank(self, rank: int, dest: LogsDest, payload: list[bytes] | None) -> Child:
@@ -408,22 +393,7 @@ class PContext:
 
     def _remote_exception(self, rank: int) -> BaseException | None:
         body = self._errors.pop(rank, None)
-        if body is None:
-            return None
-        try:
-            report = pickle.loads(body)
-        except Exception:
-            return None
-        exc: BaseException | None = None
-        if report.get("exception") is not None:
-            try:
-                exc = pickle.loads(report["exception"])
-            except Exception:
-                exc = None
-        if not isinstance(exc, BaseException):
-            exc = RemoteTraceback(f"{report['type']}: {report['message']}")
-        exc.__cause__ = RemoteTraceback(report["traceback"])
-        return exc
+        return rebuild_exception(body) if body is not None else None
 
     def _check_finished(self) -> None:
         done = len(self._values) + len(self._failures)
@@ -842,20 +812,6 @@ def _check_filters(what: str, filters: Sequence[str] | None) -> tuple[str, ...]:
     if isinstance(filters, str) or not all(isinstance(f, str) and f for f in filters):
         raise TypeError(f"{what} must be a list of non-empty strings, got {filters!r}")
     return tuple(filters)
-
-
-def _function_ref(fn: object) -> tuple[str, str] | None:
-    """``(module, qualname)`` if ``fn`` can be imported back by name in a worker."""
-    module = getattr(fn, "__module__", None)
-    qualname = getattr(fn, "__qualname__", None)
-    if not isinstance(module, str) or not isinstance(qualname, str):
-        return None
-    if module == "__main__" or "<" in qualname:
-        return None
-    obj: object = sys.modules.get(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part, None)
-    return (module, qualname) if obj is fn else None
 
 
 def _validate_signal(sig: int) -> int:

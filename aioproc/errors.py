@@ -4,7 +4,9 @@ Exception and warning tree::
 
     Exception
     ├── ChildFailedError      one or more workers of a group failed
-    └── RemoteTraceback       a worker's own traceback, as text (a __cause__)
+    ├── RemoteTraceback       a worker's own traceback, as text (a __cause__)
+    └── RuntimeError
+        └── BrokenWorkerError a persistent worker died during a call
     RuntimeWarning
     └── ForcedKillWarning     a worker ignored its stop signal and was SIGKILLed
 
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
     _F = TypeVar("_F", bound=Callable[..., Any])
 
 __all__ = [
+    "BrokenWorkerError",
     "ChildFailedError",
     "ErrorHandler",
     "ForcedKillWarning",
@@ -63,6 +66,15 @@ _sequence = itertools.count()
 
 class ForcedKillWarning(RuntimeWarning):
     """A worker did not exit within the grace period and was sent SIGKILL."""
+
+
+class BrokenWorkerError(RuntimeError):
+    """A persistent worker process died while a call was in flight.
+
+    The message names the worker, its pid, its exit code or signal and the
+    last lines of its stderr.  The call's result is lost; in a pool the
+    worker is replaced and later calls work.
+    """
 
 
 class RemoteTraceback(Exception):

@@ -1,0 +1,733 @@
+"""``aioproc run``: torchrun's command line on the asyncio agent.
+
+``aioproc run [options] script.py [args...]`` starts ``--nproc-per-node``
+copies of ``sys.executable -u script.py args...`` with torchrun's
+environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``, ``TORCHELASTIC_*``), restarts the group on failure up to
+``--max-restarts`` times, and exits with torchrun's failure summary, so a
+script written for ``torchrun`` runs unchanged.  ``main()`` is the console
+script; ``python -m aioproc run ...`` is the same.
+
+Design: the command parses its flags into a ``WorkerSpec`` and a
+``LogsSpecs``, then runs ``LocalElasticAgent.run()`` in ``asyncio.run`` under
+``translate_signals``.  A terminating signal stops the workers with that
+signal (SIGKILL after ``--grace-period``) and the command exits 128 + the
+signal number.  On a terminal, ``aioproc._live`` draws a table of the
+workers below their scrolling output; elsewhere output is plain text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._live import LiveView
+    from .agent import AgentEvent, RestartPolicy, WorkerSpec
+    from .logs import LogsSpecs, Std
+
+__all__ = ["build_parser", "main", "parse_backoff", "parse_nproc"]
+
+logger = logging.getLogger("aioproc.cli")
+
+PROG = "aioproc"
+LOOP_ENV = "AIOPROC_LOOP"
+LOG_LEVEL_ENV = "LOGLEVEL"  # torchrun's variable for its own log level
+PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+
+_RUN_DESCRIPTION = """\
+Run NPROC copies of a Python script (or a module, or a binary) on this host
+with torchrun's environment, restart them as a group when one fails, and
+report the failure with the worker's own traceback.
+
+Workers get torchrun's variables: RANK, LOCAL_RANK, GROUP_RANK, ROLE_RANK,
+ROLE_NAME, WORLD_SIZE, LOCAL_WORLD_SIZE, ROLE_WORLD_SIZE, GROUP_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS,
+TORCHELASTIC_RUN_ID and TORCHELASTIC_ERROR_FILE ("${local_rank}" in an argument
+becomes the worker's local rank).  torchrun's underscore spellings of the flags
+(--nproc_per_node, --max_restarts, ...) are accepted too.
+"""
+
+_RUN_EPILOG = """\
+output:
+  As with torchrun, without --tee/--redirects the workers write straight to
+  this command's stdout/stderr (unprefixed).  --tee copies lines to the
+  console prefixed with "[<role><rank>]:"; --redirects sends streams to files
+  under --log-dir only.  When stdout is a terminal (and rich is installed), a
+  live table of the workers (pid, state, uptime, restarts, last line or
+  progress bar) is drawn below their output; to show lines above the table,
+  every stream that is not redirected is then passed through aioproc and
+  printed prefixed (without creating log files for it).  --no-live, or a
+  non-terminal stdout, gives plain output.
+
+signals:
+  SIGTERM, SIGINT and SIGQUIT stop the workers with that signal (SIGKILL after
+  --grace-period) and the command exits 128 + the signal number.  SIGHUP is
+  ignored by this command (its workers run in sessions of their own), so a
+  job survives a terminal hang-up; torchrun instead stops its workers on
+  SIGHUP.  With --forward-sighup, SIGHUP stops the workers like SIGTERM and
+  the command exits 129.
+
+exit status:
+  0 when the workers succeed, 1 when they fail (after the restarts; torchrun's
+  failure summary is printed to stderr), 2 for usage errors, 128+N after
+  signal N.
+
+environment:
+  AIOPROC_LOOP=uvloop runs the agent on uvloop (default: asyncio's loop).
+  LOGLEVEL sets this command's log level (default: WARNING), as in torchrun.
+  OMP_NUM_THREADS is set to 1 in the workers when there are several and it is
+  not set already (torchrun's behaviour).
+"""
+
+
+# ------------------------------------------------------------------ parsing
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows every default, and hides torchrun's underscore aliases."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            "(default" not in text
+            and action.option_strings
+            and action.default is not argparse.SUPPRESS
+            and action.nargs != 0
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        shown = [s for s in action.option_strings if "_" not in s]
+        if shown and len(shown) != len(action.option_strings):
+            action = argparse.Action(
+                shown, action.dest, nargs=action.nargs, metavar=action.metavar
+            )
+        return super()._format_action_invocation(action)
+
+
+def parse_nproc(value: str) -> int:
+    """``--nproc-per-node``: a positive int, or ``cpu``/``auto`` for ``os.cpu_count()``.
+
+    Raises:
+        argparse.ArgumentTypeError: ``gpu`` (aioproc does not count GPUs) or
+            anything else that is not a positive number.
+    """
+    text = value.strip().lower()
+    if text in ("cpu", "auto"):
+        return os.cpu_count() or 1
+    if text == "gpu":
+        raise argparse.ArgumentTypeError(
+            "'gpu' is not supported: aioproc does not count GPUs; give the number of "
+            "workers (e.g. --nproc-per-node 8), or 'cpu'/'auto' for one per CPU"
+        )
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number of workers, 'cpu' or 'auto', got {value!r}"
+        ) from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of workers, got {value!r}")
+    return n
+
+
+def parse_backoff(value: str) -> RestartPolicy:
+    """``--backoff initial,factor,max[,jitter]`` (seconds) as a ``RestartPolicy``.
+
+    The delay before the n-th restart (0-based) is
+    ``min(max, initial * factor**n)``, spread randomly by ``jitter`` (0-1).
+
+    Raises:
+        argparse.ArgumentTypeError: not 3 or 4 numbers, or values the policy
+            rejects.
+    """
+    from .agent import RestartPolicy
+
+    parts = [p.strip() for p in value.split(",")]
+    try:
+        numbers = [float(p) for p in parts]
+    except ValueError:
+        numbers = []
+    if len(numbers) not in (3, 4):
+        raise argparse.ArgumentTypeError(
+            f"expected 'initial,factor,max[,jitter]' in seconds (e.g. '1,2,60,0.1'), got {value!r}"
+        )
+    try:
+        return RestartPolicy(
+            initial_delay=numbers[0],
+            factor=numbers[1],
+            max_delay=numbers[2],
+            jitter=numbers[3] if len(numbers) == 4 else 0.0,
+        )
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{value!r}: {e}") from None
+
+
+def _parse_std(value: str) -> Std | dict[int, Std]:
+    from .logs import Std
+
+    try:
+        return Std.from_str(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _parse_ranks(value: str) -> set[int] | None:
+    if not value.strip():
+        return None
+    ranks: set[int] = set()
+    for item in value.split(","):
+        try:
+            rank = int(item)
+        except ValueError:
+            rank = -1
+        if rank < 0:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated local ranks (e.g. '0,2'), got {value!r}"
+            )
+        ranks.add(rank)
+    return ranks
+
+
+def _parse_nnodes(value: str) -> int:
+    low, _, high = value.partition(":")
+    if low.strip() == "1" and high.strip() in ("", "1"):
+        return 1
+    raise argparse.ArgumentTypeError(
+        f"aioproc run starts workers on this host only: --nnodes must be 1, got {value!r}"
+    )
+
+
+def _number(kind: type[int] | type[float], minimum: float) -> Callable[[str], Any]:
+    def parse(value: str) -> Any:
+        try:
+            number = kind(value)
+        except ValueError:
+            number = None
+        if number is None or number < minimum:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {what} >= {minimum:g}, got {value!r}")
+        return number
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+def _port(value: str) -> int:
+    port: int = _number(int, 1)(value)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port (1-65535), got {value!r}")
+    return port
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``aioproc`` argument parser, with its ``run`` subcommand."""
+    return _build_parsers()[0]
+
+
+def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="aioproc: an asyncio-native process orchestrator.",
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    run = commands.add_parser(
+        "run",
+        help="run a script on NPROC workers, torchrun-style",
+        description=_RUN_DESCRIPTION,
+        epilog=_RUN_EPILOG,
+        formatter_class=_HelpFormatter,
+        usage="%(prog)s [options] script [args ...]",
+    )
+    add = run.add_argument
+    add(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc_per_node",
+        type=parse_nproc,
+        default=1,
+        metavar="NPROC",
+        help="number of workers: a number, or 'cpu'/'auto' for one per CPU "
+        "('gpu' is not supported)",
+    )
+    add(
+        "--nnodes",
+        type=_parse_nnodes,
+        default=1,
+        metavar="1",
+        help="accepted for torchrun compatibility; only 1 (or 1:1)",
+    )
+    add(
+        "--standalone",
+        action="store_true",
+        help="accepted for torchrun compatibility (aioproc run is always standalone)",
+    )
+    add(
+        "--max-restarts",
+        "--max_restarts",
+        dest="max_restarts",
+        type=_number(int, 0),
+        default=0,
+        metavar="N",
+        help="restarts of the whole group allowed after failures",
+    )
+    add(
+        "--backoff",
+        type=parse_backoff,
+        default=None,
+        metavar="INITIAL,FACTOR,MAX[,JITTER]",
+        help="wait before restart n (0-based) min(MAX, INITIAL*FACTOR**n) seconds, "
+        "scaled by a random factor in [1-JITTER, 1+JITTER] (default: restart at once)",
+    )
+    add(
+        "--monitor-interval",
+        "--monitor_interval",
+        dest="monitor_interval",
+        type=_number(float, 0),
+        default=0.1,
+        metavar="SECONDS",
+        help="accepted for torchrun compatibility: exits are noticed when they happen",
+    )
+    add(
+        "--grace-period",
+        dest="grace_period",
+        type=_number(float, 0),
+        default=30.0,
+        metavar="SECONDS",
+        help="seconds between SIGTERM (or the signal received) and SIGKILL when stopping workers",
+    )
+    add(
+        "--redirects",
+        type=_parse_std,
+        default="0",
+        metavar="STD",
+        help="streams to write to log files instead of the console: 0 none, 1 stdout, "
+        "2 stderr, 3 both, for every rank or per rank as '0:3,1:0'",
+    )
+    add(
+        "-t",
+        "--tee",
+        type=_parse_std,
+        default="0",
+        metavar="STD",
+        help="streams to write to log files and also to the console, prefixed; "
+        "same values as --redirects",
+    )
+    add(
+        "--log-dir",
+        "--log_dir",
+        dest="log_dir",
+        default=None,
+        metavar="DIR",
+        help="base directory of the logs (<DIR>/<run_id>_<random>/attempt_<n>/<rank>/...) "
+        "(default: a new temporary directory)",
+    )
+    add(
+        "--local-ranks-filter",
+        "--local_ranks_filter",
+        dest="local_ranks_filter",
+        type=_parse_ranks,
+        default="",
+        metavar="RANKS",
+        help="comma-separated local ranks whose output reaches the console, e.g. '0' "
+        "(default: all ranks)",
+    )
+    add(
+        "--log-line-prefix-template",
+        "--log_line_prefix_template",
+        dest="log_line_prefix_template",
+        default=None,
+        metavar="TEMPLATE",
+        help="prefix of console lines, with ${role_name}, ${rank}, ${local_rank} "
+        "(default: '[${role_name}${local_rank}]:')",
+    )
+    add("--role", default="default", help="the workers' role name (ROLE_NAME, line prefixes)")
+    add(
+        "--run-id",
+        "--rdzv-id",
+        "--rdzv_id",
+        dest="run_id",
+        default=None,
+        metavar="ID",
+        help="job id (TORCHELASTIC_RUN_ID, log directory prefix) (default: a random id)",
+    )
+    add(
+        "--master-addr",
+        "--master_addr",
+        dest="master_addr",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="MASTER_ADDR given to the workers",
+    )
+    add(
+        "--master-port",
+        "--master_port",
+        dest="master_port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="MASTER_PORT given to the workers (default: a free port)",
+    )
+    add(
+        "--start-method",
+        "--start_method",
+        dest="start_method",
+        choices=["spawn"],
+        default="spawn",
+        help="how workers are started; only spawn (fork and forkserver are not supported)",
+    )
+    add(
+        "--no-python",
+        "--no_python",
+        dest="no_python",
+        action="store_true",
+        help="run the script as a binary, without prepending 'python -u'",
+    )
+    add(
+        "-m",
+        "--module",
+        action="store_true",
+        help="run the script as a Python module (python -u -m script)",
+    )
+    add(
+        "--watchdog",
+        action="store_true",
+        help="serve aioproc.timer watchdog timers to the workers; a worker whose timer "
+        "expires is killed and counts as failed",
+    )
+    add(
+        "--no-live",
+        dest="no_live",
+        action="store_true",
+        help="plain output even when stdout is a terminal",
+    )
+    add(
+        "--forward-sighup",
+        dest="forward_sighup",
+        action="store_true",
+        help="stop the workers on SIGHUP and exit 129 (default: SIGHUP is ignored, "
+        "so the job survives a terminal hang-up)",
+    )
+    add("script", help="the Python script (module with -m, program with --no-python)")
+    add("script_args", nargs=argparse.REMAINDER, metavar="args", help="the script's arguments")
+    return parser, run
+
+
+# ---------------------------------------------------------------- the run
+
+
+@dataclass
+class _Run:
+    """What one ``aioproc run`` does, from its parsed flags."""
+
+    name: str  # the entrypoint's name, the failure summary's title (as torchrun)
+    spec: WorkerSpec
+    logs_specs: LogsSpecs
+    run_id: str | None
+    grace_period: float
+    start_method: str
+    live: bool
+    signals: tuple[signal.Signals, ...]
+
+
+def _make_run(ns: argparse.Namespace) -> _Run:
+    from .agent import RestartPolicy, WorkerSpec
+    from .logs import DefaultLogsSpecs
+
+    if ns.no_python and ns.module:
+        raise ValueError("--no-python and -m/--module cannot be used together")
+    if ns.no_python:
+        entrypoint: str = ns.script
+        args: list[str] = list(ns.script_args)
+    else:
+        entrypoint = sys.executable
+        args = ["-u", *(["-m"] if ns.module else []), ns.script, *ns.script_args]
+    redirects = _as_std(ns.redirects)
+    tee = _as_std(ns.tee)
+    live = not ns.no_live and _live_possible()
+    logs_specs: LogsSpecs
+    if live:
+        from ._live import LiveLogsSpecs
+
+        logs_specs = LiveLogsSpecs(ns.log_dir, redirects, tee, ns.local_ranks_filter)
+    else:
+        logs_specs = DefaultLogsSpecs(ns.log_dir, redirects, tee, ns.local_ranks_filter)
+    spec = WorkerSpec(
+        role=ns.role,
+        local_world_size=ns.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        max_restarts=ns.max_restarts,
+        monitor_interval=ns.monitor_interval,
+        redirects=redirects,
+        tee=tee,
+        local_ranks_filter=ns.local_ranks_filter,
+        master_addr=ns.master_addr,
+        master_port=ns.master_port,
+        restart_policy=ns.backoff or RestartPolicy(),
+        watchdog=ns.watchdog,
+    )
+    sigs = [signal.SIGTERM, signal.SIGINT, signal.SIGQUIT]
+    if ns.forward_sighup:
+        sigs.append(signal.SIGHUP)
+    return _Run(
+        name=ns.script,
+        spec=spec,
+        logs_specs=logs_specs,
+        run_id=ns.run_id,
+        grace_period=ns.grace_period,
+        start_method=ns.start_method,
+        live=live,
+        signals=tuple(sigs),
+    )
+
+
+def _as_std(value: Std | dict[int, Std] | str) -> Std | dict[int, Std]:
+    if isinstance(value, str):  # an argparse default is the unparsed string
+        return _parse_std(value)
+    return value
+
+
+def _live_possible() -> bool:
+    """Whether stdout is a terminal the live view can draw on (rich installed)."""
+    try:
+        if not sys.stdout.isatty():
+            return False
+    except (AttributeError, ValueError):
+        return False
+    try:
+        from rich.console import Console
+    except ImportError:
+        return False
+    return Console().is_interactive
+
+
+async def _supervise(run: _Run) -> int:
+    """Run the agent; return the exit status."""
+    from .agent import LocalElasticAgent
+    from .errors import ChildFailedError
+    from .signals import SignalException, translate_signals
+
+    view: LiveView | None = None
+    if run.live:
+        from ._live import LiveView
+
+        view = LiveView(
+            run.spec.role, run.spec.local_world_size, run.spec.max_restarts, title=run.name
+        )
+        show_event: Callable[[AgentEvent], None] = view.on_event
+    else:
+        show_event = _log_event
+    agent = LocalElasticAgent(
+        run.spec,
+        run.start_method,
+        logs_specs=run.logs_specs,
+        grace_period=run.grace_period,
+        run_id=run.run_id,
+        sinks=[view] if view is not None else None,
+        on_event=show_event,
+    )
+    try:
+        if view is not None:
+            view.start()
+        async with translate_signals(run.signals):
+            result = await agent.run()
+    except SignalException as e:
+        if view is not None:
+            view.stop()
+        sig = signal.Signals(e.sigval)
+        _error(f"got {sig.name}: the workers were stopped")
+        return 128 + int(sig)
+    except OSError as e:  # a --no-python binary that cannot be run, an unusable --log-dir
+        if view is not None:
+            view.stop()
+        _error(str(e))
+        return 1
+    finally:
+        if view is not None:
+            view.stop()
+    if result.is_failed() and result.failures:
+        _print_stderr(ChildFailedError(run.name, result.failures).format_msg())
+        return 1
+    return 1 if result.is_failed() else 0
+
+
+def describe_event(event: AgentEvent) -> tuple[int, str] | None:
+    """A log level and line for the agent events a user should hear about."""
+    from .agent import events as ev
+
+    role = f"[{event.role}]"
+    if event.kind == ev.ATTEMPT_FAILED:
+        if event.exitcode is not None and event.exitcode < 0:
+            how = f"was killed by {event.signal}"
+        else:
+            how = f"exited with code {event.exitcode}"
+        return (
+            logging.WARNING,
+            f"{role} worker group failed (attempt {event.attempt}): local_rank "
+            f"{event.local_rank} (pid {event.pid}) {how}",
+        )
+    if event.kind == ev.RESTART_SCHEDULED:
+        return logging.WARNING, f"{role} restarting the worker group: {event.message}"
+    if event.kind == ev.WATCHDOG_FIRED:
+        return (
+            logging.WARNING,
+            f"{role} local_rank {event.local_rank} (pid {event.pid}): {event.message}",
+        )
+    if event.kind == ev.SIGNAL_RECEIVED:
+        return logging.WARNING, f"{role} received {event.signal}: stopping the workers"
+    if event.kind == ev.GROUP_SUCCEEDED and event.message:
+        return logging.INFO, f"{role} worker group succeeded: {event.message}"
+    return None
+
+
+def _log_event(event: AgentEvent) -> None:
+    said = describe_event(event)
+    if said is not None:
+        logger.log(*said)
+
+
+def _error(message: str) -> None:
+    _print_stderr(f"{PROG} run: {message}")
+
+
+def _print_stderr(text: str) -> None:
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass  # stderr is gone; the exit status still tells
+
+
+class _StderrHandler(logging.Handler):
+    """Writes to whatever ``sys.stderr`` is now (the live view redirects it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+            sys.stderr.flush()
+        except Exception:
+            self.handleError(record)
+
+
+def _configure_logging() -> Callable[[], None]:
+    root = logging.getLogger()
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:%(name)s:%(message)s"))
+    level = os.environ.get(LOG_LEVEL_ENV, "WARNING").upper()
+    previous = root.level
+    root.addHandler(handler)
+    try:
+        root.setLevel(level)
+    except ValueError:
+        root.setLevel(logging.WARNING)
+
+    def restore() -> None:
+        root.removeHandler(handler)
+        root.setLevel(previous)
+
+    return restore
+
+
+def _ignore_signal(signum: int, frame: FrameType | None) -> None:
+    """A handler that does nothing.
+
+    Unlike SIG_IGN, a caught signal is reset to its default across exec, so
+    the workers keep the default disposition.
+    """
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop ``AIOPROC_LOOP`` names (``None``: asyncio's default).
+
+    Raises:
+        ValueError: an unknown name, or uvloop is not installed.
+    """
+    choice = os.environ.get(LOOP_ENV, "").strip().lower()
+    if choice in ("", "asyncio"):
+        return None
+    if choice != "uvloop":
+        raise ValueError(f"{LOOP_ENV} must be 'asyncio' or 'uvloop', got {choice!r}")
+    try:
+        import uvloop
+    except ImportError:
+        raise ValueError(
+            f"{LOOP_ENV}=uvloop but uvloop is not installed (pip install 'aioproc[uvloop]')"
+        ) from None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def _run_loop(
+    coro: Coroutine[Any, Any, int], factory: Callable[[], asyncio.AbstractEventLoop] | None
+) -> int:
+    """``asyncio.run(coro)``, on a loop from ``factory`` if given."""
+    if factory is None:
+        return asyncio.run(coro)
+    if sys.version_info >= (3, 11):
+        with asyncio.Runner(loop_factory=factory) as runner:
+            return runner.run(coro)
+    loop = factory()  # pragma: no cover - Python 3.10 has no asyncio.Runner
+    try:  # pragma: no cover
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(coro)
+    finally:  # pragma: no cover
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+def _run_command(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        run = _make_run(ns)
+        factory = _loop_factory()
+    except (TypeError, ValueError) as e:
+        parser.error(str(e))
+    restore_logging = _configure_logging()
+    saved_env = os.environ.get(PREFIX_TEMPLATE_ENV)
+    if ns.log_line_prefix_template is not None:
+        os.environ[PREFIX_TEMPLATE_ENV] = ns.log_line_prefix_template
+    previous_hup: Any = None
+    if not ns.forward_sighup:
+        previous_hup = signal.signal(signal.SIGHUP, _ignore_signal)
+    try:
+        return _run_loop(_supervise(run), factory)
+    finally:
+        if previous_hup is not None:
+            signal.signal(signal.SIGHUP, previous_hup)
+        if ns.log_line_prefix_template is not None:
+            if saved_env is None:
+                os.environ.pop(PREFIX_TEMPLATE_ENV, None)
+            else:
+                os.environ[PREFIX_TEMPLATE_ENV] = saved_env
+        restore_logging()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``aioproc`` command; returns the exit status.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status (see ``aioproc run --help``).  ``--help``,
+        ``--version`` and usage errors exit through ``SystemExit``.
+    """
+    parser, run_parser = _build_parsers()
+    ns = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    if ns.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return _run_command(ns, run_parser)

@@ -1,0 +1,298 @@
+"""Watchdog timers for worker code: ``with expires(after=seconds): ...``.
+
+The worker half of ``WorkerSpec(watchdog=True)``, with the semantics of
+``torch.distributed.elastic.timer.expires``: a block that is still running
+``after`` seconds after it was entered makes its worker eligible to be
+reaped.  The agent (``aioproc.agent.watchdog``) then dumps the Python stack
+of the process that holds the timer into that process's stderr, kills the
+worker's whole process group, and reports the failure as
+``watchdog timer '<scope>' expired after N s``.  A block that finishes in
+time never fires.
+
+Design: the agent hands every worker one end of a private ``AF_UNIX``
+datagram socketpair, inherited as an fd whose number is in
+``AIOPROC_WATCHDOG_FD`` (and whose identity, ``st_dev:st_ino``, is in
+``AIOPROC_WATCHDOG_INODE`` so that a descendant that did not inherit the fd
+never writes into whatever else got that number).  Each acquire or release
+is one JSON datagram, written with a single ``os.write``: atomic, so threads
+and forked children share the fd safely.  The kernel stamps every datagram
+with the sender's pid (``SCM_CREDENTIALS``), which the agent checks against
+the pid the request names.
+
+This module runs inside workers: it imports only the standard library, and
+importing it is cheap (``json``, ``signal`` and ``faulthandler`` are loaded
+on first use).  It never imports asyncio, anyio, aiofiles, uvloop or a
+parent-side aioproc module.
+
+Stack dumps: on first use, ``faulthandler`` is registered for ``SIGUSR2``
+(all threads, written to stderr's fd), so the dump is written by C code the
+moment the signal arrives, even while the main thread is stuck in a C call.
+When ``SIGUSR2`` had no handler and the first use is on the main thread, a
+Python-level handler is chained after it: it flushes ``sys.stdout`` and
+``sys.stderr`` and tells the agent the dump is complete, so the agent kills
+at once instead of waiting out its bound.  ``SIGUSR2`` therefore belongs to
+the watchdog in a worker that uses ``expires``.
+"""
+
+from __future__ import annotations
+
+import _thread
+import itertools
+import math
+import os
+import sys
+import warnings
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs workers
+
+if TYPE_CHECKING:
+    from types import FrameType, TracebackType
+    from typing import Any
+
+__all__ = ["FD_ENV", "INODE_ENV", "MAX_SCOPE_LEN", "expires", "is_enabled"]
+
+FD_ENV = "AIOPROC_WATCHDOG_FD"
+"""Environment variable holding the number of the inherited watchdog fd."""
+
+INODE_ENV = "AIOPROC_WATCHDOG_INODE"
+"""Environment variable holding ``"<st_dev>:<st_ino>"`` of that fd."""
+
+MAX_SCOPE_LEN = 1024
+"""Longest scope name, in characters (a request is one small datagram)."""
+
+_lock = _thread.allocate_lock()
+_fd: int | None = None  # None: not configured yet; -1: disabled
+_disabled_reason = ""
+_warned = False
+_ids = itertools.count(1)  # next() is atomic under the GIL: ids are unique per process
+
+
+def is_enabled() -> bool:
+    """Whether ``expires`` is enforced in this process.
+
+    True when this process runs under an aioproc agent with
+    ``watchdog=True`` and has inherited its watchdog fd.  The first call (or
+    the first ``expires``) also installs the ``SIGUSR2`` stack-dump handler.
+    """
+    return _channel() >= 0
+
+
+def expires(after: float, scope: str | None = None) -> _Expires:
+    """A countdown timer over a ``with`` block, like torch's ``expires``.
+
+    Usage::
+
+        from aioproc.timer import expires
+
+        with expires(after=60, scope="all_reduce"):
+            all_reduce(...)
+
+    Entering the block acquires a timer that expires ``after`` seconds later
+    unless the block has been left by then.  An expired timer makes the
+    worker eligible to be reaped: the agent dumps this process's stack to its
+    stderr and kills the worker's process group, typically within a few
+    milliseconds of the deadline (never before it).  Blocks nest and may run
+    concurrently in several threads and in forked children that stay in the
+    worker's process group; each block is its own timer.
+
+    Unlike torch, which raises when no timer client is configured, outside an
+    aioproc agent with ``watchdog=True`` (no ``AIOPROC_WATCHDOG_FD``) the
+    block is not enforced: the first use emits a ``RuntimeWarning`` and every
+    ``expires`` is a no-op, so the same code runs with and without a watchdog.
+
+    Args:
+        after: seconds from entering the block to the deadline, a finite
+            number >= 0.
+        scope: name of the timer in the failure message.  Default, as in
+            torch: the caller's ``"<file>#<line>"``.
+
+    Returns:
+        A single-use context manager.
+
+    Raises:
+        TypeError: ``after`` is not a number or ``scope`` not a str.
+        ValueError: ``after`` is negative or not finite, or ``scope`` is longer
+            than ``MAX_SCOPE_LEN`` characters.
+    """
+    if isinstance(after, bool) or not isinstance(after, (int, float)):
+        raise TypeError(f"expires(after=...) must be a number of seconds, got {after!r}")
+    if not math.isfinite(after) or after < 0:
+        raise ValueError(f"expires(after=...) must be a finite number >= 0, got {after!r}")
+    if scope is None:
+        caller = sys._getframe(1)
+        scope = f"{caller.f_code.co_filename}#{caller.f_lineno}"
+        if len(scope) > MAX_SCOPE_LEN:
+            scope = "..." + scope[-(MAX_SCOPE_LEN - 3) :]
+    elif not isinstance(scope, str):
+        raise TypeError(f"expires(scope=...) must be a str, got {scope!r}")
+    elif len(scope) > MAX_SCOPE_LEN:
+        raise ValueError(
+            f"expires(scope=...) is {len(scope)} characters long; at most {MAX_SCOPE_LEN} fit"
+        )
+    return _Expires(float(after), scope)
+
+
+class _Expires:
+    """One ``expires(...)`` block: acquire on enter, release on exit."""
+
+    __slots__ = ("_id", "_used", "after", "scope")
+
+    def __init__(self, after: float, scope: str) -> None:
+        self.after = after
+        self.scope = scope
+        self._id: int | None = None
+        self._used = False
+
+    def __repr__(self) -> str:
+        state = "active" if self._id is not None else ("done" if self._used else "new")
+        return f"<expires {self.scope!r} after={self.after:g} s {state}>"
+
+    def __enter__(self) -> None:
+        if self._used:
+            raise RuntimeError(f"{self!r} was already entered; call expires() for each block")
+        self._used = True
+        fd = _channel(warn_stacklevel=3)
+        if fd < 0:
+            return
+        timer_id = next(_ids)
+        request = {
+            "op": "acquire",
+            "pid": os.getpid(),
+            "id": timer_id,
+            "scope": self.scope,
+            "after": self.after,
+        }
+        if _send(fd, request):
+            self._id = timer_id
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        timer_id, self._id = self._id, None
+        if timer_id is not None and _fd is not None and _fd >= 0:
+            _send(_fd, {"op": "release", "pid": os.getpid(), "id": timer_id})
+
+
+# ------------------------------------------------------------------ channel
+
+
+def _channel(warn_stacklevel: int = 0) -> int:
+    """The watchdog fd, configuring on first use; -1 when not enforced."""
+    global _warned
+    fd = _fd
+    if fd is None:
+        with _lock:
+            if _fd is None:
+                _configure()
+            fd = _fd
+        assert fd is not None
+    if fd < 0 and warn_stacklevel and not _warned:
+        _warned = True
+        warnings.warn(
+            f"aioproc.timer.expires is a no-op here: {_disabled_reason}",
+            RuntimeWarning,
+            stacklevel=warn_stacklevel + 1,
+        )
+    return fd
+
+
+def _configure() -> None:
+    """Find the inherited fd and install the stack-dump handler (under _lock)."""
+    global _fd, _disabled_reason
+    value = os.environ.get(FD_ENV)
+    reason = ""
+    fd = -1
+    if not value:
+        reason = f"{FD_ENV} is not set (not running under an aioproc agent with watchdog=True)"
+    else:
+        try:
+            fd = int(value)
+            if fd < 0:
+                raise ValueError
+        except ValueError:
+            reason = f"{FD_ENV}={value!r} is not a file descriptor"
+            fd = -1
+    if fd >= 0:
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            reason = (
+                f"{FD_ENV}={fd} is not open in this process "
+                "(a descendant started with close_fds=True does not inherit it)"
+            )
+            fd = -1
+        else:
+            expected = os.environ.get(INODE_ENV)
+            if (st.st_mode & 0o170000) != 0o140000:  # not S_ISSOCK
+                reason = f"{FD_ENV}={fd} is not a socket in this process"
+                fd = -1
+            elif expected and expected != f"{st.st_dev}:{st.st_ino}":
+                reason = f"{FD_ENV}={fd} is not the agent's watchdog socket in this process"
+                fd = -1
+    if fd >= 0:
+        _install_dump_handler()
+    _disabled_reason = reason
+    _fd = fd
+
+
+def _install_dump_handler() -> None:
+    import faulthandler
+    import signal
+
+    try:
+        err = sys.stderr.fileno()
+    except (AttributeError, ValueError, OSError):
+        err = 2
+    chain = False
+    if signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL:
+        try:
+            signal.signal(signal.SIGUSR2, _after_dump)
+        except ValueError:
+            pass  # not the main thread: dump only; the agent waits its bound
+        else:
+            chain = True
+    # C-level: writes the dump even while the main thread is stuck in C code;
+    # chain=True then runs _after_dump (the Python handler) once it can
+    faulthandler.register(signal.SIGUSR2, file=err, all_threads=True, chain=chain)
+
+
+def _after_dump(signum: int, frame: FrameType | None) -> None:
+    # faulthandler's C handler has written the dump before this one runs
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()  # what is buffered would be lost to SIGKILL
+        except Exception:
+            pass
+    fd = _fd
+    if fd is not None and fd >= 0:
+        _send(fd, {"op": "dumped", "pid": os.getpid()}, quiet=True)
+
+
+def _send(fd: int, request: dict[str, Any], quiet: bool = False) -> bool:
+    """Write one request datagram; on failure warn once and stop enforcing."""
+    global _fd, _disabled_reason, _warned
+    import json
+
+    data = json.dumps(request, separators=(",", ":")).encode()
+    try:
+        os.write(fd, data)  # one write on a SOCK_DGRAM socket: one whole datagram
+    except OSError as e:
+        if quiet:
+            return False
+        with _lock:
+            _fd = -1
+            _disabled_reason = f"the watchdog channel failed ({e!r})"
+            warn = not _warned
+            _warned = True
+        if warn:
+            warnings.warn(
+                f"aioproc.timer: {_disabled_reason}; timers are no longer enforced",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return False
+    return True

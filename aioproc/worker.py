@@ -1,0 +1,383 @@
+"""Persistent worker processes: one interpreter answering requests (``open_worker``).
+
+A ``WorkerProcess`` is a function worker started in *serve* mode: it runs an
+optional ``init`` once, then answers CALL and PING frames on its control
+channel until it is told to terminate.  It reuses the group machinery: the
+same boot code, channel, spawn (own session, pidfd exit watcher), guardian
+(dies with the supervisor) and graceful-then-forced shutdown.
+
+Never hangs: every wait is also a wait on the worker's exit.  If the worker
+dies mid-call the call raises ``BrokenWorkerError`` with the exit code or
+signal and the last lines of its stderr, as soon as the exit is noticed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import signal
+import socket
+import subprocess
+from collections.abc import Callable, Generator, Mapping
+from types import TracebackType
+from typing import Any
+
+from . import _wire
+from ._boot import CallEncoder, boot_argv, boot_blob, init_frame, rebuild_exception
+from ._channel import Channel
+from ._lifeline import Guardian
+from ._output import TeeProtocol
+from ._shield import shielded
+from ._shutdown import stop_groups, warn_forced
+from ._spawn import Child, spawn
+from .errors import BrokenWorkerError
+from .sinks import ConsoleSink, Sink
+
+__all__ = ["WorkerProcess", "open_worker"]
+
+STDERR_TAIL = 20
+"""Lines of a worker's stderr kept for ``BrokenWorkerError`` messages."""
+
+
+class _TailSink(Sink):
+    """Keeps the last lines of a stream (for error messages)."""
+
+    def __init__(self, maxlen: int) -> None:
+        self.lines_seen: collections.deque[str] = collections.deque(maxlen=maxlen)
+
+    def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
+        self.lines_seen.extend(lines)
+
+
+class WorkerProcess:
+    """A persistent worker; built by ``open_worker`` (or a pool).
+
+    Calls are serialised: one runs at a time, later ones wait their turn.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        child: Child,
+        channel: Channel,
+        guardian: Guardian,
+        shutdown_timeout: float,
+        tail: _TailSink,
+    ) -> None:
+        self.name = name
+        self._child = child
+        self._channel = channel
+        self._guardian = guardian
+        self._shutdown_timeout = shutdown_timeout
+        self._tail = tail
+        self._lock = asyncio.Lock()
+        self._reply: asyncio.Future[tuple[int, bytearray]] | None = None
+        self._closed = False
+        self.calls = 0
+        self._exit_task = asyncio.get_running_loop().create_task(self._watch_exit())
+
+    def __repr__(self) -> str:
+        if self.returncode is not None:
+            state = f"exited {self.returncode}"
+        elif self._closed:
+            state = "closing"
+        else:
+            state = "busy" if self._lock.locked() else "idle"
+        return f"<WorkerProcess {self.name} pid={self.pid} {state}>"
+
+    @property
+    def pid(self) -> int:
+        return self._child.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._child.returncode
+
+    @property
+    def alive(self) -> bool:
+        return self._child.returncode is None and not self._closed
+
+    # ------------------------------------------------------------- internals
+
+    def _on_frame(self, kind: int, body: bytearray) -> None:
+        if self._reply is not None and not self._reply.done():
+            self._reply.set_result((kind, body))
+
+    async def _watch_exit(self) -> None:
+        code = await self._child.watcher.future
+        settled = self._child.output_settled()
+        if settled:
+            await asyncio.wait(settled, timeout=1.0)
+        # a reply written just before exiting has been delivered by now
+        reply = self._reply
+        if reply is not None and not reply.done():
+            reply.set_exception(self._broken(code))
+
+    def _broken(self, code: int) -> BrokenWorkerError:
+        if code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with code {code}"
+        tail = "\n".join(f"    {line}" for line in self._tail.lines_seen)
+        tail = f"; last lines of its stderr:\n{tail}" if tail else "; its stderr was empty"
+        return BrokenWorkerError(f"worker {self.name} (pid {self.pid}) {how} during a call{tail}")
+
+    async def _request(self, kind: int, parts: list[bytes]) -> tuple[int, bytearray]:
+        if self._child.returncode is not None:
+            raise self._broken(self._child.returncode)
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
+        reply: asyncio.Future[tuple[int, bytearray]] = asyncio.get_running_loop().create_future()
+        self._reply = reply
+        self._channel.send(kind, *parts)
+        try:
+            return await reply
+        except asyncio.CancelledError:
+            # The worker is busy with a request nobody waits for: kill it
+            # (like anyio's cancellable=True) rather than let it run on.
+            self._child.signal_group(signal.SIGKILL)
+            raise
+        finally:
+            self._reply = None
+
+    # ------------------------------------------------------------------- API
+
+    async def ping(self) -> None:
+        """Round trip to the worker; raises ``BrokenWorkerError`` if it died."""
+        async with self._lock:
+            kind, _ = await self._request(_wire.PING, [])
+            assert kind == _wire.PONG
+
+    async def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` in the worker and return its value.
+
+        Raises:
+            Exception: whatever ``fn`` raised, rebuilt in the caller; its
+                ``__cause__`` holds the worker's traceback.  The worker stays
+                usable.
+            BrokenWorkerError: the worker died during the call.
+            TypeError: ``fn`` or its arguments cannot be pickled.
+
+        Cancellation: cancelling a call kills the worker (its process group),
+        since the request cannot be withdrawn; later calls raise
+        ``BrokenWorkerError`` (a pool replaces the worker).
+        """
+        parts = CallEncoder(fn).encode(args, kwargs)
+        async with self._lock:
+            kind, body = await self._request(_wire.CALL, parts)
+            self.calls += 1
+        if kind == _wire.ERROR:
+            exc = rebuild_exception(body)
+            if exc is None:
+                raise RuntimeError(f"worker {self.name}: call failed (unreadable error report)")
+            raise exc
+        return _wire.decode_value(body)
+
+    async def aclose(self) -> None:
+        """Ask the worker to exit, wait ``shutdown_timeout``, then kill its group.
+
+        A worker that needed SIGKILL is named in a ``ForcedKillWarning``.
+        Idempotent.
+
+        Cancellation: shielded and bounded by ``shutdown_timeout`` plus a
+        few seconds.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        await shielded(self._shutdown())
+
+    async def _shutdown(self) -> None:
+        forced: list[Child] = []
+        if self._child.returncode is None:
+            self._channel.send(_wire.TERMINATE)
+            done, _ = await asyncio.wait(
+                {self._child.watcher.future}, timeout=self._shutdown_timeout
+            )
+            if not done:
+                forced = await stop_groups([self._child], signal.SIGKILL, 0)
+            else:
+                await stop_groups([self._child], signal.SIGTERM, 0.0)  # descendants only
+        else:
+            await stop_groups([self._child], signal.SIGKILL, 0)  # descendants only
+        await self._exit_task
+        await self._child.close_streams(1.0)
+        await self._guardian.aclose()
+        if forced:
+            warn_forced(forced, signal.SIGTERM, self._shutdown_timeout)
+
+
+async def _start_worker(
+    name: str,
+    init: Callable[..., Any] | None,
+    init_args: tuple[Any, ...],
+    init_timeout: float,
+    shutdown_timeout: float,
+    env: Mapping[str, str] | None,
+) -> WorkerProcess:
+    if init is not None and not callable(init):
+        raise TypeError(f"init must be callable, got {init!r}")
+    for what, value in (("init_timeout", init_timeout), ("shutdown_timeout", shutdown_timeout)):
+        if not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{what} must be a number >= 0, got {value!r}")
+    if env is not None:
+        for key, val in env.items():
+            if not isinstance(key, str) or not isinstance(val, str):
+                raise TypeError(f"env must map str to str; got {key!r}: {val!r}")
+    init_parts = CallEncoder(init).encode(init_args, {}) if init is not None else None
+    full_env = {**os.environ, **(env or {})}
+    tail = _TailSink(STDERR_TAIL)
+    stderr_tee = TeeProtocol(None, 0, "stderr", f"[{name}]:", [ConsoleSink(), tail])
+    parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    guardian: Guardian | None = None
+    channel: Channel | None = None
+    child: Child | None = None
+    worker: WorkerProcess | None = None
+
+    def on_frame(kind: int, body: bytearray) -> None:
+        if worker is not None:
+            worker._on_frame(kind, body)
+        elif pending_init is not None and not pending_init.done():
+            pending_init.set_result((kind, body))
+
+    pending_init: asyncio.Future[tuple[int, bytearray]] | None = None
+    try:
+        channel = await Channel.open(parent_sock, on_frame)
+        guardian = Guardian()
+        child = await spawn(
+            name,
+            boot_argv(child_sock.fileno()),
+            full_env,
+            stdout=None,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            pass_fds=(child_sock.fileno(),),
+            channel=channel,
+            tee_err=stderr_tee,
+        )
+        child_sock.close()
+        guardian.watch(child.pgid)
+        channel.send_raw(boot_blob())
+        channel.send(_wire.INIT, init_frame(serve=True, has_init=init_parts is not None))
+        if init_parts is not None:
+            pending_init = asyncio.get_running_loop().create_future()
+            channel.send(_wire.CALL, *init_parts)
+            exited = child.watcher.future
+            waits: set[asyncio.Future[Any]] = {pending_init, exited}
+            await asyncio.wait(
+                waits,
+                timeout=init_timeout,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if pending_init.done():
+                kind, body = pending_init.result()
+                if kind == _wire.ERROR:
+                    exc = rebuild_exception(body)
+                    raise exc if exc is not None else RuntimeError(f"init of {name} failed")
+            elif exited.done():
+                await asyncio.wait(child.output_settled(), timeout=1.0)
+                if pending_init.done() and pending_init.result()[0] == _wire.ERROR:
+                    exc = rebuild_exception(pending_init.result()[1])
+                    raise exc if exc is not None else RuntimeError(f"init of {name} failed")
+                raise BrokenWorkerError(
+                    f"worker {name} (pid {child.pid}) exited with code {exited.result()} "
+                    "during init"
+                )
+            else:
+                raise TimeoutError(
+                    f"worker {name} (pid {child.pid}): init did not finish within "
+                    f"init_timeout={init_timeout:g} s"
+                )
+        worker = WorkerProcess(name, child, channel, guardian, shutdown_timeout, tail)
+        return worker
+    except BaseException:
+        child_sock.close()
+        await shielded(_abandon(child, channel, guardian))
+        raise
+
+
+async def _abandon(child: Child | None, channel: Channel | None, guardian: Guardian | None) -> None:
+    """Kill and reap a worker that failed to start (nothing to be graceful about)."""
+    if child is not None:
+        await stop_groups([child], signal.SIGKILL, 0)
+        await child.close_streams(1.0)
+    elif channel is not None:
+        await channel.aclose()
+    if guardian is not None:
+        await guardian.aclose()
+
+
+class _OpenWorker:
+    """What ``open_worker`` returns: awaitable, and an async context manager."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._kwargs = kwargs
+        self._worker: WorkerProcess | None = None
+
+    def __await__(self) -> Generator[Any, None, WorkerProcess]:
+        return _start_worker(**self._kwargs).__await__()
+
+    async def __aenter__(self) -> WorkerProcess:
+        self._worker = await _start_worker(**self._kwargs)
+        return self._worker
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._worker is not None:
+            await self._worker.aclose()
+
+
+_counter = 0
+
+
+def open_worker(
+    init: Callable[..., Any] | None = None,
+    init_args: tuple[Any, ...] = (),
+    init_timeout: float = 30,
+    shutdown_timeout: float = 60,
+    env: Mapping[str, str] | None = None,
+    name: str | None = None,
+) -> _OpenWorker:
+    """Start a persistent worker process (PyTorch's ``CheckpointProcess``, async).
+
+    ``async with aioproc.open_worker(init=...) as w:`` starts it, runs
+    ``init(*init_args)`` in it once (its return value is the worker state,
+    read by called functions with ``aioproc.worker_state()``, which imports
+    nothing heavy in the worker), and stops it
+    when the block exits.  ``w = await aioproc.open_worker(...)`` also works;
+    then call ``await w.aclose()``.
+
+    Args:
+        init: run once in the worker before any call.
+        init_args: arguments for ``init``.
+        init_timeout: seconds ``init`` may take (``TimeoutError`` beyond).
+        shutdown_timeout: seconds the worker gets to exit after the
+            terminate request before its process group is SIGKILLed.
+        env: extra environment variables for the worker.
+        name: used in messages and as the stderr prefix ``[name]:``.
+
+    Raises:
+        TimeoutError: ``init`` took longer than ``init_timeout``.
+        Exception: whatever ``init`` raised, with the worker's traceback.
+        BrokenWorkerError: the worker died during ``init``.
+
+    Cancellation: a cancelled start kills the half-started worker.
+    """
+    global _counter
+    _counter += 1
+    return _OpenWorker(
+        name=name or f"worker{_counter}",
+        init=init,
+        init_args=tuple(init_args),
+        init_timeout=init_timeout,
+        shutdown_timeout=shutdown_timeout,
+        env=env,
+    )
