@@ -38,77 +38,113 @@ def _decode(data: bytes | bytearray) -> str:
 
 
 class LineSplitter:
-    """Splits a byte stream into lines and progress updates, whatever the chunking."""
+    """Splits a byte stream into lines and progress updates, whatever the chunking.
 
-    __slots__ = ("_held",)
+    State: ``_seg`` is the unfinished line's current segment (the text after
+    its last ``\r``), ``_prev`` the last non-empty segment a ``\r`` ended
+    (a bar's state when the line ends right after a ``\r``), ``_cr`` whether
+    the unfinished line is a progress line.  Every rule depends only on the
+    bytes, never on where chunks end.
+    """
+
+    __slots__ = ("_cr", "_prev", "_seg")
 
     def __init__(self) -> None:
-        self._held = bytearray()
+        self._seg = bytearray()
+        self._prev = b""
+        self._cr = False
 
     def feed(self, data: bytes) -> tuple[list[str], str | None]:
         """Consume ``data``; return the lines it completes and the latest status.
 
         The status is the current state of a progress bar (text after the
-        last ``\\r`` of the unfinished line), or ``None`` if ``data`` did not
+        last ``\r`` of the unfinished line), or ``None`` if ``data`` did not
         update one.
         """
-        held = self._held
-        held += data
-        lines: list[str] = []
-        cut = held.rfind(b"\n")
-        if cut >= 0:
-            for raw in held[:cut].split(b"\n"):
-                lines.extend(_final_state(raw))
-            del held[: cut + 1]
-        status: str | None = None
-        if b"\r" in held:
-            # a terminal shows only the last segment; keep just that one
-            segments = held.split(b"\r")
-            shown = [seg for seg in segments if seg]
-            if shown:
-                status = _decode(shown[-1])
-                held[:] = b"\r" + shown[-1] + (b"" if segments[-1] else b"\r")
+        if not self._cr and b"\r" not in data:
+            lines = self._feed_plain(data)
+            if lines is not None:
+                return lines, None
+        lines = []
+        status_changed = False
+        parts = data.split(b"\n")
+        for i, part in enumerate(parts):
+            if b"\r" in part:
+                pieces = part.split(b"\r")
+                for piece in pieces[:-1]:
+                    self._extend(piece, lines)
+                    if self._seg:
+                        self._prev = bytes(self._seg)
+                        self._seg.clear()
+                    self._cr = status_changed = True
+                self._extend(pieces[-1], lines)
             else:
-                held[:] = b"\r"
-        if len(held) > MAX_LINE:
-            if held[:1] == b"\r":
-                del held[:1]  # a progress marker, not text
-            while len(held) > MAX_LINE:
-                cut = _char_boundary(held, MAX_LINE)
-                lines.append(_decode(held[:cut]))
-                del held[:cut]
-            status = None
+                self._extend(part, lines)
+            if i < len(parts) - 1:
+                lines.append(self._end_line())
+                status_changed = False
+        status = None
+        if status_changed and self._cr:
+            shown = self._seg or self._prev
+            status = _decode(shown) if shown else None
         return lines, status
+
+    def _feed_plain(self, data: bytes) -> list[str] | None:
+        """Fast path for chunks without ``\r``: decode and split whole blocks.
+
+        UTF-8 never uses the byte ``\n`` inside a character, so decoding a
+        block of lines at once gives the same text as line by line.  Returns
+        ``None`` (nothing consumed) when a line may exceed ``MAX_LINE``.
+        """
+        nl = data.rfind(b"\n")
+        if nl < 0:
+            if len(self._seg) + len(data) > MAX_LINE:
+                return None
+            self._seg += data
+            return []
+        block = bytes(self._seg) + data[:nl] if self._seg else data[:nl]
+        lines = _decode(block).split("\n")
+        # a decoded character comes from 1 to 4 bytes, so this bound is safe
+        if len(block) > MAX_LINE and max(map(len, lines)) * 4 > MAX_LINE:
+            return None
+        rest = data[nl + 1 :]
+        if len(rest) > MAX_LINE:
+            return None
+        self._seg[:] = rest
+        return lines
+
+    def _extend(self, piece: bytes, lines: list[str]) -> None:
+        """Add text to the current segment, emitting ``MAX_LINE`` pieces as it grows."""
+        seg = self._seg
+        seg += piece
+        while len(seg) > MAX_LINE:
+            cut = _char_boundary(seg, MAX_LINE)
+            lines.append(_decode(seg[:cut]))
+            del seg[:cut]
+
+    def _end_line(self) -> str:
+        """The text a terminal would leave for the finished line: its last segment."""
+        final = self._seg if self._seg or not self._cr else self._prev
+        text = _decode(final)
+        self._seg = bytearray()
+        self._prev = b""
+        self._cr = False
+        return text
 
     def flush(self) -> list[str]:
         """At EOF: the held partial line (or final progress state), if any."""
-        if not self._held:
+        if not self._seg and not self._cr:
             return []
-        raw, self._held = bytes(self._held), bytearray()
-        return _final_state(raw)
-
-
-def _final_state(raw: bytes | bytearray) -> list[str]:
-    """The text a terminal would leave for one line: its last ``\\r`` segment."""
-    if b"\r" in raw:
-        segments = [s for s in raw.split(b"\r") if s]
-        raw = segments[-1] if segments else b""
-    pieces = []
-    while len(raw) > MAX_LINE:
-        cut = _char_boundary(raw, MAX_LINE)
-        pieces.append(_decode(raw[:cut]))
-        raw = raw[cut:]
-    pieces.append(_decode(raw))
-    return pieces
+        return [self._end_line()]
 
 
 def _char_boundary(data: bytes | bytearray, limit: int) -> int:
     """The largest cut <= ``limit`` that does not split a UTF-8 character."""
-    cut = limit
-    # back up over at most 3 continuation bytes (0b10xxxxxx)
-    while cut > limit - 3 and cut < len(data) and data[cut] & 0xC0 == 0x80:
-        cut -= 1
-    return cut if cut > limit - 3 else limit
+    # a character starts at a byte that is not a continuation byte (0b10xxxxxx)
+    for cut in range(limit, max(limit - 4, 0), -1):
+        if cut >= len(data) or data[cut] & 0xC0 != 0x80:
+            return cut
+    return limit  # not UTF-8 there: any cut will do
 
 
 class LineFramer:

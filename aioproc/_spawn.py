@@ -15,9 +15,11 @@ Exit statuses are reaped here and only here (``os.waitpid`` on our own pid).
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -150,6 +152,21 @@ class Child:
             await self.channel.aclose()
 
 
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031 if sys.platform.startswith("linux") else 0)
+PIPE_SIZE = 1 << 20
+"""Tee pipes are grown to 1 MiB (Linux's default limit for unprivileged users):
+a chatty worker then blocks and wakes the supervisor 16x less often."""
+
+
+def _grow_pipe(fd: int) -> None:
+    if not _F_SETPIPE_SZ:
+        return
+    try:
+        fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_SIZE)
+    except OSError:
+        pass  # over the system's pipe-max-size, or not a pipe: keep the default
+
+
 def _signame(signum: int) -> str:
     try:
         return signal.Signals(signum).name
@@ -195,6 +212,7 @@ async def spawn(
         for pipe, proto in ((popen.stdout, tee_out), (popen.stderr, tee_err)):
             if pipe is None or proto is None:
                 continue
+            _grow_pipe(pipe.fileno())
             transport, _ = await loop.connect_read_pipe(lambda p=proto: p, pipe)  # type: ignore[misc]
             tees.append(proto)
             transports.append(transport)

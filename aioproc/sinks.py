@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import shutil
 import sys
 import time
@@ -74,13 +75,20 @@ class Sink:
 class _Screen:
     """The bottom-of-terminal status area of one text stream (shared)."""
 
-    _screens: dict[int, _Screen] = {}  # noqa: RUF012 - registry keyed by id(stream)
+    # keyed by the terminal itself: stdout and stderr on one tty share a screen
+    _screens: dict[tuple[int, ...], _Screen] = {}  # noqa: RUF012
 
     @classmethod
     def of(cls, stream: TextIO) -> _Screen:
-        screen = cls._screens.get(id(stream))
-        if screen is None or screen.stream is not stream:
-            screen = cls._screens[id(stream)] = cls(stream)
+        try:
+            st = os.fstat(stream.fileno())
+            key: tuple[int, ...] = (st.st_dev, st.st_ino, st.st_rdev)
+        except (AttributeError, OSError, ValueError):
+            key = (id(stream),)
+        screen = cls._screens.get(key)
+        if screen is None:
+            screen = cls._screens[key] = cls(stream)
+        screen.stream = stream
         return screen
 
     def __init__(self, stream: TextIO) -> None:
@@ -88,6 +96,7 @@ class _Screen:
         self.statuses: dict[tuple[int, str, str], str] = {}
         self._drawn = 0  # status lines currently on screen
         self._redraw: asyncio.TimerHandle | None = None
+        self._redraw_loop: asyncio.AbstractEventLoop | None = None
 
     def write_lines(self, text: str) -> None:
         self._write(self._erase() + text + self._render())
@@ -98,9 +107,12 @@ class _Screen:
                 self._write(self._erase() + self._render())
             return
         self.statuses[key] = text
+        loop = asyncio.get_running_loop()
+        if self._redraw is not None and self._redraw_loop is not loop:
+            self._redraw = None  # scheduled on a loop that is gone
         if self._redraw is None:
-            loop = asyncio.get_running_loop()
             self._redraw = loop.call_later(interval, self._redraw_now)
+            self._redraw_loop = loop
 
     def _redraw_now(self) -> None:
         self._redraw = None
@@ -170,14 +182,17 @@ class ConsoleSink(Sink):
     def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
         key = (rank, stream, prefix)
         last = self._last_printed.pop(key, None)
-        if last is not None and len(lines) == 1 and lines[0] == last[1]:
-            return  # the bar's final state was just printed as its last update
+        if last is not None and lines and lines[0] == last[1]:
+            lines = lines[1:]  # the bar's final state was just printed as its last update
+            if not lines:
+                return
         if self._write is not None:
             for line in lines:
                 self._write(f"{prefix}{line}")
             return
         target = self._target(stream)
-        text = "".join(f"{prefix}{line}\n" for line in lines)
+        sep = "\n" + prefix
+        text = prefix + sep.join(lines) + "\n"
         if _isatty(target):
             screen = _Screen.of(target)
             screen.statuses.pop(key, None)
@@ -268,7 +283,9 @@ class CallbackSink(Sink):
 
     def __init__(self, fn: Callable[[OutputLine], Awaitable[Any] | Any]) -> None:
         self._fn = fn
-        self._async = inspect.iscoroutinefunction(fn)
+        self._async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None)  # noqa: B004 - an object with async __call__
+        )
         self._queue: asyncio.Queue[OutputLine | None] | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -321,3 +338,4 @@ class OutputStream(Sink):
     async def _iter(self) -> AsyncIterator[OutputLine]:
         while (rec := await self._queue.get()) is not None:
             yield rec
+        self._queue.put_nowait(None)  # every other iteration ends too

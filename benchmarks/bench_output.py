@@ -1,0 +1,253 @@
+"""P4: the price of tee: 4 workers x 200k lines of 80 bytes through the parent.
+
+Candidate: 4 binary workers (``python -c``, writing 80-byte lines in large
+writes) with ``tee=Std.ALL``: every byte crosses a pipe into the parent,
+which writes it to ``stdout.log`` and hands whole, prefixed lines to a
+``ConsoleSink`` writing to ``/dev/null`` (and to a counting sink).
+Baseline: the same workers with ``redirects=Std.ALL`` and no tee: the
+children write straight to the log files and the parent sees nothing.
+
+Both are timed from ``start_processes`` to the end of ``close()``, interleaved
+(baseline, candidate, baseline, ...) in one event loop; figures are medians.
+Every round checks that every line arrived: each ``stdout.log`` holds
+exactly 200k lines, and (candidate) the sinks got 800k lines.
+
+Parent CPU is ``RUSAGE_SELF`` user+sys over the round; parent threads are
+the OS thread count (``/proc/self/status``) sampled at start, every 100k
+lines the sinks receive (no polling), and at the end: its maximum.
+
+Targets: wall <= 1.15x redirect-only; parent CPU <= 0.5 s; threads no more
+than redirect-only.
+
+    python benchmarks/bench_output.py [--rounds N] [--loop asyncio|uvloop|both]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+from _util import LOOPS, Config, Row, Target, os_thread_count, run_on, uvloop_available
+
+import aioproc
+from aioproc import ConsoleSink, DefaultLogsSpecs, Sink, Std
+
+N_WORKERS = 4
+N_LINES = 200_000
+LINE = b"x" * 79 + b"\n"  # 80 bytes with its newline
+WAIT_TIMEOUT = 120.0
+
+# A worker: N_LINES lines of 80 bytes to stdout in writes of 8192 lines (640 kB).
+WRITER = (
+    "import os, sys\n"
+    "n = int(sys.argv[1]); block = 8192\n"
+    f"line = {LINE!r}\n"
+    "def put(data):\n"
+    "    view = memoryview(data)\n"
+    "    while view:\n"
+    "        view = view[os.write(1, view):]\n"
+    "chunk = line * block\n"
+    "for _ in range(n // block):\n"
+    "    put(chunk)\n"
+    "put(line * (n % block))\n"
+)
+
+
+class CountingSink(Sink):
+    """Counts lines and samples the parent's thread count every 100k lines."""
+
+    SAMPLE_EVERY = 100_000
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.max_threads = os_thread_count()
+        self._next_sample = self.SAMPLE_EVERY
+
+    def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
+        self.count += len(lines)
+        if self.count >= self._next_sample:
+            self._next_sample += self.SAMPLE_EVERY
+            self.max_threads = max(self.max_threads, os_thread_count())
+
+
+def _cpu_self() -> float:
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return me.ru_utime + me.ru_stime
+
+
+def _count_lines(path: str) -> int:
+    count = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            count += block.count(b"\n")
+    return count
+
+
+async def _one_round(tee: bool) -> dict[str, float]:
+    """Run the 4 writers once; return wall, parent CPU and max threads of the round."""
+    log_dir = tempfile.mkdtemp(prefix="aioproc-p4-")
+    counter = CountingSink()
+    try:
+        with open(os.devnull, "w") as devnull:
+            if tee:
+                spec = DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL)
+                sinks: list[Any] = [ConsoleSink(stream=devnull), counter]
+            else:
+                spec = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL)
+                sinks = [ConsoleSink(stream=devnull)]
+            threads = os_thread_count()
+            cpu0 = _cpu_self()
+            t0 = time.perf_counter()
+            pc = await aioproc.start_processes(
+                "p4",
+                sys.executable,
+                args={r: ("-c", WRITER, str(N_LINES)) for r in range(N_WORKERS)},
+                envs={r: {} for r in range(N_WORKERS)},
+                logs_specs=spec,
+                sinks=sinks,
+            )
+            try:
+                threads = max(threads, os_thread_count())
+                result = await pc.wait(WAIT_TIMEOUT)
+            finally:
+                await pc.close()
+            wall = time.perf_counter() - t0
+            cpu = _cpu_self() - cpu0
+            threads = max(threads, os_thread_count(), counter.max_threads)
+        if result is None or result.is_failed():
+            raise AssertionError(f"P4: writers failed or timed out: {result}")
+        counts = {r: _count_lines(pc.stdouts[r]) for r in range(N_WORKERS)}
+        if any(c != N_LINES for c in counts.values()):
+            raise AssertionError(f"P4: stdout.log line counts {counts}, expected {N_LINES} each")
+        if tee and counter.count != N_WORKERS * N_LINES:
+            raise AssertionError(
+                f"P4: the sinks got {counter.count} lines, expected {N_WORKERS * N_LINES}"
+            )
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    return {"wall": wall, "cpu": cpu, "threads": float(threads)}
+
+
+async def bench_p4(rounds: int) -> list[dict[str, Any]]:
+    """P4 on the running event loop: ``rounds`` interleaved rounds after one warm-up.
+
+    Returns one dict per figure (wall, parent CPU, parent threads) with the
+    keys ``bench, candidate, baseline, unit, ratio, target, passed, note``;
+    times are in seconds (``unit == "s"``).  Raises ``AssertionError`` when a
+    round loses a line.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds!r}")
+    base: list[dict[str, float]] = []
+    cand: list[dict[str, float]] = []
+    for i in range(1 + rounds):
+        b = await _one_round(tee=False)
+        c = await _one_round(tee=True)
+        if i:  # the first pair warms up (page cache, imports)
+            base.append(b)
+            cand.append(c)
+
+    def med(samples: list[dict[str, float]], key: str) -> float:
+        return statistics.median(s[key] for s in samples)
+
+    size = f"{N_WORKERS} binary workers x {N_LINES // 1000}k lines x {len(LINE)} B"
+    wall_b, wall_c = med(base, "wall"), med(cand, "wall")
+    cpu_b, cpu_c = med(base, "cpu"), med(cand, "cpu")
+    thr_b = max(s["threads"] for s in base)
+    thr_c = max(s["threads"] for s in cand)
+    return [
+        {
+            "bench": f"P4 tee=ALL wall, {size}",
+            "candidate": wall_c,
+            "baseline": wall_b,
+            "unit": "s",
+            "ratio": wall_c / wall_b,
+            "target": "<= 1.15x",
+            "passed": wall_c <= 1.15 * wall_b,
+            "note": f"baseline: redirects=ALL, no tee; median of {rounds} rounds",
+        },
+        {
+            "bench": "P4 tee=ALL parent CPU",
+            "candidate": cpu_c,
+            "baseline": cpu_b,
+            "unit": "s",
+            "ratio": cpu_c / cpu_b if cpu_b else float("inf"),
+            "target": "<= 0.5 s",
+            "passed": cpu_c <= 0.5,
+            "note": "RUSAGE_SELF user+sys per round, start to close",
+        },
+        {
+            "bench": "P4 tee=ALL parent OS threads (max)",
+            "candidate": float(thr_c),
+            "baseline": float(thr_b),
+            "unit": "threads",
+            "ratio": thr_c / thr_b,
+            "target": "== baseline",
+            "passed": thr_c <= thr_b,
+            "note": "sampled at start, every 100k lines, at the end",
+        },
+    ]
+
+
+_TARGETS = {
+    "<= 1.15x": Target("ratio", 1.15),
+    "<= 0.5 s": Target("max", 0.5, "ms"),
+    "== baseline": Target("equal"),
+}
+
+
+def to_rows(loop: str, figures: list[dict[str, Any]]) -> list[Row]:
+    """``bench_p4``'s dicts as ``_util.Row``s (times shown in ms) for the table."""
+    rows = []
+    for f in figures:
+        unit = "ms" if f["unit"] == "s" else f["unit"]
+        timed = f["bench"].startswith("P4 tee=ALL wall")
+        rows.append(
+            Row(
+                f["bench"],
+                loop,
+                f["candidate"],
+                f["baseline"],
+                unit,
+                _TARGETS.get(f["target"]),
+                f["note"],
+                timed=timed,
+            )
+        )
+    return rows
+
+
+def p4(cfg: Config) -> list[Row]:
+    """``run_all`` entry: P4 on every configured loop (3 rounds in quick mode)."""
+    rounds = min(cfg.rounds, 3) if cfg.quick else cfg.rounds
+    rows: list[Row] = []
+    for loop in cfg.loops:
+        rows += to_rows(loop, run_on(loop, lambda: bench_p4(rounds)))
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    from _util import format_table
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--loop", choices=("asyncio", "uvloop", "both"), default="both")
+    args = p.parse_args(argv)
+    loops = LOOPS if args.loop == "both" else (args.loop,)
+    loops = tuple(x for x in loops if x != "uvloop" or uvloop_available())
+    rows: list[Row] = []
+    for loop in loops:
+        rows += to_rows(loop, run_on(loop, lambda: bench_p4(args.rounds)))
+    print(format_table(rows))
+    return 0  # like run_all: a missed target is reported, not an error
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
