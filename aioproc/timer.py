@@ -180,7 +180,10 @@ class _Expires:
 
 
 def _channel(warn_stacklevel: int = 0) -> int:
-    """The watchdog fd, configuring on first use; -1 when not enforced."""
+    """The watchdog fd, configuring on first use; -1 when not enforced.
+
+    A non-zero ``warn_stacklevel`` (counted from here) warns once when -1.
+    """
     global _warned
     fd = _fd
     if fd is None:
@@ -194,7 +197,7 @@ def _channel(warn_stacklevel: int = 0) -> int:
         warnings.warn(
             f"aioproc.timer.expires is a no-op here: {_disabled_reason}",
             RuntimeWarning,
-            stacklevel=warn_stacklevel + 1,
+            stacklevel=warn_stacklevel,
         )
     return fd
 
