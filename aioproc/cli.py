@@ -24,10 +24,11 @@ import logging
 import os
 import signal
 import sys
+import warnings
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     from ._live import LiveView
@@ -97,21 +98,16 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (
-            "(default" not in text
-            and action.option_strings
-            and action.default is not argparse.SUPPRESS
-            and action.nargs != 0
-        ):
-            text += " (default: %(default)s)"
-        return text
+        if "(default" in text or not action.option_strings or action.default is argparse.SUPPRESS:
+            return text
+        if action.nargs == 0:  # a switch
+            return text + (" (default: off)" if action.default is False else "")
+        return text + " (default: %(default)s)"
 
     def _format_action_invocation(self, action: argparse.Action) -> str:
         shown = [s for s in action.option_strings if "_" not in s]
         if shown and len(shown) != len(action.option_strings):
-            action = argparse.Action(
-                shown, action.dest, nargs=action.nargs, metavar=action.metavar
-            )
+            action = argparse.Action(shown, action.dest, nargs=action.nargs, metavar=action.metavar)
         return super()._format_action_invocation(action)
 
 
@@ -311,6 +307,7 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="seconds between SIGTERM (or the signal received) and SIGKILL when stopping workers",
     )
     add(
+        "-r",
         "--redirects",
         type=_parse_std,
         default="0",
@@ -388,6 +385,7 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         dest="start_method",
         choices=["spawn"],
         default="spawn",
+        metavar="{spawn}",
         help="how workers are started; only spawn (fork and forkserver are not supported)",
     )
     add(
@@ -456,8 +454,7 @@ def _make_run(ns: argparse.Namespace) -> _Run:
     else:
         entrypoint = sys.executable
         args = ["-u", *(["-m"] if ns.module else []), ns.script, *ns.script_args]
-    redirects = _as_std(ns.redirects)
-    tee = _as_std(ns.tee)
+    redirects, tee = ns.redirects, ns.tee  # argparse parses string defaults too
     live = not ns.no_live and _live_possible()
     logs_specs: LogsSpecs
     if live:
@@ -496,12 +493,6 @@ def _make_run(ns: argparse.Namespace) -> _Run:
     )
 
 
-def _as_std(value: Std | dict[int, Std] | str) -> Std | dict[int, Std]:
-    if isinstance(value, str):  # an argparse default is the unparsed string
-        return _parse_std(value)
-    return value
-
-
 def _live_possible() -> bool:
     """Whether stdout is a terminal the live view can draw on (rich installed)."""
     try:
@@ -529,7 +520,7 @@ async def _supervise(run: _Run) -> int:
         view = LiveView(
             run.spec.role, run.spec.local_world_size, run.spec.max_restarts, title=run.name
         )
-        show_event: Callable[[AgentEvent], None] = view.on_event
+        show_event: Callable[[AgentEvent], None] = _show_on(view)
     else:
         show_event = _log_event
     agent = LocalElasticAgent(
@@ -542,31 +533,29 @@ async def _supervise(run: _Run) -> int:
         on_event=show_event,
     )
     try:
-        if view is not None:
-            view.start()
-        async with translate_signals(run.signals):
-            result = await agent.run()
+        try:
+            if view is not None:
+                view.start()
+            async with translate_signals(run.signals):
+                result = await agent.run()
+        finally:
+            if view is not None:
+                view.stop()  # before anything else is printed
     except SignalException as e:
-        if view is not None:
-            view.stop()
         sig = signal.Signals(e.sigval)
         _error(f"got {sig.name}: the workers were stopped")
         return 128 + int(sig)
     except OSError as e:  # a --no-python binary that cannot be run, an unusable --log-dir
-        if view is not None:
-            view.stop()
         _error(str(e))
         return 1
-    finally:
-        if view is not None:
-            view.stop()
-    if result.is_failed() and result.failures:
+    if not result.is_failed():
+        return 0
+    if result.failures:
         _print_stderr(ChildFailedError(run.name, result.failures).format_msg())
-        return 1
-    return 1 if result.is_failed() else 0
+    return 1
 
 
-def describe_event(event: AgentEvent) -> tuple[int, str] | None:
+def _describe_event(event: AgentEvent) -> tuple[int, str] | None:
     """A log level and line for the agent events a user should hear about."""
     from .agent import events as ev
 
@@ -583,20 +572,23 @@ def describe_event(event: AgentEvent) -> tuple[int, str] | None:
         )
     if event.kind == ev.RESTART_SCHEDULED:
         return logging.WARNING, f"{role} restarting the worker group: {event.message}"
-    if event.kind == ev.WATCHDOG_FIRED:
-        return (
-            logging.WARNING,
-            f"{role} local_rank {event.local_rank} (pid {event.pid}): {event.message}",
-        )
-    if event.kind == ev.SIGNAL_RECEIVED:
-        return logging.WARNING, f"{role} received {event.signal}: stopping the workers"
     if event.kind == ev.GROUP_SUCCEEDED and event.message:
         return logging.INFO, f"{role} worker group succeeded: {event.message}"
     return None
 
 
+def _show_on(view: LiveView) -> Callable[[AgentEvent], None]:
+    def show(event: AgentEvent) -> None:
+        view.on_event(event)
+        said = _describe_event(event)
+        if said is not None and said[0] >= logger.getEffectiveLevel():
+            view.note(f"{PROG}: {said[1]}")
+
+    return show
+
+
 def _log_event(event: AgentEvent) -> None:
-    said = describe_event(event)
+    said = _describe_event(event)
     if said is not None:
         logger.log(*said)
 
@@ -623,7 +615,22 @@ class _StderrHandler(logging.Handler):
             self.handleError(record)
 
 
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    """Warnings (such as ``ForcedKillWarning``) as one line, without our source line."""
+    _print_stderr(f"{PROG}: {category.__name__}: {message}")
+
+
 def _configure_logging() -> Callable[[], None]:
+    """Log to stderr at ``LOGLEVEL``; return a function undoing it."""
+    previous_showwarning = warnings.showwarning
+    warnings.showwarning = _show_warning
     root = logging.getLogger()
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s:%(name)s:%(message)s"))
@@ -636,6 +643,7 @@ def _configure_logging() -> Callable[[], None]:
         root.setLevel(logging.WARNING)
 
     def restore() -> None:
+        warnings.showwarning = previous_showwarning
         root.removeHandler(handler)
         root.setLevel(previous)
 

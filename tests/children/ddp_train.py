@@ -14,7 +14,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 @record
 def main() -> None:
-    fail_rank = int(sys.argv[sys.argv.index("--fail-rank") + 1]) if "--fail-rank" in sys.argv else -1
+    fail_rank = (
+        int(sys.argv[sys.argv.index("--fail-rank") + 1]) if "--fail-rank" in sys.argv else -1
+    )
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)

@@ -1,0 +1,704 @@
+"""``aioproc run``: the real command in a subprocess, as a user runs it.
+
+Async tests run the command on the same kind of event loop as the test
+(``AIOPROC_LOOP``), so the suite covers the CLI on asyncio and on uvloop.
+The live view is checked on a pseudo-terminal with a small terminal emulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import glob
+import json
+import os
+import pty
+import re
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import termios
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from helpers import pid_gone
+
+from aioproc.agent import RestartPolicy
+from aioproc.cli import parse_backoff, parse_nproc
+
+CHILDREN = Path(__file__).parent / "children"
+ENV_SCRIPT = str(CHILDREN / "cli_env.py")
+FAIL_SCRIPT = str(CHILDREN / "cli_fail.py")
+RESTART_SCRIPT = str(CHILDREN / "cli_restart.py")
+SLEEP_SCRIPT = str(CHILDREN / "cli_sleep.py")
+LIVE_SCRIPT = str(CHILDREN / "cli_live.py")
+WATCHDOG_SCRIPT = str(CHILDREN / "cli_watchdog.py")
+LIMIT = 30.0
+CLI = [sys.executable, "-m", "aioproc"]
+
+
+# ----------------------------------------------------------------- helpers
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment for the command: ours, on the test's kind of loop."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    env["AIOPROC_LOOP"] = loop_name()
+    env["OMP_NUM_THREADS"] = "1"  # keeps the agent's OMP warning out of the output
+    env.update(extra)
+    return env
+
+
+def loop_name() -> str:
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return "asyncio"
+    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+
+
+async def aioproc_run(*args: str, cwd: str | None = None, timeout: float = LIMIT) -> Result:
+    """Run ``aioproc run args``; logs go to a temp dir unless ``--log-dir`` is given."""
+    with tempfile.TemporaryDirectory(prefix="test_cli_") as logs:
+        log_dir = [] if "--log-dir" in args else ["--log-dir", logs]
+        proc = await asyncio.create_subprocess_exec(
+            *CLI,
+            "run",
+            *log_dir,
+            *args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=cli_env(),
+            cwd=cwd,
+        )
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), timeout)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.communicate()
+    assert proc.returncode is not None
+    return Result(proc.returncode, out.decode(), err.decode())
+
+
+def env_reports(out: str, prefix: str = "[default{rank}]:") -> dict[int, dict[str, object]]:
+    """The ``ENV {...}`` lines of cli_env.py workers, by the rank in their prefix."""
+    reports: dict[int, dict[str, object]] = {}
+    pattern = re.escape(prefix).replace(re.escape("{rank}"), r"(\d+)") + r"ENV (\{.*\})$"
+    for line in out.splitlines():
+        m = re.match(pattern, line)
+        if m:
+            reports[int(m[1])] = json.loads(m[2])
+    return reports
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def summary_sections(err: str) -> tuple[str, str]:
+    """The "Failures:" and "Root Cause" sections of torchrun's failure summary."""
+    assert "Failures:" in err and "Root Cause (first observed failure):" in err, err
+    others = err.split("Failures:", 1)[1].split("Root Cause (first observed failure):")[0]
+    root = err.split("Root Cause (first observed failure):", 1)[1]
+    return others, root
+
+
+# ----------------------------------------------------------------- success
+
+
+async def test_success_gives_torchrun_env_and_prefixed_lines() -> None:
+    r = await aioproc_run(
+        "--nproc-per-node", "2", "--tee", "3", ENV_SCRIPT, "--flag", "x${local_rank}"
+    )
+    assert r.code == 0, r.err
+    reports = env_reports(r.out)
+    assert sorted(reports) == [0, 1], r.out
+    ports = {rep["MASTER_PORT"] for rep in reports.values()}
+    run_ids = {rep["TORCHELASTIC_RUN_ID"] for rep in reports.values()}
+    assert len(ports) == 1 and len(run_ids) == 1
+    port = int(str(ports.pop()))
+    assert 0 < port < 65536
+    for rank, rep in reports.items():
+        assert rep["RANK"] == rep["LOCAL_RANK"] == rep["ROLE_RANK"] == str(rank)
+        assert rep["WORLD_SIZE"] == rep["LOCAL_WORLD_SIZE"] == rep["ROLE_WORLD_SIZE"] == "2"
+        assert rep["GROUP_RANK"] == "0" and rep["GROUP_WORLD_SIZE"] == "1"
+        assert rep["ROLE_NAME"] == "default"
+        assert rep["MASTER_ADDR"] == "127.0.0.1"
+        assert rep["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert rep["TORCHELASTIC_MAX_RESTARTS"] == "0"
+        error_file = str(rep["TORCHELASTIC_ERROR_FILE"])
+        assert error_file.endswith(os.path.join("attempt_0", str(rank), "error.json"))
+        assert rep["ARGS"] == ["--flag", f"x{rank}"]
+        assert rep["SIGHUP"] == "default"  # the agent ignores SIGHUP, its workers do not
+
+
+async def test_without_tee_output_is_inherited_unprefixed() -> None:
+    r = await aioproc_run("--nproc-per-node", "2", ENV_SCRIPT)
+    assert r.code == 0, r.err
+    lines = r.out.splitlines()
+    assert len(lines) == 2 and all(line.startswith("ENV {") for line in lines), r.out
+    assert sorted(json.loads(line[4:])["RANK"] for line in lines) == ["0", "1"]
+
+
+async def test_torchrun_spellings_and_rendezvous_flags() -> None:
+    port = free_port()
+    r = await aioproc_run(
+        "--nproc_per_node=2",
+        "--max_restarts=0",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        "--rdzv_id=job42",
+        "--role=trainer",
+        "--tee=0:1,1:1",
+        "--standalone",
+        "--nnodes=1:1",
+        "--monitor_interval=0.5",
+        ENV_SCRIPT,
+    )
+    assert r.code == 0, r.err
+    reports = env_reports(r.out, "[trainer{rank}]:")
+    assert sorted(reports) == [0, 1], r.out
+    for rep in reports.values():
+        assert rep["MASTER_PORT"] == str(port)
+        assert rep["TORCHELASTIC_RUN_ID"] == "job42"
+        assert rep["ROLE_NAME"] == "trainer"
+
+
+async def test_module_flag_runs_python_dash_m() -> None:
+    r = await aioproc_run("--nproc-per-node", "2", "--tee", "3", "-m", "cli_env", cwd=str(CHILDREN))
+    assert r.code == 0, r.err
+    assert sorted(env_reports(r.out)) == [0, 1], r.out
+
+
+async def test_no_python_runs_the_binary_directly() -> None:
+    r = await aioproc_run(
+        "--nproc-per-node", "2", "--tee", "3", "--no-python",
+        "sh", "-c", 'echo "rank $RANK of $WORLD_SIZE"',
+    )  # fmt: skip
+    assert r.code == 0, r.err
+    assert sorted(r.out.splitlines()) == ["[default0]:rank 0 of 2", "[default1]:rank 1 of 2"]
+
+
+async def test_local_ranks_filter_shows_only_those_ranks() -> None:
+    r = await aioproc_run(
+        "--nproc-per-node", "3", "--tee", "3", "--local-ranks-filter", "0,2", ENV_SCRIPT
+    )
+    assert r.code == 0, r.err
+    assert sorted(env_reports(r.out)) == [0, 2], r.out
+    assert "[default1]:" not in r.out
+
+
+# ----------------------------------------------------------------- failure
+
+
+async def test_failure_prints_torchrun_summary_with_the_traceback() -> None:
+    r = await aioproc_run("--nproc-per-node", "2", "--tee", "3", FAIL_SCRIPT)
+    assert r.code == 1, r.err
+    assert f"{FAIL_SCRIPT} FAILED" in r.err
+    others, root = summary_sections(r.err)
+    assert "rank      : 1 (local_rank: 1)" in root
+    assert "exitcode  : 1 (pid: " in root
+    assert re.search(r"error_file: \S+attempt_0/1/error\.json", root), root
+    assert "Traceback (most recent call last):" in root
+    assert 'raise ValueError(f"boom from rank {rank}")' in root
+    assert "ValueError: boom from rank 1" in root
+    # rank 0 was stopped because rank 1 failed: listed, but not the root cause
+    assert "rank      : 0 (local_rank: 0)" in others
+    assert "exitcode  : -15" in others and "(stopped by aioproc)" in others
+    # the worker's own stderr was tee'd too
+    assert "[default1]:ValueError: boom from rank 1" in r.err
+
+
+async def test_restarts_until_success_with_an_attempt_dir_each(tmp_path: Path) -> None:
+    log_dir = tmp_path / "logs"
+    r = await aioproc_run(
+        "--nproc-per-node", "2", "--max-restarts", "2", "--tee", "3",
+        "--log-dir", str(log_dir), "--run-id", "job", RESTART_SCRIPT, "2",
+    )  # fmt: skip
+    assert r.code == 0, r.err
+    # rank 1 of a failed attempt may be stopped before it says anything
+    said = set(r.out.splitlines())
+    want = {f"[default0]:attempt {a} rank 0" for a in range(3)} | {"[default1]:attempt 2 rank 1"}
+    assert want <= said, r.out
+    assert said <= want | {f"[default1]:attempt {a} rank 1" for a in range(2)}, r.out
+    assert r.err.count("restarting the worker group") == 2, r.err
+    run_dirs = glob.glob(str(log_dir / "job_*"))
+    assert len(run_dirs) == 1, run_dirs
+    attempts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dirs[0], "*")))
+    assert attempts == ["attempt_0", "attempt_1", "attempt_2"]
+    for a, k in [(0, 0), (1, 0), (2, 0), (2, 1)]:
+        log = Path(run_dirs[0], f"attempt_{a}", str(k), "stdout.log")
+        assert log.read_text() == f"attempt {a} rank {k}\n"
+
+
+async def test_restarts_used_up_fail_with_the_last_attempts_summary() -> None:
+    r = await aioproc_run("--max-restarts", "1", RESTART_SCRIPT, "5")
+    assert r.code == 1, r.err
+    assert r.out.splitlines() == ["attempt 0 rank 0", "attempt 1 rank 0"]
+    assert "restart 1 of 1" in r.err
+    _, root = summary_sections(r.err)
+    assert "exitcode  : 3" in root
+    assert re.search(r"error_file: <N/A>", root)
+
+
+async def test_backoff_delays_the_restart() -> None:
+    started = time.monotonic()
+    r = await aioproc_run("--max-restarts", "1", "--backoff", "0.3,2,10", RESTART_SCRIPT, "1")
+    assert r.code == 0, r.err
+    assert time.monotonic() - started >= 0.3
+    assert "restart 1 of 1 in 0.3 s" in r.err, r.err
+
+
+async def test_watchdog_flag_serves_timers_to_the_workers() -> None:
+    r = await aioproc_run("--nproc-per-node", "2", "--watchdog", WATCHDOG_SCRIPT)
+    assert r.code == 1, r.err
+    assert f"{WATCHDOG_SCRIPT} FAILED" in r.err
+    _, root = summary_sections(r.err)
+    assert "rank      : 1 (local_rank: 1)" in root
+    assert "exitcode  : -9" in root
+    assert "watchdog timer 'stuck step' expired after 0.3 s" in root
+
+
+# ----------------------------------------------------------------- signals
+
+
+async def start_sleepers(
+    log_dir: Path, *args: str, n: int = 2
+) -> tuple[asyncio.subprocess.Process, list[int]]:
+    """Start the command on cli_sleep.py workers; return it once all said ready."""
+    proc = await asyncio.create_subprocess_exec(
+        *CLI,
+        "run",
+        "--log-dir",
+        str(log_dir),
+        "--nproc-per-node",
+        str(n),
+        *args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(),
+    )
+    assert proc.stdout is not None
+    pids: list[int] = []
+    try:
+        while len(pids) < n:
+            line = await asyncio.wait_for(proc.stdout.readline(), LIMIT)
+            assert line, "the command ended before its workers were ready"
+            pids += [int(pid) for pid in re.findall(rb"ready (\d+)", line)]
+    except BaseException:
+        proc.kill()
+        await proc.communicate()
+        raise
+    return proc, pids
+
+
+@pytest.mark.parametrize(
+    ("flags", "signals", "code"),
+    [
+        ((), (signal.SIGTERM,), 128 + signal.SIGTERM),
+        ((), (signal.SIGINT,), 128 + signal.SIGINT),
+        ((), (signal.SIGHUP, signal.SIGTERM), 128 + signal.SIGTERM),
+        (("--forward-sighup",), (signal.SIGHUP,), 128 + signal.SIGHUP),
+    ],
+    ids=["SIGTERM", "SIGINT", "SIGHUP-ignored", "SIGHUP-forwarded"],
+)
+async def test_signal_stops_the_workers_and_sets_the_exit_code(
+    flags: tuple[str, ...], signals: tuple[signal.Signals, ...], code: int, tmp_path: Path
+) -> None:
+    proc, pids = await start_sleepers(
+        tmp_path, "--tee", "3", "--grace-period", "20", *flags, SLEEP_SCRIPT
+    )
+    for sig in signals:
+        proc.send_signal(sig)
+    _, err = await asyncio.wait_for(proc.communicate(), LIMIT)
+    assert proc.returncode == code, err.decode()
+    assert f"got {signal.Signals(code - 128).name}" in err.decode()
+    assert [pid for pid in pids if not pid_gone(pid)] == []
+
+
+async def test_workers_ignoring_sigterm_are_killed_after_the_grace_period(
+    tmp_path: Path,
+) -> None:
+    proc, pids = await start_sleepers(tmp_path, "--grace-period", "1", SLEEP_SCRIPT, "stubborn")
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = await asyncio.wait_for(proc.communicate(), LIMIT)
+    took = time.monotonic() - signalled
+    assert proc.returncode == 128 + signal.SIGTERM, err.decode()
+    assert 0.9 <= took < 1 + 10, took
+    assert "ForcedKillWarning" in err.decode()
+    assert [pid for pid in pids if not pid_gone(pid)] == []
+
+
+# ---------------------------------------------------------- command line
+
+RUN_FLAGS = [
+    "--nproc-per-node",
+    "--nnodes",
+    "--standalone",
+    "--max-restarts",
+    "--backoff",
+    "--monitor-interval",
+    "--grace-period",
+    "--redirects",
+    "--tee",
+    "--log-dir",
+    "--local-ranks-filter",
+    "--log-line-prefix-template",
+    "--role",
+    "--run-id",
+    "--master-addr",
+    "--master-port",
+    "--start-method",
+    "--no-python",
+    "--module",
+    "--watchdog",
+    "--no-live",
+    "--forward-sighup",
+]
+
+
+def test_help_lists_every_flag_with_its_default() -> None:
+    proc = subprocess.run(
+        [*CLI, "run", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        env=cli_env(COLUMNS="100"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    # one block per option: from its line ("  -x, --xxx ...") to the next option
+    blocks: dict[str, str] = {}
+    current = ""
+    options = proc.stdout.split("\noptions:\n", 1)[1].split("\n\n", 1)[0]
+    for line in options.splitlines():
+        m = re.match(r"  (-\w( \S+)?, )?(?P<flag>--[\w-]+)", line)
+        if m:
+            current = m["flag"]
+            blocks[current] = ""
+        elif not line.strip() or not line.startswith("   "):
+            current = ""
+        if current:
+            blocks[current] += " " + line.strip()
+    assert "-r STD, --redirects STD" in proc.stdout  # torchrun's short options
+    for flag in RUN_FLAGS:
+        assert flag in blocks, f"{flag} missing from --help:\n{proc.stdout}"
+        assert "(default:" in blocks[flag], f"{flag} has no default in --help: {blocks[flag]}"
+    assert "SIGHUP" in proc.stdout and "torchrun" in proc.stdout
+    assert "--rdzv-id" in blocks["--run-id"]
+
+
+def test_version() -> None:
+    from aioproc import __version__
+
+    proc = subprocess.run(
+        [*CLI, "--version"], capture_output=True, text=True, timeout=LIMIT, env=cli_env()
+    )
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == f"aioproc {__version__}"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nproc-per-node", "gpu"], "does not count GPUs"),
+        (["--nproc-per-node", "0"], "positive number"),
+        (["--tee", "7"], "invalid Std value"),
+        (["--redirects", "0:3,0:1"], "given twice"),
+        (["--backoff", "1,2"], "initial,factor,max"),
+        (["--backoff", "1,0.5,10"], "factor must be >= 1"),
+        (["--start-method", "fork"], "invalid choice"),
+        (["--no-python", "-m"], "cannot be used together"),
+        (["--nnodes", "2"], "--nnodes must be 1"),
+        (["--local-ranks-filter", "a"], "comma-separated local ranks"),
+        (["--master-port", "70000"], "TCP port"),
+        (["--grace-period", "-1"], ">= 0"),
+    ],
+)
+def test_usage_errors_exit_2_with_a_message(args: list[str], message: str) -> None:
+    proc = subprocess.run(
+        [*CLI, "run", *args, ENV_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        env=cli_env(),
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_unknown_event_loop_is_a_usage_error() -> None:
+    proc = subprocess.run(
+        [*CLI, "run", ENV_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        env=cli_env(AIOPROC_LOOP="trio"),
+    )
+    assert proc.returncode == 2
+    assert "AIOPROC_LOOP" in proc.stderr
+
+
+def test_no_command_prints_help() -> None:
+    proc = subprocess.run(CLI, capture_output=True, text=True, timeout=LIMIT, env=cli_env())
+    assert proc.returncode == 2
+    assert "run" in proc.stderr and "usage:" in proc.stderr
+
+
+def test_nproc_and_backoff_parsing() -> None:
+    assert parse_nproc("4") == 4
+    assert parse_nproc("cpu") == parse_nproc("auto") == (os.cpu_count() or 1)
+    assert parse_backoff("1,2,60") == RestartPolicy(initial_delay=1, factor=2, max_delay=60)
+    assert parse_backoff(" 0.5, 3, 9, 0.1 ") == RestartPolicy(
+        initial_delay=0.5, factor=3, max_delay=9, jitter=0.1
+    )
+
+
+# -------------------------------------------------------------- live view
+
+
+class Terminal:
+    """A minimal terminal: text, CR, LF and CSI A/B/F (up/down), J and K (erase).
+
+    Other escapes (colours, cursor visibility) are ignored.  Every line ever
+    written is kept (scrollback included), so the final screen is the whole
+    transcript as a user would scroll through it.
+    """
+
+    TOKEN = re.compile(r"\x1b\[([0-9;?]*)([@-~])|\x1b[@-_]|\r|\n|[^\x1b\r\n]+")
+
+    def __init__(self) -> None:
+        self.rows: list[list[str]] = [[]]
+        self.row = 0
+        self.col = 0
+
+    def feed(self, text: str) -> None:
+        for m in self.TOKEN.finditer(text):
+            tok = m.group(0)
+            if m.group(2):
+                self._csi(m.group(1), m.group(2))
+            elif tok.startswith("\x1b"):
+                continue
+            elif tok == "\r":
+                self.col = 0
+            elif tok == "\n":
+                self._down(1)
+                self.col = 0  # the pty's onlcr sends CR LF anyway
+            else:
+                self._put(tok)
+
+    def _down(self, n: int) -> None:
+        self.row += n
+        while len(self.rows) <= self.row:
+            self.rows.append([])
+
+    def _csi(self, params: str, final: str) -> None:
+        n = int(params) if params.isdigit() else 1
+        line = self.rows[self.row]
+        if params.startswith("?"):
+            return  # ESC[?25l / ESC[?25h: cursor visibility
+        if final == "A":
+            self.row = max(0, self.row - n)
+        elif final == "B":
+            self._down(n)
+        elif final == "F":
+            self.row = max(0, self.row - n)
+            self.col = 0
+        elif final == "J" and params in ("", "0"):
+            del line[self.col :]
+            del self.rows[self.row + 1 :]
+        elif final == "K" and params in ("", "0"):
+            del line[self.col :]
+        elif final == "K" and params == "1":
+            line[: self.col] = [" "] * min(self.col, len(line))
+        elif final == "K" and params == "2":
+            line.clear()
+
+    def _put(self, text: str) -> None:
+        line = self.rows[self.row]
+        if len(line) < self.col:
+            line += [" "] * (self.col - len(line))
+        line[self.col : self.col + len(text)] = list(text)
+        self.col += len(text)
+
+    def screen(self) -> list[str]:
+        lines = ["".join(r).rstrip() for r in self.rows]
+        while lines and not lines[-1]:
+            lines.pop()
+        return lines
+
+
+def test_terminal_emulator() -> None:
+    term = Terminal()
+    term.feed("\x1b[?25lone\r\ntwo\r\nrow 1\r\nrow 2\r\x1b[2K\x1b[1A\x1b[2Kthree\r\nrow 3\r\n")
+    assert term.screen() == ["one", "two", "three", "row 3"]
+    term.feed("\x1b[1F\x1b[Jabc\rx\x1b[0m\x1b[1B\x1b[1Ay\x1b[K\x1b[?25h")
+    assert term.screen() == ["one", "two", "three", "xy"]
+
+
+def run_on_pty(
+    args: list[str],
+    columns: int = 100,
+    lines: int = 40,
+    signal_when: tuple[bytes, int, signal.Signals] | None = None,
+) -> tuple[int, list[str], bytes]:
+    """Run ``aioproc run args`` on a pseudo-terminal: exit code, final screen, raw bytes.
+
+    ``signal_when=(pattern, n, sig)`` sends ``sig`` to the command once
+    ``pattern`` has appeared ``n`` times in what it drew.
+    """
+    with tempfile.TemporaryDirectory(prefix="test_cli_") as logs:
+        return _run_on_pty(["--log-dir", logs, *args], columns, lines, signal_when)
+
+
+def _run_on_pty(
+    args: list[str],
+    columns: int,
+    lines: int,
+    signal_when: tuple[bytes, int, signal.Signals] | None,
+) -> tuple[int, list[str], bytes]:
+    master, slave = pty.openpty()
+    try:
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", lines, columns, 0, 0))
+        env = cli_env(COLUMNS=str(columns), LINES=str(lines), TERM="xterm-256color")
+        for key in ("NO_COLOR", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
+            env.pop(key, None)
+        proc = subprocess.Popen(
+            [*CLI, "run", *args],
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env=env,
+            start_new_session=True,
+        )
+    except BaseException:
+        os.close(master)
+        raise
+    finally:
+        os.close(slave)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + LIMIT
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([master], [], [], left)[0]:
+                raise TimeoutError(f"aioproc run {args} still drawing after {LIMIT} s")
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every slave fd is closed
+                break
+            if not data:
+                break
+            chunks.append(data)
+            if signal_when is not None:
+                pattern, n, sig = signal_when
+                if len(re.findall(pattern, b"".join(chunks))) >= n:
+                    proc.send_signal(sig)
+                    signal_when = None
+        code = proc.wait(LIMIT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    raw = b"".join(chunks)
+    term = Terminal()
+    term.feed(raw.decode("utf-8", "replace"))
+    return code, term.screen(), raw
+
+
+def table_rows(screen: list[str], rank: int) -> list[str]:
+    """The live table's rows of ``rank`` on the screen: "rank pid state ..."."""
+    return [
+        line for line in screen if re.match(rf"\s*{rank}\s+\d+\s+(exited|killed|running)", line)
+    ]
+
+
+@pytest.fixture
+def rich_installed() -> None:
+    pytest.importorskip("rich", reason="rich is not installed: the live view is untested")
+
+
+@pytest.mark.usefixtures("rich_installed")
+def test_live_view_shows_one_clean_row_per_rank() -> None:
+    code, screen, _ = run_on_pty(["--nproc-per-node", "3", LIVE_SCRIPT])
+    text = "\n".join(screen)
+    assert code == 0, text
+    for rank in range(3):
+        rows = table_rows(screen, rank)
+        assert len(rows) == 1, f"rank {rank} rows {rows}:\n{text}"
+        assert re.match(rf"\s*{rank}\s+\d+\s+exited 0\s+\d+s\s+0\s+rank {rank} done$", rows[0])
+        prefix = f"[default{rank}]:"
+        said = [line for line in screen if line.startswith(prefix)]
+        want = [f"rank {rank} line {k}" for k in range(3)]
+        want += [f"rank {rank} warning", f"rank {rank} progress 100%", f"rank {rank} done"]
+        assert sorted(said) == sorted(prefix + w for w in want), text
+    # nothing else: no half-drawn table, no progress fragments, no stray text
+    headers = [line for line in screen if re.match(r"rank\s+pid\s+state\s+uptime", line)]
+    assert len(headers) == 1, text
+    titles = [line for line in screen if "[default x3]" in line]
+    assert len(titles) == 1 and "succeeded" in titles[0], text
+    assert len(screen) == 3 * 6 + 2 + 3, text
+
+
+@pytest.mark.usefixtures("rich_installed")
+def test_live_view_restarts_then_prints_the_summary_below_the_table() -> None:
+    code, screen, _ = run_on_pty(["--nproc-per-node", "2", "--max-restarts", "1", LIVE_SCRIPT, "5"])
+    text = "\n".join(screen)
+    assert code == 1, text
+    for rank in range(2):
+        rows = table_rows(screen, rank)
+        assert len(rows) == 1, f"rank {rank} rows {rows}:\n{text}"
+        assert re.match(rf"\s*{rank}\s+\d+\s+(exited 3|killed by SIGTERM)\s+\d+s\s+1\s", rows[0])
+        done = [line for line in screen if line == f"[default{rank}]:rank {rank} done"]
+        assert len(done) <= 2
+    notes = [line for line in screen if "restarting the worker group" in line]
+    assert len(notes) == 1 and "restart 1 of 1" in notes[0], text
+    table_end = screen.index(table_rows(screen, 1)[0])
+    summary = screen[table_end + 1 :]
+    assert f"{LIVE_SCRIPT} FAILED" in summary, text
+    assert "Root Cause (first observed failure):" in summary
+
+
+@pytest.mark.usefixtures("rich_installed")
+def test_no_live_gives_plain_lines_on_a_terminal() -> None:
+    code, screen, _ = run_on_pty(["--no-live", "--nproc-per-node", "2", "--tee", "3", ENV_SCRIPT])
+    assert code == 0, screen
+    assert all(line.startswith(("[default0]:ENV ", "[default1]:ENV ")) for line in screen), screen
+    assert len(screen) == 2
+
+
+@pytest.mark.usefixtures("rich_installed")
+def test_live_view_ends_cleanly_on_sigterm() -> None:
+    code, screen, raw = run_on_pty(
+        ["--nproc-per-node", "2", SLEEP_SCRIPT],
+        signal_when=(rb"\]:(?:\x1b\[[0-9;]*m)*ready \d+", 2, signal.SIGTERM),
+    )
+    text = "\n".join(screen)
+    assert code == 128 + signal.SIGTERM, text
+    pids = []
+    for rank in range(2):
+        rows = table_rows(screen, rank)
+        assert len(rows) == 1, f"rank {rank} rows {rows}:\n{text}"
+        assert re.match(rf"\s*{rank}\s+(\d+)\s+killed by SIGTERM\s", rows[0]), rows[0]
+        pids.append(int(rows[0].split()[1]))
+    assert screen[-1] == "aioproc run: got SIGTERM: the workers were stopped"
+    assert raw.rindex(b"\x1b[?25h") > raw.rindex(b"\x1b[?25l")  # the cursor is back
+    assert [pid for pid in pids if not pid_gone(pid)] == []
