@@ -63,19 +63,24 @@ async def stop_groups(children: Sequence[Child], death_sig: int, timeout: float)
     return forced
 
 
-def warn_forced(forced: Sequence[Child], death_sig: int, timeout: float) -> None:
+def warn_forced(
+    forced: Sequence[Child], death_sig: int, timeout: float, *, request: str | None = None
+) -> None:
     """Issue the ``ForcedKillWarning`` for ``forced`` (after cleanup is complete).
 
     Warned only after everything is reaped and closed, so a warnings filter
     that turns it into an error can never abort a cleanup half-way.  Not
     issued when SIGKILL was the requested signal in the first place.
+    ``request`` names what was asked instead of a signal (e.g. a terminate
+    request over the control channel).
     """
-    if not forced or death_sig == signal.SIGKILL:
+    if not forced or (request is None and death_sig == signal.SIGKILL):
         return
     names = ", ".join(f"{c.label} (pid {c.pid})" for c in forced)
+    asked = request or signal.Signals(death_sig).name
     warnings.warn(
         f"{len(forced)} worker(s) did not exit within {timeout:g} s of "
-        f"{signal.Signals(death_sig).name} and were killed with SIGKILL: {names}",
+        f"{asked} and were killed with SIGKILL: {names}",
         ForcedKillWarning,
-        stacklevel=4,
+        stacklevel=2,  # the aioproc call that stopped the workers
     )

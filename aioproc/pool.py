@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import socket
 from collections.abc import Callable, Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
@@ -73,6 +74,8 @@ class WorkerPool:
         w = self._workers[i]
         if w is not None and w.alive:
             return w
+        if w is not None:
+            self._retire(i)  # dead: reap it and its guardian in the background
         task = self._starting.get(i)
         if task is None:
             name, env = self._slots[i]
@@ -155,7 +158,7 @@ class WorkerPool:
         if w is not None and self._max_calls is not None and w.calls >= self._max_calls:
             self._retire(i)  # recycled: a fresh worker starts on next use
         elif w is not None and not w.alive:
-            self._workers[i] = None  # crashed: replaced on next use
+            self._retire(i)  # crashed or killed: reaped now, replaced on next use
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
@@ -207,8 +210,10 @@ class WorkerPool:
         results = await asyncio.gather(*(one(i) for i in range(self.size)), return_exceptions=True)
         for i in range(self.size):
             w = self._workers[i]
-            if w is not None and not w.alive:
-                self._workers[i] = None  # crashed: replaced on next use
+            if w is None or i in self._busy:
+                continue
+            if not w.alive or (self._max_calls is not None and w.calls >= self._max_calls):
+                self._retire(i)  # crashed, or recycled: replaced on next use
         for value in results:
             if isinstance(value, BaseException):
                 raise value
@@ -322,6 +327,20 @@ def open_pool(
     )
 
 
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free right now (all held until all are chosen)."""
+    socks = []
+    try:
+        for _ in range(n):
+            sock = socket.socket()
+            socks.append(sock)
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def _slots(
     spec: int | ClusterSpec, name: str, env: dict[str, str]
 ) -> list[tuple[str, dict[str, str]]]:
@@ -336,7 +355,8 @@ def _slots(
     cluster: dict[str, list[str]] = {}
     for task_type, tasks in spec.items():
         if isinstance(tasks, int) and not isinstance(tasks, bool) and tasks > 0:
-            cluster[task_type] = [f"localhost:{0}" for _ in range(tasks)]
+            # like TF's create_cluster_spec: a distinct free port per task
+            cluster[task_type] = [f"localhost:{port}" for port in _free_ports(tasks)]
         elif isinstance(tasks, Sequence) and not isinstance(tasks, str) and tasks:
             cluster[task_type] = [str(t) for t in tasks]
         else:

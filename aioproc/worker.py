@@ -74,6 +74,7 @@ class WorkerProcess:
         self._lock = asyncio.Lock()
         self._reply: asyncio.Future[tuple[int, bytearray]] | None = None
         self._closed = False
+        self._killed = False
         self.calls = 0
         self._exit_task = asyncio.get_running_loop().create_task(self._watch_exit())
 
@@ -96,7 +97,8 @@ class WorkerProcess:
 
     @property
     def alive(self) -> bool:
-        return self._child.returncode is None and not self._closed
+        """Running and usable (False once killed, even before its exit is noticed)."""
+        return self._child.returncode is None and not self._closed and not self._killed
 
     # ------------------------------------------------------------- internals
 
@@ -112,9 +114,9 @@ class WorkerProcess:
         # a reply written just before exiting has been delivered by now
         reply = self._reply
         if reply is not None and not reply.done():
-            reply.set_exception(self._broken(code))
+            reply.set_exception(self._broken(code, "during a call"))
 
-    def _broken(self, code: int) -> BrokenWorkerError:
+    def _broken(self, code: int, when: str) -> BrokenWorkerError:
         if code < 0:
             try:
                 how = f"was killed by {signal.Signals(-code).name}"
@@ -124,11 +126,11 @@ class WorkerProcess:
             how = f"exited with code {code}"
         tail = "\n".join(f"    {line}" for line in self._tail.lines_seen)
         tail = f"; last lines of its stderr:\n{tail}" if tail else "; its stderr was empty"
-        return BrokenWorkerError(f"worker {self.name} (pid {self.pid}) {how} during a call{tail}")
+        return BrokenWorkerError(f"worker {self.name} (pid {self.pid}) {how} {when}{tail}")
 
     async def _request(self, kind: int, parts: list[bytes]) -> tuple[int, bytearray]:
         if self._child.returncode is not None:
-            raise self._broken(self._child.returncode)
+            raise self._broken(self._child.returncode, "before this request (while idle)")
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
         reply: asyncio.Future[tuple[int, bytearray]] = asyncio.get_running_loop().create_future()
@@ -139,6 +141,7 @@ class WorkerProcess:
         except asyncio.CancelledError:
             # The worker is busy with a request nobody waits for: kill it
             # (like anyio's cancellable=True) rather than let it run on.
+            self._killed = True
             self._child.signal_group(signal.SIGKILL)
             raise
         finally:
@@ -208,7 +211,9 @@ class WorkerProcess:
         await self._child.close_streams(1.0)
         await self._guardian.aclose()
         if forced:
-            warn_forced(forced, signal.SIGTERM, self._shutdown_timeout)
+            warn_forced(
+                forced, signal.SIGKILL, self._shutdown_timeout, request="the terminate request"
+            )
 
 
 async def _start_worker(

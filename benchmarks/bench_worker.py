@@ -1,0 +1,315 @@
+"""PW: persistent workers: call latency and pool throughput.
+
+    python benchmarks/bench_worker.py [--quick] [--loop asyncio|uvloop|both] [--rounds N]
+
+Three figures, each for aioproc and two baselines measured in the same
+round, in the same fresh event loop, one after the other (ProcessPoolExecutor,
+anyio, aioproc), every worker started and warmed up before any clock starts:
+
+- latency: the median time of one ``await w.call(noop)`` on one worker,
+  over ``latency_calls`` sequential calls; baselines: a 1-worker
+  ``concurrent.futures.ProcessPoolExecutor`` through ``loop.run_in_executor``
+  and ``anyio.to_process.run_sync`` with a ``CapacityLimiter(1)``.
+- small payloads: ``small_calls`` concurrent ``pool.submit(len, 64 bytes)``
+  over 4 workers (``asyncio.gather``), start to last result; baselines the
+  same through a 4-worker executor and anyio with a ``CapacityLimiter(4)``.
+- 10 MB payloads: the same with ``big_calls`` calls of 10 MB bytes in, the
+  length out.
+
+The functions are builtins (``int`` as the no-op, ``len``), so every variant
+sends them by reference and no worker imports anything to run them.  The
+executor uses the ``fork`` start method, started first in each round (no
+other thread exists yet): ``spawn``/``forkserver`` would leave a
+``multiprocessing`` resource-tracker child behind that the leak benchmark
+would count.  Figures are medians over rounds; the ratio column is the
+median of the per-round ratios (see ``_util``).
+
+For ``run_all``: ``worker_rows(cfg) -> list[Row]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import concurrent.futures
+import functools
+import importlib.metadata
+import multiprocessing
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import _util
+import anyio
+import anyio.to_process
+from _util import Config, Row, Sample, Series, Target, rows_from, run_on
+
+import aioproc
+
+NOOP = int  # ``int()`` returns 0: a builtin no-op every variant imports by reference
+SMALL = b"x" * 64
+BIG_SIZE = 10 * 1024 * 1024
+POOL_WORKERS = 4
+VARIANTS = ("ppe", "anyio", "aioproc")
+BASELINE_NAMES = {
+    "ppe": "concurrent.futures.ProcessPoolExecutor (run_in_executor)",
+    "anyio": "anyio.to_process.run_sync",
+}
+LATENCY_TARGET = Target("ratio", 1.5)  # small-call latency within 1.5x of ProcessPoolExecutor
+
+
+@dataclass(frozen=True)
+class Sizes:
+    latency_calls: int
+    small_calls: int
+    big_calls: int
+
+    @classmethod
+    def of(cls, cfg: Config) -> Sizes:
+        if cfg.quick:
+            return cls(latency_calls=300, small_calls=400, big_calls=12)
+        return cls(latency_calls=2000, small_calls=2000, big_calls=40)
+
+
+Call = Callable[..., Awaitable[Any]]
+
+
+class Variant:
+    """One implementation: a 1-worker caller (latency) and a 4-worker caller."""
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def one(self, fn: Callable[..., Any], *args: Any) -> Any:
+        raise NotImplementedError
+
+    async def many(self, fn: Callable[..., Any], *args: Any) -> Any:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    async def warm(self) -> None:
+        for _ in range(20):
+            await self.one(NOOP)
+        # several at once: every worker of the pool is started and has run a call
+        await asyncio.gather(*(self.many(len, SMALL) for _ in range(4 * POOL_WORKERS)))
+        await asyncio.gather(*(self.many(len, b"w" * BIG_SIZE) for _ in range(POOL_WORKERS)))
+
+
+class Executor(Variant):
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self.ex1 = concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx)
+        self.ex4 = concurrent.futures.ProcessPoolExecutor(POOL_WORKERS, mp_context=ctx)
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        await self.warm()
+
+    async def one(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await self.loop.run_in_executor(self.ex1, fn, *args)
+
+    async def many(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await self.loop.run_in_executor(self.ex4, fn, *args)
+
+    async def close(self) -> None:
+        self.ex1.shutdown(wait=True)
+        self.ex4.shutdown(wait=True)
+
+
+class AnyioProcesses(Variant):
+    """anyio keeps one process pool per event loop; the limiters bound its use."""
+
+    def __init__(self) -> None:
+        self.lim1 = anyio.CapacityLimiter(1)
+        self.lim4 = anyio.CapacityLimiter(POOL_WORKERS)
+
+    async def start(self) -> None:
+        await self.warm()
+
+    async def one(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await anyio.to_process.run_sync(fn, *args, limiter=self.lim1)
+
+    async def many(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await anyio.to_process.run_sync(fn, *args, limiter=self.lim4)
+
+    async def close(self) -> None:
+        # anyio would kill its idle workers when the loop shuts down, by
+        # abandoning their Popen objects; the next subprocess.Popen() then
+        # reaps them behind asyncio's child watcher ("Unknown child process").
+        # Stop and reap them here instead, while the loop runs.
+        from anyio.to_process import _process_pool_idle_workers, _process_pool_workers
+
+        workers = _process_pool_workers.get(set())
+        _process_pool_idle_workers.get(collections.deque()).clear()
+        for process in list(workers):
+            if process.returncode is None:
+                process.kill()
+            await process.aclose()
+            workers.discard(process)
+
+
+class Aioproc(Variant):
+    async def start(self) -> None:
+        self.worker = await aioproc.open_worker(name="bench")
+        self.pool = await aioproc.open_pool(POOL_WORKERS, name="bench-pool")
+        await self.warm()
+
+    async def one(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await self.worker.call(fn, *args)
+
+    async def many(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await self.pool.submit(fn, *args)
+
+    async def close(self) -> None:
+        await self.worker.aclose()
+        await self.pool.aclose()
+
+
+async def latency(v: Variant, n: int) -> float:
+    """Median seconds of one sequential no-op call."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await v.one(NOOP)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+async def batch(v: Variant, n: int, payload: bytes) -> float:
+    """Seconds from submitting ``n`` concurrent ``len(payload)`` calls to the last result."""
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(v.many(len, payload) for _ in range(n)))
+    dt = time.perf_counter() - t0
+    if results != [len(payload)] * n:
+        raise AssertionError(f"wrong results: {sorted(set(results))[:5]}")
+    return dt
+
+
+METRICS = ("latency", "small", "big")
+
+
+async def one_round(sizes: Sizes) -> dict[str, dict[str, Sample]]:
+    """Every metric for every variant, in this event loop: ``{metric: {variant: sample}}``."""
+    big = b"b" * BIG_SIZE
+    children_before = _util.child_pids()
+    # the executor forks: start it while this process has no other thread
+    variants: dict[str, Variant] = {
+        "ppe": Executor(),
+        "anyio": AnyioProcesses(),
+        "aioproc": Aioproc(),
+    }
+    started: list[Variant] = []
+    out: dict[str, dict[str, Sample]] = {m: {} for m in METRICS}
+    try:
+        for name in VARIANTS:
+            await variants[name].start()
+            started.append(variants[name])
+        for metric, measure in (
+            ("latency", functools.partial(latency, n=sizes.latency_calls)),
+            ("small", functools.partial(batch, n=sizes.small_calls, payload=SMALL)),
+            ("big", functools.partial(batch, n=sizes.big_calls, payload=big)),
+        ):
+            for name in VARIANTS:  # baselines first, as everywhere in the benchmarks
+                out[metric][name] = await _util.measure_async(
+                    functools.partial(measure, variants[name])
+                )
+    finally:
+        for v in reversed(started):
+            await v.close()
+    leftover = _util.child_pids() - children_before
+    if leftover:
+        raise AssertionError(f"worker processes left running: {sorted(leftover)}")
+    return out
+
+
+def measure(cfg: Config, sizes: Sizes) -> dict[str, dict[str, dict[str, Series]]]:
+    """``{metric: {loop: {variant: series}}}``, rounds interleaved across loops."""
+    out = {m: {loop: {v: Series() for v in VARIANTS} for loop in cfg.loops} for m in METRICS}
+    for i in range(cfg.warmup + cfg.rounds):
+        for loop in cfg.loops:
+            got = run_on(loop, lambda: one_round(sizes))
+            if i < cfg.warmup:
+                continue
+            for m in METRICS:
+                for v in VARIANTS:
+                    out[m][loop][v].samples.append(got[m][v])
+    return out
+
+
+def _us(series: Series) -> Series:
+    """Seconds -> microseconds (the table's ``ms`` unit shows only 0.1 ms steps)."""
+    return Series(
+        [Sample(round(s.value * 1e6, 1), s.parent_cpu, s.child_cpu) for s in series.samples]
+    )
+
+
+def worker_rows(cfg: Config) -> list[Row]:
+    """The PW rows: latency and throughput against both baselines, per loop."""
+    sizes = Sizes.of(cfg)
+    data = measure(cfg, sizes)
+    rows: list[Row] = []
+    for base in ("ppe", "anyio"):
+        by_loop = {loop: (_us(d[base]), _us(d["aioproc"])) for loop, d in data["latency"].items()}
+        rows += rows_from(
+            f"PW latency: one `w.call(noop)` (median of {sizes.latency_calls})",
+            by_loop,
+            LATENCY_TARGET if base == "ppe" else None,
+            unit="µs",
+            note=f"baseline: {BASELINE_NAMES[base]}, 1 worker",
+        )
+    for metric, n, size in (
+        ("small", sizes.small_calls, len(SMALL)),
+        ("big", sizes.big_calls, BIG_SIZE),
+    ):
+        what = f"{size} B" if size < 1024 else f"{size // (1024 * 1024)} MB"
+        for base in ("ppe", "anyio"):
+            by_loop = {loop: (d[base], d["aioproc"]) for loop, d in data[metric].items()}
+            for row in rows_from(
+                f"PW throughput: {n} x `pool.submit(len, {what})`, {POOL_WORKERS} workers",
+                by_loop,
+                None,
+                note=f"baseline: {BASELINE_NAMES[base]}, {POOL_WORKERS} workers",
+            ):
+                rate = n / row.candidate
+                base_rate = n / row.baseline
+                row.note += f"; {rate:,.0f} vs {base_rate:,.0f} calls/s"
+                rows.append(row)
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small sizes, few rounds")
+    p.add_argument("--loop", choices=("asyncio", "uvloop", "both"), default="both")
+    p.add_argument("--rounds", type=int, default=None, help="measured rounds")
+    args = p.parse_args(argv[1:])
+    if args.rounds is not None and args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    loops: tuple[str, ...] = _util.LOOPS if args.loop == "both" else (args.loop,)
+    if "uvloop" in loops and not _util.uvloop_available():
+        loops = tuple(x for x in loops if x != "uvloop")
+    cfg = (Config.quick_mode if args.quick else Config.full)(loops, args.rounds)
+    sizes = Sizes.of(cfg)
+    print(
+        f"- mode: {'quick' if cfg.quick else 'full'}, loops: {', '.join(loops)}, "
+        f"rounds: {cfg.rounds} (+{cfg.warmup} warm-up); {sizes}",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    rows = worker_rows(cfg)
+    print()
+    print(_util.format_table(rows))
+    print()
+    print(f"- python {sys.version.split()[0]}, anyio {importlib.metadata.version('anyio')}")
+    print(f"- total time: {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,449 @@
+"""aioproc.pool: pools of persistent workers (``open_pool``), end to end.
+
+TensorFlow's ``MultiProcessPoolRunner`` semantics: workers keep their pids
+across calls, an initializer's effects are visible to later calls, a worker
+that dies is replaced.  Worker functions live in ``children/pw_funcs.py``
+(see tests/test_worker.py); workers that must be inside a call announce
+their pid on a FIFO the test reads first.  Nothing synchronises on a sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from helpers import CHILDREN_DIR, child_pids, open_fds, pid_gone
+from proc_utils import Fifo, still_alive_after
+
+from aioproc import BrokenWorkerError, ForcedKillWarning, WorkerPool, WorkerProcess, open_pool
+from aioproc.errors import RemoteTraceback
+
+
+@pytest.fixture
+def pw(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """The worker-function module, importable here and (by path) in workers."""
+    monkeypatch.syspath_prepend(CHILDREN_DIR)
+    return importlib.import_module("pw_funcs")
+
+
+@pytest.fixture
+async def fifo(tmp_path: Path) -> AsyncIterator[Fifo]:
+    """A FIFO workers write "<pid>\\n" to once inside a call; read without polling."""
+    async with Fifo(tmp_path / "ready") as f:
+        yield f
+
+
+class Dropped:
+    """Safety net for tests that make the pool replace a worker.
+
+    The pool reaps a replaced worker itself (``test_replaced_worker_is_reaped``);
+    tests that replace workers also record them (``keep``) and close them at
+    teardown, so a regression shows up in that one test instead of as leaks
+    everywhere.  ``aclose`` is idempotent, so normally this does nothing.
+    """
+
+    def __init__(self) -> None:
+        self.workers: list[WorkerProcess] = []
+
+    def keep(self, pool: WorkerPool) -> None:
+        self.workers += [w for w in pool._workers if w is not None]
+
+
+@pytest.fixture
+async def dropped() -> AsyncIterator[Dropped]:
+    d = Dropped()
+    yield d
+    for w in d.workers:
+        await w.aclose()
+
+
+def live_pids(pool: WorkerPool) -> list[int]:
+    pids = pool.pids()
+    assert all(isinstance(p, int) for p in pids), pids
+    return [p for p in pids if p is not None]
+
+
+# ------------------------------------------------------------ basics
+
+
+async def test_pids_are_the_same_across_four_runs(pw: ModuleType) -> None:
+    async with open_pool(3) as pool:
+        assert pool.size == 3
+        first = live_pids(pool)
+        assert len(set(first)) == 3 and os.getpid() not in first
+        for _ in range(4):
+            assert await pool.run(os.getpid) == first
+        assert [ppid for _, ppid in await pool.run(pw.pids)] == [os.getpid()] * 3
+        assert pool.pids() == first
+    for pid in first:
+        assert pid_gone(pid)
+    with pytest.raises(RuntimeError, match="closed"):
+        await pool.run(os.getpid)
+    with pytest.raises(RuntimeError, match="closed"):
+        await pool.submit(os.getpid)
+
+
+async def test_await_form_and_run_arguments(pw: ModuleType) -> None:
+    pool = await open_pool(2, name="calc")
+    try:
+        assert await pool.run(pw.add, (2,), {"b": 5}) == [7, 7]
+        assert await pool.submit(pw.add, 1, b=2) == 3
+        assert repr(pool) == "<WorkerPool size=2 live=2 busy=0>"
+    finally:
+        await pool.aclose()
+    await pool.aclose()  # idempotent
+    assert pool.pids() == [None, None]
+
+
+async def test_exception_in_fn_leaves_the_pids_unchanged(pw: ModuleType) -> None:
+    async with open_pool(2) as pool:
+        pids = live_pids(pool)
+        with pytest.raises(pw.CallFailed, match=r"^broadcast failed$") as info:
+            await pool.run(pw.raise_call_failed, ("broadcast failed",))
+        cause = info.value.__cause__
+        assert isinstance(cause, RemoteTraceback)
+        assert "raise CallFailed(message)" in str(cause)
+        with pytest.raises(pw.CallFailed, match=r"^one failed$"):
+            await pool.submit(pw.raise_call_failed, "one failed")
+        assert pool.pids() == pids
+        assert await pool.run(os.getpid) == pids
+
+
+async def test_initializer_state_is_visible_to_later_calls(pw: ModuleType) -> None:
+    async with open_pool(2, initializer=pw.set_counter, initargs=(1,)) as pool:
+        assert await pool.run(pw.get_counter) == [1, 1]  # TensorFlow's [1, 1]
+        assert await pool.run(pw.bump_counter) == [2, 2]  # module state persists
+        assert await pool.run(pw.get_counter) == [2, 2]
+    async with open_pool(2, initializer=pw.pid_state) as pool:
+        states = await pool.run(pw.read_state)  # aioproc.worker_state()
+        assert states == [{"init_pid": pid} for pid in pool.pids()]
+
+
+async def test_bad_arguments_raise_builtin_errors(pw: ModuleType) -> None:
+    with pytest.raises(ValueError, match="pool size must be positive, got 0"):
+        open_pool(0)
+    with pytest.raises(TypeError, match="got True"):
+        open_pool(True)
+    with pytest.raises(ValueError, match="max_calls_per_worker must be a positive int, got 0"):
+        open_pool(1, max_calls_per_worker=0)
+    with pytest.raises(ValueError, match="idle_timeout must be > 0"):
+        open_pool(1, idle_timeout=0)
+    with pytest.raises(TypeError, match="initializer must be callable"):
+        open_pool(1, initializer="setup")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'ps'"):
+        open_pool({"worker": 1, "ps": 0})
+
+
+# ------------------------------------------------------------ init failures
+
+
+async def test_initializer_failure_fails_the_pool_start_and_leaves_nothing(
+    pw: ModuleType,
+) -> None:
+    before = child_pids()
+    with pytest.raises(pw.InitFailed, match="init failed in task worker:1") as info:
+        async with open_pool({"worker": 3}, initializer=pw.fail_on_task, initargs=(1,)):
+            pytest.fail("the block must not run")  # pragma: no cover
+    assert isinstance(info.value.__cause__, RemoteTraceback)
+    assert child_pids() == before
+
+
+async def test_initializer_timeout_fails_the_pool_start_and_leaves_nothing(
+    pw: ModuleType,
+) -> None:
+    before = child_pids()
+    with pytest.raises(TimeoutError, match=r"init_timeout=0\.3\b"):
+        await open_pool(2, initializer=pw.slow_init, initargs=(30,), init_timeout=0.3)
+    assert child_pids() == before
+
+
+# ------------------------------------------------------------- SIGKILL
+
+
+async def test_sigkilled_worker_fails_its_call_and_is_replaced(
+    pw: ModuleType, fifo: Fifo, dropped: Dropped
+) -> None:
+    async with open_pool(2, name="pk") as pool:
+        dropped.keep(pool)
+        pids = live_pids(pool)
+        call = asyncio.ensure_future(pool.submit(pw.announce_pid_then_block, fifo.path))
+        (line,) = await fifo.lines(1)
+        victim = int(line)
+        pos = pids.index(victim)
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(BrokenWorkerError) as info:
+            await asyncio.wait_for(call, 1.0)
+        msg = str(info.value)
+        assert f"worker pk/{pos} (pid {victim}) was killed by SIGKILL" in msg
+        assert "about to block" in msg
+        # the next calls work; the position got a new worker, the other kept its pid
+        assert await pool.submit(pw.add, 1, 2) == 3
+        after = await pool.run(os.getpid)
+        assert after == pool.pids()
+        assert after[pos] not in (None, victim)
+        assert after[1 - pos] == pids[1 - pos]
+        assert pid_gone(victim)
+
+
+async def test_worker_dying_during_run_is_replaced(pw: ModuleType, dropped: Dropped) -> None:
+    async with open_pool(2) as pool:
+        dropped.keep(pool)
+        old = live_pids(pool)
+        with pytest.raises(BrokenWorkerError, match="exited with code 4"):
+            await asyncio.wait_for(pool.run(sys.exit, (4,)), 10)
+        new = await pool.run(os.getpid)
+        assert set(new).isdisjoint(old) and len(set(new)) == 2
+        assert all(pid_gone(p) for p in old)
+
+
+async def test_replaced_worker_is_reaped(pw: ModuleType, dropped: Dropped) -> None:
+    # uvloop opens /dev/null once per loop on its first read pipe: do that first
+    async with open_pool(1) as warm:
+        await warm.submit(pw.add, 0, 0)
+    children, fds = child_pids(), open_fds()
+    async with open_pool(1) as pool:
+        dropped.keep(pool)  # closed at teardown, after the checks below
+        with pytest.raises(BrokenWorkerError, match="exited with code 5"):
+            await asyncio.wait_for(pool.submit(sys.exit, 5), 10)
+        assert await pool.submit(pw.add, 1, 1) == 2  # replaced
+    assert child_pids() == children
+    assert open_fds() == fds
+
+
+# ---------------------------------------------------------------- shutdown
+
+
+async def test_worker_ignoring_terminate_is_killed_after_shutdown_timeout(
+    pw: ModuleType,
+) -> None:
+    pool = await open_pool(2, name="stub", shutdown_timeout=0.5)
+    try:
+        pids = live_pids(pool)
+        stubborn = await pool.submit(pw.refuse_to_exit)
+        polite = next(p for p in pids if p != stubborn)
+        t0 = time.monotonic()
+        with pytest.warns(ForcedKillWarning, match=rf"stub/\d \(pid {stubborn}\)") as record:
+            await pool.aclose()
+        elapsed = time.monotonic() - t0
+    finally:
+        await pool.aclose()
+    assert all(str(polite) not in str(w.message) for w in record)
+    assert 0.5 <= elapsed < 5
+    assert pid_gone(stubborn) and pid_gone(polite)
+
+
+async def test_closing_a_busy_pool_fails_waiting_and_running_calls(
+    pw: ModuleType, fifo: Fifo
+) -> None:
+    pool = await open_pool(1, name="busy", shutdown_timeout=0.2)
+    try:
+        running = asyncio.ensure_future(pool.submit(pw.announce_pid_then_block, fifo.path))
+        queued = asyncio.ensure_future(pool.submit(os.getpid))
+        (line,) = await fifo.lines(1)
+        with pytest.warns(ForcedKillWarning, match=rf"busy/0 \(pid {int(line)}\)"):
+            await asyncio.wait_for(pool.aclose(), 10)
+    finally:
+        await pool.aclose()
+    with pytest.raises(RuntimeError, match="was closed"):
+        await queued
+    with pytest.raises(BrokenWorkerError, match="SIGKILL"):
+        await running
+    assert pid_gone(int(line))
+
+
+# ------------------------------------------------------------------ load
+
+
+async def test_1000_submits_over_4_workers(pw: ModuleType) -> None:
+    async with open_pool(4) as pool:
+        pids = live_pids(pool)
+        assert len(set(pids)) == 4
+        squares = await asyncio.gather(*(pool.submit(pow, i, 2) for i in range(1000)))
+        assert squares == [i * i for i in range(1000)]
+
+        during: list[list[int | None]] = []
+
+        async def one(i: int) -> tuple[int, int]:
+            result: tuple[int, int] = await pool.submit(pw.square, i)
+            if i % 100 == 0:
+                during.append(pool.pids())  # while the other calls are in flight
+            return result
+
+        results = await asyncio.gather(*(one(i) for i in range(1000)))
+        assert [r[0] for r in results] == [i * i for i in range(1000)]
+        assert len(during) == 10 and all(d == pids for d in during)
+        # the first four submits find four idle workers: every worker served
+        assert {pid for _, pid in results} == set(pids)
+        assert pool.pids() == pids  # nobody was replaced
+    assert all(pid_gone(p) for p in pids)
+
+
+# ------------------------------------------------------------ cancellation
+
+
+async def test_cancelling_a_submit_replaces_its_worker(
+    pw: ModuleType, fifo: Fifo, dropped: Dropped
+) -> None:
+    async with open_pool(2) as pool:
+        dropped.keep(pool)
+        pids = live_pids(pool)
+        call = asyncio.ensure_future(pool.submit(pw.announce_pid_then_block, fifo.path))
+        (line,) = await fifo.lines(1)
+        victim = int(line)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(call, 5)
+        assert await still_alive_after([victim], 5) == set()
+        # every later call works, on both positions
+        for _ in range(4):
+            assert await asyncio.wait_for(pool.submit(pw.add, 2, 2), 10) == 4
+        after = await asyncio.wait_for(pool.run(os.getpid), 10)
+        assert victim not in after
+        assert len(set(after) & set(pids)) == 1
+
+
+async def test_next_submit_after_a_cancelled_one_works_at_once(
+    pw: ModuleType, fifo: Fifo, dropped: Dropped
+) -> None:
+    """A submit made right after cancelling one, before the killed worker's exit is seen.
+
+    Deterministic: the cancelled call kills its worker and releases it in the
+    same event-loop iteration in which the next submit picks a worker, so no
+    exit notification can come in between.
+    """
+    async with open_pool(1) as pool:
+        dropped.keep(pool)
+        call = asyncio.ensure_future(pool.submit(pw.announce_pid_then_block, fifo.path))
+        (line,) = await fifo.lines(1)
+        call.cancel()
+        after = asyncio.ensure_future(pool.submit(os.getpid))
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert await asyncio.wait_for(after, 10) not in (None, int(line))
+
+
+async def test_cancelling_a_queued_submit_kills_nobody(
+    pw: ModuleType, fifo: Fifo, dropped: Dropped
+) -> None:
+    async with open_pool(1) as pool:
+        dropped.keep(pool)
+        (pid,) = live_pids(pool)
+        running = asyncio.ensure_future(pool.submit(pw.announce_pid_then_block, fifo.path, 60))
+        queued = asyncio.ensure_future(pool.submit(os.getpid))
+        (line,) = await fifo.lines(1)
+        assert int(line) == pid
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        assert not running.done()
+        assert pool.pids() == [pid]
+        running.cancel()  # ends the blocked call (and its worker)
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(running, 5)
+
+
+async def test_cancelling_run_replaces_the_workers(
+    pw: ModuleType, fifo: Fifo, dropped: Dropped
+) -> None:
+    async with open_pool(2) as pool:
+        dropped.keep(pool)
+        old = live_pids(pool)
+        call = asyncio.ensure_future(pool.run(pw.announce_pid_then_block, (fifo.path,)))
+        assert sorted(int(x) for x in await fifo.lines(2)) == sorted(old)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(call, 5)
+        assert await still_alive_after(old, 5) == set()
+        new = await asyncio.wait_for(pool.run(os.getpid), 10)
+        assert set(new).isdisjoint(old)
+
+
+# ------------------------------------------------------ recycling, idle
+
+
+async def test_max_calls_per_worker_recycles_after_two_submits(pw: ModuleType) -> None:
+    async with open_pool(1, max_calls_per_worker=2) as pool:
+        (first,) = live_pids(pool)
+        assert await pool.submit(os.getpid) == first
+        assert await pool.submit(os.getpid) == first
+        second = await pool.submit(os.getpid)
+        assert second != first
+        assert await pool.submit(os.getpid) == second
+        third = await pool.submit(os.getpid)
+        assert third not in (first, second)
+        assert await still_alive_after([first, second], 5) == set()
+
+
+async def test_max_calls_per_worker_recycles_after_two_runs(pw: ModuleType) -> None:
+    async with open_pool(2, max_calls_per_worker=2) as pool:
+        first = live_pids(pool)
+        assert await pool.run(os.getpid) == first
+        assert await pool.run(os.getpid) == first
+        third = await pool.run(os.getpid)
+        assert set(third).isdisjoint(first)
+
+
+async def test_idle_worker_is_retired_and_restarted_on_demand(pw: ModuleType) -> None:
+    async with open_pool(1, idle_timeout=0.2) as pool:
+        first = await pool.submit(os.getpid)
+        assert await still_alive_after([first], 10) == set()  # retired when idle
+        second = await pool.submit(os.getpid)
+        assert second != first
+        assert pool.pids() == [second]
+
+
+# ------------------------------------------------------------- cluster spec
+
+
+async def test_cluster_spec_gives_one_worker_per_task_with_tf_config(pw: ModuleType) -> None:
+    async with open_pool({"worker": 2, "ps": 1}) as pool:
+        assert pool.size == 3
+        configs = await pool.run(pw.read_tf_config)
+        assert [c["task"] for c in configs] == [
+            {"type": "worker", "index": 0},
+            {"type": "worker", "index": 1},
+            {"type": "ps", "index": 0},
+        ]
+        clusters = [c["cluster"] for c in configs]
+        assert all(c == clusters[0] for c in clusters)
+        assert {k: len(v) for k, v in clusters[0].items()} == {"worker": 2, "ps": 1}
+        assert len({c["pid"] for c in configs}) == 3
+    assert "TF_CONFIG" not in os.environ
+
+
+async def test_cluster_spec_with_addresses_is_passed_through(pw: ModuleType) -> None:
+    spec = {"chief": ["h0:2222"], "worker": ["h1:2222", "h2:2222"]}
+    async with open_pool(spec, env={"PW_TEST_VAR": "x"}) as pool:
+        configs = await pool.run(pw.read_tf_config)
+        assert all(c["cluster"] == spec for c in configs)
+        assert [(c["task"]["type"], c["task"]["index"]) for c in configs] == [
+            ("chief", 0),
+            ("worker", 0),
+            ("worker", 1),
+        ]
+        assert await pool.run(pw.getenv, ("PW_TEST_VAR",)) == ["x"] * 3
+
+
+async def test_counted_cluster_spec_has_distinct_task_addresses(pw: ModuleType) -> None:
+    async with open_pool({"worker": 2, "ps": 1}) as pool:
+        (config, *_) = await pool.run(pw.read_tf_config)
+        addresses = [a for tasks in config["cluster"].values() for a in tasks]
+        assert len(set(addresses)) == 3  # like TF's create_cluster_spec: a port per task
+        assert all(not a.endswith(":0") for a in addresses)
+
+
+def test_tf_config_json_is_valid_for_every_slot() -> None:
+    from aioproc.pool import _slots
+
+    for name, env in _slots({"worker": 2}, "p", {}):
+        assert json.loads(env["TF_CONFIG"])["task"]["type"] == "worker"
+        assert name.startswith("worker:")
