@@ -123,6 +123,7 @@ class PContext:
         duplicate_stderr_filters: Sequence[str] | None = None,
         pass_fds: Sequence[int] = (),
         on_event: Callable[[WorkerEvent], None] | None = None,
+        close_sinks: bool = True,
     ) -> None:
         _validate(name, entrypoint, args, envs, logs_specs, log_line_prefixes, start_method)
         self._sinks = _make_sinks(sinks)
@@ -137,6 +138,7 @@ class PContext:
             raise TypeError(f"pass_fds must be a sequence of fds, got {pass_fds!r}")
         self._pass_fds = tuple(pass_fds)
         self._on_event = on_event
+        self._close_sinks = close_sinks or sinks is None
         if not isinstance(grace_period, (int, float)) or grace_period < 0:
             raise ValueError(f"grace_period must be a number >= 0, got {grace_period!r}")
         self.name = name
@@ -518,7 +520,8 @@ class PContext:
                     rank, child.pid, -signal.SIGKILL, self.error_files.get(rank, ""), stopped=True
                 )
         await asyncio.gather(*(c.close_streams(_DRAIN_TIMEOUT) for c in children))
-        for sink in [*self._sinks, *self._filter_sinks.values()]:
+        own_sinks = self._sinks if self._close_sinks else []
+        for sink in [*own_sinks, *self._filter_sinks.values()]:
             await sink.aclose()
         if self._watchers:
             await asyncio.wait(self._watchers.values())
@@ -575,6 +578,7 @@ def start_processes(
     duplicate_stderr_filters: Sequence[str] | None = None,
     pass_fds: Sequence[int] = (),
     on_event: Callable[[WorkerEvent], None] | None = None,
+    close_sinks: bool = True,
 ) -> _StartProcesses:
     """Start ``len(args)`` workers running ``entrypoint``.
 
@@ -614,6 +618,8 @@ def start_processes(
             numbers), e.g. a channel the worker reports to.
         on_event: called on the loop with a ``WorkerEvent`` when a worker
             has started and when its exit has been recorded.
+        close_sinks: close the given ``sinks`` when the group is closed
+            (``False`` when they outlive the group, as across agent restarts).
 
     Raises:
         TypeError, ValueError, RuntimeError, FileNotFoundError,
@@ -634,6 +640,7 @@ def start_processes(
         duplicate_stderr_filters=duplicate_stderr_filters,
         pass_fds=pass_fds,
         on_event=on_event,
+        close_sinks=close_sinks,
     )
     return _StartProcesses(pc)
 

@@ -170,6 +170,21 @@ class LogsSpecs(ABC):
         self._tee = tee
         self._local_ranks_filter = local_ranks_filter
 
+    @property
+    def redirects(self) -> Std | dict[int, Std]:
+        """Streams written to files instead of the console."""
+        return self._redirects
+
+    @property
+    def tee(self) -> Std | dict[int, Std]:
+        """Streams written to files and also shown on the console."""
+        return self._tee
+
+    @property
+    def local_ranks_filter(self) -> set[int] | None:
+        """Ranks shown on the console (``None`` or empty: all)."""
+        return self._local_ranks_filter
+
     @abstractmethod
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         """Build the destinations for one start of a process group.

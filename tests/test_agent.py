@@ -225,7 +225,12 @@ async def test_signal_stops_workers_and_raises(tmp_path: Path) -> None:
     assert agent.state == WorkerState.STOPPED
     exits = [e for e in agent.event_history if e.kind == "worker_exited"]
     assert sorted(e.exitcode for e in exits) == [-15, -15]
-    assert agent.event_history[-1].kind == "signal_received"
+    kinds = [e.kind for e in agent.event_history]
+    # announced before the workers are stopped with it, and only once
+    assert kinds.count("signal_received") == 1
+    assert kinds.index("signal_received") < kinds.index("worker_exited")
+    signalled = next(e for e in agent.event_history if e.kind == "signal_received")
+    assert signalled.signal == "SIGTERM"
 
 
 def test_bad_specs_are_rejected() -> None:

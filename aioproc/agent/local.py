@@ -21,7 +21,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from ..context import START_METHODS, PContext, SinkLike, WorkerEvent, start_processes
+from ..context import (
+    START_METHODS,
+    PContext,
+    SinkLike,
+    WorkerEvent,
+    _make_sinks,
+    start_processes,
+)
 from ..errors import ChildFailedError
 from ..logs import DefaultLogsSpecs, LogsSpecs
 from ..signals import pending_signal
@@ -96,7 +103,8 @@ class LocalElasticAgent:
         self._logs_specs = logs_specs
         self._grace_period = float(grace_period)
         self._run_id = run_id or uuid.uuid4().hex[:12]
-        self._sinks = sinks
+        # converted once: the same sink objects serve every attempt
+        self._sinks = _make_sinks(sinks) if sinks is not None else None
         self._events = EventHub()
         if on_event is not None:
             self._events.add_callback(on_event)
@@ -107,6 +115,7 @@ class LocalElasticAgent:
         self._running = False
         self._pids: dict[int, int] = {}
         self._watchdog_expired: dict[int, str] = {}
+        self._signalled = False
 
     def __repr__(self) -> str:
         return (
@@ -227,7 +236,7 @@ class LocalElasticAgent:
             if not isinstance(e, Exception) or _is_signal(e):
                 self._state = WorkerState.STOPPED
                 sigval = getattr(e, "sigval", None) or pending_signal()
-                if sigval is not None:
+                if sigval is not None and not self._signalled:
                     self._publish(ev.SIGNAL_RECEIVED, signal=signal.Signals(sigval).name)
             else:
                 self._state = WorkerState.FAILED
@@ -235,6 +244,8 @@ class LocalElasticAgent:
         finally:
             if watchdog is not None:
                 await watchdog.aclose()
+            for sink in self._sinks or ():
+                await sink.aclose()
             self._running = False
             self._events.close()
 
@@ -267,12 +278,20 @@ class LocalElasticAgent:
             duplicate_stderr_filters=spec.duplicate_stderr_filters,
             pass_fds=watchdog.pass_fds() if watchdog is not None else (),
             on_event=self._on_worker_event,
+            close_sinks=False,  # they live across attempts; closed when run() ends
         ) as pc:
             self._pc = pc
             if watchdog is not None:
                 watchdog.set_workers(pc.pids())
             try:
                 result = await pc.wait()
+            except BaseException as e:
+                # announce a signal before the workers are stopped with it
+                sigval = getattr(e, "sigval", None) or pending_signal()
+                if sigval is not None:
+                    self._signalled = True
+                    self._publish(ev.SIGNAL_RECEIVED, signal=signal.Signals(sigval).name)
+                raise
             finally:
                 self._pc = None
         assert result is not None
