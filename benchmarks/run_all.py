@@ -125,8 +125,10 @@ def main(argv: list[str]) -> int:
     import bench_core
     import bench_failure
     import bench_leak
+    import bench_output
     import bench_threads
     import bench_torch
+    import bench_worker
 
     benches = {
         "p1": bench_core.p1,
@@ -134,6 +136,8 @@ def main(argv: list[str]) -> int:
         "p3": bench_failure.p3,
         "p5": bench_threads.p5,
         "p6": bench_close.p6,
+        "p4": bench_output.p4,
+        "worker": bench_worker.worker_rows,
         "leak": bench_leak.leak,
         # last: torch's spawn context starts a resource-tracker child and
         # installs signal handlers; nothing measured after it
