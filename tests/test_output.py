@@ -1062,6 +1062,33 @@ def check_tty_screen(screen: list[str]) -> None:
         assert "100%|" in line and "100/100" in line, f"left-over bar state: {line!r}"
 
 
+def test_parent_progress_bar_is_never_garbled_by_worker_lines(tmp_path: Path) -> None:
+    """The parent draws its own tqdm bar; worker lines go through tqdm.write."""
+    pytest.importorskip("tqdm", reason="tqdm is not installed: the terminal test needs it")
+    code, raw = run_on_pty([sys.executable, TQDM_SUPERVISOR, str(tmp_path / "logs"), "parentbar"])
+    assert code == 0, raw.decode(errors="replace")[-2000:]
+    term = Terminal()
+    term.feed(raw.decode("utf-8", "replace"))
+    screen = [line for line in term.screen() if line.strip()]
+    # every worker line arrived whole, once, with its prefix
+    said = [line for line in screen if "reached" in line]
+    want = [f"[bar{r}]:rank {r} reached {k}" for r in range(4) for k in (25, 50, 75, 100)]
+    assert sorted(said) == sorted(want)
+    # each worker bar shows up once, in its final state
+    finals = [line for line in screen if line.startswith("[bar") and "100/100" in line]
+    assert len(finals) == 4
+    # the parent's own bar is the last line, complete, and appears exactly once
+    parent = [line for line in screen if "parent" in line]
+    assert len(parent) == 1, screen
+    assert screen[-1] == parent[0]
+    assert "100%" in parent[0] and "4/4" in parent[0]
+    # no line mixes a worker line into the parent's bar or two worker prefixes
+    for line in screen:
+        assert line.count("[bar") <= 1, line
+        if "parent" in line:
+            assert "[bar" not in line, line
+
+
 @pytest.mark.parametrize(
     "mode",
     [
