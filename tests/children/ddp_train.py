@@ -37,6 +37,9 @@ def main() -> None:
     dist.all_reduce(total)
     if rank == 0:
         print(f"final_loss={total.item() / dist.get_world_size():.8f}", flush=True)
+    # tear down together: a rank leaving while its peer still talks to it can
+    # abort inside gloo ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
