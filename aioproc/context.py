@@ -23,14 +23,14 @@ import socket
 import string
 import subprocess
 import time
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import IO, Any, NamedTuple, TypeAlias
 
 from . import _wire
 from ._boot import CallEncoder, boot_argv, boot_blob, init_frame, rebuild_exception
 from ._channel import Channel
+from ._cm import OpenResource
 from ._lifeline import Guardian
 from ._output import TeeProtocol
 from ._shield import shielded
@@ -533,34 +533,19 @@ class PContext:
         warn_forced(forced, sig, timeout)
 
 
-class _StartProcesses:
-    """What ``start_processes`` returns: awaitable, and an async context manager."""
+async def _start(pc: PContext) -> PContext:
+    await pc.start()
+    return pc
 
-    def __init__(self, pc: PContext) -> None:
-        self._pc = pc
 
-    def __await__(self) -> Generator[Any, None, PContext]:
-        return self._start().__await__()
-
-    async def _start(self) -> PContext:
-        await self._pc.start()
-        return self._pc
-
-    async def __aenter__(self) -> PContext:
-        return await self._start()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        sig: int = signal.SIGTERM
-        if isinstance(exc, SignalException):
-            sig = exc.sigval
-        elif isinstance(exc, asyncio.CancelledError):
-            sig = pending_signal() or signal.SIGTERM
-        await self._pc.close(sig, self._pc.grace_period)
+async def _close_on_exit(pc: PContext, exc: BaseException | None) -> None:
+    """Leaving ``async with start_processes(...)``: a signal stops the workers with it."""
+    sig: int = signal.SIGTERM
+    if isinstance(exc, SignalException):
+        sig = exc.sigval
+    elif isinstance(exc, asyncio.CancelledError):
+        sig = pending_signal() or signal.SIGTERM
+    await pc.close(sig, pc.grace_period)
 
 
 def start_processes(
@@ -579,7 +564,7 @@ def start_processes(
     pass_fds: Sequence[int] = (),
     on_event: Callable[[WorkerEvent], None] | None = None,
     close_sinks: bool = True,
-) -> _StartProcesses:
+) -> OpenResource[PContext]:
     """Start ``len(args)`` workers running ``entrypoint``.
 
     ``await start_processes(...)`` returns the started ``PContext``;
@@ -642,7 +627,7 @@ def start_processes(
         on_event=on_event,
         close_sinks=close_sinks,
     )
-    return _StartProcesses(pc)
+    return OpenResource(lambda: _start(pc), _close_on_exit)
 
 
 async def run(

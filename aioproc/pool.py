@@ -14,10 +14,10 @@ import asyncio
 import collections
 import json
 import socket
-from collections.abc import Callable, Generator, Mapping, Sequence
-from types import TracebackType
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ._cm import OpenResource
 from ._shield import shielded
 from .worker import WorkerProcess, _start_worker
 
@@ -247,27 +247,13 @@ class WorkerPool:
             await asyncio.wait(set(self._retiring))
 
 
-class _OpenPool:
-    def __init__(self, pool: WorkerPool) -> None:
-        self._pool = pool
+async def _started(pool: WorkerPool) -> WorkerPool:
+    await pool.start()
+    return pool
 
-    def __await__(self) -> Generator[Any, None, WorkerPool]:
-        return self._start().__await__()
 
-    async def _start(self) -> WorkerPool:
-        await self._pool.start()
-        return self._pool
-
-    async def __aenter__(self) -> WorkerPool:
-        return await self._start()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._pool.aclose()
+async def _closed(pool: WorkerPool, exc: BaseException | None) -> None:
+    await pool.aclose()
 
 
 def open_pool(
@@ -281,7 +267,7 @@ def open_pool(
     idle_timeout: float | None = None,
     env: Mapping[str, str] | None = None,
     name: str = "pool",
-) -> _OpenPool:
+) -> OpenResource[WorkerPool]:
     """Start a pool of persistent workers.
 
     ``async with aioproc.open_pool(4, initializer=setup) as pool:``; also
@@ -314,17 +300,16 @@ def open_pool(
         raise ValueError(f"idle_timeout must be > 0, got {idle_timeout!r}")
     if initializer is not None and not callable(initializer):
         raise TypeError(f"initializer must be callable, got {initializer!r}")
-    return _OpenPool(
-        WorkerPool(
-            slots,
-            initializer,
-            tuple(initargs),
-            init_timeout,
-            shutdown_timeout,
-            max_calls_per_worker,
-            idle_timeout,
-        )
+    pool = WorkerPool(
+        slots,
+        initializer,
+        tuple(initargs),
+        init_timeout,
+        shutdown_timeout,
+        max_calls_per_worker,
+        idle_timeout,
     )
+    return OpenResource(lambda: _started(pool), _closed)
 
 
 def _free_ports(n: int) -> list[int]:

@@ -19,13 +19,13 @@ import os
 import signal
 import socket
 import subprocess
-from collections.abc import Callable, Generator, Mapping
-from types import TracebackType
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from . import _wire
 from ._boot import CallEncoder, boot_argv, boot_blob, init_frame, rebuild_exception
 from ._channel import Channel
+from ._cm import OpenResource
 from ._lifeline import Guardian
 from ._output import TeeProtocol
 from ._shield import shielded
@@ -316,30 +316,6 @@ async def _abandon(child: Child | None, channel: Channel | None, guardian: Guard
         await guardian.aclose()
 
 
-class _OpenWorker:
-    """What ``open_worker`` returns: awaitable, and an async context manager."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        self._kwargs = kwargs
-        self._worker: WorkerProcess | None = None
-
-    def __await__(self) -> Generator[Any, None, WorkerProcess]:
-        return _start_worker(**self._kwargs).__await__()
-
-    async def __aenter__(self) -> WorkerProcess:
-        self._worker = await _start_worker(**self._kwargs)
-        return self._worker
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._worker is not None:
-            await self._worker.aclose()
-
-
 _counter = 0
 
 
@@ -350,7 +326,7 @@ def open_worker(
     shutdown_timeout: float = 60,
     env: Mapping[str, str] | None = None,
     name: str | None = None,
-) -> _OpenWorker:
+) -> OpenResource[WorkerProcess]:
     """Start a persistent worker process (PyTorch's ``CheckpointProcess``, async).
 
     ``async with aioproc.open_worker(init=...) as w:`` starts it, runs
@@ -378,11 +354,13 @@ def open_worker(
     """
     global _counter
     _counter += 1
-    return _OpenWorker(
-        name=name or f"worker{_counter}",
-        init=init,
-        init_args=tuple(init_args),
-        init_timeout=init_timeout,
-        shutdown_timeout=shutdown_timeout,
-        env=env,
-    )
+    name = name or f"worker{_counter}"
+    init_args = tuple(init_args)
+
+    def start() -> Awaitable[WorkerProcess]:
+        return _start_worker(name, init, init_args, init_timeout, shutdown_timeout, env)
+
+    async def close(worker: WorkerProcess, exc: BaseException | None) -> None:
+        await worker.aclose()
+
+    return OpenResource(start, close)

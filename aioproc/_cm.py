@@ -1,0 +1,44 @@
+"""``await factory(...)`` or ``async with factory(...)``: one object for both.
+
+``start_processes``, ``open_worker`` and ``open_pool`` return an
+``OpenResource``: awaiting it starts the resource and returns it (the caller
+closes it); ``async with`` also closes it when the block exits, however it
+exits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Generator
+from types import TracebackType
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class OpenResource(Generic[T]):
+    """Starts a resource with ``open()``; closes it with ``close(resource, exc)``."""
+
+    def __init__(
+        self,
+        open: Callable[[], Awaitable[T]],
+        close: Callable[[T, BaseException | None], Awaitable[None]],
+    ) -> None:
+        self._open = open
+        self._close = close
+        self._resource: T | None = None
+
+    def __await__(self) -> Generator[Any, None, T]:
+        return self._open().__await__()
+
+    async def __aenter__(self) -> T:
+        self._resource = await self._open()
+        return self._resource
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._resource is not None:
+            await self._close(self._resource, exc)
