@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pytest
+from helpers import child_pids, open_fds
 
 try:
     import uvloop
@@ -36,22 +37,6 @@ def pytest_asyncio_loop_factories(
     if uvloop is not None:
         factories["uvloop"] = uvloop.new_event_loop
     return factories
-
-
-def child_pids() -> set[int]:
-    """Direct children of this process (any thread), running or zombie."""
-    pids: set[int] = set()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/children") as f:
-                pids.update(int(p) for p in f.read().split())
-        except FileNotFoundError:
-            continue
-    return pids
-
-
-def open_fds() -> set[int]:
-    return {int(fd) for fd in os.listdir("/proc/self/fd")}
 
 
 def _fd_target(fd: int) -> str:

@@ -8,26 +8,23 @@ The live view is checked on a pseudo-terminal with a small terminal emulator.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import glob
 import json
 import os
-import pty
 import re
-import select
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
-import termios
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from helpers import pid_gone
+from terminal import Terminal
+from terminal import run_on_pty as pty_run
 
 from aioproc.agent import RestartPolicy
 from aioproc.cli import parse_backoff, parse_nproc
@@ -474,77 +471,6 @@ def test_nproc_and_backoff_parsing() -> None:
 # -------------------------------------------------------------- live view
 
 
-class Terminal:
-    """A minimal terminal: text, CR, LF and CSI A/B/F (up/down), J and K (erase).
-
-    Other escapes (colours, cursor visibility) are ignored.  Every line ever
-    written is kept (scrollback included), so the final screen is the whole
-    transcript as a user would scroll through it.
-    """
-
-    TOKEN = re.compile(r"\x1b\[([0-9;?]*)([@-~])|\x1b[@-_]|\r|\n|[^\x1b\r\n]+")
-
-    def __init__(self) -> None:
-        self.rows: list[list[str]] = [[]]
-        self.row = 0
-        self.col = 0
-
-    def feed(self, text: str) -> None:
-        for m in self.TOKEN.finditer(text):
-            tok = m.group(0)
-            if m.group(2):
-                self._csi(m.group(1), m.group(2))
-            elif tok.startswith("\x1b"):
-                continue
-            elif tok == "\r":
-                self.col = 0
-            elif tok == "\n":
-                self._down(1)
-                self.col = 0  # the pty's onlcr sends CR LF anyway
-            else:
-                self._put(tok)
-
-    def _down(self, n: int) -> None:
-        self.row += n
-        while len(self.rows) <= self.row:
-            self.rows.append([])
-
-    def _csi(self, params: str, final: str) -> None:
-        n = int(params) if params.isdigit() else 1
-        line = self.rows[self.row]
-        if params.startswith("?"):
-            return  # ESC[?25l / ESC[?25h: cursor visibility
-        if final == "A":
-            self.row = max(0, self.row - n)
-        elif final == "B":
-            self._down(n)
-        elif final == "F":
-            self.row = max(0, self.row - n)
-            self.col = 0
-        elif final == "J" and params in ("", "0"):
-            del line[self.col :]
-            del self.rows[self.row + 1 :]
-        elif final == "K" and params in ("", "0"):
-            del line[self.col :]
-        elif final == "K" and params == "1":
-            line[: self.col] = [" "] * min(self.col, len(line))
-        elif final == "K" and params == "2":
-            line.clear()
-
-    def _put(self, text: str) -> None:
-        line = self.rows[self.row]
-        if len(line) < self.col:
-            line += [" "] * (self.col - len(line))
-        line[self.col : self.col + len(text)] = list(text)
-        self.col += len(text)
-
-    def screen(self) -> list[str]:
-        lines = ["".join(r).rstrip() for r in self.rows]
-        while lines and not lines[-1]:
-            lines.pop()
-        return lines
-
-
 def test_terminal_emulator() -> None:
     term = Terminal()
     term.feed("\x1b[?25lone\r\ntwo\r\nrow 1\r\nrow 2\r\x1b[2K\x1b[1A\x1b[2Kthree\r\nrow 3\r\n")
@@ -574,51 +500,17 @@ def _run_on_pty(
     lines: int,
     signal_when: tuple[bytes, int, signal.Signals] | None,
 ) -> tuple[int, list[str], bytes]:
-    master, slave = pty.openpty()
-    try:
-        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", lines, columns, 0, 0))
-        env = cli_env(COLUMNS=str(columns), LINES=str(lines), TERM="xterm-256color")
-        for key in ("NO_COLOR", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
-            env.pop(key, None)
-        proc = subprocess.Popen(
-            [*CLI, "run", *args],
-            stdin=slave,
-            stdout=slave,
-            stderr=slave,
-            env=env,
-            start_new_session=True,
-        )
-    except BaseException:
-        os.close(master)
-        raise
-    finally:
-        os.close(slave)
-    chunks: list[bytes] = []
-    deadline = time.monotonic() + LIMIT
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([master], [], [], left)[0]:
-                raise TimeoutError(f"aioproc run {args} still drawing after {LIMIT} s")
-            try:
-                data = os.read(master, 65536)
-            except OSError:  # EIO: every slave fd is closed
-                break
-            if not data:
-                break
-            chunks.append(data)
-            if signal_when is not None:
-                pattern, n, sig = signal_when
-                if len(re.findall(pattern, b"".join(chunks))) >= n:
-                    proc.send_signal(sig)
-                    signal_when = None
-        code = proc.wait(LIMIT)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        os.close(master)
-    raw = b"".join(chunks)
+    env = cli_env(TERM="xterm-256color")
+    for key in ("NO_COLOR", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
+        env.pop(key, None)
+    code, raw = pty_run(
+        [*CLI, "run", *args],
+        columns=columns,
+        lines=lines,
+        timeout=LIMIT,
+        env=env,
+        signal_when=signal_when,
+    )
     term = Terminal()
     term.feed(raw.decode("utf-8", "replace"))
     return code, term.screen(), raw

@@ -20,19 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import importlib
 import io
 import itertools
 import os
-import pty
 import re
-import select
 import signal
-import struct
 import sys
-import termios
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
@@ -44,6 +38,7 @@ from helpers import CHILDREN_DIR, release_fifo
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from proc_utils import Fifo
+from terminal import Terminal, run_on_pty
 
 import aioproc
 from aioproc import (
@@ -945,110 +940,6 @@ def test_console_bars_drawn_after_an_earlier_loop_ended() -> None:
 
     asyncio.run(first_run())
     asyncio.run(second_run())
-
-
-class Terminal:
-    """A minimal terminal: text, CR, LF, CSI n A / n F / J / K; other escapes ignored.
-
-    Keeps every line ever written (scrollback included), so the final
-    "screen" is the whole transcript as a user would scroll through it.
-    """
-
-    TOKEN = re.compile(r"\x1b\[([0-9;?]*)([@-~])|\x1b[@-_]|\r|\n|[^\x1b\r\n]+")
-
-    def __init__(self) -> None:
-        self.rows: list[list[str]] = [[]]
-        self.row = 0
-        self.col = 0
-
-    def feed(self, text: str) -> None:
-        for m in self.TOKEN.finditer(text):
-            tok = m.group(0)
-            if m.group(2):
-                self._csi(m.group(1), m.group(2))
-            elif tok.startswith("\x1b"):
-                continue
-            elif tok == "\r":
-                self.col = 0
-            elif tok == "\n":
-                self.row += 1
-                self.col = 0  # the pty's onlcr sends CR LF anyway
-                while len(self.rows) <= self.row:
-                    self.rows.append([])
-            else:
-                self._put(tok)
-
-    def _csi(self, params: str, final: str) -> None:
-        n = int(params) if params.isdigit() else 1
-        if final == "A":
-            self.row = max(0, self.row - n)
-        elif final == "F":
-            self.row = max(0, self.row - n)
-            self.col = 0
-        elif final == "J" and params in ("", "0"):
-            del self.rows[self.row][self.col :]
-            del self.rows[self.row + 1 :]
-        elif final == "K" and params in ("", "0"):
-            del self.rows[self.row][self.col :]
-
-    def _put(self, text: str) -> None:
-        line = self.rows[self.row]
-        if len(line) < self.col:
-            line += [" "] * (self.col - len(line))
-        line[self.col : self.col + len(text)] = list(text)
-        self.col += len(text)
-
-    def screen(self) -> list[str]:
-        lines = ["".join(r).rstrip() for r in self.rows]
-        while lines and not lines[-1]:
-            lines.pop()
-        return lines
-
-
-def test_terminal_emulator() -> None:
-    term = Terminal()
-    term.feed("one\r\ntwo\r\nbar 1\r\nbar 2\r\n\x1b[2F\x1b[Jthree\r\nbar 3\r\n\x1b[1F\x1b[J")
-    assert term.screen() == ["one", "two", "three"]
-    term.feed("abc\rx\x1b[0m\x1b[1Ay\x1b[2K")  # up one row (same column), a colour ignored
-    assert term.screen() == ["one", "two", "tyree", "xbc"]
-
-
-def run_on_pty(argv: list[str], timeout: float = 30) -> tuple[int, bytes]:
-    """Run ``argv`` with a pseudo-terminal (120x40) as stdin/stdout/stderr; all it drew."""
-    import subprocess
-
-    master, slave = pty.openpty()
-    try:
-        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-        env = {**os.environ, "COLUMNS": "120", "LINES": "40", "TERM": "xterm"}
-        proc = subprocess.Popen(
-            argv, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True
-        )
-    except BaseException:
-        os.close(master)
-        raise
-    finally:
-        os.close(slave)
-    chunks: list[bytes] = []
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([master], [], [], left)[0]:
-                raise TimeoutError(f"{argv} still drawing after {timeout} s")
-            try:
-                data = os.read(master, 65536)
-            except OSError:  # EIO: every slave fd is closed
-                break
-            if not data:
-                break
-            chunks.append(data)
-        return proc.wait(timeout), b"".join(chunks)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        os.close(master)
 
 
 def check_tty_screen(screen: list[str]) -> None:
