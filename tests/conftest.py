@@ -18,6 +18,9 @@ from typing import Any
 import pytest
 from helpers import child_pids, open_fds
 
+# fixtures shared by the persistent-worker and pool tests (pw, fifo)
+pytest_plugins = ["pw_fixtures"]
+
 try:
     import uvloop
 except ImportError:  # pragma: no cover - uvloop is declared in the test extra

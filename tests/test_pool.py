@@ -10,36 +10,20 @@ their pid on a FIFO the test reads first.  Nothing synchronises on a sleep.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import os
 import signal
 import sys
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from types import ModuleType
 
 import pytest
-from helpers import CHILDREN_DIR, child_pids, open_fds, pid_gone
+from helpers import child_pids, open_fds, pid_gone
 from proc_utils import Fifo, still_alive_after
 
 from aioproc import BrokenWorkerError, ForcedKillWarning, WorkerPool, WorkerProcess, open_pool
 from aioproc.errors import RemoteTraceback
-
-
-@pytest.fixture
-def pw(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """The worker-function module, importable here and (by path) in workers."""
-    monkeypatch.syspath_prepend(CHILDREN_DIR)
-    return importlib.import_module("pw_funcs")
-
-
-@pytest.fixture
-async def fifo(tmp_path: Path) -> AsyncIterator[Fifo]:
-    """A FIFO workers write "<pid>\\n" to once inside a call; read without polling."""
-    async with Fifo(tmp_path / "ready") as f:
-        yield f
 
 
 class Dropped:

@@ -11,19 +11,17 @@ before it acts; nothing here synchronises on a sleep.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import os
 import pickle
 import re
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from helpers import CHILDREN_DIR, child_pids, pid_gone
+from helpers import child_pids, pid_gone
 from proc_utils import Fifo, still_alive_after
 
 import aioproc
@@ -31,20 +29,6 @@ from aioproc import BrokenWorkerError, ForcedKillWarning, WorkerProcess, open_wo
 from aioproc.errors import RemoteTraceback
 
 BIG = 100 * 1024 * 1024
-
-
-@pytest.fixture
-def pw(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """The worker-function module, importable here and (by path) in workers."""
-    monkeypatch.syspath_prepend(CHILDREN_DIR)
-    return importlib.import_module("pw_funcs")
-
-
-@pytest.fixture
-async def fifo(tmp_path: Path) -> AsyncIterator[Fifo]:
-    """A FIFO a worker writes "I am inside the call" to; read without polling."""
-    async with Fifo(tmp_path / "ready") as f:
-        yield f
 
 
 def remote_tb(exc: BaseException) -> str:
