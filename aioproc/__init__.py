@@ -23,8 +23,6 @@ if TYPE_CHECKING:
     from .agent import WorkerSpec as WorkerSpec
     from .agent import WorkerState as WorkerState
     from .context import PContext as PContext
-    from .context import RunProcsResult as RunProcsResult
-    from .context import run as run
     from .context import start_processes as start_processes
     from .errors import BrokenWorkerError as BrokenWorkerError
     from .errors import ChildFailedError as ChildFailedError
@@ -39,6 +37,8 @@ if TYPE_CHECKING:
     from .logs import to_map as to_map
     from .pool import WorkerPool as WorkerPool
     from .pool import open_pool as open_pool
+    from .results import RunProcsResult as RunProcsResult
+    from .runner import run as run
     from .signals import SignalException as SignalException
     from .signals import translate_signals as translate_signals
     from .sinks import CallbackSink as CallbackSink
@@ -62,8 +62,8 @@ _EXPORTS: dict[str, str] = {
     "WorkerSpec": "agent",
     "WorkerState": "agent",
     "PContext": "context",
-    "RunProcsResult": "context",
-    "run": "context",
+    "RunProcsResult": "results",
+    "run": "runner",
     "start_processes": "context",
     "ChildFailedError": "errors",
     "ErrorHandler": "errors",

@@ -112,6 +112,10 @@ class Channel:
             return self._protocol.closed
         return self.progress.reached(self._fd)
 
+    def abort(self) -> None:
+        """Close at once, dropping unsent bytes (``aclose`` also waits for it)."""
+        self._transport.abort()
+
     async def aclose(self) -> None:
         self._transport.abort()
         await self._protocol.closed

@@ -1,47 +1,78 @@
 """Kill every worker group when the supervisor dies abruptly (even by SIGKILL).
 
 A worker killed with its supervisor is not enough: its own children live on,
-reparented.  So each process group gets a guardian: a tiny ``/bin/sh`` in a
-session of its own, holding the read end of a pipe whose write end only the
-supervisor has.  The supervisor writes the id of every group it creates;
-when the supervisor closes the group normally it writes ``done`` and the
-guardian exits without touching anything.  If the supervisor dies first,
-the kernel closes the pipe, the guardian reads EOF and SIGKILLs every group
-it was told about.  A shell costs about a millisecond to start, far less
-than a second Python interpreter.
+reparented.  So the supervisor process keeps ONE guardian: a tiny ``/bin/sh``
+in a session of its own, holding the read end of a pipe whose write end only
+the supervisor has.  The supervisor writes ``+PGID`` for every group it
+creates, before the worker can run user code, and ``-PGID`` before it reaps
+the group's leader (after which the id may be reused by a stranger).  If the
+supervisor dies, the kernel closes the pipe, the guardian reads EOF and
+SIGKILLs every group it still knows.  When the last group is forgotten the
+guardian is dismissed with ``done`` and reaped; the next group starts a new
+one (a shell costs about a millisecond).
+
+Registration happens as ``Popen`` returns, but a binary worker already runs
+from its ``exec``; in case the supervisor dies in those microseconds, every
+worker's environment carries ``AIOPROC_LIFELINE=<token>`` (unique to the
+supervisor process), and on EOF the guardian also kills every process, and
+the group of every group leader, whose environment holds the token (one
+``grep`` over ``/proc/*/environ``, twice, to catch a fork racing the first
+sweep).  Descendants that keep their environment are caught the same way.
+
+A guardian that dies while groups are registered (killed from outside) is
+noticed through its pidfd on the loop: a warning is logged and a replacement
+takes over every registered group.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import secrets
 import subprocess
+import threading
 
-from ._spawn import ExitWatcher
+from ._exit import ExitWatcher
+
+logger = logging.getLogger("aioproc")
 
 _SCRIPT = """\
 trap '' HUP INT TERM QUIT PIPE
-groups=
+groups=" "
 while IFS= read -r line; do
   case $line in
     done) exit 0 ;;
-    *) groups="$groups $line" ;;
+    -*) g=${line#-}
+        case $groups in *" $g "*) groups="${groups%% $g *} ${groups#* $g }" ;; esac ;;
+    +*) groups="$groups${line#+} " ;;
   esac
 done
 for g in $groups; do kill -s KILL -- "-$g" 2>/dev/null; done
+for round in 1 2; do
+  for f in $(grep -lzx "AIOPROC_LIFELINE=$1" /proc/[0-9]*/environ 2>/dev/null); do
+    p=${f#/proc/}; p=${p%/environ}
+    kill -s KILL -- "-$p" 2>/dev/null; kill -s KILL "$p" 2>/dev/null
+  done
+done
 """
 
+TOKEN_VAR = "AIOPROC_LIFELINE"
+"""Environment variable naming the supervisor whose guardian sweeps a worker."""
+
 SHELL = "/bin/sh"
+DISMISS_WAIT = 5.0
+"""Seconds a dismissed guardian gets to exit before it is killed."""
 
 
-class Guardian:
-    """The supervisor's side of one guardian process."""
+class _Guardian:
+    """One guardian process and the groups it knows."""
 
-    def __init__(self) -> None:
-        read_fd, self._write_fd = os.pipe()
+    def __init__(self, groups: set[int]) -> None:
+        read_fd, self.write_fd = os.pipe()
         try:
-            self._popen = subprocess.Popen(
-                [SHELL, "-c", _SCRIPT],
+            self.popen = subprocess.Popen(
+                [SHELL, "-c", _SCRIPT, "aioproc-guardian", token()],
                 stdin=read_fd,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -49,36 +80,184 @@ class Guardian:
                 close_fds=True,
             )
         except BaseException:
-            os.close(self._write_fd)
+            os.close(self.write_fd)
             raise
         finally:
             os.close(read_fd)
-        self._watcher = ExitWatcher(self._popen)
+        self.owner = os.getpid()
+        self.groups = set(groups)
+        self.dismissed = False
+        self.watcher = ExitWatcher(self.popen, reap=True)
+        self.watcher.future.add_done_callback(self._exited)
+        if groups:
+            self.write("".join(f"+{g}\n" for g in sorted(groups)))
 
-    @property
-    def pid(self) -> int:
-        return self._popen.pid
+    def rewatch(self) -> None:
+        self.watcher.detach()
+        self.watcher = ExitWatcher(self.popen, reap=True)
+        self.watcher.future.add_done_callback(self._exited)
 
-    def watch(self, pgid: int) -> None:
-        """Tell the guardian about a new process group."""
-        self._write(f"{pgid}\n")
-
-    def _write(self, text: str) -> None:
-        if self._write_fd < 0:
-            return
+    def write(self, text: str) -> bool:
+        if self.write_fd < 0:
+            return False
         try:
-            os.write(self._write_fd, text.encode())
+            os.write(self.write_fd, text.encode())
         except OSError:
-            pass  # guardian gone (killed from outside); the workers still get closed
+            return False  # guardian gone: _exited replaces it
+        return True
 
-    async def aclose(self) -> None:
-        """Dismiss the guardian (the groups are already stopped) and reap it."""
-        self._write("done\n")
-        if self._write_fd >= 0:
-            os.close(self._write_fd)
-            self._write_fd = -1
+    def close_pipe(self) -> None:
+        if self.write_fd >= 0:
+            os.close(self.write_fd)
+            self.write_fd = -1
+
+    def _exited(self, fut: asyncio.Future[int]) -> None:
+        if self.dismissed or fut.cancelled():
+            return
+        self.close_pipe()
+        _replace(self, fut.result())
+
+
+_lock = threading.Lock()
+_current: _Guardian | None = None
+_token = ""
+_token_pid = 0
+
+
+def token() -> str:
+    """This supervisor process's lifeline token (new after a fork)."""
+    global _token, _token_pid
+    if _token_pid != os.getpid():
+        _token = f"{os.getpid()}-{secrets.token_hex(8)}"
+        _token_pid = os.getpid()
+    return _token
+
+
+_dismissed: list[_Guardian] = []
+
+
+def _replace(dead: _Guardian, code: int) -> None:
+    global _current
+    with _lock:
+        if _current is not dead:
+            return
+        _current = None
+        groups = set(dead.groups)
+    if not groups:
+        return
+    logger.warning(
+        "aioproc's guardian process (pid %d) died (exit status %d) while %d worker "
+        "group(s) were running; starting a new one so they still die with this process",
+        dead.popen.pid,
+        code,
+        len(groups),
+    )
+    try:
+        replacement = _Guardian(groups)
+    except OSError as e:  # pragma: no cover - fork failing under memory pressure
+        logger.error(
+            "could not start a new guardian (%s): worker groups %s would outlive a crash "
+            "of this process",
+            e,
+            sorted(groups),
+        )
+        return
+    with _lock:
+        _current = replacement
+
+
+def register(pgid: int) -> None:
+    """Tell the guardian about a new process group (before it runs user code).
+
+    Starts the guardian if none is running.  Must be called on the loop.
+    """
+    global _current
+    with _lock:
+        guardian = _current
+        if guardian is not None and guardian.owner != os.getpid():
+            guardian = None  # inherited through fork(): not ours to use
+        if guardian is None:
+            guardian = _current = _Guardian(set())
+        elif guardian.watcher.loop is not asyncio.get_running_loop():
+            guardian.rewatch()  # its loop is gone: notice its death on this one
+        guardian.groups.add(pgid)
+    if not guardian.write(f"+{pgid}\n"):
+        # died before noticing: the exit watcher starts a replacement that
+        # already knows this group
+        logger.debug("guardian write failed for group %d; a replacement will take it", pgid)
+
+
+def forget(pgid: int) -> None:
+    """Forget a group whose leader is about to be reaped; dismiss an idle guardian.
+
+    Written before the reap, so a guardian that outlives a crash right after
+    it never signals the id once it may belong to somebody else.  A dismissed
+    guardian exits at once; ``settle()`` waits until it is reaped.
+    """
+    global _current
+    with _lock:
+        guardian = _current
+        if guardian is None or guardian.owner != os.getpid():
+            return
+        guardian.groups.discard(pgid)
+        guardian.write(f"-{pgid}\n")
+        if guardian.groups:
+            return
+        _current = None
+        guardian.dismissed = True
+        _dismissed.append(guardian)
+    guardian.write("done\n")
+    guardian.close_pipe()
+
+
+async def settle() -> None:
+    """Wait until every dismissed guardian has exited and been reaped.
+
+    Cancellation: bounded by ``DISMISS_WAIT`` (then the guardian is
+    killed); callers run it inside their shielded cleanup.
+    """
+    while _dismissed:
+        guardian = _dismissed.pop()
+        fut = guardian.watcher.future
+        if fut.done():
+            continue
+        if guardian.watcher.loop is not asyncio.get_running_loop():
+            # watched by a loop that is gone: it exits at once, reap it here
+            guardian.watcher.detach()
+            try:
+                guardian.popen.wait(DISMISS_WAIT)
+            except subprocess.TimeoutExpired:
+                guardian.popen.kill()
+                guardian.popen.wait()
+            continue
         try:
-            await asyncio.wait_for(asyncio.shield(self._watcher.future), 5)
+            await asyncio.wait_for(asyncio.shield(fut), DISMISS_WAIT)
         except asyncio.TimeoutError:
-            self._popen.kill()
-            await asyncio.shield(self._watcher.future)
+            guardian.popen.kill()
+            await asyncio.shield(fut)
+
+
+def current_pid() -> int | None:
+    """The guardian's pid, or None when no group is registered (for tests)."""
+    with _lock:
+        return _current.popen.pid if _current is not None else None
+
+
+def _after_fork_in_child() -> None:
+    # A forked copy of the supervisor must not keep the guardian's pipe open,
+    # or the guardian would miss the supervisor's death until the copy exits.
+    global _current
+    guardian = _current
+    _current = None
+    if guardian is not None and guardian.write_fd >= 0:
+        try:
+            os.close(guardian.write_fd)
+        except OSError:
+            pass
+        guardian.write_fd = -1
+    _dismissed.clear()
+    globals()["_lock"] = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,21 +1,26 @@
 """Graceful-then-forced stop of worker process groups, bounded in time.
 
-``stop_groups`` signals every group, waits (on the exit watchers, not by
-polling) up to the grace period for the workers to exit, then SIGKILLs every
-group that still has members and waits a bounded time for the kill to land.
-A worker that needed SIGKILL is named in a ``ForcedKillWarning``; a process
-that survives even SIGKILL (uninterruptible sleep) is reported and left,
-never waited on forever.  Groups are signalled even when their leader has
-already exited, so descendants a worker left behind are stopped too.
+``stop_groups`` signals every group the supervisor still owns, waits (on exit
+watchers and pidfds, never by polling) up to ``timeout`` for the leaders and
+then for the descendants still in their groups, SIGKILLs what is left and
+waits a bounded time for the kill to land.  A worker that needed SIGKILL is
+named in a ``ForcedKillWarning``; one that survives even SIGKILL
+(uninterruptible sleep) is reported and reaped later, whenever it exits,
+never waited on forever.
+
+Only groups whose leader is still unreaped are signalled (``Child.owns_group``):
+such a group id cannot have been recycled for somebody else.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from ._spawn import Child
 from .errors import ForcedKillWarning
@@ -23,44 +28,113 @@ from .errors import ForcedKillWarning
 logger = logging.getLogger("aioproc")
 
 KILL_WAIT = 5.0
-"""Seconds to wait for SIGKILLed workers to be reaped before reporting them."""
+"""Seconds to wait for SIGKILLed workers to exit before reporting them."""
 
 
 async def stop_groups(children: Sequence[Child], death_sig: int, timeout: float) -> list[Child]:
     """Stop ``children``: ``death_sig`` to each group, grace ``timeout``, then SIGKILL.
 
-    Returns the workers that had to be killed (see ``warn_forced``).  The
-    caller shields this from cancellation; it always returns within
-    ``timeout + KILL_WAIT`` seconds.
+    The grace period covers the whole group: once a leader has exited, the
+    processes it left in its group get the rest of ``timeout`` before they
+    are killed.  Returns the workers whose leader had to be killed (see
+    ``warn_forced``).  The caller shields this from cancellation; it always
+    returns within ``timeout + KILL_WAIT`` seconds.
     """
+    deadline = time.monotonic() + timeout
     running = [c for c in children if c.returncode is None]
     for c in running:
         c.stop_requested = True
-    for c in children:
+    owned = [c for c in children if c.owns_group]
+    for c in owned:
         # exited leaders too: their descendants may still be in the group
         c.signal_group(death_sig)
     pending = {c.watcher.future for c in running if not c.watcher.future.done()}
     if pending and timeout > 0:
         await asyncio.wait(pending, timeout=timeout)
     forced = [c for c in running if not c.watcher.future.done()]
-    for c in children:
-        if c.group_alive():
-            c.signal_group(signal.SIGKILL)
+    if not forced and timeout > 0:
+        await _wait_descendants({c.pgid for c in owned}, deadline)
+    for c in owned:
+        c.signal_group(signal.SIGKILL)
     if forced:
         for c in forced:
             c.forced = True
         await asyncio.wait({c.watcher.future for c in forced}, timeout=KILL_WAIT)
         for c in forced:
             if not c.watcher.future.done():
+                c.unkillable = True
                 logger.error(
-                    "worker %s (pid %d) survived SIGKILL for %g s (uninterruptible?); "
-                    "leaving it unreaped",
+                    "worker %s (pid %d) survived SIGKILL for %g s (uninterruptible sleep?); "
+                    "it will be reaped when it finally exits",
                     c.label,
                     c.pid,
                     KILL_WAIT,
                 )
-                c.watcher.detach()
     return forced
+
+
+def group_members(pgids: Iterable[int]) -> list[int]:
+    """Live (non-zombie) processes in the given process groups, from ``/proc``."""
+    wanted = set(pgids)
+    if not wanted:
+        return []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    members = []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # exited meanwhile
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parens
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) in wanted:
+            members.append(int(entry))
+    return members
+
+
+async def _wait_descendants(pgids: set[int], deadline: float) -> None:
+    """Wait until the groups hold no live process, or until ``deadline``.
+
+    Members are found by one scan of ``/proc`` and waited on with pidfds;
+    the scan is repeated only after they have exited (a member may have
+    forked meanwhile), so nothing is polled on a timer.
+    """
+    loop = asyncio.get_running_loop()
+    while True:
+        members = group_members(pgids)
+        remaining = deadline - time.monotonic()
+        if not members or remaining <= 0:
+            return
+        fds: list[int] = []
+        futs: list[asyncio.Future[None]] = []
+        try:
+            for pid in members:
+                try:
+                    fd = os.pidfd_open(pid)
+                except OSError:
+                    continue  # already gone
+                fds.append(fd)
+                fut: asyncio.Future[None] = loop.create_future()
+                loop.add_reader(fd, _resolve, fut)
+                futs.append(fut)
+            if not futs:
+                return  # pidfds unsupported, or all gone: nothing to wait on
+            await asyncio.wait(futs, timeout=remaining)
+        finally:
+            for fd in fds:
+                loop.remove_reader(fd)
+                os.close(fd)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def warn_forced(

@@ -1,15 +1,21 @@
-"""Launch ONE worker process and notice its exit without polling or threads.
+"""Launch ONE worker process in a session of its own, known to the guardian first.
 
 A worker is started with ``subprocess.Popen`` in its own session (so stop and
-kill reach its whole process group) and its exit is noticed through a pidfd
-registered with the event loop: readable exactly when the process exits,
-independent of its pipes, so a grandchild holding stdout open cannot hide
-the exit.  It needs no thread per child, unlike asyncio's default child
-watcher on Python < 3.12, which is why workers are not started through
-``loop.subprocess_exec``.  Where pidfds are unavailable (non-Linux, old
-kernels) one blocking ``waitpid`` thread per worker is the fallback.
+kill reach its whole process group).  Its exit is noticed through a pidfd on
+the loop (``_exit``), which needs no thread per child, unlike asyncio's
+default child watcher on Python < 3.12; that is why workers are not started
+through ``loop.subprocess_exec``.
 
-Exit statuses are reaped here and only here (``os.waitpid`` on our own pid).
+No orphan window: the guardian (``_lifeline``) is told of the new group
+synchronously as ``Popen`` returns, before the loop runs anything else.  A
+function worker runs nothing of the user's until the supervisor sends its
+boot code over the channel.  A binary worker runs from its ``exec``, so for
+the few microseconds between ``exec`` and registration every worker also
+carries the supervisor's lifeline token in its environment, and a guardian
+whose supervisor died sweeps the processes carrying it (see ``_lifeline``).
+
+The leader is reaped late (``Child.release``): only after the supervisor's
+last signal to its group, never before, so a recycled pid is never signalled.
 """
 
 from __future__ import annotations
@@ -20,67 +26,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
+from . import _lifeline
 from ._channel import Channel
+from ._exit import ExitWatcher
 from ._output import TeeProtocol
-
-
-class ExitWatcher:
-    """Resolves ``future`` with the exit code once the process has exited."""
-
-    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
-        self._popen = popen
-        self._loop = asyncio.get_running_loop()
-        self.future: asyncio.Future[int] = self._loop.create_future()
-        self.exit_time = 0.0
-        self._pidfd = -1
-        try:
-            self._pidfd = os.pidfd_open(popen.pid)
-        except (AttributeError, OSError):
-            threading.Thread(
-                target=self._wait_blocking, name=f"aioproc-waitpid-{popen.pid}", daemon=True
-            ).start()
-        else:
-            self._loop.add_reader(self._pidfd, self._on_pidfd)
-
-    def _on_pidfd(self) -> None:
-        try:
-            pid, status = os.waitpid(self._popen.pid, os.WNOHANG)
-        except ChildProcessError:
-            # reaped behind our back (a foreign SIGCHLD handler): exit status lost
-            self._set(255)
-            return
-        if pid != 0:
-            self._set(os.waitstatus_to_exitcode(status))
-
-    def _wait_blocking(self) -> None:
-        try:
-            _, status = os.waitpid(self._popen.pid, 0)
-            code = os.waitstatus_to_exitcode(status)
-        except ChildProcessError:
-            code = 255
-        try:
-            self._loop.call_soon_threadsafe(self._set, code)
-        except RuntimeError:
-            pass  # loop closed; nobody is waiting any more
-
-    def _set(self, code: int) -> None:
-        self.exit_time = time.time()
-        self._popen.returncode = code
-        self.detach()
-        if not self.future.done():
-            self.future.set_result(code)
-
-    def detach(self) -> None:
-        """Stop watching (after exit, or when giving up on an unkillable process)."""
-        if self._pidfd >= 0:
-            self._loop.remove_reader(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = -1
 
 
 class Child:
@@ -104,6 +56,7 @@ class Child:
         self.watcher = ExitWatcher(popen)
         self.forced = False  # needed SIGKILL during shutdown
         self.stop_requested = False  # the supervisor signalled it while it ran
+        self.unkillable = False  # survived SIGKILL; released when it finally exits
 
     def __repr__(self) -> str:
         if self.returncode is None:
@@ -118,19 +71,48 @@ class Child:
     def returncode(self) -> int | None:
         return self.popen.returncode
 
+    @property
+    def owns_group(self) -> bool:
+        """Whether ``pgid`` provably still names this worker's group (leader unreaped)."""
+        return not self.watcher.reaped
+
     def signal_group(self, sig: int) -> bool:
-        """Send ``sig`` to the worker's process group; False if the group is gone."""
+        """Send ``sig`` to the worker's process group; False if not ours any more.
+
+        The leader is kept an unreaped zombie until ``release()``, so while
+        ``owns_group`` holds, the group id cannot name anybody else.
+        """
+        if not self.owns_group:
+            return False
         try:
             os.killpg(self.pgid, sig)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            # the group id now belongs to somebody else's processes: never touch them
+        except (ProcessLookupError, PermissionError):
             return False
         return True
 
-    def group_alive(self) -> bool:
-        return self.signal_group(0)
+    def release(self) -> None:
+        """After the last signal to the group: forget it and reap the leader.
+
+        Only once the leader has exited; an unkillable leader is released by
+        its exit watcher whenever it finally exits (``release_when_exited``).
+        """
+        if self.watcher.reaped or not self.watcher.future.done():
+            return
+        _lifeline.forget(self.pgid)
+        self.watcher.reap()
+
+    def release_when_exited(self) -> None:
+        """Release as soon as the exit is noticed (used for unkillable leftovers)."""
+        if self.watcher.future.done():
+            self.release()
+            return
+        _late.add(self)
+
+        def done(_: asyncio.Future[int]) -> None:
+            _late.discard(self)
+            self.release()
+
+        self.watcher.future.add_done_callback(done)
 
     def output_settled(self) -> list[asyncio.Future[None]]:
         """Futures that resolve when all the worker wrote before exiting was read."""
@@ -150,6 +132,10 @@ class Child:
             await asyncio.wait(pending, timeout=timeout)
         if self.channel is not None:
             await self.channel.aclose()
+
+
+_late: set[Child] = set()
+"""Workers that survived SIGKILL: kept referenced until their exit is noticed."""
 
 
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031 if sys.platform.startswith("linux") else 0)
@@ -193,12 +179,15 @@ async def spawn(
     ``subprocess.PIPE`` (tee: the matching ``tee_out``/``tee_err`` protocol
     reads it).  Raises what ``Popen`` raises (e.g. FileNotFoundError) with
     nothing left running.
+
+    Cancellation: a start cancelled while the pipes are being connected
+    kills the worker's whole group and reaps it.
     """
     loop = asyncio.get_running_loop()
-    # Popen is what loop.subprocess_exec runs too: fork+exec, about a millisecond
+    # Popen is what loop.subprocess_exec runs too: (v)fork+exec, about a millisecond
     popen = subprocess.Popen(  # noqa: ASYNC220
         list(argv),
-        env=dict(env),
+        env={**env, _lifeline.TOKEN_VAR: _lifeline.token()},
         stdin=stdin,
         stdout=stdout,
         stderr=stderr,
@@ -206,8 +195,10 @@ async def spawn(
         start_new_session=True,
         close_fds=True,
     )
+    _lifeline.register(popen.pid)  # no await before this: see the module docstring
     tees: list[TeeProtocol] = []
     transports: list[asyncio.BaseTransport] = []
+    child: Child | None = None
     try:
         for pipe, proto in ((popen.stdout, tee_out), (popen.stderr, tee_err)):
             if pipe is None or proto is None:
@@ -216,10 +207,20 @@ async def spawn(
             transport, _ = await loop.connect_read_pipe(lambda p=proto: p, pipe)  # type: ignore[misc]
             tees.append(proto)
             transports.append(transport)
+        child = Child(label, popen, channel, tees, transports)
     except BaseException:
-        popen.kill()
-        popen.wait()
+        try:
+            os.killpg(popen.pid, signal.SIGKILL)  # the leader is unreaped: still ours
+        except ProcessLookupError:
+            pass
+        if child is not None:
+            child.watcher.detach()
+        popen.wait()  # SIGKILLed: exits at once
+        _lifeline.forget(popen.pid)
+        for pipe in (popen.stdout, popen.stderr):
+            if pipe is not None:
+                pipe.close()
         for tr in transports:
             tr.close()
         raise
-    return Child(label, popen, channel, tees, transports)
+    return child

@@ -1,14 +1,20 @@
-"""The supervisor: ``start_processes``, ``PContext``, ``RunProcsResult`` and ``run``.
+"""The supervisor of one worker group: ``PContext`` and ``start_processes``.
 
-A ``PContext`` owns one group of workers.  ``start()`` validates everything,
-then spawns every worker (``_spawn``), registers its process group with a
-guardian (``_lifeline``) and starts one watcher task per worker.  A watcher
-awaits the worker's exit (a pidfd, not polling), then the bytes the worker
-wrote before exiting (``_drain``), and records the outcome.  The first
-failure makes the supervisor stop every other worker at once
-(all-or-nothing); the group's result is final when every worker is done.
-``close()`` stops whatever still runs, gracefully then by force
-(``_shutdown``), drains and closes the pipes and dismisses the guardian.
+A ``PContext`` owns its work in ONE supervisor task and the anyio task group
+inside it: the launch of every rank, one watcher per worker, the stop after
+a first failure, and the final shutdown.  ``start()`` creates the supervisor
+and waits until every rank is launched; ``close()`` (from any task, any
+number of times) asks it to stop and waits until it has finished; the
+``await`` and ``async with`` forms of ``start_processes`` are thin wrappers.
+
+A watcher awaits its worker's exit (a pidfd, not polling), then the bytes the
+worker wrote before exiting (``_drain``), and records the outcome.  The first
+failure makes the supervisor stop every other worker (all-or-nothing); the
+group's result is final when every rank is done.  ``close()`` stops whatever
+still runs, gracefully then by force (``_shutdown``), during a launch too
+(ranks not launched yet are reported as never started), drains and closes the
+pipes, reaps the leaders (kept as zombies until then, so a recycled pid is
+never signalled) and lets the guardian forget their groups.
 """
 
 from __future__ import annotations
@@ -19,29 +25,31 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import string
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import IO, Any, NamedTuple, TypeAlias
+from types import TracebackType
+from typing import IO, Any, TypeAlias
 
-from . import _wire
-from ._boot import CallEncoder, boot_argv, boot_blob, init_frame, rebuild_exception
-from ._channel import Channel
+import anyio
+import anyio.abc
+
+from . import _lifeline, _wire
+from ._boot import CallEncoder, init_frame, rebuild_exception
 from ._cm import OpenResource
-from ._lifeline import Guardian
+from ._launch import launch_function
 from ._output import TeeProtocol
 from ._shield import shielded
 from ._shutdown import stop_groups, warn_forced
 from ._spawn import Child, spawn
-from .errors import ChildFailedError, ProcessFailure
+from .errors import ProcessFailure
 from .logs import DefaultLogsSpecs, LogsDest, LogsSpecs
+from .results import DEFAULT_GRACE_PERIOD, RunProcsResult, WorkerEvent
 from .signals import SignalException, pending_signal
 from .sinks import CallbackSink, ConsoleSink, FileSink, Sink, _FilteredFileSink
 
-__all__ = ["PContext", "RunProcsResult", "WorkerEvent", "run", "start_processes"]
+__all__ = ["PContext", "RunProcsResult", "WorkerEvent", "start_processes"]
 
 logger = logging.getLogger("aioproc")
 
@@ -49,43 +57,8 @@ SinkLike: TypeAlias = Sink | Callable[..., Any] | str | IO[str]
 """A sink, a callable taking an ``OutputLine``, a file path or an open text file."""
 
 START_METHODS = ("spawn",)
-DEFAULT_GRACE_PERIOD = 30.0
-"""Seconds between ``death_sig`` and SIGKILL when a failure stops the group."""
 _DRAIN_TIMEOUT = 2.0
 """Bound on waiting for EOF of a killed group's pipes (a setsid'd descendant may hold them)."""
-
-
-@dataclass
-class RunProcsResult:
-    """Outcome of a worker group.
-
-    Attributes:
-        return_values: ``{local_rank: value}`` of the workers that succeeded
-            (``None`` for binaries and for functions that ended via
-            ``sys.exit(0)``).  When the group failed, the ranks that did
-            succeed are still listed.
-        failures: ``{local_rank: ProcessFailure}``; empty when all succeeded.
-        stdouts: ``{local_rank: path}`` of stdout log files ("" if none).
-        stderrs: ``{local_rank: path}`` of stderr log files ("" if none).
-    """
-
-    return_values: dict[int, Any] = field(default_factory=dict)
-    failures: dict[int, ProcessFailure] = field(default_factory=dict)
-    stdouts: dict[int, str] = field(default_factory=dict)
-    stderrs: dict[int, str] = field(default_factory=dict)
-
-    def is_failed(self) -> bool:
-        return len(self.failures) > 0
-
-
-class WorkerEvent(NamedTuple):
-    """A worker started or exited (``exitcode`` is None for "started")."""
-
-    kind: str  # "started" | "exited"
-    local_rank: int
-    pid: int
-    exitcode: int | None
-    time: float
 
 
 class _State(enum.Enum):
@@ -104,7 +77,8 @@ class PContext:
     Built by ``start_processes``; a callable entrypoint gives function
     workers, a ``str`` gives binary workers.  Attributes mirror torch's
     ``PContext``: ``name, entrypoint, args, envs, nprocs, stdouts, stderrs,
-    error_files``.
+    error_files``.  A started ``PContext`` also works as ``async with pc:``
+    (closed when the block exits).
     """
 
     def __init__(
@@ -156,18 +130,25 @@ class PContext:
         self._prefixes = dict(log_line_prefixes) if isinstance(log_line_prefixes, Mapping) else {}
         self._state = _State.NEW
         self._children: dict[int, Child] = {}
-        self._watchers: dict[int, asyncio.Task[None]] = {}
-        self._guardian: Guardian | None = None
         self._results: dict[int, bytearray] = {}
         self._errors: dict[int, bytearray] = {}
         self._values: dict[int, Any] = {}
         self._failures: dict[int, ProcessFailure] = {}
         self._remote: dict[int, BaseException] = {}
-        self._stopping = False
-        self._auto_stop: asyncio.Task[None] | None = None
+        self._stopping = False  # a failure stop or a close has begun
+        # owned by the supervisor task (created by start())
+        self._supervisor: asyncio.Task[None] | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._launched: asyncio.Future[None] | None = None
+        self._launching = True
+        self._launch_done: asyncio.Event | None = None
+        self._launch_scope: anyio.CancelScope | None = None
+        self._close_request: asyncio.Future[tuple[int, float]] | None = None
+        self._watching: dict[int, anyio.CancelScope] = {}
+        self._watched: dict[int, asyncio.Event] = {}
+        self._auto_stop: anyio.CancelScope | None = None
+        self._auto_stopped: asyncio.Event | None = None
         self._finished: asyncio.Future[None] | None = None
-        self._spawned: asyncio.Event | None = None  # set when start() stops launching
-        self._forced: list[Child] = []
 
     def __repr__(self) -> str:
         kind = "function" if callable(self.entrypoint) else "binary"
@@ -181,6 +162,19 @@ class PContext:
     def is_function(self) -> bool:
         return not isinstance(self.entrypoint, str)
 
+    async def __aenter__(self) -> PContext:
+        if self._state is _State.NEW:
+            await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await _close_on_exit(self, exc)
+
     # ------------------------------------------------------------------ start
 
     async def start(self) -> None:
@@ -192,8 +186,11 @@ class PContext:
             OSError: if a worker cannot be launched; workers already started
                 are stopped first.
 
-        Cancellation: if cancelled part-way, every worker started so far is
-        stopped (shielded, bounded) before the cancellation propagates.
+        Cancellation: if cancelled part-way, the launch stops and every worker
+        started so far is killed with its group (shielded, bounded) before the
+        cancellation propagates.  A ``close()`` from another task during the
+        launch stops it too; ``start()`` then returns and the ranks that were
+        never launched are reported as such.
         """
         if self._state is not _State.NEW:
             raise _AlreadyStartedError(
@@ -203,36 +200,29 @@ class PContext:
         payloads = self._call_payloads() if self.is_function else {}
         if not self.is_function:
             _check_executable(str(self.entrypoint), self.envs)
+        dest = self.logs_specs.reify(self.envs)
         self._state = _State.RUNNING
         loop = asyncio.get_running_loop()
         self._finished = loop.create_future()
-        self._spawned = asyncio.Event()
-        dest = self.logs_specs.reify(self.envs)
+        self._launched = loop.create_future()
+        self._close_request = loop.create_future()
+        self._launch_done = asyncio.Event()
+        self._auto_stopped = asyncio.Event()
         self.stdouts = dict(dest.stdouts)
         self.stderrs = dict(dest.stderrs)
         self.error_files = dict(dest.error_files)
         for stream, path in (("stdout", dest.filtered_stdout), ("stderr", dest.filtered_stderr)):
             if self._filters[stream] and path:
                 self._filter_sinks[stream] = _FilteredFileSink(path, self._filters[stream])
+        self._supervisor = loop.create_task(
+            self._supervise(dest, payloads), name=f"aioproc-supervisor-{self.name}"
+        )
         try:
-            self._guardian = Guardian()
-            for rank in range(self.nprocs):
-                if rank:
-                    # yield between launches: each Popen blocks the loop ~1 ms, so
-                    # other tasks keep running while a large group starts
-                    await asyncio.sleep(0)
-                child = await self._spawn_rank(rank, dest, payloads.get(rank))
-                self._children[rank] = child
-                self._guardian.watch(child.pgid)
-                self._notify(WorkerEvent("started", rank, child.pid, None, time.time()))
-                self._watchers[rank] = loop.create_task(
-                    self._watch(rank, child), name=f"aioproc-watch-{child.label}"
-                )
-        except BaseException:
-            self._spawned.set()
-            await shielded(self._shutdown(signal.SIGKILL, 0))
+            await asyncio.shield(self._launched)
+        except asyncio.CancelledError:
+            if not self._launched.done():
+                await shielded(self._close(signal.SIGKILL, 0.0))
             raise
-        self._spawned.set()
 
     def _call_payloads(self) -> dict[int, list[bytes]]:
         """Encode the INIT and CALL frames of every rank, before anything starts."""
@@ -248,15 +238,79 @@ class PContext:
                 raise TypeError(f"args for local rank {rank} cannot be pickled: {e}") from e
         return out
 
+    async def _supervise(self, dest: LogsDest, payloads: dict[int, list[bytes]]) -> None:
+        """The group's one owner: launch, watch, stop after a failure, shut down."""
+        assert self._launched is not None
+        assert self._close_request is not None
+        assert self._launch_done is not None
+        launch_error: BaseException | None = None
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                with anyio.CancelScope() as scope:
+                    self._launch_scope = scope
+                    try:
+                        await self._launch_all(tg, dest, payloads)
+                    except Exception as e:
+                        launch_error = e
+                        self._request_close(signal.SIGKILL, 0.0)
+                self._launch_scope = None
+                self._launching = False
+                self._launch_done.set()
+                self._mark_never_started()
+                if launch_error is None and not self._launched.done():
+                    self._launched.set_result(None)
+                try:
+                    sig, timeout = await asyncio.shield(self._close_request)
+                except asyncio.CancelledError:
+                    # the loop is shutting down with the group still open
+                    sig, timeout = signal.SIGKILL, 0.0
+                with anyio.CancelScope(shield=True):
+                    await self._shutdown(sig, timeout)
+        finally:
+            self._state = _State.CLOSED
+            if not self._launched.done():
+                if launch_error is not None:
+                    self._launched.set_exception(launch_error)
+                else:
+                    self._launched.set_result(None)
+
+    async def _launch_all(
+        self, tg: anyio.abc.TaskGroup, dest: LogsDest, payloads: dict[int, list[bytes]]
+    ) -> None:
+        assert self._close_request is not None
+        for rank in range(self.nprocs):
+            if rank:
+                # yield between launches: each Popen blocks the loop ~1 ms, so
+                # other tasks keep running while a large group starts
+                await asyncio.sleep(0)
+            if self._close_request.done():
+                return
+            child = await self._spawn_rank(rank, dest, payloads.get(rank))
+            self._children[rank] = child
+            self._watched[rank] = asyncio.Event()
+            self._notify(WorkerEvent("started", rank, child.pid, None, time.time()))
+            tg.start_soon(self._watch, rank, child, name=f"aioproc-watch-{child.label}")
+
+    def _mark_never_started(self) -> None:
+        for rank in range(self.nprocs):
+            if rank not in self._children:
+                failure = ProcessFailure(rank, -1, -1, "", stopped=True)
+                failure.message = (
+                    f"local rank {rank} was never started: the group was closed while it "
+                    "was being launched"
+                )
+                self._failures[rank] = failure
+        self._check_finished()
+
     async def _spawn_rank(self, rank: int, dest: LogsDest, payload: list[bytes] | None) -> Child:
         env = {**os.environ, **self.envs[rank]}
         label = f"{self.name}/{rank}"
         prefix = self._prefix(rank)
         files: list[Any] = []
-        parent_sock = child_sock = None
+        tees: dict[str, TeeProtocol] = {}
         try:
             streams: dict[str, Any] = {}
-            tees: dict[str, TeeProtocol] = {}
             for key, path, tee_map in (
                 ("stdout", dest.stdouts.get(rank, ""), dest.tee_stdouts),
                 ("stderr", dest.stderrs.get(rank, ""), dest.tee_stderrs),
@@ -276,48 +330,37 @@ class PContext:
                     streams[key] = f
                     files.append(f)
             if payload is not None:
-                parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-                argv = boot_argv(child_sock.fileno())
-                pass_fds: tuple[int, ...] = (child_sock.fileno(), *self._pass_fds)
-                stdin: int | None = subprocess.DEVNULL
-            else:
-                argv = [str(self.entrypoint), *map(str, self.args[rank])]
-                pass_fds = self._pass_fds
-                stdin = None
-            channel = None
-            if parent_sock is not None:
-                channel = await Channel.open(parent_sock, self._frame_handler(rank))
-            try:
-                child = await spawn(
+                init, *call = payload
+                return await launch_function(
                     label,
-                    argv,
                     env,
+                    on_frame=self._frame_handler(rank),
+                    frames=[(_wire.INIT, [init]), (_wire.CALL, call)],
                     stdout=streams["stdout"],
                     stderr=streams["stderr"],
-                    stdin=stdin,
-                    pass_fds=pass_fds,
-                    channel=channel,
+                    pass_fds=self._pass_fds,
                     tee_out=tees.get("stdout"),
                     tee_err=tees.get("stderr"),
                 )
-            except BaseException:
-                for t in tees.values():
-                    if t.log_file is not None:
-                        t.log_file.close()
-                if channel is not None:
-                    await channel.aclose()
-                raise
+            return await spawn(
+                label,
+                [str(self.entrypoint), *map(str, self.args[rank])],
+                env,
+                stdout=streams["stdout"],
+                stderr=streams["stderr"],
+                stdin=None,
+                pass_fds=self._pass_fds,
+                tee_out=tees.get("stdout"),
+                tee_err=tees.get("stderr"),
+            )
+        except BaseException:
+            for t in tees.values():
+                if t.log_file is not None:
+                    t.log_file.close()
+            raise
         finally:
             for f in files:
                 f.close()  # the child has its own copy
-            if child_sock is not None:
-                child_sock.close()
-        if channel is not None and payload is not None:
-            init, *call = payload
-            channel.send_raw(boot_blob())
-            channel.send(_wire.INIT, init)
-            channel.send(_wire.CALL, *call)
-        return child
 
     def _notify(self, event: WorkerEvent) -> None:
         if self._on_event is None:
@@ -350,19 +393,30 @@ class PContext:
     # ------------------------------------------------------------ supervision
 
     async def _watch(self, rank: int, child: Child) -> None:
-        code = await child.watcher.future
         try:
-            settled = child.output_settled()
-            if settled:
-                await asyncio.wait(settled, timeout=_DRAIN_TIMEOUT)
+            with anyio.CancelScope() as scope:
+                self._watching[rank] = scope
+                # shield: cancelling this watcher must not cancel the exit future
+                code = await asyncio.shield(child.watcher.future)
+                settled = child.output_settled()
+                if settled:
+                    await asyncio.wait(settled, timeout=_DRAIN_TIMEOUT)
+            if not scope.cancelled_caught:
+                # the outcome is recorded whatever the drain did, or wait() would hang
+                self._record(rank, child, code)
         finally:
-            # the outcome is recorded whatever happens, or wait() would hang
-            self._record(rank, child, code)
+            self._watched[rank].set()
 
     def _record(self, rank: int, child: Child, code: int) -> None:
         value: Any = None
         problem = ""
-        if code == 0 and rank in self._results:
+        if child.watcher.lost:
+            problem = (
+                f"exit status lost: process {child.pid} was reaped by somebody else's "
+                "waitpid() in this process (a SIGCHLD handler or a child watcher reaping "
+                "every child?), so how it ended is unknown"
+            )
+        elif code == 0 and rank in self._results:
             try:
                 value = _wire.decode_value(self._results.pop(rank))
             except Exception as e:
@@ -383,11 +437,9 @@ class PContext:
             remote = self._remote_exception(rank)
             if remote is not None:
                 self._remote[rank] = remote
-            if not self._stopping:
+            if not self._stopping and self._tg is not None:
                 self._stopping = True
-                self._auto_stop = asyncio.get_running_loop().create_task(
-                    self._stop_after_failure(), name=f"aioproc-stop-{self.name}"
-                )
+                self._tg.start_soon(self._stop_after_failure, name=f"aioproc-stop-{self.name}")
         self._notify(
             WorkerEvent("exited", rank, child.pid, code, child.watcher.exit_time or time.time())
         )
@@ -403,16 +455,21 @@ class PContext:
             self._finished.set_result(None)
 
     async def _stop_after_failure(self) -> None:
-        # a failure can be noticed while start() is still launching ranks
-        assert self._spawned is not None
-        await self._spawned.wait()
-        running = [c for c in self._children.values() if c.returncode is None]
-        if running:
-            self._forced += await stop_groups(
-                list(self._children.values()), signal.SIGTERM, self.grace_period
-            )
-            warn_forced(self._forced, signal.SIGTERM, self.grace_period)
-            self._forced.clear()
+        assert self._launch_done is not None
+        assert self._auto_stopped is not None
+        try:
+            with anyio.CancelScope() as scope:
+                self._auto_stop = scope
+                # a failure can be noticed while ranks are still being launched
+                await self._launch_done.wait()
+                running = [c for c in self._children.values() if c.returncode is None]
+                if running:
+                    forced = await stop_groups(
+                        list(self._children.values()), signal.SIGTERM, self.grace_period
+                    )
+                    warn_forced(forced, signal.SIGTERM, self.grace_period)
+        finally:
+            self._auto_stopped.set()
 
     def _result(self) -> RunProcsResult:
         return RunProcsResult(
@@ -446,8 +503,11 @@ class PContext:
         """Wait for the group's result, all-or-nothing.
 
         Returns as soon as every worker succeeded, or once one failed and the
-        others were stopped.  Nothing polls: ``period`` is accepted for
-        compatibility with torch and ignored.
+        others were stopped.  As torch's ``wait()`` does, a final result also
+        closes the group: what the workers left in their process groups is
+        stopped (``death_sig`` SIGTERM, then SIGKILL after ``grace_period``),
+        the pipes, sinks and the guardian are released.  Nothing polls:
+        ``period`` is accepted for compatibility with torch and ignored.
 
         Args:
             timeout: seconds to wait; negative waits forever; 0 is a poll.
@@ -457,7 +517,8 @@ class PContext:
             The ``RunProcsResult``, or ``None`` if still running at ``timeout``.
 
         Cancellation: cancelling ``wait()`` leaves the workers running; the
-        ``async with`` block (or ``close()``) stops them.
+        ``async with`` block (or ``close()``) stops them.  Once the result is
+        final, the release runs shielded.
         """
         if self._finished is None:
             raise RuntimeError(f"{self!r} has not been started")
@@ -470,6 +531,7 @@ class PContext:
                 )
             except asyncio.TimeoutError:
                 return None
+        await self.close(signal.SIGTERM, self.grace_period)
         return self._result()
 
     # ------------------------------------------------------------------ close
@@ -477,10 +539,12 @@ class PContext:
     async def close(self, death_sig: int | None = None, timeout: float = 30) -> None:
         """Stop every worker: ``death_sig`` to each process group, then SIGKILL.
 
-        Waits up to ``timeout`` seconds in total for the workers to exit, then
-        SIGKILLs the groups still alive (warning with ``ForcedKillWarning``)
-        and reaps them with a bounded wait.  Output up to EOF reaches its
-        sinks.  Idempotent.
+        Waits up to ``timeout`` seconds in total for the workers and what
+        they left in their process groups to exit, then SIGKILLs the groups
+        still alive (warning with ``ForcedKillWarning``) and reaps them with a
+        bounded wait.  Output up to EOF reaches its sinks.  During ``start()``
+        it stops the launch first.  Idempotent: a second ``close()`` (also
+        from another task) waits for the first to finish.
 
         Args:
             death_sig: the graceful signal (default SIGTERM).
@@ -495,38 +559,62 @@ class PContext:
         if self._state is _State.NEW:
             self._state = _State.CLOSED
             return
-        if self._state is _State.CLOSED:
+        await shielded(self._close(sig, float(timeout)))
+
+    def _request_close(self, sig: int, timeout: float) -> None:
+        assert self._close_request is not None
+        if not self._close_request.done():
+            self._close_request.set_result((sig, timeout))
+        if self._launch_scope is not None:
+            self._launch_scope.cancel()
+
+    async def _close(self, sig: int, timeout: float) -> None:
+        if self._supervisor is None:
             return
-        await shielded(self._shutdown(sig, float(timeout)))
+        self._request_close(sig, timeout)
+        await asyncio.wait({self._supervisor})
 
     async def _shutdown(self, sig: int, timeout: float) -> None:
         self._stopping = True
-        if self._auto_stop is not None and not self._auto_stop.done():
+        assert self._auto_stopped is not None
+        if self._auto_stop is not None:
+            # a later close() decides the signal and the grace period
             self._auto_stop.cancel()
-            await asyncio.wait({self._auto_stop})
+            await self._auto_stopped.wait()
         children = list(self._children.values())
         forced: list[Child] = []
         if children:
             forced = await stop_groups(children, sig, timeout)
-        watchers = [t for t in self._watchers.values() if not t.done()]
-        if watchers:
-            await asyncio.wait(watchers, timeout=_DRAIN_TIMEOUT + 1)
-        for rank, task in self._watchers.items():
-            if not task.done():
+        watched = [e.wait() for e in self._watched.values() if not e.is_set()]
+        if watched:
+            with anyio.move_on_after(_DRAIN_TIMEOUT + 1):
+                await asyncio.gather(*watched)
+        for rank, scope in self._watching.items():
+            if not self._watched[rank].is_set():
                 # only an unkillable worker keeps its watcher waiting
-                task.cancel()
+                scope.cancel()
                 child = self._children[rank]
-                self._failures[rank] = ProcessFailure(
+                failure = ProcessFailure(
                     rank, child.pid, -signal.SIGKILL, self.error_files.get(rank, ""), stopped=True
                 )
+                failure.message = (
+                    f"process {child.pid} did not exit after SIGKILL (uninterruptible sleep?); "
+                    "it is still running and will be reaped when it exits"
+                )
+                self._failures[rank] = failure
         await asyncio.gather(*(c.close_streams(_DRAIN_TIMEOUT) for c in children))
         own_sinks = self._sinks if self._close_sinks else []
         for sink in [*own_sinks, *self._filter_sinks.values()]:
-            await sink.aclose()
-        if self._watchers:
-            await asyncio.wait(self._watchers.values())
-        if self._guardian is not None:
-            await self._guardian.aclose()
+            try:
+                await sink.aclose()
+            except Exception:
+                logger.exception("closing sink %r failed", sink)
+        for c in children:
+            if c.watcher.future.done():
+                c.release()
+            else:
+                c.release_when_exited()
+        await _lifeline.settle()
         self._check_finished()
         self._state = _State.CLOSED
         self.logs_specs.prune()
@@ -539,7 +627,7 @@ async def _start(pc: PContext) -> PContext:
 
 
 async def _close_on_exit(pc: PContext, exc: BaseException | None) -> None:
-    """Leaving ``async with start_processes(...)``: a signal stops the workers with it."""
+    """Leaving ``async with``: a signal stops the workers with it."""
     sig: int = signal.SIGTERM
     if isinstance(exc, SignalException):
         sig = exc.sigval
@@ -628,92 +716,6 @@ def start_processes(
         close_sinks=close_sinks,
     )
     return OpenResource(lambda: _start(pc), _close_on_exit)
-
-
-async def run(
-    entrypoint: Callable[..., Any] | str,
-    nprocs: int,
-    args: Mapping[int, tuple[Any, ...]] | tuple[Any, ...] | None = None,
-    envs: Mapping[int, Mapping[str, str]] | None = None,
-    *,
-    name: str | None = None,
-    logs_specs: LogsSpecs | None = None,
-    log_line_prefixes: Mapping[int, str] | str | None = None,
-    start_method: str = "spawn",
-    timeout: float | None = None,
-    grace_period: float = DEFAULT_GRACE_PERIOD,
-    sinks: Sequence[SinkLike] | None = None,
-) -> RunProcsResult:
-    """Run ``nprocs`` workers to completion: start, wait, close.
-
-    Args:
-        entrypoint: a callable or an executable, as for ``start_processes``.
-        nprocs: number of workers (> 0).
-        args: one tuple for every rank, or ``{local_rank: tuple}``; default
-            no arguments.
-        envs: ``{local_rank: {name: value}}``; default no extra variables.
-        name: group name (default: the function's or executable's name).
-        timeout: seconds before the group is stopped and ``TimeoutError``
-            raised (its ``result`` attribute holds the partial result).
-
-    Returns:
-        The ``RunProcsResult`` when every worker succeeded.
-
-    Raises:
-        ChildFailedError: a worker failed; its ``__cause__`` is the root-cause
-            worker's own exception (function workers), whose ``__cause__``
-            holds the worker's traceback.
-        TimeoutError: ``timeout`` expired.
-
-    Cancellation: the workers are stopped (shielded, bounded) before the
-    cancellation propagates.
-    """
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs <= 0:
-        raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
-    if args is None:
-        args = {}
-    if isinstance(args, tuple):
-        rank_args: Mapping[int, tuple[Any, ...]] = {r: args for r in range(nprocs)}
-    elif isinstance(args, Mapping):
-        rank_args = args if args else {r: () for r in range(nprocs)}
-    else:
-        raise TypeError(f"args must be a tuple or a {{local_rank: tuple}} dict, got {args!r}")
-    rank_envs = envs if envs else {r: {} for r in range(nprocs)}
-    if name is None:
-        name = (
-            os.path.basename(entrypoint)
-            if isinstance(entrypoint, str)
-            else getattr(entrypoint, "__name__", "worker")
-        )
-    if len(rank_args) != nprocs:
-        raise RuntimeError(
-            f"args has {len(rank_args)} ranks {sorted(rank_args)} but nprocs is {nprocs}"
-        )
-    async with start_processes(
-        name,
-        entrypoint,
-        rank_args,
-        rank_envs,
-        logs_specs,
-        log_line_prefixes,
-        start_method,
-        grace_period=grace_period,
-        sinks=sinks,
-    ) as pc:
-        result = await pc.wait(-1 if timeout is None else timeout)
-        if result is None:
-            await pc.close(signal.SIGTERM, grace_period)
-            err = TimeoutError(
-                f"{pc.name}: workers still running after {timeout} s; "
-                f"stopped ranks {sorted(pc._failures)}"
-            )
-            err.result = pc.poll()  # type: ignore[attr-defined]
-            raise err
-        if result.is_failed():
-            failed = ChildFailedError(name=pc.name, failures=result.failures)
-            root, _ = failed.get_first_failure()
-            raise failed from pc.remote_exception(root)
-        return result
 
 
 # ---------------------------------------------------------------- validation

@@ -3,8 +3,9 @@
 A ``WorkerProcess`` is a function worker started in *serve* mode: it runs an
 optional ``init`` once, then answers CALL and PING frames on its control
 channel until it is told to terminate.  It reuses the group machinery: the
-same boot code, channel, spawn (own session, pidfd exit watcher), guardian
-(dies with the supervisor) and graceful-then-forced shutdown.
+same launch path (``_launch``: boot code, channel, spawn in its own session,
+pidfd exit watcher, the process-wide guardian) and graceful-then-forced
+shutdown.
 
 Never hangs: every wait is also a wait on the worker's exit.  If the worker
 dies mid-call the call raises ``BrokenWorkerError`` with the exit code or
@@ -17,20 +18,19 @@ import asyncio
 import collections
 import os
 import signal
-import socket
 import subprocess
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from . import _wire
-from ._boot import CallEncoder, boot_argv, boot_blob, init_frame, rebuild_exception
+from . import _lifeline, _wire
+from ._boot import CallEncoder, init_frame, rebuild_exception
 from ._channel import Channel
 from ._cm import OpenResource
-from ._lifeline import Guardian
+from ._launch import Frame, launch_function
 from ._output import TeeProtocol
 from ._shield import shielded
 from ._shutdown import stop_groups, warn_forced
-from ._spawn import Child, spawn
+from ._spawn import Child
 from .errors import BrokenWorkerError
 from .sinks import ConsoleSink, Sink
 
@@ -61,14 +61,12 @@ class WorkerProcess:
         name: str,
         child: Child,
         channel: Channel,
-        guardian: Guardian,
         shutdown_timeout: float,
         tail: _TailSink,
     ) -> None:
         self.name = name
         self._child = child
         self._channel = channel
-        self._guardian = guardian
         self._shutdown_timeout = shutdown_timeout
         self._tail = tail
         self._lock = asyncio.Lock()
@@ -209,7 +207,8 @@ class WorkerProcess:
             await stop_groups([self._child], signal.SIGKILL, 0)  # descendants only
         await self._exit_task
         await self._child.close_streams(1.0)
-        await self._guardian.aclose()
+        _release(self._child)
+        await _lifeline.settle()
         if forced:
             warn_forced(
                 forced, signal.SIGKILL, self._shutdown_timeout, request="the terminate request"
@@ -237,11 +236,9 @@ async def _start_worker(
     full_env = {**os.environ, **(env or {})}
     tail = _TailSink(STDERR_TAIL)
     stderr_tee = TeeProtocol(None, 0, "stderr", f"[{name}]:", [ConsoleSink(), tail])
-    parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    guardian: Guardian | None = None
-    channel: Channel | None = None
     child: Child | None = None
     worker: WorkerProcess | None = None
+    pending_init: asyncio.Future[tuple[int, bytearray]] | None = None
 
     def on_frame(kind: int, body: bytearray) -> None:
         if worker is not None:
@@ -249,28 +246,22 @@ async def _start_worker(
         elif pending_init is not None and not pending_init.done():
             pending_init.set_result((kind, body))
 
-    pending_init: asyncio.Future[tuple[int, bytearray]] | None = None
+    frames: list[Frame] = [(_wire.INIT, [init_frame(serve=True, has_init=init_parts is not None)])]
+    if init_parts is not None:
+        pending_init = asyncio.get_running_loop().create_future()
+        frames.append((_wire.CALL, init_parts))
     try:
-        channel = await Channel.open(parent_sock, on_frame)
-        guardian = Guardian()
-        child = await spawn(
+        child = await launch_function(
             name,
-            boot_argv(child_sock.fileno()),
             full_env,
+            on_frame=on_frame,
+            frames=frames,
             stdout=None,
             stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            pass_fds=(child_sock.fileno(),),
-            channel=channel,
             tee_err=stderr_tee,
         )
-        child_sock.close()
-        guardian.watch(child.pgid)
-        channel.send_raw(boot_blob())
-        channel.send(_wire.INIT, init_frame(serve=True, has_init=init_parts is not None))
-        if init_parts is not None:
-            pending_init = asyncio.get_running_loop().create_future()
-            channel.send(_wire.CALL, *init_parts)
+        assert child.channel is not None
+        if pending_init is not None:
             exited = child.watcher.future
             waits: set[asyncio.Future[Any]] = {pending_init, exited}
             await asyncio.wait(
@@ -297,23 +288,27 @@ async def _start_worker(
                     f"worker {name} (pid {child.pid}): init did not finish within "
                     f"init_timeout={init_timeout:g} s"
                 )
-        worker = WorkerProcess(name, child, channel, guardian, shutdown_timeout, tail)
+        worker = WorkerProcess(name, child, child.channel, shutdown_timeout, tail)
         return worker
     except BaseException:
-        child_sock.close()
-        await shielded(_abandon(child, channel, guardian))
+        if child is not None:
+            await shielded(_abandon(child))
         raise
 
 
-async def _abandon(child: Child | None, channel: Channel | None, guardian: Guardian | None) -> None:
+async def _abandon(child: Child) -> None:
     """Kill and reap a worker that failed to start (nothing to be graceful about)."""
-    if child is not None:
-        await stop_groups([child], signal.SIGKILL, 0)
-        await child.close_streams(1.0)
-    elif channel is not None:
-        await channel.aclose()
-    if guardian is not None:
-        await guardian.aclose()
+    await stop_groups([child], signal.SIGKILL, 0)
+    await child.close_streams(1.0)
+    _release(child)
+    await _lifeline.settle()
+
+
+def _release(child: Child) -> None:
+    if child.watcher.future.done():
+        child.release()
+    else:
+        child.release_when_exited()  # survived SIGKILL: reaped whenever it exits
 
 
 _counter = 0

@@ -45,6 +45,8 @@ from helpers import (
 
 import aioproc
 from aioproc import ChildFailedError, DefaultLogsSpecs, PContext, ProcessFailure, Std
+from aioproc._lifeline import TOKEN_VAR as LIFELINE
+from aioproc._lifeline import token as lifeline_token
 from aioproc.errors import ForcedKillWarning, RemoteTraceback
 
 try:
@@ -453,6 +455,8 @@ async def test_function_worker_env_is_parent_env_plus_rank_env(
     assert result.failures == {}
     for rank in (0, 1):
         expected = {**before, **envs[rank], ERROR_FILE_ENV: pc.error_files[rank]}
+        # the supervisor's lifeline token: how its guardian finds its workers
+        expected[LIFELINE] = lifeline_token()
         assert result.return_values[rank] == expected
         assert pc.error_files[rank].startswith(log_dir + os.sep)
     assert dict(os.environ) == before
@@ -477,7 +481,12 @@ async def test_binary_worker_env_is_parent_env_plus_rank_env(log_dir: str) -> No
             raw = f.read()
         entries = [e for e in raw.split(b"\0") if e]
         got = dict(os.fsdecode(e).split("=", 1) for e in entries)
-        assert got == {**before, **envs[rank], ERROR_FILE_ENV: pc.error_files[rank]}
+        assert got == {
+            **before,
+            **envs[rank],
+            ERROR_FILE_ENV: pc.error_files[rank],
+            LIFELINE: lifeline_token(),
+        }
     assert dict(os.environ) == before
 
 
@@ -690,7 +699,8 @@ async def test_pcontext_api_while_running_and_after(
         assert pc.poll() == result
         assert await pc.wait() == result
         assert await pc.wait(timeout=0) == result
-        assert repr(pc) == "<PContext api nprocs=2 function finished>"
+        # as torch's wait(), a final result also closes the group
+        assert repr(pc) == "<PContext api nprocs=2 function closed>"
         assert all(pid_gone(pid) for pid in pids.values())
     assert repr(pc) == "<PContext api nprocs=2 function closed>"
     assert pc.poll() == result
@@ -929,7 +939,7 @@ async def test_spawn_failure_part_way_stops_started_workers(
         started.append(child.pid)
         return child
 
-    monkeypatch.setattr(context, "spawn", spawn_then_fail)
+    _patch_spawn(monkeypatch, spawn_then_fail)
     path, _release = fifo
     children_before = child_pids()
     with warnings.catch_warnings():
@@ -959,7 +969,7 @@ async def test_spawn_failure_part_way_warns_nothing(
             raise OSError(24, "Too many open files (simulated)")
         return await real_spawn(label, *args, **kwargs)
 
-    monkeypatch.setattr(context, "spawn", spawn_then_fail)
+    _patch_spawn(monkeypatch, spawn_then_fail)
     path, _release = fifo
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -968,6 +978,15 @@ async def test_spawn_failure_part_way_warns_nothing(
                 "partial", workers.wait_fifo, {r: (path,) for r in range(2)}, envs_for(2)
             )
     assert [str(w.message) for w in caught if issubclass(w.category, ForcedKillWarning)] == []
+
+
+def _patch_spawn(monkeypatch: pytest.MonkeyPatch, fake: Any) -> None:
+    """Replace the spawn used for binary (context) and function (_launch) workers."""
+    import aioproc._launch as launch
+    import aioproc.context as context
+
+    monkeypatch.setattr(context, "spawn", fake)
+    monkeypatch.setattr(launch, "spawn", fake)
 
 
 # -------------------------------------------------------- 8. no leaks at scale
@@ -1049,7 +1068,7 @@ async def test_failure_during_start_stops_later_ranks(
             await asyncio.wait_for(noticed.wait(), LIMIT)
         return await real_spawn(label, *args, **kwargs)
 
-    monkeypatch.setattr(context, "spawn", late_spawn)
+    _patch_spawn(monkeypatch, late_spawn)
     monkeypatch.setattr(context, "ProcessFailure", NoticedFailure)
     pc = await aioproc.start_processes(
         "late", workers.fail_or_block, {0: (0, 0), 1: (1, 0)}, envs_for(2), grace_period=1

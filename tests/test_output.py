@@ -470,6 +470,14 @@ async def test_group_stopped_loses_nothing(
     assert captured.err == ""
 
 
+def _on_exit(event: asyncio.Event) -> Any:
+    def on_event(ev: Any) -> None:
+        if ev.kind == "exited":
+            event.set()
+
+    return on_event
+
+
 @pytest.mark.parametrize("kind", KINDS)
 async def test_grandchild_output_after_worker_exit_reaches_sinks(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], ow: ModuleType, kind: str
@@ -480,12 +488,17 @@ async def test_grandchild_output_after_worker_exit_reaches_sinks(
     async with Fifo(tmp_path / "done") as done:
         with release_fifo(go_path) as go:
             entry, args = workload(kind, ow, "late_grandchild", {0: (go_path, done.path, 0)})
-            pc = await aioproc.start_processes("w", entry, args, {0: {}}, spec)
+            exited = asyncio.Event()
+            pc = await aioproc.start_processes(
+                "w", entry, args, {0: {}}, spec, on_event=_on_exit(exited)
+            )
             try:
-                result = await asyncio.wait_for(pc.wait(), LIMIT)
-                assert result is not None and not result.is_failed()
+                await asyncio.wait_for(exited.wait(), LIMIT)  # the worker is gone
                 go(1)
                 assert await done.lines(1, LIMIT) == ["d"]
+                # wait() closes the group (as torch's): the late line is in by then
+                result = await asyncio.wait_for(pc.wait(), LIMIT)
+                assert result is not None and not result.is_failed()
             finally:
                 await pc.close()
     assert read_bytes(pc.stdouts[0]) == b"early\nlate\n"
@@ -502,10 +515,12 @@ async def test_close_waits_for_detached_descendant_eof(
     async with Fifo(tmp_path / "done") as done:
         with release_fifo(go_path) as go:
             entry, args = workload(kind, ow, "late_grandchild", {0: (go_path, done.path, 1)})
-            pc = await aioproc.start_processes("w", entry, args, {0: {}}, spec)
+            exited = asyncio.Event()
+            pc = await aioproc.start_processes(
+                "w", entry, args, {0: {}}, spec, on_event=_on_exit(exited)
+            )
             try:
-                result = await asyncio.wait_for(pc.wait(), LIMIT)
-                assert result is not None and not result.is_failed()
+                await asyncio.wait_for(exited.wait(), LIMIT)  # the worker is gone
                 closing = asyncio.create_task(pc.close())
                 go(1)  # the descendant writes while close() is under way
                 await asyncio.wait_for(closing, LIMIT)
@@ -658,8 +673,8 @@ async def test_every_sink_kind_gets_exactly_the_teed_lines(
         try:
             result = await asyncio.wait_for(pc.wait(), LIMIT)
             assert result is not None and not result.is_failed()
-            # the iterator ends only when the group is closed
-            assert not early.done()
+            # wait() closed the finished group (as torch's does): the iterator ends
+            assert recorder.closed == 1
         finally:
             await pc.close()
     want = sink_expected()

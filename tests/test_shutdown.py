@@ -103,11 +103,14 @@ async def test_grandchild_left_by_an_exited_worker_is_stopped_on_close(tmp_path:
             "leaver", sys.executable, {0: (GRANDCHILD, fifo.path, "exit")}, envs(1)
         ) as pc:
             ((worker, grandchild),) = await fifo.pid_pairs(1)
+            # the leader's exit alone does not stop what it left in its group
+            await asyncio.wait_for(pc._children[0].watcher.future, 10)
+            assert await still_alive_after([grandchild], timeout=0.2) == {grandchild}
+            # a final result closes the group, as torch's wait() does
             result = await pc.wait()
             assert result is not None and not result.is_failed()
             assert reaped(worker)
-            assert await still_alive_after([grandchild], timeout=0.2) == {grandchild}
-    assert await still_alive_after([grandchild], timeout=5) == set()
+            assert await still_alive_after([grandchild], timeout=5) == set()
 
 
 async def test_cancelling_wait_inside_async_with_leaves_nothing(tmp_path: Path) -> None:

@@ -1,0 +1,120 @@
+"""Notice a child's exit without polling, and reap it only when told to.
+
+A pidfd registered with the event loop becomes readable exactly when the
+process exits, independent of its pipes.  The exit status is then read with
+``waitid(..., WNOWAIT)``, which leaves the child an unreaped zombie: its pid,
+and so its process group id, cannot be handed to another process until
+``reap()``.  The supervisor reaps a worker's leader only after its last
+signal to the group, so a group id it signals always names its own worker's
+group, never a stranger that was given a recycled pid.
+
+Where pidfds are unavailable (non-Linux, old kernels) one blocking
+``waitid`` thread per child is the fallback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import threading
+import time
+
+LOST = 255
+"""Exit code recorded when the status was taken by somebody else's waitpid()."""
+
+_WNOWAIT = getattr(os, "WNOWAIT", 0)
+
+
+class ExitWatcher:
+    """Resolves ``future`` with the exit code once the process has exited.
+
+    Args:
+        popen: the child.
+        reap: reap at once when the exit is noticed (helper processes whose
+            pid is never signalled afterwards); otherwise the child stays a
+            zombie until ``reap()``.
+    """
+
+    def __init__(self, popen: subprocess.Popen[bytes], *, reap: bool = False) -> None:
+        self._popen = popen
+        self._reap_now = reap
+        self.loop = asyncio.get_running_loop()
+        self.future: asyncio.Future[int] = self.loop.create_future()
+        self.exit_time = 0.0
+        self.reaped = False
+        self.lost = False  # the status was reaped behind our back
+        self._pidfd = -1
+        try:
+            self._pidfd = os.pidfd_open(popen.pid)
+        except (AttributeError, OSError):
+            threading.Thread(
+                target=self._wait_blocking, name=f"aioproc-waitpid-{popen.pid}", daemon=True
+            ).start()
+        else:
+            self.loop.add_reader(self._pidfd, self._on_pidfd)
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    def _status(self, block: bool) -> int | None:
+        """The exit code if the child has exited (without reaping unless asked)."""
+        flags = os.WEXITED | (0 if block else os.WNOHANG)
+        if not self._reap_now and _WNOWAIT:
+            flags |= _WNOWAIT
+        try:
+            info = os.waitid(os.P_PID, self._popen.pid, flags)
+        except ChildProcessError:
+            # reaped by someone else (a foreign SIGCHLD handler calling
+            # waitpid(-1)): the status is lost and the pid may be reused
+            self.lost = self.reaped = True
+            return LOST
+        if info is None:
+            return None
+        if self._reap_now or not _WNOWAIT:
+            self.reaped = True
+        if info.si_code == os.CLD_EXITED:
+            return info.si_status
+        return -info.si_status
+
+    def _on_pidfd(self) -> None:
+        code = self._status(block=False)
+        if code is not None:
+            self._set(code)
+
+    def _wait_blocking(self) -> None:
+        code = self._status(block=True)
+        try:
+            self.loop.call_soon_threadsafe(self._set, LOST if code is None else code)
+        except RuntimeError:
+            pass  # loop closed; nobody is waiting any more
+
+    def _set(self, code: int) -> None:
+        self.exit_time = time.time()
+        self._popen.returncode = code  # Popen must never waitpid() it itself
+        self.detach()
+        if not self.future.done():
+            self.future.set_result(code)
+
+    def detach(self) -> None:
+        """Stop watching (after exit, or when giving up on an unkillable process)."""
+        if self._pidfd >= 0:
+            if not self.loop.is_closed():
+                self.loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+    def reap(self) -> bool:
+        """Collect the zombie; True once the child is reaped (never blocks)."""
+        if self.reaped:
+            return True
+        if not self.future.done():
+            return False
+        try:
+            pid, _ = os.waitpid(self._popen.pid, os.WNOHANG)
+        except ChildProcessError:
+            pid = self._popen.pid
+        if pid:
+            self.reaped = True
+        return self.reaped

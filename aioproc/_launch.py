@@ -1,0 +1,75 @@
+"""The one launch path for function workers (groups, persistent workers, pools).
+
+A function worker is a fresh ``sys.executable`` booted over a private
+socketpair: the child end is inherited, the parent end becomes the worker's
+``Channel``.  Once ``spawn`` has returned (the guardian knows the group), the
+boot code and the given frames are queued; the worker runs no user code
+before they arrive.  Callers supply what differs (streams, tees, the frame
+handler and frames); this module never reaches back into them.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO, Any
+
+from ._boot import boot_argv, boot_blob
+from ._channel import Channel
+from ._output import TeeProtocol
+from ._spawn import Child, spawn
+
+Frame = tuple[int, Sequence[bytes]]
+"""A control frame to send after boot: ``(kind, body parts)``."""
+
+
+async def launch_function(
+    label: str,
+    env: Mapping[str, str],
+    *,
+    on_frame: Callable[[int, bytearray], None],
+    frames: Sequence[Frame],
+    stdout: int | IO[Any] | None,
+    stderr: int | IO[Any] | None,
+    pass_fds: Sequence[int] = (),
+    tee_out: TeeProtocol | None = None,
+    tee_err: TeeProtocol | None = None,
+) -> Child:
+    """Start one function worker and queue its boot code and ``frames``.
+
+    Returns the ``Child``, whose ``channel`` delivers the worker's frames to
+    ``on_frame``.  Raises what ``spawn`` raises, with nothing left running
+    and the channel closed.
+
+    Cancellation: a cancelled launch kills the half-started worker's group
+    (see ``spawn``) and closes the channel before re-raising.
+    """
+    parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    channel: Channel | None = None
+    try:
+        channel = await Channel.open(parent_sock, on_frame)
+        child = await spawn(
+            label,
+            boot_argv(child_sock.fileno()),
+            env,
+            stdout=stdout,
+            stderr=stderr,
+            stdin=subprocess.DEVNULL,
+            pass_fds=(child_sock.fileno(), *pass_fds),
+            channel=channel,
+            tee_out=tee_out,
+            tee_err=tee_err,
+        )
+    except BaseException:
+        if channel is not None:
+            channel.abort()
+        else:
+            parent_sock.close()
+        raise
+    finally:
+        child_sock.close()
+    channel.send_raw(boot_blob())
+    for kind, parts in frames:
+        channel.send(kind, *parts)
+    return child

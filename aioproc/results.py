@@ -1,0 +1,52 @@
+"""What a worker group reports: ``RunProcsResult`` and ``WorkerEvent``.
+
+Low in the house: the supervisor, the runner, the agent and the CLI all
+import these; they import nothing of aioproc's but ``errors``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from .errors import ProcessFailure
+
+__all__ = ["DEFAULT_GRACE_PERIOD", "RunProcsResult", "WorkerEvent"]
+
+DEFAULT_GRACE_PERIOD = 30.0
+"""Seconds between ``death_sig`` and SIGKILL when a failure stops the group."""
+
+
+@dataclass
+class RunProcsResult:
+    """Outcome of a worker group.
+
+    Attributes:
+        return_values: ``{local_rank: value}`` of the workers that succeeded
+            (``None`` for binaries and for functions that ended via
+            ``sys.exit(0)``).  When the group failed, the ranks that did
+            succeed are still listed.
+        failures: ``{local_rank: ProcessFailure}``; empty when all succeeded.
+            A rank the group was closed before launching has ``pid == -1``
+            and ``never_started`` set.
+        stdouts: ``{local_rank: path}`` of stdout log files ("" if none).
+        stderrs: ``{local_rank: path}`` of stderr log files ("" if none).
+    """
+
+    return_values: dict[int, Any] = field(default_factory=dict)
+    failures: dict[int, ProcessFailure] = field(default_factory=dict)
+    stdouts: dict[int, str] = field(default_factory=dict)
+    stderrs: dict[int, str] = field(default_factory=dict)
+
+    def is_failed(self) -> bool:
+        return len(self.failures) > 0
+
+
+class WorkerEvent(NamedTuple):
+    """A worker started or exited (``exitcode`` is None for "started")."""
+
+    kind: str  # "started" | "exited"
+    local_rank: int
+    pid: int
+    exitcode: int | None
+    time: float
