@@ -32,6 +32,8 @@ import os
 import secrets
 import subprocess
 import threading
+from collections.abc import Iterable
+from typing import Protocol
 
 from ._exit import ExitWatcher
 
@@ -59,6 +61,14 @@ done
 
 TOKEN_VAR = "AIOPROC_LIFELINE"
 """Environment variable naming the supervisor whose guardian sweeps a worker."""
+
+
+class ExitWatcherOwner(Protocol):
+    """What ``release`` needs of a worker (``_spawn.Child``)."""
+
+    pgid: int
+    watcher: ExitWatcher
+
 
 SHELL = "/bin/sh"
 DISMISS_WAIT = 5.0
@@ -187,27 +197,39 @@ def register(pgid: int) -> None:
         logger.debug("guardian write failed for group %d; a replacement will take it", pgid)
 
 
-def forget(pgid: int) -> None:
-    """Forget a group whose leader is about to be reaped; dismiss an idle guardian.
+def forget(*pgids: int) -> None:
+    """Forget groups whose leaders are about to be reaped; dismiss an idle guardian.
 
     Written before the reap, so a guardian that outlives a crash right after
-    it never signals the id once it may belong to somebody else.  A dismissed
-    guardian exits at once; ``settle()`` waits until it is reaped.
+    it never signals the id once it may belong to somebody else.  One write
+    for all of them (each write wakes the guardian).  A dismissed guardian
+    exits at once; ``settle()`` waits until it is reaped.
     """
     global _current
     with _lock:
         guardian = _current
         if guardian is None or guardian.owner != os.getpid():
             return
-        guardian.groups.discard(pgid)
-        guardian.write(f"-{pgid}\n")
+        known = [g for g in pgids if g in guardian.groups]
+        guardian.groups.difference_update(known)
         if guardian.groups:
+            if known:
+                guardian.write("".join(f"-{g}\n" for g in known))
             return
         _current = None
         guardian.dismissed = True
         _dismissed.append(guardian)
-    guardian.write("done\n")
+    guardian.write("done\n")  # forgets everything at once
     guardian.close_pipe()
+
+
+def release(children: Iterable[ExitWatcherOwner]) -> None:
+    """Forget the groups of exited leaders in one write, then reap the leaders."""
+    done = [c for c in children if c.watcher.future.done() and not c.watcher.reaped]
+    if done:
+        forget(*(c.pgid for c in done))
+        for c in done:
+            c.watcher.reap()
 
 
 async def settle() -> None:

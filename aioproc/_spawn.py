@@ -96,10 +96,7 @@ class Child:
         Only once the leader has exited; an unkillable leader is released by
         its exit watcher whenever it finally exits (``release_when_exited``).
         """
-        if self.watcher.reaped or not self.watcher.future.done():
-            return
-        _lifeline.forget(self.pgid)
-        self.watcher.reap()
+        _lifeline.release([self])
 
     def release_when_exited(self) -> None:
         """Release as soon as the exit is noticed (used for unkillable leftovers)."""

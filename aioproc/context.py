@@ -267,6 +267,11 @@ class PContext:
                     sig, timeout = signal.SIGKILL, 0.0
                 with anyio.CancelScope(shield=True):
                     await self._shutdown(sig, timeout)
+        except BaseException:
+            # a bug escaped the task group: never leave a worker behind
+            with anyio.CancelScope(shield=True):
+                await self._emergency_stop()
+            raise
         finally:
             self._state = _State.CLOSED
             if not self._launched.done():
@@ -403,7 +408,13 @@ class PContext:
                     await asyncio.wait(settled, timeout=_DRAIN_TIMEOUT)
             if not scope.cancelled_caught:
                 # the outcome is recorded whatever the drain did, or wait() would hang
-                self._record(rank, child, code)
+                try:
+                    self._record(rank, child, code)
+                except Exception:  # a bug here must not take the supervisor down
+                    logger.exception("recording the exit of %s failed", child.label)
+                    if rank not in self._values and rank not in self._failures:
+                        self._failures[rank] = ProcessFailure(rank, child.pid, code, "")
+                        self._check_finished()
         finally:
             self._watched[rank].set()
 
@@ -467,7 +478,10 @@ class PContext:
                     forced = await stop_groups(
                         list(self._children.values()), signal.SIGTERM, self.grace_period
                     )
-                    warn_forced(forced, signal.SIGTERM, self.grace_period)
+                    try:
+                        warn_forced(forced, signal.SIGTERM, self.grace_period)
+                    except Exception:  # a filter made the warning an error: log it
+                        logger.exception("warning about forced kills failed")
         finally:
             self._auto_stopped.set()
 
@@ -574,6 +588,17 @@ class PContext:
         self._request_close(sig, timeout)
         await asyncio.wait({self._supervisor})
 
+    async def _emergency_stop(self) -> None:
+        children = list(self._children.values())
+        await stop_groups(children, signal.SIGKILL, 0.0)
+        for c in children:
+            await c.close_streams(0.0)
+            if c.watcher.future.done():
+                c.release()
+            else:
+                c.release_when_exited()
+        await _lifeline.settle()
+
     async def _shutdown(self, sig: int, timeout: float) -> None:
         self._stopping = True
         assert self._auto_stopped is not None
@@ -609,10 +634,9 @@ class PContext:
                 await sink.aclose()
             except Exception:
                 logger.exception("closing sink %r failed", sink)
+        _lifeline.release(children)
         for c in children:
-            if c.watcher.future.done():
-                c.release()
-            else:
+            if not c.watcher.future.done():
                 c.release_when_exited()
         await _lifeline.settle()
         self._check_finished()
