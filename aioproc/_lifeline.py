@@ -176,20 +176,32 @@ def _replace(dead: _Guardian, code: int) -> None:
         _current = replacement
 
 
+def _ensure_locked() -> _Guardian:
+    global _current
+    guardian = _current
+    if guardian is not None and guardian.owner != os.getpid():
+        guardian = None  # inherited through fork(): not ours to use
+    if guardian is None:
+        guardian = _current = _Guardian(set())
+    elif guardian.watcher.loop is not asyncio.get_running_loop():
+        guardian.rewatch()  # its loop is gone: notice its death on this one
+    return guardian
+
+
+def ensure() -> None:
+    """Start the guardian if none runs: called before forking a worker, so a
+    worker that outruns its registration is still swept by token."""
+    with _lock:
+        _ensure_locked()
+
+
 def register(pgid: int) -> None:
     """Tell the guardian about a new process group (before it runs user code).
 
     Starts the guardian if none is running.  Must be called on the loop.
     """
-    global _current
     with _lock:
-        guardian = _current
-        if guardian is not None and guardian.owner != os.getpid():
-            guardian = None  # inherited through fork(): not ours to use
-        if guardian is None:
-            guardian = _current = _Guardian(set())
-        elif guardian.watcher.loop is not asyncio.get_running_loop():
-            guardian.rewatch()  # its loop is gone: notice its death on this one
+        guardian = _ensure_locked()
         guardian.groups.add(pgid)
     if not guardian.write(f"+{pgid}\n"):
         # died before noticing: the exit watcher starts a replacement that

@@ -181,6 +181,7 @@ async def spawn(
     kills the worker's whole group and reaps it.
     """
     loop = asyncio.get_running_loop()
+    _lifeline.ensure()
     # Popen is what loop.subprocess_exec runs too: (v)fork+exec, about a millisecond
     popen = subprocess.Popen(  # noqa: ASYNC220
         list(argv),

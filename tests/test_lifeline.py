@@ -1,0 +1,123 @@
+"""The guardian: one per supervisor process, told of groups early, swept by token."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from helpers import child_pids
+from proc_utils import Fifo, still_alive_after
+
+import aioproc
+from aioproc import _lifeline
+
+CHILDREN = Path(__file__).parent / "children"
+GRANDCHILD = str(CHILDREN / "grandchild.py")
+
+
+def guardians() -> list[int]:
+    """Guardian shells among this process's children."""
+    found = []
+    for pid in child_pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"aioproc-guardian" in argv:
+            found.append(pid)
+    return found
+
+
+async def test_one_guardian_serves_every_group_and_leaves_with_the_last(tmp_path: Path) -> None:
+    async with Fifo(tmp_path / "fifo") as fifo:
+        groups = [
+            await aioproc.start_processes(
+                f"g{i}", sys.executable, {0: (GRANDCHILD, fifo.path, "wait")}, {0: {}}
+            )
+            for i in range(3)
+        ]
+        try:
+            await fifo.pid_pairs(3)
+            assert guardians() == [_lifeline.current_pid()]
+            await groups[0].close(timeout=5)
+            await groups[1].close(timeout=5)
+            assert guardians() == [_lifeline.current_pid()]  # the third group still runs
+        finally:
+            for pc in groups:
+                await pc.close(timeout=5)
+    assert guardians() == []
+    assert _lifeline.current_pid() is None
+
+
+async def test_a_killed_guardian_is_replaced_and_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with Fifo(tmp_path / "fifo") as fifo:
+        async with aioproc.start_processes(
+            "g", sys.executable, {0: (GRANDCHILD, fifo.path, "wait")}, {0: {}}
+        ) as pc:
+            await fifo.pid_pairs(1)
+            guardian = _lifeline._current
+            assert guardian is not None
+            first = guardian.popen.pid
+            os.kill(first, signal.SIGKILL)
+            # the replacement is started by a callback of this same future
+            await asyncio.wait_for(asyncio.shield(guardian.watcher.future), 5)
+            replacement = _lifeline.current_pid()
+            assert replacement not in (None, first)
+            assert guardians() == [replacement]
+            assert f"guardian process (pid {first}) died" in caplog.text
+            await pc.close(timeout=5)
+    assert guardians() == []
+
+
+SUPERVISOR = textwrap.dedent(
+    """
+    import asyncio, os, sys
+    import aioproc
+    from aioproc import _lifeline, _spawn
+
+    fifo, grandchild, mode = sys.argv[1:4]
+
+    if mode == "unregistered":
+        # the supervisor dies in the window between exec and registration
+        _spawn._lifeline.register = lambda pgid: None
+
+    async def main():
+        pc = await aioproc.start_processes(
+            "sup", sys.executable, {0: (grandchild, fifo, "wait")}, {0: {}}
+        )
+        print("started", flush=True)
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["registered", "unregistered"])
+async def test_supervisor_sigkill_kills_worker_and_grandchild(tmp_path: Path, mode: str) -> None:
+    """Also a worker the guardian was never told of: the token sweep finds it."""
+    async with Fifo(tmp_path / "fifo") as fifo:
+        sup = subprocess.Popen(
+            [sys.executable, "-c", SUPERVISOR, fifo.path, GRANDCHILD, mode],
+            stdout=subprocess.PIPE,
+        )
+        try:
+            ((worker, grandchild),) = await fifo.pid_pairs(1)
+            os.kill(sup.pid, signal.SIGKILL)
+            sup.wait()
+            assert await still_alive_after([worker, grandchild], 5) == set()
+        finally:
+            if sup.poll() is None:
+                sup.kill()
+                sup.wait()
+            assert sup.stdout is not None
+            sup.stdout.close()
