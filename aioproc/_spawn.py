@@ -182,17 +182,21 @@ async def spawn(
     """
     loop = asyncio.get_running_loop()
     _lifeline.ensure()
-    # Popen is what loop.subprocess_exec runs too: (v)fork+exec, about a millisecond
-    popen = subprocess.Popen(  # noqa: ASYNC220
-        list(argv),
-        env={**env, _lifeline.TOKEN_VAR: _lifeline.token()},
-        stdin=stdin,
-        stdout=stdout,
-        stderr=stderr,
-        pass_fds=tuple(pass_fds),
-        start_new_session=True,
-        close_fds=True,
-    )
+    try:
+        # Popen is what loop.subprocess_exec runs too: (v)fork+exec, about a millisecond
+        popen = subprocess.Popen(  # noqa: ASYNC220
+            list(argv),
+            env={**env, _lifeline.TOKEN_VAR: _lifeline.token()},
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+            pass_fds=tuple(pass_fds),
+            start_new_session=True,
+            close_fds=True,
+        )
+    except BaseException:
+        _lifeline.forget()  # dismisses the guardian if it guards nothing now
+        raise
     _lifeline.register(popen.pid)  # no await before this: see the module docstring
     tees: list[TeeProtocol] = []
     transports: list[asyncio.BaseTransport] = []

@@ -291,17 +291,17 @@ async def _start_worker(
         worker = WorkerProcess(name, child, child.channel, shutdown_timeout, tail)
         return worker
     except BaseException:
-        if child is not None:
-            await shielded(_abandon(child))
+        await shielded(_abandon(child))
         raise
 
 
-async def _abandon(child: Child) -> None:
+async def _abandon(child: Child | None) -> None:
     """Kill and reap a worker that failed to start (nothing to be graceful about)."""
-    await stop_groups([child], signal.SIGKILL, 0)
-    await child.close_streams(1.0)
-    _release(child)
-    await _lifeline.settle()
+    if child is not None:
+        await stop_groups([child], signal.SIGKILL, 0)
+        await child.close_streams(1.0)
+        _release(child)
+    await _lifeline.settle()  # a guardian dismissed by a failed launch too
 
 
 def _release(child: Child) -> None:
