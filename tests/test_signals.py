@@ -372,6 +372,25 @@ async def test_nested_contexts(usr1_calls: list[int]) -> None:
     assert cancelling() == 0
 
 
+@needs_uncancel
+async def test_nested_signal_at_the_very_end_goes_to_the_inner_context() -> None:
+    outer = translate_signals((signal.SIGUSR1,))
+    inner = translate_signals((signal.SIGUSR1,))
+
+    async def body() -> None:
+        async with outer:
+            with pytest.raises(SignalException) as info:
+                async with inner:
+                    kill_self(signal.SIGUSR1)  # no await: the inner exit takes it
+            assert info.value.sigval is signal.SIGUSR1
+            await spin()  # the queued delivery finds it taken
+
+    await body()
+    assert inner.received is signal.SIGUSR1
+    assert outer.received is None
+    assert cancelling() == 0
+
+
 async def test_concurrent_tasks_all_get_the_signal() -> None:
     ready = [asyncio.Event(), asyncio.Event()]
 
