@@ -164,11 +164,18 @@ class _Slot:
         # Runs between two bytecodes, perhaps inside the loop's bookkeeping:
         # only set a flag and queue the delivery (a deque append, then a
         # self-pipe write that wakes the loop), then call the host's handler.
+        sig = signal.Signals(signum)
+        if self.loop.is_closed():
+            # The loop was closed under a block that never exited (its task
+            # was abandoned): nobody is left to deliver to, so give this
+            # signal, and the next ones, back to what was there before.
+            if _slots.get(sig) is self:
+                del _slots[sig]
+            self.restore(sig)
+            signal.raise_signal(sig)
+            return
         self.arrived = True
-        try:
-            self.loop.call_soon_threadsafe(self.deliver_arrival, signal.Signals(signum))
-        except RuntimeError:  # pragma: no cover - the loop was closed under us
-            pass
+        self.loop.call_soon_threadsafe(self.deliver_arrival, sig)
         chain: Any = self.chain
         if chain is not None:
             chain(signum, frame)

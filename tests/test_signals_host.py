@@ -17,6 +17,7 @@ real SIGTERM from outside.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import signal
 import subprocess
@@ -306,6 +307,69 @@ async def test_c_level_handler_is_refused(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.undo()
     assert signal.getsignal(USR1) is before
     assert pending_signal() is None
+
+
+SA_RESTART = 0x10000000  # Linux
+
+
+def restarts(sig: int) -> bool:
+    """Whether ``sig``'s disposition has SA_RESTART, read with sigaction(2)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    action = ctypes.create_string_buffer(512)  # larger than struct sigaction
+    if libc.sigaction(sig, None, action) != 0:  # pragma: no cover
+        raise OSError(ctypes.get_errno(), "sigaction")
+    # glibc and musl: the handler pointer, a 128-byte sigset_t, int sa_flags
+    offset = ctypes.sizeof(ctypes.c_void_p) + 128
+    return bool(int.from_bytes(action.raw[offset : offset + 4], sys.byteorder) & SA_RESTART)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's sigaction")
+async def test_sa_restart_is_restored() -> None:
+    # The loops register with SA_RESTART (fewer EINTRs for C code), Python's
+    # signal.signal without it; what was there comes back either way.
+    with LoopHandler(USR1):
+        assert restarts(USR1)
+        async with translate_signals((USR1,)):
+            assert restarts(USR1)
+        assert restarts(USR1)
+    with PythonHandler(USR1):
+        assert not restarts(USR1)
+        async with translate_signals((USR1,)):
+            assert restarts(USR1)
+        assert not restarts(USR1)
+
+
+@pytest.mark.parametrize("base", ["asyncio", "uvloop"])
+def test_loop_closed_under_an_unfinished_block(base: str) -> None:
+    # A task abandoned inside the block, its loop closed: the next signal
+    # goes to the handler that was there before, once, and it is back.
+    if base == "uvloop" and uvloop is None:  # pragma: no cover
+        pytest.skip("uvloop is not installed")
+    entered = []
+
+    async def abandoned() -> None:
+        async with translate_signals((USR1,)):
+            entered.append(True)
+            await asyncio.Event().wait()
+
+    with PythonHandler(USR1) as host:
+        loop = asyncio.new_event_loop() if base == "asyncio" else uvloop.new_event_loop()
+        coro = abandoned()
+        try:
+            task = loop.create_task(coro)
+            loop.run_until_complete(asyncio.sleep(0))
+            assert entered == [True]
+            loop.close()  # the task is still pending
+            kill_self(USR1)
+            assert host.calls == [USR1]
+            assert signal.getsignal(USR1) is host
+            kill_self(USR1)
+            assert host.calls == [USR1, USR1]
+        finally:
+            loop.close()
+            coro.close()  # runs the block's exit: nothing left to undo
+        assert not task.done()
+        assert signal.getsignal(USR1) is host
 
 
 # -- loops without add_signal_handler, and asyncio.Runner's SIGINT ------------
