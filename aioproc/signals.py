@@ -55,7 +55,10 @@ deliver signals, it warns and changes nothing.
 # run as before; their Python-level part (asyncio's no-op, uvloop's
 # ``__sighandler``) is called like any host handler.  A loop asleep in
 # epoll_wait is woken because the kernel gives a process-directed signal to
-# the main thread unless that thread blocks it.
+# the main thread unless that thread blocks it (only ``_uninstall`` does, and
+# the thread is busy then).  A signal aimed at another thread with
+# ``pthread_kill`` waits, on an asyncio loop with no wakeup fd, until the
+# loop wakes for another reason, as asyncio.Runner's SIGINT does.
 #
 # Cancellation is the only way to interrupt an ``await`` from outside;
 # ``__aexit__`` turns the resulting ``CancelledError`` into
