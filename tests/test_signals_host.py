@@ -197,6 +197,41 @@ async def test_loop_handler_with_nested_and_concurrent_contexts() -> None:
         assert host.calls == 2
 
 
+@pytest.mark.parametrize("kind", ["loop", "python"])
+async def test_every_signal_reaches_the_host_once(kind: str) -> None:
+    # Signals before an await, at the very end of the block and after it,
+    # over and over: the host's handler sees each one once, the guarded task
+    # each one sent inside the block once, and nothing is left pending.
+    host: LoopHandler | PythonHandler = LoopHandler(USR1) if kind == "loop" else PythonHandler(USR1)
+    sent = translated = 0
+
+    def calls() -> int:
+        return host.calls if isinstance(host, LoopHandler) else len(host.calls)
+
+    with host:
+        for i in range(100):
+            where = ("nowhere", "awaiting", "at the end", "after")[i % 4]
+            try:
+                async with translate_signals((USR1,)):
+                    await asyncio.sleep(0)
+                    if where in ("awaiting", "at the end"):
+                        kill_self(USR1)
+                        sent += 1
+                    if where == "awaiting":
+                        await forever()
+            except SignalException as exc:
+                translated += exc.sigval is USR1
+            if where == "after":
+                kill_self(USR1)
+                sent += 1
+            if isinstance(host, LoopHandler) and where != "nowhere":
+                await host.next_call()
+            assert (calls(), cancelling()) == (sent, 0), where
+        await spin()
+    assert (sent, translated, calls()) == (75, 50, 75)
+    assert pending_signal() is None
+
+
 async def test_loop_handler_added_inside_the_block_is_kept() -> None:
     # The host changes its mind while the block runs: its choice wins.
     loop = asyncio.get_running_loop()
