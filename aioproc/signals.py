@@ -8,6 +8,35 @@ stop its workers with that same signal and the exception reaches the caller::
     async with translate_signals():
         async with start_processes(...) as pc:
             await pc.wait()
+
+The host's handlers
+-------------------
+
+``translate_signals`` lives inside someone else's application, so it never
+takes a signal away from a handler the application installed, and leaves
+every handler exactly as it found it:
+
+* A handler the host set with ``loop.add_signal_handler`` keeps its place in
+  the loop's registry (``translate_signals`` never adds or removes loop
+  handlers) and runs for every signal, inside the block and after it.
+* A handler the host set with ``signal.signal`` is called too: inside the
+  block the signal both raises ``SignalException`` in the guarded task and
+  reaches the host's handler, once, right after the delivery to the task is
+  scheduled; after the block the handler is back in place.  If it raises, its
+  exception propagates as it would without ``translate_signals``.
+* Python's own defaults are what the translation replaces while the block
+  runs: ``SIG_DFL`` (which would kill the process), ``SIG_IGN``,
+  ``signal.default_int_handler`` (``KeyboardInterrupt`` wherever the code
+  happens to be) and ``asyncio.Runner``'s SIGINT handler, its stand-in for
+  ``default_int_handler``.  A second Ctrl-C therefore cannot interrupt the
+  cleanup the first one started.
+* A handler the host installs while the block runs wins: on exit
+  ``translate_signals`` puts the previous handler back only if its own is
+  still in place.
+
+It works on any event loop in the main thread, whether or not the loop
+implements ``add_signal_handler``.  Off the main thread, where Python cannot
+deliver signals, it warns and changes nothing.
 """
 
 # How it works
@@ -15,41 +44,52 @@ stop its workers with that same signal and the exception reaches the caller::
 #
 # Python runs a Python-level signal handler in the main thread, between two
 # bytecodes of whatever happens to be running, often the event loop's own
-# bookkeeping; asyncio must not be touched from there.  So we register with
-# ``loop.add_signal_handler``: the C-level handler writes the signal number
-# to the loop's wakeup fd, the loop wakes up and runs ``_dispatch`` as an
-# ordinary callback, where cancelling a task is safe.  Cancellation is the
-# only way to interrupt an ``await`` from outside; ``__aexit__`` turns the
-# resulting ``CancelledError`` into ``SignalException`` and calls
-# ``Task.uncancel()`` so that ``Task.cancelling()``, which ``asyncio.timeout``
-# and ``TaskGroup`` count on, is what it was before the signal.
+# bookkeeping; asyncio must not be touched from there.  So, as asyncio.Runner
+# does for SIGINT, ``_Slot.python_handler`` (installed with ``signal.signal``)
+# only sets ``arrived`` and schedules ``_Slot.deliver_arrival`` with
+# ``loop.call_soon_threadsafe``, whose self-pipe write wakes the loop; the
+# loop runs it as an ordinary callback, where cancelling a task is safe.  The
+# loop's own registry is never touched: the C-level handler writes each
+# signal to the wakeup fd of a loop that has one (asyncio once a loop handler
+# was added, uvloop always in the main thread), so the host's loop handlers
+# run as before; their Python-level part (asyncio's no-op, uvloop's
+# ``__sighandler``) is called like any host handler.  A loop asleep in
+# epoll_wait is woken because the kernel gives a process-directed signal to
+# the main thread unless that thread blocks it (only ``_uninstall`` does, and
+# the thread is busy then).  A signal aimed at another thread with
+# ``pthread_kill`` waits, on an asyncio loop with no wakeup fd, until the
+# loop wakes for another reason, as asyncio.Runner's SIGINT does.
+#
+# Cancellation is the only way to interrupt an ``await`` from outside;
+# ``__aexit__`` turns the resulting ``CancelledError`` into
+# ``SignalException`` and calls ``Task.uncancel()`` so that
+# ``Task.cancelling()``, which ``asyncio.timeout`` and ``TaskGroup`` count on,
+# is what it was before the signal.
 #
 # The gap: a signal that arrives while the body runs its last synchronous
-# lines sits unread in the wakeup fd when the body ends, and removing the
-# loop's handler would drop it without a trace.  So the Python-level handler
-# that the loop installs is wrapped by ``_Slot.python_handler``, which only
-# sets ``arrived`` and calls the loop's own.  ``__aexit__`` takes an arrival
-# that the loop has not dispatched yet, and ``_dispatch`` ignores a slot whose
-# arrival was taken, so each arrival is delivered once.  ``_dispatch`` always
-# finds the flag set: CPython trips a signal before writing its wakeup byte,
-# and runs tripped Python-level handlers on entering any Python function, the
-# loop's callback included (uvloop even calls PyErr_CheckSignals first).
+# lines has its delivery still queued when the body ends.  ``__aexit__``
+# takes an arrival that the loop has not delivered yet, and
+# ``deliver_arrival`` ignores a slot whose arrival was taken, so each arrival
+# is delivered once (arrivals before one delivery are one signal: the first
+# signal wins anyway).
 #
 # Signal dispositions are process-wide, so each signal has one ``_Slot``
 # shared by every active ``translate_signals`` (nested, or in concurrent
-# tasks): it installs the loop's handler when the first one enters and
-# restores the previous Python-level handler when the last one leaves.  A
-# signal goes to every active receiver of it, newest first, and to at most
-# one receiver per task, which keeps its first signal until it exits.
+# tasks): it installs its handler when the first one enters and restores the
+# previous handler when the last one leaves.  A signal goes to every active
+# receiver of it, newest first, and to at most one receiver per task, which
+# keeps its first signal until it exits.
 #
-# ``remove_signal_handler`` resets the disposition to SIG_DFL (or
-# ``default_int_handler``) before we put the previous handler back; the
-# signals are blocked in this thread meanwhile, so one arriving then goes to
-# the restored handler instead of killing the process.
+# While the last receiver leaves, the signals are blocked in this thread:
+# entering ``_take_arrivals`` runs any handler tripped before, the previous
+# handler is restored, and a signal arriving from then on goes to it (CPython
+# drops a tripped signal whose handler became SIG_DFL before it ran, which is
+# why nothing may be left tripped when restoring).
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import sys
@@ -86,24 +126,62 @@ class SignalException(Exception):
         return (type(self), (str(self), self.sigval), self.__dict__)
 
 
+def _is_default(handler: _Handler) -> bool:
+    """Whether ``handler`` is Python's default behaviour, not the host's handler."""
+    if not callable(handler) or handler is signal.default_int_handler:
+        return True
+    # asyncio.Runner installs functools.partial(runner._on_sigint, ...) in
+    # place of default_int_handler, only while that is the SIGINT handler.
+    runner = getattr(asyncio, "Runner", None)  # 3.11+
+    return (
+        runner is not None
+        and isinstance(handler, functools.partial)
+        and isinstance(getattr(handler.func, "__self__", None), runner)
+    )
+
+
+def _is_loop_handler(handler: _Handler) -> bool:
+    """Whether ``handler`` is the Python-level part of a loop's signal handler."""
+    # uvloop installs a bound method of the loop, asyncio a module function.
+    return isinstance(getattr(handler, "__self__", None), asyncio.AbstractEventLoop) or (
+        getattr(handler, "__module__", None) == "asyncio.unix_events"
+    )
+
+
 class _Slot:
     """The process-wide state of one translated signal (see the top comment)."""
 
-    __slots__ = ("arrived", "loop", "loop_handler", "previous", "receivers")
+    __slots__ = ("arrived", "chain", "handler", "loop", "previous", "receivers")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, previous: _Handler) -> None:
         self.loop = loop
         self.previous = previous
-        self.loop_handler: _Handler = None
+        self.chain = None if _is_default(previous) else previous
         self.receivers: list[translate_signals] = []
         self.arrived = False
+        # One bound method, so that signal.getsignal() returns this very
+        # object while it is installed.
+        self.handler: Callable[[int, FrameType | None], None] = self.python_handler
 
     def python_handler(self, signum: int, frame: FrameType | None) -> None:
-        # Runs between bytecodes, perhaps inside the loop: only set a flag,
-        # then let the loop's own handler do its part (uvloop notes the signal).
+        # Runs between two bytecodes, perhaps inside the loop's bookkeeping:
+        # only set a flag and queue the delivery (a deque append, then a
+        # self-pipe write that wakes the loop), then call the host's handler.
+        sig = signal.Signals(signum)
+        if self.loop.is_closed():
+            # The loop was closed under a block that never exited (its task
+            # was abandoned): nobody is left to deliver to, so give this
+            # signal, and the next ones, back to what was there before.
+            if _slots.get(sig) is self:
+                del _slots[sig]
+            self.restore(sig)
+            signal.raise_signal(sig)
+            return
         self.arrived = True
-        if callable(self.loop_handler):
-            self.loop_handler(signum, frame)
+        self.loop.call_soon_threadsafe(self.deliver_arrival, sig)
+        chain: Any = self.chain
+        if chain is not None:
+            chain(signum, frame)
 
     def deliver_arrival(self, sig: signal.Signals) -> None:
         if not self.arrived:
@@ -112,19 +190,23 @@ class _Slot:
         for receiver in reversed(tuple(self.receivers)):
             receiver._deliver(sig)
 
+    def install(self, sig: signal.Signals) -> None:
+        signal.signal(sig, self.handler)
+        signal.siginterrupt(sig, False)  # SA_RESTART, as both loops set it
+
+    def restore(self, sig: signal.Signals) -> None:
+        if signal.getsignal(sig) is not self.handler:
+            return  # the host installed another handler meanwhile: it stays
+        signal.signal(sig, self.previous)
+        if _is_loop_handler(self.previous):
+            signal.siginterrupt(sig, False)  # the loop had set SA_RESTART
+
 
 _slots: dict[signal.Signals, _Slot] = {}
 
 # The signal each task is being cancelled for: set when a signal is delivered,
 # removed by the ``translate_signals`` that set it when it exits.
 _pending: weakref.WeakKeyDictionary[asyncio.Task[Any], signal.Signals] = weakref.WeakKeyDictionary()
-
-
-def _dispatch(sig: signal.Signals) -> None:
-    """The loop's callback for ``sig``."""
-    slot = _slots.get(sig)
-    if slot is not None:
-        slot.deliver_arrival(sig)
 
 
 def _validate(signals: Iterable[int]) -> tuple[signal.Signals, ...]:
@@ -174,6 +256,14 @@ def _is_cancellation(exc: BaseException) -> bool:
 
 
 def _install(receiver: translate_signals, loop: asyncio.AbstractEventLoop) -> None:
+    # Check every signal before installing anything.
+    for sig in receiver.signals:
+        if sig not in _slots and signal.getsignal(sig) is None:
+            raise RuntimeError(
+                f"{sig.name} has a handler installed outside Python "
+                "(signal.getsignal() is None): translate_signals() could not put it "
+                f"back, so it does not replace it; leave {sig.name} out of signals"
+            )
     try:
         for sig in receiver.signals:
             slot = _slots.get(sig)
@@ -189,12 +279,9 @@ def _install(receiver: translate_signals, loop: asyncio.AbstractEventLoop) -> No
                 previous = slot.previous
                 del _slots[sig]
             slot = _Slot(loop, previous)
-            loop.add_signal_handler(sig, _dispatch, sig)
             _slots[sig] = slot
             slot.receivers.append(receiver)
-            slot.loop_handler = signal.getsignal(sig)
-            signal.signal(sig, slot.python_handler)
-            signal.siginterrupt(sig, False)  # SA_RESTART, as both loops set it
+            slot.install(sig)
     except BaseException:
         _uninstall(receiver)
         raise
@@ -213,13 +300,13 @@ def _uninstall(receiver: translate_signals) -> None:
         _take_arrivals(mine)
         for sig in mine:
             slot = _slots[sig]
-            slot.receivers = [r for r in slot.receivers if r is not receiver]
-            if not slot.receivers:
+            if len(slot.receivers) == 1:
                 del _slots[sig]
-                if not slot.loop.is_closed():
-                    slot.loop.remove_signal_handler(sig)
-                if slot.previous is not None:
-                    signal.signal(sig, slot.previous)
+                slot.restore(sig)
+                # Tripped in another thread after _take_arrivals, before the
+                # restore (this one blocks them): still ours.
+                slot.deliver_arrival(sig)
+            slot.receivers = [r for r in slot.receivers if r is not receiver]
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
@@ -252,12 +339,17 @@ class translate_signals:
     The same goes for nested contexts in one task; contexts in concurrent
     tasks each get the signal.
 
-    On exit the loop's handlers are removed and the Python-level handlers
-    installed before are restored.  Do not mix with your own
-    ``loop.add_signal_handler`` for the same signals: leaving removes them.
+    The host application's handlers are left in place: one set with
+    ``loop.add_signal_handler`` or ``signal.signal`` runs too, for each
+    signal, inside the block and after it; on exit the handlers are exactly
+    what they were (see the module docstring for the details, and for the
+    defaults such as SIGINT's ``KeyboardInterrupt`` that the translation
+    replaces while it is active).
 
-    Python delivers signals only to the main thread; entered in another
-    thread it issues a ``RuntimeWarning`` and does nothing else.
+    It works on any event loop running in the main thread: it never asks the
+    loop to register signal handlers.  Python delivers signals only to the
+    main thread; entered in another thread it issues a ``RuntimeWarning``
+    and does nothing else.
 
     Args:
         signals: The signals to translate.  Defaults to SIGTERM, SIGINT,
@@ -268,6 +360,9 @@ class translate_signals:
         ValueError: A signal is not a valid signal number, or cannot be
             caught (SIGKILL, SIGSTOP), or belongs to the event loop (SIGCHLD).
             Raised before anything is installed.
+        RuntimeError: On entering, if a signal has a handler installed
+            outside Python (``signal.getsignal()`` returns ``None``), which
+            could not be put back.  Nothing is installed.
 
     Example::
 

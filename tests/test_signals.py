@@ -210,9 +210,10 @@ async def test_handlers_restored(usr1_calls: list[int]) -> None:
     assert inside[0] is not handler
     assert signal.getsignal(signal.SIGUSR1) is handler
     assert signal.getsignal(signal.SIGINT) == int_handler
-    assert usr1_calls == []
-    kill_self(signal.SIGUSR1)  # now it reaches the custom handler again
-    assert usr1_calls == [signal.SIGUSR1]
+    assert usr1_calls == [signal.SIGUSR1]  # the host's handler ran too
+    kill_self(signal.SIGUSR1)  # now it reaches the custom handler alone
+    assert usr1_calls == [signal.SIGUSR1, signal.SIGUSR1]
+    assert cancelling() == 0
 
 
 @needs_uncancel
@@ -367,7 +368,26 @@ async def test_nested_contexts(usr1_calls: list[int]) -> None:
     assert info.value.sigval is signal.SIGUSR1
     assert outer.received is signal.SIGUSR1
     assert signal.getsignal(signal.SIGUSR1) is handler
-    assert usr1_calls == []
+    assert usr1_calls == [signal.SIGUSR1, signal.SIGUSR1]  # once per signal
+    assert cancelling() == 0
+
+
+@needs_uncancel
+async def test_nested_signal_at_the_very_end_goes_to_the_inner_context() -> None:
+    outer = translate_signals((signal.SIGUSR1,))
+    inner = translate_signals((signal.SIGUSR1,))
+
+    async def body() -> None:
+        async with outer:
+            with pytest.raises(SignalException) as info:
+                async with inner:
+                    kill_self(signal.SIGUSR1)  # no await: the inner exit takes it
+            assert info.value.sigval is signal.SIGUSR1
+            await spin()  # the queued delivery finds it taken
+
+    await body()
+    assert inner.received is signal.SIGUSR1
+    assert outer.received is None
     assert cancelling() == 0
 
 
