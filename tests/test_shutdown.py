@@ -15,7 +15,7 @@ import pytest
 from proc_utils import Fifo, reaped, still_alive_after
 
 import aioproc
-from aioproc import DefaultLogsSpecs, ForcedKillWarning, Std
+from aioproc import DefaultLogsSpecs, ForcedKillWarning, Std, _lifeline
 
 CHILDREN = Path(__file__).parent / "children"
 GRANDCHILD = str(CHILDREN / "grandchild.py")
@@ -218,3 +218,38 @@ async def test_signal_exception_raised_in_body_stops_workers_with_its_signal() -
     result = pc.poll()
     assert result is not None
     assert result.failures[0].exitcode == -signal.SIGINT
+
+
+async def test_unkillable_worker_is_reported_as_running_and_reaped_when_it_exits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker whose exit is not seen after SIGKILL (uninterruptible sleep, simulated by
+    blinding its exit watcher) is reported truthfully, and reaped once it does exit."""
+    import aioproc._shutdown as shutdown
+
+    monkeypatch.setattr(shutdown, "KILL_WAIT", 0.3)
+    async with Fifo(tmp_path / "fifo") as fifo:
+        pc = await aioproc.start_processes("stuck", blocking_worker, {0: (fifo.path,)}, envs(1))
+        try:
+            await fifo.lines(1)
+            child = pc._children[0]
+            child.watcher.detach()  # from now on its exit goes unnoticed
+            with pytest.warns(ForcedKillWarning, match="stuck/0"):
+                await pc.close(timeout=0.1)
+            result = pc.poll()
+            assert result is not None
+            failure = result.failures[0]
+            assert "did not exit after SIGKILL" in str(failure.message)
+            assert "will be reaped when it exits" in str(failure.message)
+            assert f"worker stuck/0 (pid {child.pid}) survived SIGKILL" in caplog.text
+            assert not reaped(child.pid)  # a zombie now, kept until its exit is noticed
+            # the exit is finally noticed: the late release reaps it
+            code = child.watcher._status(block=True)
+            assert code in (-signal.SIGTERM, -signal.SIGKILL)
+            child.watcher._set(code)
+            await asyncio.sleep(0)  # done-callbacks run on the next loop iteration
+            assert reaped(child.pid)
+            await _lifeline.settle()  # the guardian, idle now, was dismissed
+            assert _lifeline.current_pid() is None
+        finally:
+            await pc.close(timeout=1)
