@@ -23,20 +23,6 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Literal, overload
 
-__all__ = [
-    "START_METHODS",
-    "check_duration",
-    "check_env",
-    "check_exec_size",
-    "check_executable",
-    "check_filters",
-    "check_log_dir",
-    "check_path_name",
-    "check_signal",
-    "check_start",
-    "validate_group",
-]
-
 START_METHODS = ("spawn",)
 
 _NUL = "\0"
@@ -130,17 +116,22 @@ def _short(text: str, limit: int = 60) -> str:
     return f"{text[:half]!r}...{text[-half:]!r} ({len(text)} characters)"
 
 
-def _check_exec_string(what: str, text: str) -> None:
-    """``text`` can be passed to exec: no NUL, encodable for the OS."""
+def _exec_problem(text: str) -> str | None:
+    """What makes ``text`` unusable in an argv or environment, or None."""
     at = text.find(_NUL)
     if at >= 0:
-        raise ValueError(f"{what} contains a NUL byte (at index {at}): {_short(text)}")
+        return f"contains a NUL byte (at index {at})"
     try:
         os.fsencode(text)
     except UnicodeEncodeError as e:
-        raise ValueError(
-            f"{what} cannot be encoded for the OS ({e.reason} at index {e.start}): {_short(text)}"
-        ) from None
+        return f"cannot be encoded for the OS ({e.reason} at index {e.start})"
+    return None
+
+
+def _check_exec_string(what: str, text: str) -> None:
+    problem = _exec_problem(text)
+    if problem is not None:
+        raise ValueError(f"{what} {problem}: {_short(text)}")
 
 
 def check_env(what: str, env: object, rank: int | None = None) -> None:
@@ -171,7 +162,9 @@ def check_env(what: str, env: object, rank: int | None = None) -> None:
             raise ValueError(
                 f"{what}{whose} has the variable name {_short(key)}: a name cannot contain '='"
             )
-        _check_exec_string(f"the variable name {_short(key)} in {what}{whose}", key)
+        problem = _exec_problem(key)
+        if problem is not None:
+            raise ValueError(f"{what}{whose} has the variable name {_short(key)}, which {problem}")
         _check_exec_string(f"{what}[{key!r}]{whose}", value)
 
 
@@ -359,6 +352,7 @@ def check_exec_size(
     arg_max, max_strlen = limits
     inherited = {key: _entry(key, value) for key, value in os.environ.items()}
     inherited_total = sum(size + 1 + _POINTER for size in inherited.values())
+    biggest_inherited = sorted(inherited.items(), key=lambda item: item[1], reverse=True)
     if isinstance(entrypoint, str):
         binary = True
         boot: list[str] = []
@@ -378,16 +372,17 @@ def check_exec_size(
             strings += [("the function worker's command line", len(os.fsencode(s))) for s in boot]
         own = envs[rank]
         strings += [(f"envs[{rank}][{key!r}]", _entry(key, value)) for key, value in own.items()]
-        total = inherited_total + _POINTER  # argv's and envp's NULL ends
+        total = inherited_total
         for key in own:
             if key in inherited:  # overridden: the rank's value replaces it
                 total -= inherited[key] + 1 + _POINTER
         total += sum(size + 1 + _POINTER for _, size in strings)
 
         what, size = max(strings, key=lambda s: s[1])
-        for key, entry in inherited.items():
-            if key not in own and entry > size:
-                what, size = f"os.environ[{key!r}] (inherited)", entry
+        # the biggest inherited variable this rank does not override
+        key, entry = next(((k, e) for k, e in biggest_inherited if k not in own), ("", 0))
+        if entry > size:
+            what, size = f"os.environ[{key!r}] (inherited)", entry
         if size + 1 > max_strlen:
             raise ValueError(
                 f"local rank {rank}: {what} takes {_size(size)}, over the system limit "
