@@ -128,7 +128,8 @@ def _exec_problem(text: str) -> str | None:
     return None
 
 
-def _check_exec_string(what: str, text: str) -> None:
+def check_exec_text(what: str, text: str) -> None:
+    """Raise ``ValueError`` naming ``what`` if exec cannot take ``text`` (a NUL byte...)."""
     problem = _exec_problem(text)
     if problem is not None:
         raise ValueError(f"{what} {problem}: {_short(text)}")
@@ -165,7 +166,7 @@ def check_env(what: str, env: object, rank: int | None = None) -> None:
         problem = _exec_problem(key)
         if problem is not None:
             raise ValueError(f"{what}{whose} has the variable name {_short(key)}, which {problem}")
-        _check_exec_string(f"{what}[{key!r}]{whose}", value)
+        check_exec_text(f"{what}[{key!r}]{whose}", value)
 
 
 def _check_argv(rank: int, args: Sequence[object]) -> None:
@@ -177,7 +178,7 @@ def _check_argv(rank: int, args: Sequence[object]) -> None:
                 f"args[{rank}][{i}] (local rank {rank}) cannot be made a str for the "
                 f"command line: {e!r}"
             ) from e
-        _check_exec_string(f"args[{rank}][{i}] (local rank {rank})", text)
+        check_exec_text(f"args[{rank}][{i}] (local rank {rank})", text)
 
 
 def _check_prefixes(prefixes: object, expected: set[int]) -> None:
@@ -224,7 +225,7 @@ def validate_group(
     if isinstance(entrypoint, str):
         if not entrypoint:
             raise ValueError("entrypoint is an empty string")
-        _check_exec_string("entrypoint", entrypoint)
+        check_exec_text("entrypoint", entrypoint)
     if start_method not in START_METHODS:
         raise ValueError(
             f"unknown start_method {start_method!r}: aioproc supports only 'spawn' "
@@ -412,7 +413,7 @@ def check_path_name(what: str, value: object) -> str:
     """
     if not isinstance(value, str):
         raise TypeError(f"{what} must be a str, got {value!r}")
-    _check_exec_string(what, value)
+    check_exec_text(what, value)
     separators = {os.sep, "/", *([os.altsep] if os.altsep else [])}
     if any(sep in value for sep in separators):
         raise ValueError(
@@ -453,7 +454,7 @@ def check_log_dir(log_dir: object) -> str | None:
         return None  # torch treats "" like None
     if path == os.devnull:
         return path
-    _check_exec_string("log_dir", path)
+    check_exec_text("log_dir", path)
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         parent = os.path.dirname(probe)

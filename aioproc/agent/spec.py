@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._validate import check_duration, check_env
+from .._validate import check_duration, check_env, check_exec_text
 from ..errors import ProcessFailure
 from ..logs import Std
 
@@ -146,20 +146,18 @@ class WorkerSpec:
             raise ValueError(
                 f"WorkerSpec.local_world_size must be a positive int, got {self.local_world_size!r}"
             )
-        if "\0" in self.role:
-            raise ValueError(f"WorkerSpec.role contains a NUL byte: {self.role!r}")
+        check_exec_text("WorkerSpec.role", self.role)  # it becomes ROLE_NAME
         if not isinstance(self.entrypoint, str) and not callable(self.entrypoint):
             raise TypeError(
                 f"WorkerSpec.entrypoint must be a callable or a str, got {self.entrypoint!r}"
             )
-        if isinstance(self.entrypoint, str) and "\0" in self.entrypoint:
-            raise ValueError(f"WorkerSpec.entrypoint contains a NUL byte: {self.entrypoint!r}")
+        if isinstance(self.entrypoint, str):
+            check_exec_text("WorkerSpec.entrypoint", self.entrypoint)
         if isinstance(self.args, (str, bytes)) or not isinstance(self.args, Sequence):
             raise TypeError(f"WorkerSpec.args must be a tuple, got {self.args!r}")
         if isinstance(self.entrypoint, str):  # a binary's args become its command line
             for i, arg in enumerate(self.args):
-                if "\0" in str(arg):
-                    raise ValueError(f"WorkerSpec.args[{i}] contains a NUL byte: {str(arg)!r}")
+                check_exec_text(f"WorkerSpec.args[{i}]", str(arg))
         check_duration("WorkerSpec.monitor_interval", self.monitor_interval)
         if (
             isinstance(self.max_restarts, bool)
@@ -175,12 +173,13 @@ class WorkerSpec:
             raise ValueError(f"WorkerSpec.master_port must be a TCP port, got {self.master_port!r}")
         if self.env is not None:
             check_env("WorkerSpec.env", self.env)
-        if self.master_addr is not None and (
-            not isinstance(self.master_addr, str) or "\0" in self.master_addr
-        ):
-            raise ValueError(
-                f"WorkerSpec.master_addr must be a host name or address, got {self.master_addr!r}"
-            )
+        if self.master_addr is not None:
+            if not isinstance(self.master_addr, str):
+                raise TypeError(
+                    f"WorkerSpec.master_addr must be a host name or address, "
+                    f"got {self.master_addr!r}"
+                )
+            check_exec_text("WorkerSpec.master_addr", self.master_addr)  # it becomes MASTER_ADDR
         if not isinstance(self.restart_policy, RestartPolicy):
             raise TypeError(
                 f"WorkerSpec.restart_policy must be a RestartPolicy, got {self.restart_policy!r}"
