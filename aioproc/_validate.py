@@ -456,7 +456,8 @@ def check_log_dir(log_dir: object) -> str | None:
         return path
     check_exec_text("log_dir", path)
     probe = os.path.abspath(path)
-    while not os.path.exists(probe):
+    # lexists: a dangling symlink is in the way too (makedirs would fail on it)
+    while not os.path.lexists(probe):
         parent = os.path.dirname(probe)
         if parent == probe:
             return path

@@ -362,6 +362,14 @@ def test_log_dir_inside_a_file(tmp_path: Path) -> None:
     assert sorted(tmp_path.iterdir()) == [a_file]
 
 
+def test_log_dir_that_is_a_dangling_symlink(tmp_path: Path) -> None:
+    link = tmp_path / "logs"
+    link.symlink_to(tmp_path / "gone")
+    with pytest.raises(NotADirectoryError, match="exists and is not a directory"):
+        DefaultLogsSpecs(log_dir=str(link / "sub"))
+    assert list(tmp_path.iterdir()) == [link]
+
+
 def test_log_dir_with_a_nul_byte() -> None:
     before = aioproc_temp_dirs()
     with pytest.raises(ValueError, match="log_dir contains a NUL byte"):
