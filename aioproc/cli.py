@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
 import sys
@@ -210,13 +211,34 @@ def _number(kind: type[int] | type[float], minimum: float) -> Callable[[str], An
             number = kind(value)
         except ValueError:
             number = None
-        if number is None or number < minimum:
-            what = "an integer" if kind is int else "a number"
+        # float() accepts "nan" and "inf": NaN passes every comparison, so test it first
+        if number is None or not math.isfinite(number) or number < minimum:
+            what = "an integer" if kind is int else "a finite number"
             raise argparse.ArgumentTypeError(f"expected {what} >= {minimum:g}, got {value!r}")
         return number
 
     parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
+
+
+def _log_dir(value: str) -> str | None:
+    """``--log-dir``: refused at once if it is, or would be created in, a file."""
+    from ._validate import check_log_dir
+
+    try:
+        return check_log_dir(value)
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _run_id(value: str) -> str:
+    """``--run-id``: one directory name under the log dir, never a path."""
+    from ._validate import check_path_name
+
+    try:
+        return check_path_name("run id", value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _port(value: str) -> int:
@@ -328,6 +350,7 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "--log-dir",
         "--log_dir",
         dest="log_dir",
+        type=_log_dir,
         default=None,
         metavar="DIR",
         help="base directory of the logs (<DIR>/<run_id>_<random>/attempt_<n>/<rank>/...) "
@@ -358,6 +381,7 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "--rdzv-id",
         "--rdzv_id",
         dest="run_id",
+        type=_run_id,
         default=None,
         metavar="ID",
         help="job id (TORCHELASTIC_RUN_ID, log directory prefix) (default: a random id)",
@@ -597,6 +621,10 @@ def _error(message: str) -> None:
     _print_stderr(f"{PROG} run: {message}")
 
 
+def _one_line(text: str) -> str:
+    return " ".join(text.split("\n"))
+
+
 def _print_stderr(text: str) -> None:
     try:
         print(text, file=sys.stderr, flush=True)
@@ -701,7 +729,7 @@ def _run_command(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     try:
         run = _make_run(ns)
         factory = _loop_factory()
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OSError) as e:
         parser.error(str(e))
     restore_logging = _configure_logging()
     saved_env = os.environ.get(PREFIX_TEMPLATE_ENV)
@@ -712,6 +740,13 @@ def _run_command(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         previous_hup = signal.signal(signal.SIGHUP, _ignore_signal)
     try:
         return _run_loop(_supervise(run), factory)
+    except (TypeError, ValueError) as e:
+        # Bad input found only as the workers are about to start (an argv and
+        # environment too big for exec, say): a usage error, told in one line.
+        # Nothing was started.  LOGLEVEL=DEBUG shows the traceback.
+        logger.debug("aioproc run stopped by an error", exc_info=True)
+        _print_stderr(f"{PROG} run: error: {_one_line(str(e))}")
+        return 2
     finally:
         if previous_hup is not None:
             signal.signal(signal.SIGHUP, previous_hup)

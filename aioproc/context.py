@@ -23,7 +23,6 @@ import asyncio
 import enum
 import logging
 import os
-import shutil
 import signal
 import string
 import subprocess
@@ -43,6 +42,12 @@ from ._output import TeeProtocol
 from ._shield import shielded
 from ._shutdown import stop_groups, warn_forced
 from ._spawn import Child, spawn
+from ._validate import START_METHODS as START_METHODS
+from ._validate import check_duration, check_start
+from ._validate import check_executable as _check_executable
+from ._validate import check_filters as _check_filters
+from ._validate import check_signal as _validate_signal
+from ._validate import validate_group as _validate
 from .errors import ProcessFailure
 from .logs import DefaultLogsSpecs, LogsDest, LogsSpecs
 from .results import DEFAULT_GRACE_PERIOD, RunProcsResult, WorkerEvent
@@ -56,7 +61,6 @@ logger = logging.getLogger("aioproc")
 SinkLike: TypeAlias = Sink | Callable[..., Any] | str | IO[str]
 """A sink, a callable taking an ``OutputLine``, a file path or an open text file."""
 
-START_METHODS = ("spawn",)
 _DRAIN_TIMEOUT = 2.0
 """Bound on waiting for EOF of a killed group's pipes (a setsid'd descendant may hold them)."""
 
@@ -99,6 +103,7 @@ class PContext:
         on_event: Callable[[WorkerEvent], None] | None = None,
         close_sinks: bool = True,
     ) -> None:
+        grace_period = check_duration("grace_period", grace_period)
         _validate(name, entrypoint, args, envs, logs_specs, log_line_prefixes, start_method)
         self._sinks = _make_sinks(sinks)
         self._filters = {
@@ -113,8 +118,6 @@ class PContext:
         self._pass_fds = tuple(pass_fds)
         self._on_event = on_event
         self._close_sinks = close_sinks or sinks is None
-        if not isinstance(grace_period, (int, float)) or grace_period < 0:
-            raise ValueError(f"grace_period must be a number >= 0, got {grace_period!r}")
         self.name = name
         self.entrypoint = entrypoint
         self.nprocs = len(args)
@@ -188,15 +191,17 @@ class PContext:
 
         Cancellation: if cancelled part-way, the launch stops and every worker
         started so far is killed with its group (shielded, bounded) before the
-        cancellation propagates.  A ``close()`` from another task during the
-        launch stops it too; ``start()`` then returns and the ranks that were
-        never launched are reported as such.
+        cancellation propagates; a cancellation by ``translate_signals`` stops
+        them with that signal and the grace period instead.  A ``close()``
+        from another task during the launch stops it too; ``start()`` then
+        returns and the ranks that were never launched are reported as such.
         """
         if self._state is not _State.NEW:
             raise _AlreadyStartedError(
                 f"{self!r} was already started; a PContext can be started once"
             )
         # everything that can reject the input runs before anything is created
+        check_start(self.entrypoint, self.args, self.envs, self.logs_specs)
         payloads = self._call_payloads() if self.is_function else {}
         if not self.is_function:
             _check_executable(str(self.entrypoint), self.envs)
@@ -220,7 +225,13 @@ class PContext:
         try:
             await asyncio.shield(self._launched)
         except asyncio.CancelledError:
-            if not self._launched.done():
+            # A translated signal stops the workers with that signal, as when
+            # leaving ``async with``; any other cancellation kills them at once.
+            sig = pending_signal()
+            if sig is not None:
+                self._notify(WorkerEvent("stopping", -1, -1, -sig, time.time()))
+                await shielded(self._close(sig, self.grace_period))
+            else:
                 await shielded(self._close(signal.SIGKILL, 0.0))
             raise
 
@@ -534,6 +545,7 @@ class PContext:
         ``async with`` block (or ``close()``) stops them.  Once the result is
         final, the release runs shielded.
         """
+        timeout = check_duration("wait(timeout=...)", timeout, allow_negative=True)
         if self._finished is None:
             raise RuntimeError(f"{self!r} has not been started")
         if not self._finished.done():
@@ -568,8 +580,7 @@ class PContext:
         cancellation arriving meanwhile is re-raised once it is done.
         """
         sig = _validate_signal(signal.SIGTERM if death_sig is None else death_sig)
-        if not isinstance(timeout, (int, float)) or timeout < 0:
-            raise ValueError(f"timeout must be a number >= 0, got {timeout!r}")
+        timeout = check_duration("close(timeout=...)", timeout)
         if self._state is _State.NEW:
             self._state = _State.CLOSED
             return
@@ -652,12 +663,14 @@ async def _start(pc: PContext) -> PContext:
 
 async def _close_on_exit(pc: PContext, exc: BaseException | None) -> None:
     """Leaving ``async with``: a signal stops the workers with it."""
-    sig: int = signal.SIGTERM
+    sig: int | None = None
     if isinstance(exc, SignalException):
         sig = exc.sigval
     elif isinstance(exc, asyncio.CancelledError):
-        sig = pending_signal() or signal.SIGTERM
-    await pc.close(sig, pc.grace_period)
+        sig = pending_signal()
+    if sig is not None and pc._state is _State.RUNNING:
+        pc._notify(WorkerEvent("stopping", -1, -1, -sig, time.time()))
+    await pc.close(signal.SIGTERM if sig is None else sig, pc.grace_period)
 
 
 def start_processes(
@@ -742,66 +755,7 @@ def start_processes(
     return OpenResource(lambda: _start(pc), _close_on_exit)
 
 
-# ---------------------------------------------------------------- validation
-
-
-def _validate(
-    name: object,
-    entrypoint: object,
-    args: object,
-    envs: object,
-    logs_specs: object,
-    log_line_prefixes: object,
-    start_method: object,
-) -> None:
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a str, got {name!r}")
-    if not isinstance(entrypoint, str) and not callable(entrypoint):
-        raise TypeError(
-            f"entrypoint must be a callable (function workers) or a str "
-            f"(binary workers), got {entrypoint!r}"
-        )
-    if isinstance(entrypoint, str) and not entrypoint:
-        raise ValueError("entrypoint is an empty string")
-    if start_method not in START_METHODS:
-        raise ValueError(
-            f"unknown start_method {start_method!r}: aioproc supports only 'spawn' "
-            "(every worker is a fresh interpreter; fork is unsafe with a running event loop)"
-        )
-    if not isinstance(args, Mapping):
-        raise TypeError(f"args must be a {{local_rank: tuple}} dict, got {args!r}")
-    if not isinstance(envs, Mapping):
-        raise TypeError(f"envs must be a {{local_rank: dict}} dict, got {envs!r}")
-    nprocs = len(args)
-    if nprocs == 0:
-        raise ValueError("args is empty: at least one worker (local rank 0) is needed")
-    expected = set(range(nprocs))
-    for what, mapping in (("args", args), ("envs", envs)):
-        if set(mapping) != expected:
-            raise RuntimeError(
-                f"{what} local rank keys mismatch: expected {sorted(expected)}, "
-                f"got {sorted(mapping, key=repr)}"
-            )
-    for rank, a in args.items():
-        if not isinstance(a, (tuple, list)):
-            raise TypeError(f"args[{rank}] must be a tuple, got {a!r}")
-    for rank, env in envs.items():
-        if not isinstance(env, Mapping):
-            raise TypeError(f"envs[{rank}] must be a dict of str to str, got {env!r}")
-        for key, value in env.items():
-            if not isinstance(key, str) or not isinstance(value, str):
-                raise TypeError(
-                    f"envs[{rank}] must map str to str; got {key!r}: {value!r} "
-                    f"({type(value).__name__})"
-                )
-    if not isinstance(logs_specs, LogsSpecs):
-        raise TypeError(f"logs_specs must be a LogsSpecs, got {logs_specs!r}")
-    if log_line_prefixes is not None and not isinstance(log_line_prefixes, str):
-        if not isinstance(log_line_prefixes, Mapping):
-            raise TypeError(f"log_line_prefixes must be a dict, got {log_line_prefixes!r}")
-        bad = set(log_line_prefixes) - expected
-        if bad:
-            raise ValueError(f"log_line_prefixes has unknown local ranks {sorted(bad, key=repr)}")
+# ---------------------------------------------------------------- sinks
 
 
 def _make_sinks(sinks: Sequence[SinkLike] | None) -> list[Sink]:
@@ -822,37 +776,3 @@ def _make_sinks(sinks: Sequence[SinkLike] | None) -> list[Sink]:
                 f"unsupported sink {sink!r}: expected a Sink, a callable, a path or a text file"
             )
     return out
-
-
-def _check_filters(what: str, filters: Sequence[str] | None) -> tuple[str, ...]:
-    if filters is None:
-        return ()
-    if isinstance(filters, str) or not all(isinstance(f, str) and f for f in filters):
-        raise TypeError(f"{what} must be a list of non-empty strings, got {filters!r}")
-    return tuple(filters)
-
-
-def _validate_signal(sig: int) -> int:
-    try:
-        valid = signal.Signals(sig)
-    except (ValueError, TypeError):
-        raise ValueError(f"death_sig must be a signal number, got {sig!r}") from None
-    return int(valid)
-
-
-def _check_executable(entrypoint: str, envs: Mapping[int, Mapping[str, str]]) -> None:
-    """Fail like exec would, but before any worker starts."""
-    if os.sep in entrypoint:
-        if not os.path.exists(entrypoint):
-            raise FileNotFoundError(2, f"binary entrypoint not found: {entrypoint!r}", entrypoint)
-        if os.path.isdir(entrypoint) or not os.access(entrypoint, os.X_OK):
-            raise PermissionError(
-                13, f"binary entrypoint is not an executable file: {entrypoint!r}", entrypoint
-            )
-        return
-    for rank, env in envs.items():
-        path = env.get("PATH", os.environ.get("PATH", os.defpath))
-        if shutil.which(entrypoint, path=path) is None:
-            raise FileNotFoundError(
-                2, f"binary entrypoint {entrypoint!r} not found on PATH of local rank {rank}"
-            )

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from enum import IntFlag
 
 from ._errorfile import ERROR_FILE_ENV
+from ._validate import check_log_dir, check_path_name
 
 __all__ = ["DefaultLogsSpecs", "LogsDest", "LogsSpecs", "Std", "to_map"]
 
@@ -202,6 +203,17 @@ class LogsSpecs(ABC):
     def root_log_dir(self) -> str:
         """The directory the log tree lives in."""
 
+    def validate(self, envs: Mapping[int, Mapping[str, str]]) -> None:  # noqa: B027
+        """Raise if ``reify(envs)`` would reject these envs; create nothing.
+
+        The supervisor calls it before anything of a group is started (and
+        before ``reify``), so bad input fails with nothing to undo.  The
+        default accepts everything (an optional hook, not abstract).
+
+        Args:
+            envs: each local rank's environment, ranks ``0..n-1``.
+        """
+
     def prune(self) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Tidy what this spec created; called when a process group is closed.
 
@@ -224,7 +236,9 @@ class DefaultLogsSpecs(LogsSpecs):
             their other streams are discarded.
 
     Raises:
-        NotADirectoryError: ``log_dir`` exists and is not a directory.
+        NotADirectoryError: ``log_dir``, or the directory it would be created
+            in, exists and is not a directory.
+        ValueError: ``log_dir`` contains a NUL byte.
         TypeError: an argument has the wrong type.
     """
 
@@ -237,7 +251,7 @@ class DefaultLogsSpecs(LogsSpecs):
     ) -> None:
         # Check everything before creating anything, so bad input leaves no trace.
         super().__init__(
-            _check_log_dir(log_dir),
+            check_log_dir(log_dir),
             _check_std("redirects", redirects),
             _check_std("tee", tee),
             _check_ranks_filter(local_ranks_filter),
@@ -264,7 +278,11 @@ class DefaultLogsSpecs(LogsSpecs):
 
         Returns:
             The destinations for every rank; all paths are absolute.
+
+        Raises:
+            ValueError, NotADirectoryError: as ``validate``; nothing is created.
         """
+        self.validate(envs)
         nprocs = len(envs)
         env0 = envs[0] if nprocs else {}
         redirects = to_map(self._redirects, nprocs)
@@ -306,6 +324,25 @@ class DefaultLogsSpecs(LogsSpecs):
             dest.error_files[rank] = error_file
             envs[rank][ERROR_FILE_ENV] = error_file
         return dest
+
+    def validate(self, envs: Mapping[int, Mapping[str, str]]) -> None:
+        """Check what becomes a path before anything is created.
+
+        The run id and the restart count of rank 0 name directories
+        (``<run_id>_<random>/attempt_<restart_count>``): a path separator,
+        ``.``, ``..`` or a NUL byte in them would put the logs elsewhere.  The
+        log dir is checked again: it may have become a file since.
+
+        Raises:
+            ValueError: a bad run id or restart count.
+            NotADirectoryError: ``log_dir`` is no longer usable as a directory.
+        """
+        if self._root_log_dir == os.devnull:
+            return
+        check_log_dir(self._root_log_dir)
+        env0 = envs[0] if envs else {}
+        check_path_name(f"run id ({RUN_ID_ENV})", env0.get(RUN_ID_ENV, DEFAULT_RUN_ID))
+        check_path_name(f"restart count ({RESTART_COUNT_ENV})", env0.get(RESTART_COUNT_ENV, "0"))
 
     def prune(self) -> None:
         """Remove empty files and dirs from the temp dir this spec made.
@@ -375,21 +412,6 @@ class DefaultLogsSpecs(LogsSpecs):
 
 def _is_rank(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _check_log_dir(log_dir: str | os.PathLike[str] | None) -> str | None:
-    if log_dir is None:
-        return None
-    if not isinstance(log_dir, (str, os.PathLike)):
-        raise TypeError(f"log_dir must be a str, a path or None, got {log_dir!r}")
-    path = os.fspath(log_dir)
-    if not isinstance(path, str):
-        raise TypeError(f"log_dir must be a str, a path or None, got {log_dir!r}")
-    if not path:
-        return None  # torch treats "" like None
-    if path != os.devnull and os.path.exists(path) and not os.path.isdir(path):
-        raise NotADirectoryError(f"log_dir {path!r} exists and is not a directory")
-    return path
 
 
 def _check_std(name: str, value: object) -> Std | dict[int, Std]:

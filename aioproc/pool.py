@@ -19,6 +19,7 @@ from typing import Any
 
 from ._cm import OpenResource
 from ._shield import shielded
+from ._validate import check_duration, check_env
 from .worker import WorkerProcess, _start_worker
 
 __all__ = ["WorkerPool", "open_pool"]
@@ -287,6 +288,11 @@ def open_pool(
         env: extra environment for every worker.
         name: prefix of the workers' names.
     """
+    check_duration("init_timeout", init_timeout)
+    check_duration("shutdown_timeout", shutdown_timeout)
+    check_duration("idle_timeout", idle_timeout, allow_none=True)
+    if env is not None:
+        check_env("env", env)
     slots = _slots(n_or_cluster_spec, name, dict(env or {}))
     if max_calls_per_worker is not None and (
         not isinstance(max_calls_per_worker, int) or max_calls_per_worker <= 0

@@ -43,9 +43,14 @@ class RunProcsResult:
 
 
 class WorkerEvent(NamedTuple):
-    """A worker started or exited (``exitcode`` is None for "started")."""
+    """A worker started or exited, or the group is being stopped by a signal.
 
-    kind: str  # "started" | "exited"
+    ``kind`` is "started" (``exitcode`` None), "exited", or "stopping": a
+    signal (``exitcode`` is minus its number) is about to stop the group,
+    sent before any worker is signalled (``local_rank`` and ``pid`` are -1).
+    """
+
+    kind: str  # "started" | "exited" | "stopping"
     local_rank: int
     pid: int
     exitcode: int | None

@@ -7,6 +7,7 @@ import signal
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ._validate import check_duration
 from .context import SinkLike, start_processes
 from .errors import ChildFailedError
 from .logs import LogsSpecs
@@ -53,6 +54,7 @@ async def run(
     Cancellation: the workers are stopped (shielded, bounded) before the
     cancellation propagates.
     """
+    check_duration("timeout", timeout, allow_none=True)
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs <= 0:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
     if args is None:

@@ -31,6 +31,7 @@ from ._output import TeeProtocol
 from ._shield import shielded
 from ._shutdown import stop_groups, warn_forced
 from ._spawn import Child
+from ._validate import check_duration, check_env
 from .errors import BrokenWorkerError
 from .sinks import ConsoleSink, Sink
 
@@ -347,6 +348,10 @@ def open_worker(
 
     Cancellation: a cancelled start kills the half-started worker.
     """
+    check_duration("init_timeout", init_timeout)
+    check_duration("shutdown_timeout", shutdown_timeout)
+    if env is not None:
+        check_env("env", env)
     global _counter
     _counter += 1
     name = name or f"worker{_counter}"

@@ -426,6 +426,17 @@ def test_version() -> None:
         (["--local-ranks-filter", "a"], "comma-separated local ranks"),
         (["--master-port", "70000"], "TCP port"),
         (["--grace-period", "-1"], ">= 0"),
+        (["--grace-period", "nan"], "expected a finite number >= 0, got 'nan'"),
+        (["--grace-period", "inf"], "expected a finite number >= 0, got 'inf'"),
+        (["--monitor-interval", "nan"], "expected a finite number >= 0, got 'nan'"),
+        (["--monitor-interval=-inf"], "expected a finite number >= 0, got '-inf'"),
+        (["--backoff", "nan,2,60"], "RestartPolicy.initial_delay must be a finite number"),
+        (["--backoff", "1,nan,60"], "RestartPolicy.factor must be >= 1 and finite"),
+        (["--backoff", "1,2,inf"], "RestartPolicy.max_delay must be a finite number"),
+        (["--run-id", "../.."], "run id '../..' contains a path separator"),
+        (["--run-id", "a/b"], "run id 'a/b' contains a path separator"),
+        (["--run-id", ".."], "run id '..' is not a usable directory name"),
+        (["--run-id", "."], "run id '.' is not a usable directory name"),
     ],
 )
 def test_usage_errors_exit_2_with_a_message(args: list[str], message: str) -> None:
@@ -437,8 +448,77 @@ def test_usage_errors_exit_2_with_a_message(args: list[str], message: str) -> No
         env=cli_env(),
     )
     assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr
+    assert message in proc.stderr.splitlines()[-1]
+    assert proc.stderr.splitlines()[-1].startswith("aioproc run: error: ")
+    assert "Traceback" not in proc.stderr
     assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_log_dir_that_is_a_file_is_a_usage_error(tmp_path: Path, inside: bool) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    log_dir = str(a_file / "logs") if inside else str(a_file)
+    proc = subprocess.run(
+        [*CLI, "run", "--log-dir", log_dir, ENV_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        env=cli_env(),
+    )
+    assert proc.returncode == 2
+    reason = (
+        f"cannot be created: {str(a_file)!r} exists and is not a directory"
+        if inside
+        else "exists and is not a directory"
+    )
+    assert proc.stderr.splitlines()[-1] == (
+        f"aioproc run: error: argument --log-dir/--log_dir: log_dir {log_dir!r} {reason}"
+    )
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+    assert list(tmp_path.iterdir()) == [a_file]
+
+
+def test_run_id_cannot_write_outside_the_log_dir(tmp_path: Path) -> None:
+    log_dir = tmp_path / "deep" / "logs"
+    proc = subprocess.run(
+        [*CLI, "run", "--log-dir", str(log_dir), "--run-id", "../../escape", ENV_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        env=cli_env(),
+    )
+    assert proc.returncode == 2
+    assert "run id '../../escape' contains a path separator" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's exec limits")
+def test_argv_and_env_too_big_for_exec_is_one_line_and_starts_nothing(tmp_path: Path) -> None:
+    """The command itself fits exec's limit, its workers (torchrun's variables added) do not."""
+    arg_max = min(os.sysconf("SC_ARG_MAX"), 6 << 20)
+    log_dir = tmp_path / "logs"
+    argv = [*CLI, "run", "--log-dir", str(log_dir), "--nproc-per-node", "2", ENV_SCRIPT]
+    env = cli_env()
+
+    def exec_size() -> int:
+        strings = [*argv, *(f"{k}={v}" for k, v in env.items())]
+        return sum(len(os.fsencode(s)) + 1 + 8 for s in strings) + len(sys.executable) + 16
+
+    while (room := arg_max - 2048 - exec_size()) > 64:
+        env[f"FILL{len(env):03d}"] = "y" * min(100_000, room - 32)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=LIMIT, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("aioproc run: error: local rank 0: argv and environment take "), (
+        proc.stderr
+    )
+    assert "over the system limit ARG_MAX" in proc.stderr
+    assert "largest: os.environ['FILL" in proc.stderr
+    assert proc.stdout == ""  # no worker ran: each would print its environment
+    assert not log_dir.exists() or list(log_dir.iterdir()) == []
 
 
 def test_unknown_event_loop_is_a_usage_error() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -347,6 +348,95 @@ def test_log_dir_that_is_a_file(tmp_path: Path) -> None:
     assert str(not_a_dir) in str(info.value)
     assert aioproc_temp_dirs() == before
     assert sorted(tmp_path.iterdir()) == [not_a_dir]
+
+
+def test_log_dir_inside_a_file(tmp_path: Path) -> None:
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    with pytest.raises(NotADirectoryError) as info:
+        DefaultLogsSpecs(log_dir=str(a_file / "logs" / "deeper"))
+    assert str(info.value) == (
+        f"log_dir {str(a_file / 'logs' / 'deeper')!r} cannot be created: "
+        f"{str(a_file)!r} exists and is not a directory"
+    )
+    assert sorted(tmp_path.iterdir()) == [a_file]
+
+
+def test_log_dir_that_is_a_dangling_symlink(tmp_path: Path) -> None:
+    link = tmp_path / "logs"
+    link.symlink_to(tmp_path / "gone")
+    with pytest.raises(NotADirectoryError, match="exists and is not a directory"):
+        DefaultLogsSpecs(log_dir=str(link / "sub"))
+    assert list(tmp_path.iterdir()) == [link]
+
+
+def test_log_dir_with_a_nul_byte() -> None:
+    before = aioproc_temp_dirs()
+    with pytest.raises(ValueError, match="log_dir contains a NUL byte"):
+        DefaultLogsSpecs(log_dir="lo\0gs")
+    assert aioproc_temp_dirs() == before
+
+
+def test_log_dir_that_became_a_file_is_refused_at_reify(tmp_path: Path) -> None:
+    path = tmp_path / "logs"
+    spec = DefaultLogsSpecs(log_dir=str(path))
+    path.write_text("x")
+    with pytest.raises(NotADirectoryError, match="exists and is not a directory"):
+        spec.reify(envs_for(1))
+    assert path.read_text() == "x"
+
+
+@pytest.mark.parametrize(
+    ("run_id", "restart", "message"),
+    [
+        ("../..", "0", "run id (TORCHELASTIC_RUN_ID) '../..' contains a path separator"),
+        ("a/b", "0", "run id (TORCHELASTIC_RUN_ID) 'a/b' contains a path separator"),
+        ("/abs", "0", "run id (TORCHELASTIC_RUN_ID) '/abs' contains a path separator"),
+        ("..", "0", "run id (TORCHELASTIC_RUN_ID) '..' is not a usable directory name"),
+        (".", "0", "run id (TORCHELASTIC_RUN_ID) '.' is not a usable directory name"),
+        ("a\0b", "0", "run id (TORCHELASTIC_RUN_ID) contains a NUL byte (at index 1)"),
+        ("r" * 247, "0", "is 247 bytes long; a directory name allows 246 bytes"),
+        ("ok", "../../x", "restart count (TORCHELASTIC_RESTART_COUNT) '../../x' contains a path"),
+        ("ok", "..", "restart count (TORCHELASTIC_RESTART_COUNT) '..' is not a usable"),
+    ],
+)
+@pytest.mark.parametrize("given_log_dir", [True, False])
+def test_run_id_and_restart_count_must_be_plain_names(
+    tmp_path: Path, run_id: str, restart: str, message: str, given_log_dir: bool
+) -> None:
+    """They name directories: a path in them would put the logs elsewhere."""
+    logs = tmp_path / "deep" / "logs"
+    spec = DefaultLogsSpecs(log_dir=str(logs) if given_log_dir else None)
+    before = aioproc_temp_dirs()
+    envs = envs_for(2, run_id=run_id, restart=restart)
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        spec.reify(envs)
+    with pytest.raises(ValueError, match=re.escape(message)) as again:
+        spec.validate(envs)
+    assert str(again.value) == str(info.value)
+    assert list(tmp_path.iterdir()) == []  # nothing made, not even the log dir
+    assert aioproc_temp_dirs() == before
+    assert all(ERROR_FILE not in env for env in envs.values())
+
+
+def test_longest_run_id_that_fits_works(tmp_path: Path) -> None:
+    spec = DefaultLogsSpecs(log_dir=str(tmp_path))
+    spec.reify(envs_for(1, run_id="r" * 246))
+    assert only_child(tmp_path).name.startswith("r" * 246 + "_")
+
+
+def test_validate_is_a_no_op_by_default_and_for_devnull() -> None:
+    class Console(LogsSpecs):
+        def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+            return LogsDest()
+
+        @property
+        def root_log_dir(self) -> str:
+            return ""
+
+    bad = envs_for(1, run_id="../..")
+    Console().validate(bad)
+    DefaultLogsSpecs(log_dir=os.devnull).validate(bad)  # no directory is ever made
 
 
 @pytest.mark.parametrize(

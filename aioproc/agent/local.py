@@ -353,6 +353,13 @@ class LocalElasticAgent:
         )
 
     def _on_worker_event(self, event: WorkerEvent) -> None:
+        if event.kind == "stopping":
+            # a signal stops the group (e.g. one arriving while it starts):
+            # announce it before any worker is signalled, once
+            if not self._signalled and event.exitcode is not None:
+                self._signalled = True
+                self._publish(ev.SIGNAL_RECEIVED, signal=signal.Signals(-event.exitcode).name)
+            return
         if event.kind == "started":
             self._pids[event.local_rank] = event.pid
             self._publish(

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import enum
+import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._validate import check_duration, check_env, check_exec_text
 from ..errors import ProcessFailure
 from ..logs import Std
 
@@ -62,16 +64,23 @@ class RestartPolicy:
 
     def __post_init__(self) -> None:
         for name in ("initial_delay", "max_delay"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"RestartPolicy.{name} must be >= 0, got {value!r}")
-        if not isinstance(self.factor, (int, float)) or self.factor < 1:
-            raise ValueError(f"RestartPolicy.factor must be >= 1, got {self.factor!r}")
-        if not isinstance(self.jitter, (int, float)) or not 0 <= self.jitter <= 1:
-            raise ValueError(f"RestartPolicy.jitter must be in [0, 1], got {self.jitter!r}")
-        if self.reset_after is not None and (
-            not isinstance(self.reset_after, (int, float)) or self.reset_after <= 0
+            check_duration(f"RestartPolicy.{name}", getattr(self, name))
+        # NaN passes "< 1" and "<= 0" checks, so each asks for a finite number first
+        if (
+            isinstance(self.factor, bool)
+            or not isinstance(self.factor, (int, float))
+            or not math.isfinite(self.factor)
+            or self.factor < 1
         ):
+            raise ValueError(f"RestartPolicy.factor must be >= 1 and finite, got {self.factor!r}")
+        if (
+            isinstance(self.jitter, bool)
+            or not isinstance(self.jitter, (int, float))
+            or not 0 <= self.jitter <= 1
+        ):
+            raise ValueError(f"RestartPolicy.jitter must be in [0, 1], got {self.jitter!r}")
+        reset_after = check_duration("RestartPolicy.reset_after", self.reset_after, allow_none=True)
+        if reset_after is not None and reset_after <= 0:
             raise ValueError(f"RestartPolicy.reset_after must be > 0, got {self.reset_after!r}")
         object.__setattr__(self, "expected_exit_codes", frozenset(self.expected_exit_codes))
 
@@ -137,12 +146,19 @@ class WorkerSpec:
             raise ValueError(
                 f"WorkerSpec.local_world_size must be a positive int, got {self.local_world_size!r}"
             )
+        check_exec_text("WorkerSpec.role", self.role)  # it becomes ROLE_NAME
         if not isinstance(self.entrypoint, str) and not callable(self.entrypoint):
             raise TypeError(
                 f"WorkerSpec.entrypoint must be a callable or a str, got {self.entrypoint!r}"
             )
+        if isinstance(self.entrypoint, str):
+            check_exec_text("WorkerSpec.entrypoint", self.entrypoint)
         if isinstance(self.args, (str, bytes)) or not isinstance(self.args, Sequence):
             raise TypeError(f"WorkerSpec.args must be a tuple, got {self.args!r}")
+        if isinstance(self.entrypoint, str):  # a binary's args become its command line
+            for i, arg in enumerate(self.args):
+                check_exec_text(f"WorkerSpec.args[{i}]", str(arg))
+        check_duration("WorkerSpec.monitor_interval", self.monitor_interval)
         if (
             isinstance(self.max_restarts, bool)
             or not isinstance(self.max_restarts, int)
@@ -156,9 +172,14 @@ class WorkerSpec:
         ):
             raise ValueError(f"WorkerSpec.master_port must be a TCP port, got {self.master_port!r}")
         if self.env is not None:
-            for key, value in self.env.items():
-                if not isinstance(key, str) or not isinstance(value, str):
-                    raise TypeError(f"WorkerSpec.env must map str to str; got {key!r}: {value!r}")
+            check_env("WorkerSpec.env", self.env)
+        if self.master_addr is not None:
+            if not isinstance(self.master_addr, str):
+                raise TypeError(
+                    f"WorkerSpec.master_addr must be a host name or address, "
+                    f"got {self.master_addr!r}"
+                )
+            check_exec_text("WorkerSpec.master_addr", self.master_addr)  # it becomes MASTER_ADDR
         if not isinstance(self.restart_policy, RestartPolicy):
             raise TypeError(
                 f"WorkerSpec.restart_policy must be a RestartPolicy, got {self.restart_policy!r}"
