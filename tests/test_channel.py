@@ -229,6 +229,21 @@ async def test_function_worker_sending_an_unknown_kind_fails_its_group(
     assert pid_gone(failure.pid)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="needs context.py to report Channel.error (patch in the h-channel report)",
+)
+async def test_function_worker_failure_names_the_broken_frame(cf: ModuleType) -> None:
+    with pytest.raises(ChildFailedError) as info:
+        await asyncio.wait_for(
+            aioproc.run(cf.forge_header_then_block, 1, args=(_wire.RESULT, 2 * GiB)), 30
+        )
+    assert info.value.failures[0].message == (
+        "worker sent a RESULT (10) frame of 2147483648 bytes (2 GiB), over the 1 GiB limit "
+        "of the control channel; the supervisor closed the channel"
+    )
+
+
 async def test_value_over_the_cap_fails_in_the_worker_with_a_clear_error(
     cf: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
