@@ -25,6 +25,7 @@ asyncio, and nothing heavy until a failure is formatted.
 
 from __future__ import annotations
 
+import contextvars
 import faulthandler
 import functools
 import inspect
@@ -34,7 +35,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import KW_ONLY, InitVar, dataclass, field
+from dataclasses import dataclass, field
 
 from aioproc import _errorfile
 from aioproc._errorfile import MAX_ERROR_FILE_SIZE
@@ -100,6 +101,15 @@ class RemoteTraceback(Exception):
         return self.tb
 
 
+# What ``ProcessFailure.load`` read for the construction it is making: when
+# the exit was noticed, and the error file's (bytes, size), or the error
+# reading it, or None when it is not a file.  None: the constructor reads.
+_Preread = tuple[float, "tuple[bytes, int] | OSError | None"]
+_PREREAD: contextvars.ContextVar[_Preread | None] = contextvars.ContextVar(
+    "aioproc_preread", default=None
+)
+
+
 @dataclass
 class ProcessFailure:
     """The failure of one worker process, with what its error file says.
@@ -143,11 +153,6 @@ class ProcessFailure:
     exitcode: int
     error_file: str
     stopped: bool = False
-    _: KW_ONLY
-    # Set by ``load``: when the exit was noticed, and the error file's
-    # (bytes, size), or the error reading it, or None when it is not a file.
-    # None: read the file here.
-    _preread: InitVar[_Preread | None] = None
     message: str | dict[str, Any] = field(init=False)
     timestamp: int = field(init=False)
     error_file_data: dict[str, Any] = field(init=False)
@@ -155,7 +160,10 @@ class ProcessFailure:
     _observed_at: float = field(init=False, repr=False, compare=False)
     _seq: int = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self, _preread: _Preread | None) -> None:
+    def __post_init__(self) -> None:
+        # set by ``load`` around this construction (subclasses keep torch's
+        # argument-less __post_init__, so it cannot be an InitVar)
+        _preread = _PREREAD.get()
         self._observed_at = time.time() if _preread is None else _preread[0]
         self._seq = next(_sequence)
         self.message = ""
@@ -212,7 +220,11 @@ class ProcessFailure:
             content = await load_error_file(error_file)
         except OSError as e:
             content = e
-        return cls(local_rank, pid, exitcode, error_file, stopped, _preread=(observed, content))
+        token = _PREREAD.set((observed, content))
+        try:
+            return cls(local_rank, pid, exitcode, error_file, stopped)
+        finally:
+            _PREREAD.reset(token)
 
     def signal_name(self) -> str:
         """Return the name of the signal that killed the worker (``"SIGSEGV"``).
@@ -302,10 +314,6 @@ class ProcessFailure:
             f"Process {self.pid} exited with code {self.exitcode}; its error file "
             f"{self.error_file} holds no message"
         )
-
-
-# (when the exit was noticed, the error file's (bytes, size) | the read error | None)
-_Preread = tuple[float, "tuple[bytes, int] | OSError | None"]
 
 
 def _too_large(path: str, head: bytes, size: int) -> str:
