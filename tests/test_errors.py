@@ -330,6 +330,35 @@ async def test_load_error_file_is_capped(tmp_path: Path) -> None:
     assert await errors.load_error_file(str(tmp_path)) is None  # a directory: no error file
 
 
+async def test_group_with_a_400mb_error_file_reports_it_without_reading_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import aioproc
+    from aioproc import DefaultLogsSpecs
+
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "tests" / "children"))
+    import channel_funcs
+
+    with pytest.raises(ChildFailedError) as info:
+        await asyncio.wait_for(
+            aioproc.run(
+                channel_funcs.huge_error_file_then_exit,
+                1,
+                args=(BIG_ERROR_FILE,),
+                logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
+            ),
+            30,
+        )
+    failure = info.value.failures[0]
+    assert failure.exitcode == 3
+    assert str(failure.message).startswith(
+        f"error file {failure.error_file} is too large to read: 419430400 bytes, over the "
+        "1048576-byte limit (aioproc.errors.MAX_ERROR_FILE_SIZE); its first 4096 bytes:\n"
+        '{"message": "huge"'
+    )
+    assert os.path.getsize(failure.error_file) == BIG_ERROR_FILE
+
+
 def test_dump_error_file_refuses_an_oversized_child_file(tmp_path: Path) -> None:
     path = sparse_error_file(tmp_path / "child.json", b"{}")
     with pytest.raises(ValueError, match=r"child.json is 419430400 bytes, over the 1048576-byte"):

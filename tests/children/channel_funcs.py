@@ -56,3 +56,12 @@ def authkey() -> bytes:
     import multiprocessing
 
     return bytes(multiprocessing.current_process().authkey)
+
+
+def huge_error_file_then_exit(size: int) -> None:
+    """Leave a sparse ``size``-byte error.json, then fail without rewriting it."""
+    path = os.environ["TORCHELASTIC_ERROR_FILE"]
+    with open(path, "wb") as f:
+        f.write(b'{"message": "huge"')
+    os.truncate(path, size)
+    os._exit(3)
