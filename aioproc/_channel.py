@@ -11,7 +11,9 @@ most ``max_frame_size``) before its body's buffer is allocated.  A bad one
 fails the channel: ``Channel.failed`` resolves with a ``BrokenWorkerError``
 saying what was wrong, ``on_error`` (if given) is called with it, and the
 connection is aborted, so nothing more is read from a worker that broke the
-protocol (the worker then sees EOF and exits, see ``_bootstrap``).
+protocol.  A function worker's lifeline then sees EOF and ends its group; a
+persistent worker busy in a call does not read the channel, so its owner
+must stop waiting and kill it (see ``worker``).
 """
 
 from __future__ import annotations

@@ -17,7 +17,9 @@ A worker decorated with :func:`record` writes its uncaught exception to the
 file named by ``TORCHELASTIC_ERROR_FILE``, in torchelastic's error.json
 layout. The supervisor reads it back into a :class:`ProcessFailure` and
 raises :class:`ChildFailedError`, whose root cause is the first failure
-observed. Both sides interoperate with torch's own ``@record``.
+observed. Both sides interoperate with torch's own ``@record``. Error files
+are read with a cap (``MAX_ERROR_FILE_SIZE``, 1 MiB), and coroutines read
+them off the event loop (``ProcessFailure.load``, ``load_error_file``).
 
 Workers import this module, so it imports only the standard library: no
 asyncio, and nothing heavy until a failure is formatted.

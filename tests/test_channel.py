@@ -16,6 +16,7 @@ import multiprocessing
 import socket
 import tracemalloc
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -310,6 +311,18 @@ async def test_manager_proxies_work_in_persistent_workers(cf: ModuleType) -> Non
             del shared
             key = await asyncio.wait_for(w.call(cf.authkey), 30)
     assert key == bytes(multiprocessing.current_process().authkey)
+
+
+async def test_authkey_is_set_when_multiprocessing_was_imported_at_startup(
+    cf: ModuleType, tmp_path: Path
+) -> None:
+    # a sitecustomize that imports multiprocessing before the worker boots
+    (tmp_path / "sitecustomize.py").write_text("import multiprocessing.process\n")
+    async with open_worker(name="site", env={"PYTHONPATH": str(tmp_path)}) as w:
+        assert await asyncio.wait_for(w.call(cf.imported_at_startup), 30) == (
+            True,
+            bytes(multiprocessing.current_process().authkey),
+        )
 
 
 async def test_authkey_travels_in_init_not_in_env_or_argv(cf: ModuleType) -> None:

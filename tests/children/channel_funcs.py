@@ -65,3 +65,12 @@ def huge_error_file_then_exit(size: int) -> None:
         f.write(b'{"message": "huge"')
     os.truncate(path, size)
     os._exit(3)
+
+
+def imported_at_startup() -> tuple[bool, bytes]:
+    """Whether sitecustomize imported multiprocessing, and the authkey now."""
+    import sys
+
+    site = sys.modules.get("sitecustomize")
+    early = site is not None and "multiprocessing.process" in sys.modules
+    return early, authkey()
