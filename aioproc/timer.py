@@ -107,6 +107,12 @@ def expires(after: float, scope: str | None = None) -> _Expires:
     concurrently in several threads and in forked children that stay in the
     worker's process group; each block is its own timer.
 
+    Entering and leaving a block never block the worker, even while the
+    agent's event loop is busy: requests the agent cannot take yet wait in a
+    bounded queue (``MAX_PENDING``) delivered in order by a daemon thread,
+    so a block's release is never lost; beyond that bound new blocks are not
+    enforced, with a ``RuntimeWarning``.
+
     Unlike torch, which raises when no timer client is configured, outside an
     aioproc agent with ``watchdog=True`` (no ``AIOPROC_WATCHDOG_FD``) the
     block is not enforced: the first use emits a ``RuntimeWarning`` and every
