@@ -88,6 +88,85 @@ def _load_call(body: bytearray) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     return fn, args, kwargs
 
 
+_MAX_FRAME = _wire.MAX_FRAME_SIZE  # the parent's cap, from INIT
+
+
+def _check_size(parts: list[bytes], what: str) -> None:
+    """Refuse to send an answer the parent would reject as oversized."""
+    size = sum(len(p) for p in parts)
+    if size > _MAX_FRAME:
+        raise ValueError(
+            f"{what} encodes to {size} bytes ({_wire.format_size(size)}), over the "
+            f"{_wire.format_size(_MAX_FRAME)} limit of aioproc's control channel; "
+            "pass data that large through a file or shared memory"
+        )
+
+
+def _error_frame(exc: BaseException) -> bytes:
+    """ERROR frame body for ``exc``, cut down to fit under the parent's cap."""
+    body = _wire.dumps(error_report(exc))
+    if len(body) <= _MAX_FRAME:
+        return body
+    report = error_report(exc)
+    keep = min(1 << 16, _MAX_FRAME // 4)
+    for key in ("message", "traceback"):
+        text = report[key]
+        if len(text) > keep:
+            cut = f"\n[... {len(text) - keep} characters cut ...]\n"
+            report[key] = text[: keep // 2] + cut + text[-keep // 2 :]
+    report["exception"] = None  # too big to carry: the parent rebuilds it from the text
+    return _wire.dumps(report)
+
+
+class _AuthkeyHook:
+    """Gives ``multiprocessing`` the supervisor's authkey when it is first imported.
+
+    Manager proxies authenticate with ``current_process().authkey``, which
+    ``multiprocessing`` children inherit from their parent; a function worker
+    must have the supervisor's key too.  Importing ``multiprocessing`` costs
+    ~7 ms, more than a whole worker start, so instead of importing it here a
+    one-shot meta path finder sets the key the moment user code (or the
+    unpickling of a proxy argument) imports ``multiprocessing.process``.
+    """
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != "multiprocessing.process":
+            return None
+        sys.meta_path.remove(self)
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        exec_module = getattr(loader, "exec_module", None)
+        if exec_module is None:
+            return spec
+        key = self.key
+
+        def exec_then_set_key(module: Any) -> None:
+            exec_module(module)
+            module.current_process().authkey = key
+
+        loader.exec_module = exec_then_set_key  # this loader instance serves this import only
+        return spec
+
+
+def _set_authkey(key: bytes | None) -> None:
+    if not key:
+        return
+    process = sys.modules.get("multiprocessing.process")
+    if process is not None:
+        process.current_process().authkey = key
+    else:
+        sys.meta_path.insert(0, _AuthkeyHook(key))
+
+
 def _flush_std() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -107,7 +186,7 @@ def _fail(fd: int, exc: BaseException, *, record: bool = True) -> NoReturn:
         write_error_file(os.environ[ERROR_FILE_ENV], exc)
     traceback.print_exception(type(exc), exc, exc.__traceback__)
     try:
-        _wire.write_frame(fd, _wire.ERROR, _wire.dumps(error_report(exc)))
+        _wire.write_frame(fd, _wire.ERROR, _error_frame(exc))
     except OSError:
         pass  # supervisor gone: the lifeline is already ending us
     # exit like a script with an uncaught exception: atexit handlers run
@@ -170,11 +249,12 @@ def _serve(fd: int, has_init: bool) -> None:
             if first:
                 STATE, value = value, None
             parts = _wire.encode_value(value)
+            _check_size(parts, f"return value of type {type(value).__qualname__}")
         except (SystemExit, KeyboardInterrupt):
             raise
         except BaseException as e:
             e = e.with_traceback(e.__traceback__.tb_next if e.__traceback__ else None)
-            _wire.write_frame(fd, _wire.ERROR, _wire.dumps(error_report(e)))
+            _wire.write_frame(fd, _wire.ERROR, _error_frame(e))
             if first:
                 _flush_std()
                 raise SystemExit(1) from None  # a failed init ends the worker
@@ -191,6 +271,9 @@ def main(fd: int) -> None:
     if kind != _wire.INIT:
         raise RuntimeError(f"aioproc worker: expected INIT frame, got kind {kind}")
     init = marshal.loads(body)
+    global _MAX_FRAME
+    _MAX_FRAME = init.get("max_frame", _MAX_FRAME)
+    _set_authkey(init.get("authkey"))
     # the parent's import path: functions pickled by reference import from it
     sys.path[:] = init["sys_path"]
     del sys.argv[1:]
@@ -233,6 +316,10 @@ def main(fd: int) -> None:
                 f"worker return value of type {type(value).__qualname__} cannot be pickled: {e}"
             ),
         )
+    try:
+        _check_size(payload, f"worker return value of type {type(value).__qualname__}")
+    except ValueError as e:
+        _fail(fd, e)
     del value
     try:
         _wire.write_frame(fd, _wire.RESULT, *payload)

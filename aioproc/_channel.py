@@ -5,6 +5,15 @@ reads frame bodies straight into their final buffer, so a 100 MB return value
 is received without intermediate copies, and writes are handed to the
 transport, which buffers them while the child drains its end: neither side
 can deadlock on a full socket.
+
+Frame headers are not trusted: a header is checked (known kind, length at
+most ``max_frame_size``) before its body's buffer is allocated.  A bad one
+fails the channel: ``Channel.failed`` resolves with a ``BrokenWorkerError``
+saying what was wrong, ``on_error`` (if given) is called with it, and the
+connection is aborted, so nothing more is read from a worker that broke the
+protocol.  A function worker's lifeline then sees EOF and ends its group; a
+persistent worker busy in a call does not read the channel, so its owner
+must stop waiting and kill it (see ``worker``).
 """
 
 from __future__ import annotations
@@ -12,22 +21,44 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Callable
+from typing import cast
 
 from . import _wire
 from ._drain import ReadProgress
+from .errors import BrokenWorkerError
 
 FrameHandler = Callable[[int, bytearray], None]
+ErrorHandler = Callable[[BrokenWorkerError], None]
 
 
 class _ChannelProtocol(asyncio.BufferedProtocol):
-    def __init__(self, on_frame: FrameHandler, progress: ReadProgress) -> None:
+    def __init__(
+        self,
+        on_frame: FrameHandler,
+        progress: ReadProgress,
+        *,
+        max_frame_size: int = _wire.MAX_FRAME_SIZE,
+        kinds: frozenset[int] = _wire.CHILD_KINDS,
+        on_error: ErrorHandler | None = None,
+    ) -> None:
         self._on_frame = on_frame
+        self._on_error = on_error
         self._progress = progress
+        self._max = max_frame_size
+        self._kinds = kinds
         self._header = bytearray(_wire.HEADER_SIZE)
         self._body: bytearray | None = None
         self._kind = 0
         self._pos = 0
-        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._transport: asyncio.Transport | None = None
+        loop = asyncio.get_running_loop()
+        self.closed: asyncio.Future[None] = loop.create_future()
+        # resolved with (not raised as) the error: nobody has to retrieve it
+        self.failed: asyncio.Future[BrokenWorkerError] = loop.create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport, but have its API
+        self._transport = cast(asyncio.Transport, transport)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._body is None:
@@ -35,10 +66,16 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
         return memoryview(self._body)[self._pos :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self.failed.done():
+            return  # aborted: bytes read in the same wakeup are ignored
         self._pos += nbytes
         if self._body is None:
             if self._pos == len(self._header):
                 self._kind, length = _wire.parse_header(self._header)
+                problem = self._check(self._kind, length)
+                if problem:
+                    self._fail(problem)
+                    return
                 self._body = bytearray(length)
                 self._pos = 0
                 if length == 0:
@@ -49,6 +86,31 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
         # wakes on the count also sees the frame
         self._progress.advance(nbytes)
 
+    def _check(self, kind: int, length: int) -> str:
+        """What is wrong with a frame header, before its body is allocated."""
+        if kind not in self._kinds:
+            if kind in _wire.KIND_NAMES:
+                return (
+                    f"worker sent a {_wire.kind_name(kind)} frame, a kind only the supervisor sends"
+                )
+            return f"worker sent a frame of unknown kind {kind}"
+        if length > self._max:
+            return (
+                f"worker sent a {_wire.kind_name(kind)} frame of {length} bytes "
+                f"({_wire.format_size(length)}), over the {_wire.format_size(self._max)} limit "
+                "of the control channel"
+            )
+        return ""
+
+    def _fail(self, problem: str) -> None:
+        error = BrokenWorkerError(f"{problem}; the supervisor closed the channel")
+        self.failed.set_result(error)
+        self._body = None
+        if self._transport is not None:
+            self._transport.abort()
+        if self._on_error is not None:
+            self._on_error(error)
+
     def _complete(self) -> None:
         body, self._body, self._pos = self._body, None, 0
         assert body is not None
@@ -58,13 +120,22 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
         return False  # close the transport
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
         self._progress.finish()
         if not self.closed.done():
             self.closed.set_result(None)
 
 
 class Channel:
-    """The supervisor's end of one worker's control channel."""
+    """The supervisor's end of one worker's control channel.
+
+    Attributes:
+        failed: resolves with a ``BrokenWorkerError`` when the worker broke
+            the frame protocol (unknown kind, frame over the size cap); stays
+            pending on a clean EOF.  Wait on it beside a reply so a broken
+            worker cannot make a call hang.
+        progress: bytes read so far (see ``settled``).
+    """
 
     def __init__(
         self, transport: asyncio.Transport, protocol: _ChannelProtocol, sock: socket.socket
@@ -73,15 +144,54 @@ class Channel:
         self._protocol = protocol
         self._fd = sock.fileno()
         self.progress = protocol._progress
+        self.failed = protocol.failed
+
+    @property
+    def error(self) -> BrokenWorkerError | None:
+        """The protocol violation that failed the channel, or None."""
+        return self.failed.result() if self.failed.done() else None
 
     @classmethod
-    async def open(cls, sock: socket.socket, on_frame: FrameHandler) -> Channel:
-        """Wrap the parent's end of a connected socketpair."""
+    async def open(
+        cls,
+        sock: socket.socket,
+        on_frame: FrameHandler,
+        *,
+        on_error: ErrorHandler | None = None,
+        max_frame_size: int | None = None,
+    ) -> Channel:
+        """Wrap the parent's end of a connected socketpair.
+
+        Args:
+            sock: the parent's end; the channel owns it from now on.
+            on_frame: called with ``(kind, body)`` for every whole frame.
+            on_error: called once with the ``BrokenWorkerError`` if the worker
+                breaks the protocol (also available as ``failed``).
+            max_frame_size: largest body accepted, in bytes; checked before
+                allocating.  Default: ``_wire.MAX_FRAME_SIZE`` (1 GiB), read
+                at each call, as ``_boot.init_frame`` does for the worker.
+
+        Raises:
+            ValueError: ``max_frame_size`` is not a positive int.
+        """
+        if max_frame_size is None:
+            max_frame_size = _wire.MAX_FRAME_SIZE
+        if (
+            isinstance(max_frame_size, bool)
+            or not isinstance(max_frame_size, int)
+            or max_frame_size <= 0
+        ):
+            raise ValueError(
+                f"max_frame_size must be a positive number of bytes, got {max_frame_size!r}"
+            )
         loop = asyncio.get_running_loop()
         progress = ReadProgress()
         sock.setblocking(False)
         transport, protocol = await loop.connect_accepted_socket(
-            lambda: _ChannelProtocol(on_frame, progress), sock
+            lambda: _ChannelProtocol(
+                on_frame, progress, max_frame_size=max_frame_size, on_error=on_error
+            ),
+            sock,
         )
         return cls(transport, protocol, sock)
 

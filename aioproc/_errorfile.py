@@ -9,6 +9,7 @@ writes, so either side can be torch's own.
 from __future__ import annotations
 
 import json
+import os
 import time
 import traceback
 
@@ -17,6 +18,38 @@ if TYPE_CHECKING:
     from typing import Any
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+
+MAX_ERROR_FILE_SIZE = 1 << 20
+"""Largest error file read, in bytes (1 MiB).
+
+A real error.json is a few KiB; a bigger one is corrupt or hostile, and
+reading it whole would cost the supervisor its memory and, on the event
+loop, its responsiveness.  Only its first ``PREVIEW_SIZE`` bytes are read.
+"""
+
+PREVIEW_SIZE = 4096
+"""Bytes of an oversized error file read to show what it begins with."""
+
+
+def read_capped(path: str, max_size: int = MAX_ERROR_FILE_SIZE) -> tuple[bytes, int]:
+    """Read an error file unless it is larger than ``max_size`` bytes.
+
+    Returns:
+        ``(data, size)``: the whole file and its size, or, when ``size`` is
+        over ``max_size``, only its first ``PREVIEW_SIZE`` bytes.  Memory
+        use is bounded by ``max_size`` whatever the file holds.
+
+    Raises:
+        OSError: the file cannot be opened or read.
+    """
+    with open(path, "rb") as fp:
+        size = os.fstat(fp.fileno()).st_size
+        if size > max_size:
+            return fp.read(PREVIEW_SIZE), size
+        data = fp.read(max_size + 1)  # +1: notice a file that grew since fstat
+    if len(data) > max_size:
+        return data[:PREVIEW_SIZE], max(size, len(data))
+    return data, len(data)
 
 
 def exception_data(exc: BaseException) -> dict[str, Any]:

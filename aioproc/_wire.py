@@ -34,6 +34,30 @@ ERROR = 11  # pickled dict describing the exception (see _bootstrap.error_report
 MARSHAL = b"M"
 PICKLE = b"P"
 
+KIND_NAMES = {
+    INIT: "INIT",
+    CALL: "CALL",
+    PING: "PING",
+    TERMINATE: "TERMINATE",
+    PONG: "PONG",
+    RESULT: "RESULT",
+    ERROR: "ERROR",
+}
+CHILD_KINDS = frozenset({PONG, RESULT, ERROR})
+"""The kinds a worker may send; the parent rejects any other."""
+
+MAX_FRAME_SIZE = 1 << 30
+"""Largest frame body the parent accepts from a worker: 1 GiB.
+
+The parent allocates a frame's buffer from its header, so a header is
+checked against this cap before anything is allocated: a corrupt or forged
+header can cost neither memory nor a hang.  A return value (or error report)
+that encodes to more than this fails in the worker with a clear error;
+values that large belong in a file or shared memory.  Read when a channel
+opens and sent to the worker in INIT, so both halves agree; ``Channel.open``
+and ``_boot.init_frame`` also take another cap.
+"""
+
 _CHUNK = 1 << 20
 
 
@@ -43,6 +67,21 @@ def header(kind: int, length: int) -> bytes:
 
 def parse_header(data: bytes | bytearray) -> tuple[int, int]:
     return data[0], int.from_bytes(data[1:HEADER_SIZE], "big")
+
+
+def kind_name(kind: int) -> str:
+    """``"RESULT (10)"`` for a known kind, ``"99"`` for an unknown one."""
+    name = KIND_NAMES.get(kind)
+    return f"{name} ({kind})" if name else str(kind)
+
+
+def format_size(n: int) -> str:
+    """``1 GiB``, ``512 MiB``, ``1.5 KiB``, ``12 bytes``: for messages."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            value = n / (1 << shift)
+            return f"{value:.1f} {unit}".replace(".0 ", " ")
+    return f"{n} bytes"
 
 
 def dumps(obj: Any) -> bytes:

@@ -17,7 +17,9 @@ A worker decorated with :func:`record` writes its uncaught exception to the
 file named by ``TORCHELASTIC_ERROR_FILE``, in torchelastic's error.json
 layout. The supervisor reads it back into a :class:`ProcessFailure` and
 raises :class:`ChildFailedError`, whose root cause is the first failure
-observed. Both sides interoperate with torch's own ``@record``.
+observed. Both sides interoperate with torch's own ``@record``. Error files
+are read with a cap (``MAX_ERROR_FILE_SIZE``, 1 MiB), and coroutines read
+them off the event loop (``ProcessFailure.load``, ``load_error_file``).
 
 Workers import this module, so it imports only the standard library: no
 asyncio, and nothing heavy until a failure is formatted.
@@ -25,6 +27,7 @@ asyncio, and nothing heavy until a failure is formatted.
 
 from __future__ import annotations
 
+import contextvars
 import faulthandler
 import functools
 import inspect
@@ -37,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 
 from aioproc import _errorfile
+from aioproc._errorfile import MAX_ERROR_FILE_SIZE
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs workers
 if TYPE_CHECKING:
@@ -46,12 +50,14 @@ if TYPE_CHECKING:
     _F = TypeVar("_F", bound=Callable[..., Any])
 
 __all__ = [
+    "MAX_ERROR_FILE_SIZE",
     "BrokenWorkerError",
     "ChildFailedError",
     "ErrorHandler",
     "ForcedKillWarning",
     "ProcessFailure",
     "RemoteTraceback",
+    "load_error_file",
     "record",
 ]
 
@@ -97,6 +103,15 @@ class RemoteTraceback(Exception):
         return self.tb
 
 
+# What ``ProcessFailure.load`` read for the construction it is making: when
+# the exit was noticed, and the error file's (bytes, size), or the error
+# reading it, or None when it is not a file.  None: the constructor reads.
+_Preread = tuple[float, "tuple[bytes, int] | OSError | None"]
+_PREREAD: contextvars.ContextVar[_Preread | None] = contextvars.ContextVar(
+    "aioproc_preread", default=None
+)
+
+
 @dataclass
 class ProcessFailure:
     """The failure of one worker process, with what its error file says.
@@ -110,7 +125,13 @@ class ProcessFailure:
     ``{"message": "...", "timestamp": ...}``, where it stays a string. Unlike
     torch, an error file that cannot be read or parsed does not raise (that
     would lose the failure itself): its stripped raw text becomes the message
-    and a warning is logged.
+    and a warning is logged. An error file larger than
+    ``MAX_ERROR_FILE_SIZE`` (1 MiB) is not read: the message says so, with
+    its path, its size and the text it begins with.
+
+    Constructing one reads the error file (capped) in the calling thread, as
+    torch does; a coroutine uses ``await ProcessFailure.load(...)`` instead,
+    which reads it off the event loop.
 
     Attributes:
         local_rank: Rank of the worker on this host.
@@ -142,17 +163,70 @@ class ProcessFailure:
     _seq: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self._observed_at = time.time()
+        # set by ``load`` around this construction (subclasses keep torch's
+        # argument-less __post_init__, so it cannot be an InitVar)
+        _preread = _PREREAD.get()
+        self._observed_at = time.time() if _preread is None else _preread[0]
         self._seq = next(_sequence)
         self.message = ""
         self.timestamp = int(self._observed_at)
         self.error_file_data = {}
-        if os.path.isfile(self.error_file):
-            self._load_error_file()
+        content: tuple[bytes, int] | OSError | None
+        if _preread is not None:
+            content = _preread[1]
+        elif os.path.isfile(self.error_file):
+            try:
+                content = _errorfile.read_capped(self.error_file)
+            except OSError as e:
+                content = e
         else:
+            content = None
+        if content is None:
             self.error_file = _NOT_AVAILABLE
+        elif isinstance(content, OSError):
+            logger.warning(
+                "could not read error file %s of local_rank %d (pid %d): %s",
+                self.error_file,
+                self.local_rank,
+                self.pid,
+                content,
+            )
+        else:
+            self._apply_error_file(*content)
         if not self.message:
             self.message = self._describe_exit()
+
+    @classmethod
+    async def load(
+        cls,
+        local_rank: int,
+        pid: int,
+        exitcode: int,
+        error_file: str,
+        stopped: bool = False,
+    ) -> ProcessFailure:
+        """Like the constructor, but read the error file off the event loop.
+
+        Call it as soon as the exit is noticed: the failure is ordered by
+        when ``load`` was called, not by when the read finished. The file is
+        read with ``aiofiles`` (in a worker thread) and capped as by the
+        constructor.
+
+        Returns:
+            The failure, as ``ProcessFailure(local_rank, pid, exitcode,
+            error_file, stopped)`` would build it.
+        """
+        observed = time.time()
+        content: tuple[bytes, int] | OSError | None
+        try:
+            content = await load_error_file(error_file)
+        except OSError as e:
+            content = e
+        token = _PREREAD.set((observed, content))
+        try:
+            return cls(local_rank, pid, exitcode, error_file, stopped)
+        finally:
+            _PREREAD.reset(token)
 
     def signal_name(self) -> str:
         """Return the name of the signal that killed the worker (``"SIGSEGV"``).
@@ -180,19 +254,20 @@ class ProcessFailure:
         # order failures within that second.
         return (self.timestamp, self._observed_at, self._seq)
 
-    def _load_error_file(self) -> None:
-        try:
-            with open(self.error_file, encoding="utf-8", errors="replace") as fp:
-                raw = fp.read()
-        except OSError as e:
+    def _apply_error_file(self, content: bytes, size: int) -> None:
+        if size > MAX_ERROR_FILE_SIZE:
+            self.message = _too_large(self.error_file, content, size)
             logger.warning(
-                "could not read error file %s of local_rank %d (pid %d): %s",
+                "error file %s of local_rank %d (pid %d) is %d bytes, over the %d byte "
+                "limit; it was not read",
                 self.error_file,
                 self.local_rank,
                 self.pid,
-                e,
+                size,
+                MAX_ERROR_FILE_SIZE,
             )
             return
+        raw = content.decode("utf-8", errors="replace")
         try:
             data = json.loads(raw)
         except ValueError:
@@ -241,6 +316,50 @@ class ProcessFailure:
             f"Process {self.pid} exited with code {self.exitcode}; its error file "
             f"{self.error_file} holds no message"
         )
+
+
+def _too_large(path: str, head: bytes, size: int) -> str:
+    # a preview a terminal can show: a sparse or binary file is mostly NULs
+    text = head.decode("utf-8", errors="replace")
+    shown = "".join(c for c in text if c.isprintable() or c in "\n\t").strip()
+    begins = f"its first {len(head)} bytes:\n{shown}" if shown else "it begins with no text"
+    return (
+        f"error file {path} is too large to read: {size} bytes, over the "
+        f"{MAX_ERROR_FILE_SIZE}-byte limit (aioproc.errors.MAX_ERROR_FILE_SIZE); {begins}"
+    )
+
+
+async def load_error_file(
+    path: str, max_size: int = MAX_ERROR_FILE_SIZE
+) -> tuple[bytes, int] | None:
+    """Read an error file off the event loop, capped (``aiofiles``).
+
+    Args:
+        path: the error.json to read.
+        max_size: files larger than this many bytes are not read whole.
+
+    Returns:
+        ``(data, size)``: the whole file and its size, or, when ``size`` is
+        over ``max_size``, only its first ``PREVIEW_SIZE`` bytes (4 KiB);
+        None when ``path`` is not a regular file (no error file written).
+
+    Raises:
+        OSError: the file exists but cannot be read.
+    """
+    # imported here: workers import this module and must not load asyncio
+    import aiofiles
+    import aiofiles.os
+
+    if not await aiofiles.os.path.isfile(path):
+        return None
+    async with aiofiles.open(path, "rb") as fp:
+        size = os.fstat(fp.fileno()).st_size  # an open fd's metadata: no disk read
+        if size > max_size:
+            return await fp.read(_errorfile.PREVIEW_SIZE), size
+        data = await fp.read(max_size + 1)  # +1: notice a file that grew since fstat
+    if len(data) > max_size:
+        return data[: _errorfile.PREVIEW_SIZE], max(size, len(data))
+    return data, len(data)
 
 
 class ChildFailedError(Exception):
@@ -448,10 +567,16 @@ class ErrorHandler:
 
         Raises:
             OSError: The child's error file cannot be read.
-            ValueError: The child's error file is not a JSON object.
+            ValueError: The child's error file is not a JSON object, or is
+                larger than ``MAX_ERROR_FILE_SIZE``.
         """
-        with open(rootcause_error_file) as fp:
-            rootcause_error = json.load(fp)
+        content, size = _errorfile.read_capped(rootcause_error_file)
+        if size > MAX_ERROR_FILE_SIZE:
+            raise ValueError(
+                f"child error file {rootcause_error_file} is {size} bytes, over the "
+                f"{MAX_ERROR_FILE_SIZE}-byte limit (aioproc.errors.MAX_ERROR_FILE_SIZE)"
+            )
+        rootcause_error = json.loads(content)
         if not isinstance(rootcause_error, dict):
             raise ValueError(
                 f"child error file {rootcause_error_file} holds "
@@ -483,8 +608,11 @@ class ErrorHandler:
         if not os.path.isfile(path):
             return
         try:
-            with open(path, errors="replace") as fp:
-                original = fp.read()
+            content, size = _errorfile.read_capped(path)
+            if size > MAX_ERROR_FILE_SIZE:
+                original = _too_large(path, content, size)
+            else:
+                original = content.decode("utf-8", errors="replace")
             logger.warning("error file %s exists and is replaced; it held:\n%s", path, original)
             os.remove(path)
         except OSError as e:

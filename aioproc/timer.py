@@ -14,8 +14,13 @@ datagram socketpair, inherited as an fd whose number is in
 ``AIOPROC_WATCHDOG_FD`` (and whose identity, ``st_dev:st_ino``, is in
 ``AIOPROC_WATCHDOG_INODE`` so that a descendant that did not inherit the fd
 never writes into whatever else got that number).  Each acquire or release
-is one JSON datagram, written with a single ``os.write``: atomic, so threads
-and forked children share the fd safely.  The kernel stamps every datagram
+is one JSON datagram, written with a single send: atomic, so threads and
+forked children share the fd safely.  Sends never block the worker
+(``MSG_DONTWAIT``): when the agent's loop is busy and the socket's queue is
+full, requests wait in a bounded queue that a daemon thread delivers in
+order as the agent catches up, so no release is lost; past ``MAX_PENDING``
+waiting requests, new blocks are not enforced (with a warning) rather than
+blocking or growing memory.  The kernel stamps every datagram
 with the sender's pid (``SCM_CREDENTIALS``), which the agent checks against
 the pid the request names.
 
@@ -49,7 +54,7 @@ if TYPE_CHECKING:
     from types import FrameType, TracebackType
     from typing import Any
 
-__all__ = ["FD_ENV", "INODE_ENV", "MAX_SCOPE_LEN", "expires", "is_enabled"]
+__all__ = ["FD_ENV", "INODE_ENV", "MAX_PENDING", "MAX_SCOPE_LEN", "expires", "is_enabled"]
 
 FD_ENV = "AIOPROC_WATCHDOG_FD"
 """Environment variable holding the number of the inherited watchdog fd."""
@@ -60,7 +65,14 @@ INODE_ENV = "AIOPROC_WATCHDOG_INODE"
 MAX_SCOPE_LEN = 1024
 """Longest scope name, in characters (a request is one small datagram)."""
 
+MAX_PENDING = 1024
+"""Requests queued at most while the agent does not read; acquires beyond are dropped."""
+
 _lock = _thread.allocate_lock()
+_queue_lock = _thread.allocate_lock()  # _pending, _flushing; never held while warning
+_pending: list[bytes] = []  # requests waiting for the flusher thread, oldest first
+_flushing = False
+_dropped_warned = False
 _fd: int | None = None  # None: not configured yet; -1: disabled
 _disabled_reason = ""
 _warned = False
@@ -94,6 +106,12 @@ def expires(after: float, scope: str | None = None) -> _Expires:
     milliseconds of the deadline (never before it).  Blocks nest and may run
     concurrently in several threads and in forked children that stay in the
     worker's process group; each block is its own timer.
+
+    Entering and leaving a block never block the worker, even while the
+    agent's event loop is busy: requests the agent cannot take yet wait in a
+    bounded queue (``MAX_PENDING``) delivered in order by a daemon thread,
+    so a block's release is never lost; beyond that bound new blocks are not
+    enforced, with a ``RuntimeWarning``.
 
     Unlike torch, which raises when no timer client is configured, outside an
     aioproc agent with ``watchdog=True`` (no ``AIOPROC_WATCHDOG_FD``) the
@@ -276,26 +294,135 @@ def _after_dump(signum: int, frame: FrameType | None) -> None:
 
 
 def _send(fd: int, request: dict[str, Any], quiet: bool = False) -> bool:
-    """Write one request datagram; on failure warn once and stop enforcing."""
-    global _fd, _disabled_reason, _warned
+    """Send one request without ever blocking the caller.
+
+    The fast path is one ``send(MSG_DONTWAIT)``.  When the agent's loop is
+    busy and the socket's queue is full, the request is queued here and a
+    daemon thread delivers the queue, in order, as the agent catches up: a
+    release must never be lost (the agent would then kill a worker whose
+    block finished in time) nor overtake its acquire.  Acquires are dropped,
+    with a warning, once ``MAX_PENDING`` requests wait: such a block is not
+    enforced (fail open) rather than memory growing without bound.
+
+    ``quiet`` (from the SIGUSR2 handler): never queue, lock or warn; a lost
+    "dumped" only makes the agent wait out its bound.
+
+    Returns:
+        False when the request was not sent and will not be (dropped, or the
+        channel failed and timers are no longer enforced).
+    """
     import json
 
     data = json.dumps(request, separators=(",", ":")).encode()
-    try:
-        os.write(fd, data)  # one write on a SOCK_DGRAM socket: one whole datagram
-    except OSError as e:
-        if quiet:
+    if quiet:
+        try:
+            _send_nowait(fd, data)
+        except OSError:
             return False
-        with _lock:
-            _fd = -1
-            _disabled_reason = f"the watchdog channel failed ({e!r})"
-            warn = not _warned
-            _warned = True
-        if warn:
-            warnings.warn(
-                f"aioproc.timer: {_disabled_reason}; timers are no longer enforced",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        return True
+    failure: OSError | None = None
+    dropped = False
+    with _queue_lock:  # (warnings are issued after it is released: a hook may re-enter)
+        if not _pending:
+            try:
+                _send_nowait(fd, data)
+                return True
+            except BlockingIOError:
+                pass
+            except OSError as e:
+                failure = e
+        if failure is None:
+            if request["op"] == "acquire" and len(_pending) >= MAX_PENDING:
+                dropped = True
+            else:
+                _pending.append(data)
+                _start_flusher(fd)
+    if failure is not None:
+        _channel_failed(failure)
+        return False
+    if dropped:
+        _warn_dropped()
         return False
     return True
+
+
+def _send_nowait(fd: int, data: bytes) -> None:
+    import _socket  # the C core of socket: no enum, no selectors
+
+    # one send on a SOCK_DGRAM socket: one whole datagram, atomic across
+    # threads and forked children; a borrowed object, detached so it never
+    # closes the fd
+    sock = _socket.socket(fileno=fd)
+    try:
+        sock.send(data, _socket.MSG_DONTWAIT)
+    finally:
+        sock.detach()
+
+
+def _start_flusher(fd: int) -> None:
+    global _flushing
+    if not _flushing:  # under _queue_lock
+        _flushing = True
+        _thread.start_new_thread(_flush, (fd,))
+
+
+def _flush(fd: int) -> None:
+    """Deliver the queued requests with blocking sends (this thread only waits)."""
+    global _flushing
+    while True:
+        with _queue_lock:
+            if not _pending:
+                _flushing = False
+                return
+            data = _pending[0]  # stays queued while in flight: later requests queue behind
+        try:
+            os.write(fd, data)
+        except OSError as e:
+            with _queue_lock:
+                _pending.clear()
+                _flushing = False
+            _channel_failed(e, stacklevel=1)
+            return
+        with _queue_lock:
+            del _pending[0]
+
+
+def _after_fork_in_child() -> None:
+    # the parent's flusher delivers what was queued before the fork; a lock
+    # held by another thread at fork time would never be released here
+    global _queue_lock, _flushing
+    _queue_lock = _thread.allocate_lock()
+    _pending.clear()
+    _flushing = False
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _channel_failed(e: OSError, stacklevel: int = 4) -> None:
+    """The watchdog channel is broken: warn once and stop enforcing."""
+    global _fd, _disabled_reason, _warned
+    with _lock:
+        _fd = -1
+        _disabled_reason = f"the watchdog channel failed ({e!r})"
+        warn = not _warned
+        _warned = True
+    if warn:
+        warnings.warn(
+            f"aioproc.timer: {_disabled_reason}; timers are no longer enforced",
+            RuntimeWarning,
+            stacklevel=stacklevel,
+        )
+
+
+def _warn_dropped() -> None:
+    global _dropped_warned
+    if _dropped_warned:
+        return
+    _dropped_warned = True
+    warnings.warn(
+        f"aioproc.timer: the agent is not reading timer requests ({MAX_PENDING} are "
+        "waiting); new expires() blocks are not enforced until it catches up",
+        RuntimeWarning,
+        stacklevel=4,
+    )

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import tracemalloc
 import types
 import warnings
 from collections.abc import Iterator
@@ -187,6 +188,181 @@ def test_failure_with_unknown_json_layout_keeps_raw_text(tmp_path: Path) -> None
 
     assert pf.message == '{"unknown_key": "unknown_value"}'
     assert pf.error_file_data == {"unknown_key": "unknown_value"}
+
+
+BIG_ERROR_FILE = 400 * 1024 * 1024
+
+
+def sparse_error_file(path: Path, head: bytes = b"") -> str:
+    """A 400 MB error file that costs no disk: ``head``, then a hole."""
+    path.write_bytes(head)
+    os.truncate(path, BIG_ERROR_FILE)
+    return str(path)
+
+
+def traced_peak(fn: Any) -> tuple[Any, int]:
+    tracemalloc.start()
+    try:
+        value = fn()
+        return value, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_oversized_error_file_is_not_read_and_the_message_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    head = b'{"message": {"message": "ValueError: boom", "extraInfo": {"py_callstack": "'
+    path = sparse_error_file(tmp_path / "error.json", head)
+
+    pf, peak = traced_peak(lambda: ProcessFailure(0, 4242, 1, path))
+
+    assert peak < 256 * 1024, f"constructing the failure allocated {peak} bytes"
+    assert pf.message == (
+        f"error file {path} is too large to read: 419430400 bytes, over the 1048576-byte "
+        f"limit (aioproc.errors.MAX_ERROR_FILE_SIZE); its first 4096 bytes:\n{head.decode()}"
+    )
+    assert pf.error_file == path
+    assert pf.error_file_data == {}
+    assert [r.getMessage() for r in caplog.records] == [
+        f"error file {path} of local_rank 0 (pid 4242) is 419430400 bytes, over the 1048576 "
+        "byte limit; it was not read"
+    ]
+    # and the report built from it stays small and readable
+    text = str(ChildFailedError("train", {0: pf}))
+    assert "is too large to read: 419430400 bytes" in text
+    assert len(text) < 8192
+
+
+def test_oversized_error_file_of_nothing_but_a_hole(tmp_path: Path) -> None:
+    path = sparse_error_file(tmp_path / "error.json")
+    pf = ProcessFailure(0, 4242, 1, path)
+    assert pf.message == (
+        f"error file {path} is too large to read: 419430400 bytes, over the 1048576-byte "
+        "limit (aioproc.errors.MAX_ERROR_FILE_SIZE); it begins with no text"
+    )
+
+
+def test_error_file_at_the_cap_is_read(tmp_path: Path) -> None:
+    data = torch_record_data()
+    text = json.dumps(data)
+    path = tmp_path / "error.json"
+    # pad with whitespace (valid JSON) to exactly the cap
+    path.write_text(text + " " * (errors.MAX_ERROR_FILE_SIZE - len(text)))
+    assert path.stat().st_size == errors.MAX_ERROR_FILE_SIZE
+    pf = ProcessFailure(0, 1, 1, str(path))
+    assert pf.error_file_data == data
+    path.write_text(text + " " * (errors.MAX_ERROR_FILE_SIZE - len(text) + 1))
+    assert "is too large to read: 1048577 bytes" in str(ProcessFailure(0, 1, 1, str(path)).message)
+
+
+async def test_load_reads_the_error_file_off_the_loop_like_the_constructor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    import aiofiles.threadpool
+
+    opened_in: list[int] = []
+    real_open = aiofiles.threadpool.sync_open
+
+    def spy_open(*args: Any, **kwargs: Any) -> Any:
+        opened_in.append(threading.get_ident())
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(aiofiles.threadpool, "sync_open", spy_open)
+    path = write_json(tmp_path / "error.json", torch_record_data())
+
+    pf = await ProcessFailure.load(2, 4242, 1, path, stopped=True)
+
+    assert opened_in and threading.get_ident() not in opened_in  # read in a worker thread
+    expected = ProcessFailure(2, 4242, 1, path, stopped=True)
+    assert (pf.message, pf.timestamp, pf.error_file, pf.error_file_data, pf.stopped) == (
+        expected.message,
+        expected.timestamp,
+        expected.error_file,
+        expected.error_file_data,
+        expected.stopped,
+    )
+    assert pf == expected
+    assert pf._order_key() < expected._order_key()  # ordered by when load was called
+
+
+async def test_load_with_an_oversized_missing_or_unreadable_error_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import aiofiles.threadpool
+
+    big = sparse_error_file(tmp_path / "big.json", b'{"message": "x')
+    pf = await ProcessFailure.load(0, 7, 1, big)
+    assert pf.message == ProcessFailure(0, 7, 1, big).message
+    assert str(pf.message).startswith(f"error file {big} is too large to read: 419430400 bytes")
+
+    missing = await ProcessFailure.load(0, 7, 3, str(tmp_path / "missing.json"))
+    assert missing.error_file == "<N/A>"
+    assert missing.message.startswith("Process 7 exited with code 3 and wrote no error file")
+
+    unreadable = tmp_path / "unreadable.json"
+    unreadable.write_text("{}")
+
+    def denied(*args: Any, **kwargs: Any) -> Any:
+        raise PermissionError(13, "Permission denied", str(unreadable))
+
+    monkeypatch.setattr(aiofiles.threadpool, "sync_open", denied)
+    caplog.clear()
+    pf = await ProcessFailure.load(1, 8, 2, str(unreadable))
+    assert (
+        pf.message == f"Process 8 exited with code 2; its error file {unreadable} holds no message"
+    )
+    assert [r.getMessage() for r in caplog.records] == [
+        f"could not read error file {unreadable} of local_rank 1 (pid 8): "
+        f"[Errno 13] Permission denied: '{unreadable}'"
+    ]
+
+
+async def test_load_error_file_is_capped(tmp_path: Path) -> None:
+    small = write_json(tmp_path / "small.json", {"message": "m"})
+    assert await errors.load_error_file(small) == (b'{"message": "m"}', 16)
+    big = sparse_error_file(tmp_path / "big.json", b"head")
+    data, size = await errors.load_error_file(big)
+    assert (data[:4], len(data), size) == (b"head", 4096, BIG_ERROR_FILE)
+    assert await errors.load_error_file(small, max_size=10) == (b'{"message": "m"}', 16)
+    assert await errors.load_error_file(str(tmp_path)) is None  # a directory: no error file
+
+
+async def test_group_with_a_400mb_error_file_reports_it_without_reading_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import aioproc
+    from aioproc import DefaultLogsSpecs
+
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "tests" / "children"))
+    import channel_funcs
+
+    with pytest.raises(ChildFailedError) as info:
+        await asyncio.wait_for(
+            aioproc.run(
+                channel_funcs.huge_error_file_then_exit,
+                1,
+                args=(BIG_ERROR_FILE,),
+                logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
+            ),
+            30,
+        )
+    failure = info.value.failures[0]
+    assert failure.exitcode == 3
+    assert str(failure.message).startswith(
+        f"error file {failure.error_file} is too large to read: 419430400 bytes, over the "
+        "1048576-byte limit (aioproc.errors.MAX_ERROR_FILE_SIZE); its first 4096 bytes:\n"
+        '{"message": "huge"'
+    )
+    assert os.path.getsize(failure.error_file) == BIG_ERROR_FILE
+
+
+def test_dump_error_file_refuses_an_oversized_child_file(tmp_path: Path) -> None:
+    path = sparse_error_file(tmp_path / "child.json", b"{}")
+    with pytest.raises(ValueError, match=r"child.json is 419430400 bytes, over the 1048576-byte"):
+        traced_peak(lambda: ErrorHandler().dump_error_file(path))
 
 
 def test_failure_with_empty_error_file(tmp_path: Path) -> None:

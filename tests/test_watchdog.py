@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -24,7 +25,7 @@ import aioproc.agent.watchdog as wd
 from aioproc import Std
 from aioproc.agent import AgentEvent, LocalElasticAgent, RestartPolicy, WorkerSpec, WorkerState
 from aioproc.agent.watchdog import WatchdogServer
-from aioproc.timer import FD_ENV, INODE_ENV, MAX_SCOPE_LEN, expires
+from aioproc.timer import FD_ENV, INODE_ENV, MAX_PENDING, MAX_SCOPE_LEN, expires
 
 WD_WORKER = str(Path(__file__).parent / "children" / "wd_worker.py")
 LIMIT = 10  # seconds: bound on any wait that should be quick
@@ -553,3 +554,95 @@ def test_expires_checks_its_arguments() -> None:
     assert repr(timer) == "<expires 's' after=1.5 s new>"
     here = expires(after=1)
     assert re.fullmatch(r".*test_watchdog\.py#\d+", here.scope)
+
+
+def start_timer_user(blocks: int) -> tuple[socket.socket, subprocess.Popen[str]]:
+    """A process running ``blocks`` expires() blocks against a socket nobody reads yet."""
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    st = os.fstat(child.fileno())
+    code = f"""
+        import json, sys, warnings
+        from aioproc.timer import expires
+        accepted = 0
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range({blocks}):
+                block = expires(after=3600, scope=f"s{{i}}")
+                with block:
+                    accepted += "active" in repr(block)  # False: not enforced
+        # one line: the test waits for it with select(), which sees no
+        # second line already in the reader's buffer
+        print(json.dumps([accepted, len(caught), [str(w.message) for w in caught]]), flush=True)
+        sys.stdin.readline()  # the test has read every request
+    """
+    env = {k: v for k, v in os.environ.items() if k not in (FD_ENV, INODE_ENV)}
+    env.update({FD_ENV: str(child.fileno()), INODE_ENV: f"{st.st_dev}:{st.st_ino}"})
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            env=env,
+            pass_fds=(child.fileno(),),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+    except BaseException:
+        parent.close()
+        raise
+    finally:
+        child.close()
+    return parent, proc
+
+
+def read_line_within(proc: subprocess.Popen[str], seconds: float, what: str) -> str:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], seconds)
+    assert ready, f"no output within {seconds} s: {what}"
+    return proc.stdout.readline().strip()
+
+
+@pytest.mark.parametrize("blocks", [300, 3 * MAX_PENDING])
+def test_expires_never_blocks_when_the_agent_does_not_read(blocks: int) -> None:
+    parent, proc = start_timer_user(blocks)
+    try:
+        # nothing has been read yet: the socket's queue (a few datagrams)
+        # filled at once, so a blocking send would hang the worker right here
+        line = read_line_within(proc, LIMIT, "the worker blocked on a timer request")
+        accepted, warned, messages = json.loads(line)
+        parent.settimeout(LIMIT)
+        requests = [json.loads(parent.recv(4096)) for _ in range(2 * accepted)]
+        assert proc.stdin is not None
+        proc.stdin.close()
+        assert proc.wait(LIMIT) == 0
+        parent.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            parent.recv(4096)  # nothing more: no request was sent twice
+    finally:
+        parent.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
+    # every accepted block's acquire then release, in the order they happened
+    ids = [r["id"] for r in requests[::2]]
+    assert requests == [
+        r
+        for i in ids
+        for r in (
+            {"op": "acquire", "pid": proc.pid, "id": i, "scope": f"s{i - 1}", "after": 3600.0},
+            {"op": "release", "pid": proc.pid, "id": i},
+        )
+    ]
+    if blocks < MAX_PENDING:
+        # queued, not dropped: every block was enforced, nothing warned
+        assert (accepted, warned, messages) == (blocks, 0, [])
+        assert ids == list(range(1, blocks + 1))
+    else:
+        # past MAX_PENDING waiting requests, new blocks are not enforced (warned once)
+        assert MAX_PENDING // 2 <= accepted < blocks
+        assert messages == [
+            f"aioproc.timer: the agent is not reading timer requests ({MAX_PENDING} are "
+            "waiting); new expires() blocks are not enforced until it catches up"
+        ]

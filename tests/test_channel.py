@@ -1,0 +1,337 @@
+"""aioproc._channel / _wire / _boot: the control channel between supervisor and worker.
+
+The parent half is tested on a bare socketpair (the test plays the worker and
+writes raw bytes); the rest starts real function and persistent workers whose
+functions, in ``children/channel_funcs.py``, write forged frame headers to
+their own end of the channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import importlib
+import multiprocessing
+import socket
+import tracemalloc
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from helpers import CHILDREN_DIR, pid_gone
+
+import aioproc
+from aioproc import BrokenWorkerError, ChildFailedError, _wire, open_worker
+from aioproc._channel import Channel
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@pytest.fixture
+def cf(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """The worker-function module, importable here and (by path) in workers."""
+    monkeypatch.syspath_prepend(CHILDREN_DIR)
+    return importlib.import_module("channel_funcs")
+
+
+class Pair:
+    """A parent ``Channel`` and the raw socket a test writes as the worker."""
+
+    def __init__(self, channel: Channel, worker: socket.socket) -> None:
+        self.channel = channel
+        self.worker = worker
+        self.frames: list[tuple[int, bytes]] = []
+        self.errors: list[BrokenWorkerError] = []
+
+
+async def open_pair(max_frame_size: int | None = None) -> Pair:
+    parent, worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    frames: list[tuple[int, bytes]] = []
+    errors: list[BrokenWorkerError] = []
+    try:
+        channel = await Channel.open(
+            parent,
+            lambda kind, body: frames.append((kind, bytes(body))),
+            on_error=errors.append,
+            max_frame_size=max_frame_size,
+        )
+    except BaseException:
+        parent.close()
+        worker.close()
+        raise
+    pair = Pair(channel, worker)
+    pair.frames, pair.errors = frames, errors
+    return pair
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[Pair]:
+    p = await open_pair()
+    try:
+        yield p
+    finally:
+        p.worker.close()
+        await p.channel.aclose()
+
+
+async def failure_of(p: Pair) -> BrokenWorkerError:
+    error = await asyncio.wait_for(asyncio.shield(p.channel.failed), 10)
+    assert p.channel.error is error
+    assert p.errors == [error]  # on_error: called once, with the same error
+    # the connection was aborted: the worker sees EOF (or a reset, as unread
+    # bytes were discarded), and waiters are released
+    p.worker.settimeout(10)
+    try:
+        assert p.worker.recv(1) == b""
+    except ConnectionResetError:
+        pass
+    await asyncio.wait_for(p.channel.settled(), 10)
+    return error
+
+
+# ---------------------------------------------------------- parent half alone
+
+
+async def test_header_over_the_cap_fails_the_channel_before_allocating(pair: Pair) -> None:
+    tracemalloc.start()
+    try:
+        pair.worker.sendall(_wire.header(_wire.RESULT, 2 * GiB) + b"some of the body")
+        error = await failure_of(pair)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert isinstance(error, BrokenWorkerError)
+    assert str(error) == (
+        "worker sent a RESULT (10) frame of 2147483648 bytes (2 GiB), over the 1 GiB limit "
+        "of the control channel; the supervisor closed the channel"
+    )
+    assert peak < 64 * MiB, f"the parent allocated {peak} bytes for a forged header"
+    assert pair.frames == []
+
+
+async def test_unknown_frame_kind_fails_the_channel(pair: Pair) -> None:
+    pair.worker.sendall(_wire.header(99, 5) + b"hello")
+    error = await failure_of(pair)
+    assert str(error) == (
+        "worker sent a frame of unknown kind 99; the supervisor closed the channel"
+    )
+    assert pair.frames == []
+
+
+async def test_a_kind_only_the_supervisor_sends_fails_the_channel(pair: Pair) -> None:
+    pair.worker.sendall(_wire.header(_wire.CALL, 0))
+    error = await failure_of(pair)
+    assert "worker sent a CALL (2) frame, a kind only the supervisor sends" in str(error)
+
+
+async def test_frames_before_a_bad_one_are_delivered_and_nothing_after(pair: Pair) -> None:
+    pair.worker.sendall(
+        _wire.header(_wire.PONG, 0)
+        + _wire.header(_wire.RESULT, 3)
+        + b"abc"
+        + _wire.header(0, 0)
+        + _wire.header(_wire.RESULT, 3)
+        + b"def"
+    )
+    error = await failure_of(pair)
+    assert "unknown kind 0" in str(error)
+    assert pair.frames == [(_wire.PONG, b""), (_wire.RESULT, b"abc")]
+
+
+async def test_cap_is_inclusive_and_frames_arrive_in_pieces() -> None:
+    p = await open_pair(max_frame_size=1024)
+    try:
+        data = _wire.header(_wire.RESULT, 1024) + bytes(range(256)) * 4
+        for i in range(0, len(data), 100):  # a frame split across many reads
+            p.worker.sendall(data[i : i + 100])
+        p.worker.sendall(_wire.header(_wire.ERROR, 1025))
+        error = await failure_of(p)
+        assert p.frames == [(_wire.RESULT, bytes(range(256)) * 4)]
+        assert "ERROR (11) frame of 1025 bytes (1 KiB), over the 1 KiB limit" in str(error)
+    finally:
+        p.worker.close()
+        await p.channel.aclose()
+
+
+async def test_clean_eof_is_not_a_failure(pair: Pair) -> None:
+    pair.worker.sendall(_wire.header(_wire.PONG, 0))
+    pair.worker.shutdown(socket.SHUT_WR)
+    await asyncio.wait_for(pair.channel.settled(), 10)
+    await asyncio.wait_for(asyncio.shield(pair.channel._protocol.closed), 10)
+    assert pair.frames == [(_wire.PONG, b"")]
+    assert not pair.channel.failed.done() and pair.channel.error is None
+    assert pair.errors == []
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1"])
+async def test_bad_max_frame_size_is_rejected_before_anything_opens(bad: Any) -> None:
+    parent, worker = socket.socketpair()
+    with parent, worker:
+        with pytest.raises(ValueError, match=f"max_frame_size must be .*got {bad!r}"):
+            await Channel.open(parent, lambda kind, body: None, max_frame_size=bad)
+
+
+def test_default_cap_is_one_gib_and_hundreds_of_mib_fit() -> None:
+    assert _wire.MAX_FRAME_SIZE == 1 << 30
+    assert _wire.format_size(GiB) == "1 GiB"
+    assert _wire.format_size(300 * MiB) == "300 MiB"
+    assert _wire.format_size(1536) == "1.5 KiB"
+    assert _wire.format_size(12) == "12 bytes"
+
+
+# ------------------------------------------------------------- real workers
+
+
+async def test_persistent_worker_call_sending_a_2gib_header_does_not_hang(
+    cf: ModuleType,
+) -> None:
+    async with open_worker(name="forger", shutdown_timeout=5) as w:
+        with pytest.raises(BrokenWorkerError, match=r"worker forger \(pid \d+\)"):
+            await asyncio.wait_for(w.call(cf.forge_header, _wire.RESULT, 2 * GiB), 20)
+        with pytest.raises(BrokenWorkerError):
+            await asyncio.wait_for(w.call(cf.make_bytes, 1), 20)
+    assert pid_gone(w.pid)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="needs worker.py to wait on Channel.failed (patch in the h-channel report)",
+)
+async def test_persistent_worker_call_raises_the_channel_error_at_once(
+    cf: ModuleType,
+) -> None:
+    async with open_worker(name="forger", shutdown_timeout=5) as w:
+        # the worker stays blocked: only the channel error can end the call
+        call = w.call(cf.forge_header_then_block, _wire.RESULT, 2 * GiB)
+        with pytest.raises(BrokenWorkerError) as info:
+            await asyncio.wait_for(call, 20)
+        assert "RESULT (10) frame of 2147483648 bytes (2 GiB), over the 1 GiB limit" in str(
+            info.value
+        )
+        assert f"worker forger (pid {w.pid})" in str(info.value)
+    assert pid_gone(w.pid)
+
+
+async def test_function_worker_sending_an_unknown_kind_fails_its_group(
+    cf: ModuleType,
+) -> None:
+    # the supervisor closes the channel; the worker's lifeline sees EOF and
+    # ends the worker, which would otherwise block forever
+    with pytest.raises(ChildFailedError) as info:
+        await asyncio.wait_for(
+            aioproc.run(cf.forge_header_then_block, 1, args=(99, 0), name="forger"), 30
+        )
+    failure = info.value.failures[0]
+    assert failure.exitcode != 0
+    assert pid_gone(failure.pid)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="needs context.py to report Channel.error (patch in the h-channel report)",
+)
+async def test_function_worker_failure_names_the_broken_frame(cf: ModuleType) -> None:
+    with pytest.raises(ChildFailedError) as info:
+        await asyncio.wait_for(
+            aioproc.run(cf.forge_header_then_block, 1, args=(_wire.RESULT, 2 * GiB)), 30
+        )
+    assert info.value.failures[0].message == (
+        "worker sent a RESULT (10) frame of 2147483648 bytes (2 GiB), over the 1 GiB limit "
+        "of the control channel; the supervisor closed the channel"
+    )
+
+
+async def test_value_over_the_cap_fails_in_the_worker_with_a_clear_error(
+    cf: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_wire, "MAX_FRAME_SIZE", MiB)  # read at each start
+    with pytest.raises(ChildFailedError) as info:
+        await asyncio.wait_for(aioproc.run(cf.make_bytes, 1, args=(2 * MiB,)), 30)
+    cause = info.value.__cause__
+    assert isinstance(cause, ValueError)
+    assert str(cause) == (
+        "worker return value of type bytes encodes to 2097158 bytes (2 MiB), over the "
+        "1 MiB limit of aioproc's control channel; pass data that large through a file "
+        "or shared memory"
+    )
+    assert info.value.failures[0].exitcode == 1
+    # under the cap the same function works
+    result = await asyncio.wait_for(aioproc.run(cf.make_bytes, 1, args=(MiB // 2,)), 30)
+    assert result.return_values == {0: b"x" * (MiB // 2)}
+
+
+async def test_persistent_worker_value_over_the_cap_raises_and_the_worker_stays_usable(
+    cf: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_wire, "MAX_FRAME_SIZE", MiB)
+    async with open_worker(name="big") as w:
+        with pytest.raises(ValueError, match=r"return value of type bytes encodes to 2097158"):
+            await asyncio.wait_for(w.call(cf.make_bytes, 2 * MiB), 20)
+        assert await asyncio.wait_for(w.call(cf.make_bytes, 3), 20) == b"xxx"
+
+
+# ------------------------------------------------- multiprocessing authkey
+
+
+@contextlib.contextmanager
+def manager() -> Iterator[Any]:
+    """A Manager whose proxies (and their cached connections) are gone on exit."""
+    # fork: the spawn context would start a resource tracker that outlives the test
+    with multiprocessing.get_context("fork").Manager() as m:
+        try:
+            yield m
+        finally:
+            gc.collect()  # proxies the test dropped close their connections
+
+
+async def test_manager_proxies_work_in_function_workers(cf: ModuleType) -> None:
+    with manager() as m:
+        shared, queue = m.dict(), m.Queue()
+        result = await asyncio.wait_for(
+            aioproc.run(cf.write_to_proxy, 2, args={0: (shared, "a", 1), 1: (queue, "b", [2, 3])}),
+            60,
+        )
+        assert set(result.return_values) == {0, 1}
+        assert dict(shared) == {"a": 1}
+        assert queue.get(timeout=10) == ("b", [2, 3])
+        del shared, queue
+
+
+async def test_manager_proxies_work_in_persistent_workers(cf: ModuleType) -> None:
+    with manager() as m:
+        async with open_worker(name="mp") as w:
+            # the worker has not imported multiprocessing yet: the key is set when it does
+            shared = m.dict()
+            await asyncio.wait_for(w.call(cf.write_to_proxy, shared, "k", "v"), 30)
+            assert dict(shared) == {"k": "v"}
+            del shared
+            key = await asyncio.wait_for(w.call(cf.authkey), 30)
+    assert key == bytes(multiprocessing.current_process().authkey)
+
+
+async def test_authkey_is_set_when_multiprocessing_was_imported_at_startup(
+    cf: ModuleType, tmp_path: Path
+) -> None:
+    # a sitecustomize that imports multiprocessing before the worker boots
+    (tmp_path / "sitecustomize.py").write_text("import multiprocessing.process\n")
+    async with open_worker(name="site", env={"PYTHONPATH": str(tmp_path)}) as w:
+        assert await asyncio.wait_for(w.call(cf.imported_at_startup), 30) == (
+            True,
+            bytes(multiprocessing.current_process().authkey),
+        )
+
+
+async def test_authkey_travels_in_init_not_in_env_or_argv(cf: ModuleType) -> None:
+    key = bytes(multiprocessing.current_process().authkey)
+    async with open_worker(name="env") as w:
+        assert await asyncio.wait_for(w.call(cf.authkey), 30) == key
+        with open(f"/proc/{w.pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        with open(f"/proc/{w.pid}/environ", "rb") as f:
+            environ = f.read()
+    for text in (cmdline, environ):
+        assert key not in text and key.hex().encode() not in text
