@@ -414,13 +414,26 @@ class PContext:
                 self._watching[rank] = scope
                 # shield: cancelling this watcher must not cancel the exit future
                 code = await asyncio.shield(child.watcher.future)
-                settled = child.output_settled()
-                if settled:
-                    await asyncio.wait(settled, timeout=_DRAIN_TIMEOUT)
+                failure: ProcessFailure | None = None
+                try:
+                    settled = child.output_settled()
+                    if settled:
+                        await asyncio.wait(settled, timeout=_DRAIN_TIMEOUT)
+                    if code != 0:
+                        # the error file is read off the loop (capped, see errors.py)
+                        failure = await ProcessFailure.load(
+                            rank,
+                            child.pid,
+                            code,
+                            self.error_files.get(rank, ""),
+                            child.stop_requested,
+                        )
+                except OSError:
+                    logger.exception("reading the outcome of %s failed", child.label)
             if not scope.cancelled_caught:
                 # the outcome is recorded whatever the drain did, or wait() would hang
                 try:
-                    self._record(rank, child, code)
+                    self._record(rank, child, code, failure)
                 except Exception:  # a bug here must not take the supervisor down
                     logger.exception("recording the exit of %s failed", child.label)
                     if rank not in self._values and rank not in self._failures:
@@ -429,7 +442,9 @@ class PContext:
         finally:
             self._watched[rank].set()
 
-    def _record(self, rank: int, child: Child, code: int) -> None:
+    def _record(
+        self, rank: int, child: Child, code: int, failure: ProcessFailure | None = None
+    ) -> None:
         value: Any = None
         problem = ""
         if child.watcher.lost:
@@ -446,7 +461,7 @@ class PContext:
         if code == 0 and not problem:
             self._values[rank] = value
         else:
-            failure = ProcessFailure(
+            failure = failure or ProcessFailure(
                 local_rank=rank,
                 pid=child.pid,
                 exitcode=code,
@@ -455,6 +470,8 @@ class PContext:
             )
             if problem:
                 failure.message = problem
+            elif child.channel is not None and child.channel.error is not None:
+                failure.message = str(child.channel.error)  # why the worker was ended
             self._failures[rank] = failure
             remote = self._remote_exception(rank)
             if remote is not None:

@@ -76,6 +76,7 @@ class WorkerProcess:
         self._killed = False
         self.calls = 0
         self._exit_task = asyncio.get_running_loop().create_task(self._watch_exit())
+        channel.failed.add_done_callback(self._on_channel_failed)
 
     def __repr__(self) -> str:
         if self.returncode is not None:
@@ -105,6 +106,16 @@ class WorkerProcess:
         if self._reply is not None and not self._reply.done():
             self._reply.set_result((kind, body))
 
+    def _on_channel_failed(self, failed: asyncio.Future[BrokenWorkerError]) -> None:
+        # the worker broke the frame protocol: nothing it sends can be trusted
+        # any more, so the call in flight fails now and the worker is killed
+        error = BrokenWorkerError(f"worker {self.name} (pid {self.pid}): {failed.result()}")
+        self._killed = True
+        self._child.signal_group(signal.SIGKILL)
+        reply = self._reply
+        if reply is not None and not reply.done():
+            reply.set_exception(error)
+
     async def _watch_exit(self) -> None:
         code = await self._child.watcher.future
         settled = self._child.output_settled()
@@ -132,6 +143,8 @@ class WorkerProcess:
             raise self._broken(self._child.returncode, "before this request (while idle)")
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
+        if self._channel.error is not None:
+            raise BrokenWorkerError(f"worker {self.name} (pid {self.pid}): {self._channel.error}")
         reply: asyncio.Future[tuple[int, bytearray]] = asyncio.get_running_loop().create_future()
         self._reply = reply
         self._channel.send(kind, *parts)
@@ -264,7 +277,8 @@ async def _start_worker(
         assert child.channel is not None
         if pending_init is not None:
             exited = child.watcher.future
-            waits: set[asyncio.Future[Any]] = {pending_init, exited}
+            failed = child.channel.failed
+            waits: set[asyncio.Future[Any]] = {pending_init, exited, failed}
             await asyncio.wait(
                 waits,
                 timeout=init_timeout,
@@ -275,6 +289,10 @@ async def _start_worker(
                 if kind == _wire.ERROR:
                     exc = rebuild_exception(body)
                     raise exc if exc is not None else RuntimeError(f"init of {name} failed")
+            elif failed.done():
+                raise BrokenWorkerError(
+                    f"worker {name} (pid {child.pid}) during init: {failed.result()}"
+                )
             elif exited.done():
                 await asyncio.wait(child.output_settled(), timeout=1.0)
                 if pending_init.done() and pending_init.result()[0] == _wire.ERROR:

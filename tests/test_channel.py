@@ -197,10 +197,6 @@ async def test_persistent_worker_call_sending_a_2gib_header_does_not_hang(
     assert pid_gone(w.pid)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs worker.py to wait on Channel.failed (patch in the h-channel report)",
-)
 async def test_persistent_worker_call_raises_the_channel_error_at_once(
     cf: ModuleType,
 ) -> None:
@@ -230,10 +226,6 @@ async def test_function_worker_sending_an_unknown_kind_fails_its_group(
     assert pid_gone(failure.pid)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs context.py to report Channel.error (patch in the h-channel report)",
-)
 async def test_function_worker_failure_names_the_broken_frame(cf: ModuleType) -> None:
     with pytest.raises(ChildFailedError) as info:
         await asyncio.wait_for(
