@@ -28,6 +28,7 @@ import string
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import IO, Any, TypeAlias
 
@@ -152,6 +153,9 @@ class PContext:
         self._auto_stop: anyio.CancelScope | None = None
         self._auto_stopped: asyncio.Event | None = None
         self._finished: asyncio.Future[None] | None = None
+        # reads failed ranks' error files off the loop; shut down at close,
+        # so no thread outlives the group (the default executor's would)
+        self._reader: ThreadPoolExecutor | None = None
 
     def __repr__(self) -> str:
         kind = "function" if callable(self.entrypoint) else "binary"
@@ -421,12 +425,15 @@ class PContext:
                         await asyncio.wait(settled, timeout=_DRAIN_TIMEOUT)
                     if code != 0:
                         # the error file is read off the loop (capped, see errors.py)
+                        if self._reader is None:
+                            self._reader = ThreadPoolExecutor(1, "aioproc-error-file")
                         failure = await ProcessFailure.load(
                             rank,
                             child.pid,
                             code,
                             self.error_files.get(rank, ""),
                             child.stop_requested,
+                            executor=self._reader,
                         )
                 except OSError:
                     logger.exception("reading the outcome of %s failed", child.label)
@@ -667,6 +674,9 @@ class PContext:
             if not c.watcher.future.done():
                 c.release_when_exited()
         await _lifeline.settle()
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)  # idle by now: joins at once
+            self._reader = None
         self._check_finished()
         self._state = _State.CLOSED
         self.logs_specs.prune()

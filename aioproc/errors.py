@@ -45,6 +45,7 @@ from aioproc._errorfile import MAX_ERROR_FILE_SIZE
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs workers
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from concurrent.futures import Executor
     from typing import Any, TypeVar, overload
 
     _F = TypeVar("_F", bound=Callable[..., Any])
@@ -204,6 +205,8 @@ class ProcessFailure:
         exitcode: int,
         error_file: str,
         stopped: bool = False,
+        *,
+        executor: Executor | None = None,
     ) -> ProcessFailure:
         """Like the constructor, but read the error file off the event loop.
 
@@ -219,7 +222,7 @@ class ProcessFailure:
         observed = time.time()
         content: tuple[bytes, int] | OSError | None
         try:
-            content = await load_error_file(error_file)
+            content = await load_error_file(error_file, executor=executor)
         except OSError as e:
             content = e
         token = _PREREAD.set((observed, content))
@@ -330,13 +333,16 @@ def _too_large(path: str, head: bytes, size: int) -> str:
 
 
 async def load_error_file(
-    path: str, max_size: int = MAX_ERROR_FILE_SIZE
+    path: str, max_size: int = MAX_ERROR_FILE_SIZE, *, executor: Executor | None = None
 ) -> tuple[bytes, int] | None:
     """Read an error file off the event loop, capped (``aiofiles``).
 
     Args:
         path: the error.json to read.
         max_size: files larger than this many bytes are not read whole.
+        executor: where the reads run (default: the loop's default
+            executor); a supervisor passes its own, shut down at close, so
+            no thread outlives the group.
 
     Returns:
         ``(data, size)``: the whole file and its size, or, when ``size`` is
@@ -350,9 +356,9 @@ async def load_error_file(
     import aiofiles
     import aiofiles.os
 
-    if not await aiofiles.os.path.isfile(path):
+    if not await aiofiles.os.path.isfile(path, executor=executor):
         return None
-    async with aiofiles.open(path, "rb") as fp:
+    async with aiofiles.open(path, "rb", executor=executor) as fp:
         size = os.fstat(fp.fileno()).st_size  # an open fd's metadata: no disk read
         if size > max_size:
             return await fp.read(_errorfile.PREVIEW_SIZE), size
