@@ -10,6 +10,7 @@ handler and frames); this module never reaches back into them.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
@@ -18,6 +19,7 @@ from typing import IO, Any
 from ._boot import boot_argv, boot_blob
 from ._channel import Channel
 from ._output import TeeProtocol
+from ._shield import shielded
 from ._spawn import Child, spawn
 
 Frame = tuple[int, Sequence[bytes]]
@@ -47,8 +49,10 @@ async def launch_function(
     """
     parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     channel: Channel | None = None
+    # shielded: a cancelled connect could orphan a registered transport
+    opening = asyncio.ensure_future(Channel.open(parent_sock, on_frame))
     try:
-        channel = await Channel.open(parent_sock, on_frame)
+        channel = await shielded(opening)
         child = await spawn(
             label,
             boot_argv(child_sock.fileno()),
@@ -62,6 +66,9 @@ async def launch_function(
             tee_err=tee_err,
         )
     except BaseException:
+        opened = opening.done() and not opening.cancelled() and opening.exception() is None
+        if channel is None and opened:
+            channel = opening.result()  # opened, then the caller was cancelled
         if channel is not None:
             channel.abort()
         else:

@@ -11,8 +11,8 @@ import anyio
 T = TypeVar("T")
 
 
-async def shielded(coro: Coroutine[Any, Any, T]) -> T:
-    """Await ``coro`` in its own task, immune to cancellation of the caller.
+async def shielded(coro: Coroutine[Any, Any, T] | asyncio.Future[T]) -> T:
+    """Await ``coro`` (or a task) in its own task, immune to cancellation of the caller.
 
     If the caller is cancelled meanwhile (natively, or by an anyio cancel
     scope, which would otherwise re-deliver the cancellation on every loop

@@ -33,6 +33,7 @@ from . import _lifeline
 from ._channel import Channel
 from ._exit import ExitWatcher
 from ._output import TeeProtocol
+from ._shield import shielded
 
 
 class Child:
@@ -150,6 +151,23 @@ def _grow_pipe(fd: int) -> None:
         pass  # over the system's pipe-max-size, or not a pipe: keep the default
 
 
+async def _connect_tees(
+    loop: asyncio.AbstractEventLoop,
+    popen: subprocess.Popen[bytes],
+    tee_out: TeeProtocol | None,
+    tee_err: TeeProtocol | None,
+    tees: list[TeeProtocol],
+    transports: list[asyncio.BaseTransport],
+) -> None:
+    for pipe, proto in ((popen.stdout, tee_out), (popen.stderr, tee_err)):
+        if pipe is None or proto is None:
+            continue
+        _grow_pipe(pipe.fileno())
+        transport, _ = await loop.connect_read_pipe(lambda p=proto: p, pipe)  # type: ignore[misc]
+        tees.append(proto)
+        transports.append(transport)
+
+
 def _signame(signum: int) -> str:
     try:
         return signal.Signals(signum).name
@@ -202,13 +220,9 @@ async def spawn(
     transports: list[asyncio.BaseTransport] = []
     child: Child | None = None
     try:
-        for pipe, proto in ((popen.stdout, tee_out), (popen.stderr, tee_err)):
-            if pipe is None or proto is None:
-                continue
-            _grow_pipe(pipe.fileno())
-            transport, _ = await loop.connect_read_pipe(lambda p=proto: p, pipe)  # type: ignore[misc]
-            tees.append(proto)
-            transports.append(transport)
+        # shielded: a cancellation inside connect_read_pipe could leave a
+        # transport registered with the loop that nobody can close
+        await shielded(_connect_tees(loop, popen, tee_out, tee_err, tees, transports))
         child = Child(label, popen, channel, tees, transports)
     except BaseException:
         try:
@@ -219,10 +233,11 @@ async def spawn(
             child.watcher.detach()
         popen.wait()  # SIGKILLed: exits at once
         _lifeline.forget(popen.pid)
-        for pipe in (popen.stdout, popen.stderr):
-            if pipe is not None:
-                pipe.close()
         for tr in transports:
-            tr.close()
+            tr.close()  # closes its pipe
+        connected = {t.get_extra_info("pipe") for t in transports}
+        for pipe in (popen.stdout, popen.stderr):
+            if pipe is not None and pipe not in connected:
+                pipe.close()
         raise
     return child
