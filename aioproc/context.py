@@ -39,7 +39,7 @@ from ._spawn import Child, spawn
 from .errors import ChildFailedError, ProcessFailure
 from .logs import DefaultLogsSpecs, LogsDest, LogsSpecs
 from .signals import SignalException, pending_signal
-from .sinks import CallbackSink, ConsoleSink, FileSink, Sink, _FilteredFileSink
+from .sinks import CallbackSink, ConsoleSink, FileSink, Sink, _FilteredFileSink, close_sinks
 
 __all__ = ["PContext", "RunProcsResult", "WorkerEvent", "run", "start_processes"]
 
@@ -521,8 +521,8 @@ class PContext:
                 )
         await asyncio.gather(*(c.close_streams(_DRAIN_TIMEOUT) for c in children))
         own_sinks = self._sinks if self._close_sinks else []
-        for sink in [*own_sinks, *self._filter_sinks.values()]:
-            await sink.aclose()
+        # bounded, and never raises: the cleanup below always runs
+        await close_sinks([*own_sinks, *self._filter_sinks.values()])
         if self._watchers:
             await asyncio.wait(self._watchers.values())
         if self._guardian is not None:
