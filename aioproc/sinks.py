@@ -578,9 +578,10 @@ class OutputStream(Sink):
 # -------------------------------------------------------------------- close
 
 
-async def close_sinks(sinks: Sequence[Sink], deadline: float = SINK_CLOSE_DEADLINE) -> None:
+async def close_sinks(sinks: Sequence[Sink], deadline: float | None = None) -> None:
     """Close every sink, giving them ``deadline`` seconds in total to drain.
 
+    ``deadline`` defaults to ``SINK_CLOSE_DEADLINE`` (5 s).
     The sinks are closed concurrently.  Past the deadline, the ``aclose()``
     calls still running are cancelled and what the sinks still buffer is
     dropped; the number of lines lost is logged in one warning.  A sink
@@ -592,6 +593,8 @@ async def close_sinks(sinks: Sequence[Sink], deadline: float = SINK_CLOSE_DEADLI
     """
     if not sinks:
         return
+    if deadline is None:
+        deadline = SINK_CLOSE_DEADLINE
     loop = asyncio.get_running_loop()
     tasks = {
         loop.create_task(_aclose(sink), name=f"aioproc-close-{sink!r}"): sink for sink in sinks
@@ -609,8 +612,9 @@ async def close_sinks(sinks: Sequence[Sink], deadline: float = SINK_CLOSE_DEADLI
             logger.error("sink %r did not stop when cancelled; left behind", tasks[task])
     if late:
         logger.warning(
-            "%d line(s) of worker output were dropped: sink(s) %s did not take them "
-            "within %g s of close (the log files have every line)",
+            "%d line(s) of worker output were dropped: sink(s) %s had not taken them "
+            "when the group closed (they get %g s to drain; a console that accepts "
+            "nothing is given up sooner); the log files have every line",
             sum(n for _, n in late),
             ", ".join(repr(s) for s, _ in late),
             deadline,
