@@ -44,7 +44,6 @@ from aioproc import (
     DefaultLogsSpecs,
     OutputLine,
     OutputStream,
-    PContext,
     Sink,
     Std,
     _spawn,

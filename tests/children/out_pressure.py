@@ -91,10 +91,7 @@ async def rss(log_dir: str, mb: int) -> dict[str, object]:
 
 def main() -> None:
     mode, log_dir, loop = sys.argv[1:4]
-    if mode == "stall":
-        coro = stall(log_dir)
-    else:
-        coro = rss(log_dir, int(sys.argv[4]))
+    coro = stall(log_dir) if mode == "stall" else rss(log_dir, int(sys.argv[4]))
     if loop == "uvloop":
         import uvloop
 
