@@ -259,12 +259,16 @@ async def test_slow_async_sink_bounds_parent_memory_and_gets_every_line() -> Non
 async def test_output_stream_consumer_gets_every_line_in_order(tmp_path: Path) -> None:
     """A consumer slower than the worker: the worker is paused, nothing is lost."""
     stream = OutputStream()
+    most_buffered = 0
 
     async def consume() -> list[str]:
+        nonlocal most_buffered
         got = []
         async for rec in stream:
             got.append(rec.line)
             if len(got) % 100 == 0:
+                # "<OutputStream N buffered>"
+                most_buffered = max(most_buffered, int(repr(stream).split()[1]))
                 await asyncio.sleep(0)
         return got
 
@@ -276,6 +280,8 @@ async def test_output_stream_consumer_gets_every_line_in_order(tmp_path: Path) -
         result = await asyncio.wait_for(pc.wait(), LIMIT)
     assert result is not None and not result.is_failed()
     assert await asyncio.wait_for(consumer, LIMIT) == flood_lines(100_000, 200)
+    # the worker was held back: the stream never held more than a few MB of its 20
+    assert 0 < most_buffered < 20_000
     assert os.path.getsize(pc.stdouts[0]) == 100_000 * 200
 
 
