@@ -103,6 +103,10 @@ def _open_backend(fd: int, st: os.stat_result) -> _Backend | None:
     return _Backend(private, None)
 
 
+_writers: dict[tuple[int, ...], ConsoleWriter] = {}
+"""The writer of each console (st_dev, st_ino, st_rdev), on the loop that last used it."""
+
+
 class ConsoleWriter:
     """The bounded, non-blocking write buffer of one console (shared per console).
 
@@ -194,7 +198,8 @@ class ConsoleWriter:
                 fut.set_result(None)
 
     def _close_backend(self) -> None:
-        if self._watching and self._backend is not None:
+        """Release the private fd (idle, gone or abandoned)."""
+        if self._watching and self._backend is not None and not self.loop.is_closed():
             self.loop.remove_writer(self._backend.fd)
         self._watching = False
         if self._backend is not None:
@@ -225,9 +230,6 @@ class ConsoleWriter:
         return dropped
 
 
-_writers: dict[tuple[int, ...], ConsoleWriter] = {}
-
-
 def _writer_for(fd: int, st: os.stat_result) -> ConsoleWriter:
     """The writer of this console on the running loop (one per console, so
     two groups or stdout and stderr on one terminal never cut each other's lines)."""
@@ -235,8 +237,7 @@ def _writer_for(fd: int, st: os.stat_result) -> ConsoleWriter:
     loop = asyncio.get_running_loop()
     writer = _writers.get(key)
     if writer is not None and writer.loop is not loop:
-        if not writer.loop.is_closed():
-            writer.abandon()  # never reached on a closed loop: its fd is closed with it
+        writer.abandon()  # left with pending bytes by a loop that is gone
         writer = None
     if writer is None:
         writer = _writers[key] = ConsoleWriter(loop, fd, st)

@@ -249,8 +249,12 @@ class ConsoleSink(Sink):
         return sys.stderr if stream == "stderr" else sys.stdout
 
     def _used(self, writer: ConsoleWriter | None) -> None:
-        """Follow a console writer's fullness (it pauses the readers feeding this sink)."""
-        if writer is not None and writer not in self._writers:
+        """Follow a console writer's fullness (it pauses the readers feeding this sink).
+
+        Only a writer left with bytes pending can fill up; one that took
+        everything is followed once it does not.
+        """
+        if writer is not None and writer.pending and writer not in self._writers:
             self._writers.append(writer)
             writer.flow.watch(self._on_writer_flow)
 
@@ -318,9 +322,9 @@ class ConsoleSink(Sink):
     def _drop_pending(self) -> int:
         dropped = 0
         for writer in self._writers:
+            dropped += writer.abandon()  # releases its flow: readers resume
             writer.flow.unwatch(self._on_writer_flow)
-            if not writer.loop.is_closed():
-                dropped += writer.abandon()
+            self._on_writer_flow(writer.flow, False)
         self._writers.clear()
         return dropped
 
