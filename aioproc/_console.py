@@ -13,9 +13,11 @@ signals.  So writes to consoles that can block go through a ``ConsoleWriter``:
   to with ``MSG_DONTWAIT`` on a duplicate, which makes each call
   non-blocking without touching any flag.
 * What the console does not accept at once waits in a buffer drained by
-  ``loop.add_writer``.  Past ``HIGH_WATER`` bytes its ``Flow`` is held, so
-  the output readers pause and workers block on their own pipes; below
-  ``LOW_WATER`` they resume.
+  ``loop.add_writer`` (for sockets: retries with a capped backoff, since
+  uvloop would make a watched duplicate, hence the host's fd, non-blocking).
+  Past ``HIGH_WATER`` bytes its ``Flow`` is held, so the output readers
+  pause and workers block on their own pipes; below ``LOW_WATER`` they
+  resume.
 * The private fd is opened when a write starts and closed as soon as the
   buffer is empty, so an idle console holds no fd.
 * Regular files, block devices and ``/dev/null`` never block for long: they
@@ -50,6 +52,10 @@ from ._flow import HARD_LIMIT, HIGH_WATER, LOW_WATER, Flow
 STALL_TIMEOUT = 0.5
 """At close: seconds a console may accept nothing before its buffer is given up."""
 
+_RETRY_MIN = 0.001
+_RETRY_MAX = 0.05
+"""Backoff bounds (seconds) for retrying a stuck socket console (see ``_start_watching``)."""
+
 _DEVNULL_RDEV: int | None
 try:
     _DEVNULL_RDEV = os.stat(os.devnull).st_rdev
@@ -63,6 +69,8 @@ class _Backend:
     def __init__(self, fd: int, sock: socket.socket | None) -> None:
         self.fd = fd
         self._sock = sock
+        # a description of our own (reopened): safe to hand to the loop's poller
+        self.private = sock is None
 
     def send(self, data: bytes | bytearray) -> int:
         """Write what the console takes now; BlockingIOError if nothing."""
@@ -121,6 +129,8 @@ class ConsoleWriter:
         self._backend: _Backend | None = None
         self._buf = bytearray()
         self._watching = False
+        self._retry: asyncio.TimerHandle | None = None  # sockets: the next try
+        self._backoff = _RETRY_MIN
         self._waiters: list[asyncio.Future[None]] = []
         self.flow = Flow()
         self.dropped_lines = 0
@@ -172,24 +182,40 @@ class ConsoleWriter:
             self.flow.hold(self)
 
     def _start_watching(self) -> None:
-        if not self._watching and self._backend is not None:
-            self.loop.add_writer(self._backend.fd, self._on_writable)
-            self._watching = True
+        be = self._backend
+        if self._watching or be is None:
+            return
+        self._watching = True
+        if be.private:
+            self.loop.add_writer(be.fd, self._on_writable)
+        else:
+            # A socket's duplicate shares the host's open file description, and
+            # uvloop (libuv's uv_poll_init) makes every fd it watches
+            # non-blocking, which would reach the host's own stdout.  So a
+            # socket console is retried with a capped backoff instead.
+            self._retry = self.loop.call_later(_RETRY_MIN, self._on_writable)
 
     def _on_writable(self) -> None:
         assert self._backend is not None
+        self._retry = None
         try:
             n = self._backend.send(self._buf)
         except BlockingIOError:
-            return
+            n = 0
         except OSError:
             n = len(self._buf)  # console gone: nothing can be delivered any more
-        del self._buf[:n]
-        self._wake()
-        if len(self._buf) < LOW_WATER:
-            self.flow.release(self)
+        if n:
+            del self._buf[:n]
+            self._backoff = _RETRY_MIN
+            self._wake()
+            if len(self._buf) < LOW_WATER:
+                self.flow.release(self)
         if not self._buf:
             self._close_backend()
+        elif not self._backend.private:
+            if not n:
+                self._backoff = min(self._backoff * 2, _RETRY_MAX)
+            self._retry = self.loop.call_later(self._backoff, self._on_writable)
 
     def _wake(self) -> None:
         waiters, self._waiters = self._waiters, []
@@ -199,8 +225,12 @@ class ConsoleWriter:
 
     def _close_backend(self) -> None:
         """Release the private fd (idle, gone or abandoned)."""
-        if self._watching and self._backend is not None and not self.loop.is_closed():
-            self.loop.remove_writer(self._backend.fd)
+        be = self._backend
+        if self._watching and be is not None and be.private and not self.loop.is_closed():
+            self.loop.remove_writer(be.fd)
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
         self._watching = False
         if self._backend is not None:
             self._backend.close()

@@ -27,9 +27,11 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -214,16 +216,29 @@ async def test_cli_with_tee_and_stuck_stdout_exits_143_on_sigterm(tmp_path: Path
             os.close(w)
 
 
-async def test_console_writer_keeps_the_host_fd_blocking_and_loses_nothing(
-    tmp_path: Path,
+def slow_read(fd: int) -> bytes:
+    """Read ``fd`` to EOF in small bites with pauses: a console slower than the worker."""
+    chunks = []
+    while data := os.read(fd, 16384):
+        chunks.append(data)
+        time.sleep(0.001)
+    return b"".join(chunks)
+
+
+@pytest.mark.parametrize("kind", ["pipe", "socket"])
+async def test_slow_console_gets_every_line_and_host_fd_stays_blocking(
+    tmp_path: Path, kind: str
 ) -> None:
-    """ConsoleSink on a pipe stream the test drains itself: every line, in order."""
-    r, w = os.pipe()
+    """ConsoleSink on a pipe or a socket (systemd's stdout) read slowly by the test."""
+    if kind == "pipe":
+        r, w = os.pipe()
+    else:
+        a, b = socket.socketpair()
+        r, w = a.detach(), b.detach()
     out = open(w, "w", encoding="utf-8")  # noqa: SIM115 - closed below
-    reader = open(r, "rb")  # noqa: SIM115 - closed below
     try:
-        read_task = asyncio.create_task(asyncio.to_thread(reader.read))
-        entry, args = flood(50_000)
+        read_task = asyncio.create_task(asyncio.to_thread(slow_read, r))
+        entry, args = flood(50_000)  # 5 MB: past the console writer's buffer
         async with aioproc.start_processes(
             "w", entry, args, {0: {}}, spec(tmp_path), sinks=[ConsoleSink(stream=out)]
         ) as pc:
@@ -235,7 +250,7 @@ async def test_console_writer_keeps_the_host_fd_blocking_and_loses_nothing(
     finally:
         if not out.closed:
             out.close()
-        reader.close()
+        os.close(r)
     assert data.decode().splitlines() == [f"[w0]:{line}" for line in flood_lines(50_000)]
 
 
