@@ -254,6 +254,33 @@ async def test_slow_console_gets_every_line_and_host_fd_stays_blocking(
     assert data.decode().splitlines() == [f"[w0]:{line}" for line in flood_lines(50_000)]
 
 
+async def test_host_prints_keep_their_place_before_teed_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host's buffered print() text is flushed before worker lines are written."""
+    r, w = os.pipe()
+    host_stdout = open(w, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+    try:
+        read_task = asyncio.create_task(asyncio.to_thread(slow_read, r))
+        monkeypatch.setattr(sys, "stdout", host_stdout)
+        print("host before")  # sits in the TextIOWrapper's buffer: a pipe is block-buffered
+        entry, args = flood(3)
+        async with aioproc.start_processes("w", entry, args, {0: {}}, spec(tmp_path)) as pc:
+            result = await asyncio.wait_for(pc.wait(), LIMIT)
+        print("host after")
+        monkeypatch.undo()
+        host_stdout.close()
+        data = await asyncio.wait_for(read_task, LIMIT)
+    finally:
+        monkeypatch.undo()
+        if not host_stdout.closed:
+            host_stdout.close()
+        os.close(r)
+    assert result is not None and not result.is_failed()
+    teed = [f"[w0]:{line}" for line in flood_lines(3)]
+    assert data.decode().splitlines() == ["host before", *teed, "host after"]
+
+
 # ------------------------------------------- 2. backpressure, bounded memory
 
 
