@@ -266,10 +266,14 @@ class TeeProtocol(asyncio.Protocol):
         if self.log_file is not None and self.write_error is None:
             self._write_log(data)
         if self._splitter is not None:
-            lines, status = self._splitter.feed(data)
-            self._emit(lines)
-            if status is not None:
-                self._status(status)
+            try:
+                lines, status = self._splitter.feed(data)
+            except Exception:  # a bug here must not close the pipe (uvloop) and kill the worker
+                report_sink_error(self, "line splitting")
+            else:
+                self._emit(lines)
+                if status is not None:
+                    self._status(status)
         self.progress.advance(len(data))
 
     def _write_log(self, data: bytes) -> None:

@@ -577,6 +577,8 @@ def test_tee_pipes_grow_only_within_the_budget(
     grown = [r for r, _ in pipes if pipe_size(r) > default]
     extra = sum(pipe_size(r) - default for r, _ in pipes)
     assert extra <= budget
+    if not grown:
+        pytest.skip("no pipe could grow: this user is over pipe-user-pages-soft already?")
     try:
         with open("/proc/sys/fs/pipe-max-size") as f:
             max_size = int(f.read())
