@@ -34,6 +34,9 @@ when nothing of ours is pending: then the console had just accepted
 everything, and a flush is unlikely to block.  Everything is encoded with
 the stream's encoding and ``backslashreplace``, so an unencodable character
 never costs a line.
+
+``Screen`` is the status-line area at the bottom of a terminal (progress
+bars), shared by every ``ConsoleSink`` drawing on that terminal.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import codecs
 import contextlib
 import errno
 import os
+import shutil
 import socket
 import stat
 from typing import TextIO
@@ -341,3 +345,69 @@ def _encodable(stream: TextIO, text: str) -> str:
         return text.encode(enc, "backslashreplace").decode(enc, "replace")
     except (LookupError, UnicodeError):
         return text
+
+
+class Screen:
+    """The bottom-of-terminal status area of one text stream (shared)."""
+
+    # keyed by the terminal itself: stdout and stderr on one tty share a screen
+    _screens: dict[tuple[int, ...], Screen] = {}  # noqa: RUF012
+
+    @classmethod
+    def of(cls, stream: TextIO) -> Screen:
+        try:
+            st = os.fstat(stream.fileno())
+            key: tuple[int, ...] = (st.st_dev, st.st_ino, st.st_rdev)
+        except (AttributeError, OSError, ValueError):
+            key = (id(stream),)
+        screen = cls._screens.get(key)
+        if screen is None:
+            screen = cls._screens[key] = cls(stream)
+        screen.stream = stream
+        return screen
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.statuses: dict[tuple[int, str, str], str] = {}
+        self._drawn = 0  # status lines currently on screen
+        self._redraw: asyncio.TimerHandle | None = None
+        self._redraw_loop: asyncio.AbstractEventLoop | None = None
+
+    def write_lines(self, text: str) -> ConsoleWriter | None:
+        return self._write(self._erase() + text + self._render())
+
+    def set_status(self, key: tuple[int, str, str], text: str | None, interval: float) -> None:
+        if text is None:
+            if self.statuses.pop(key, None) is not None:
+                self._write(self._erase() + self._render())
+            return
+        self.statuses[key] = text
+        loop = asyncio.get_running_loop()
+        if self._redraw is not None and self._redraw_loop is not loop:
+            self._redraw = None  # scheduled on a loop that is gone
+        if self._redraw is None:
+            self._redraw = loop.call_later(interval, self._redraw_now)
+            self._redraw_loop = loop
+
+    def _redraw_now(self) -> None:
+        self._redraw = None
+        self._write(self._erase() + self._render())
+
+    def _erase(self) -> str:
+        if not self._drawn:
+            return ""
+        n, self._drawn = self._drawn, 0
+        return f"\x1b[{n}F\x1b[J"  # up n lines to column 0, clear to end of screen
+
+    def _render(self) -> str:
+        if not self.statuses:
+            return ""
+        width = max(shutil.get_terminal_size().columns - 1, 10)
+        rows = [f"{prefix}{text}"[:width] for (_, _, prefix), text in self.statuses.items()]
+        self._drawn = len(rows)
+        return "".join(f"{row}\n" for row in rows)
+
+    def _write(self, text: str) -> ConsoleWriter | None:
+        if text:
+            return console_write(self.stream, text)
+        return None

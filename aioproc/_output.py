@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from ._drain import ReadProgress
 from ._flow import Flow
-from .sinks import report_sink_error
+from ._sinkops import report_sink_error
 
 if TYPE_CHECKING:
     from .sinks import Sink

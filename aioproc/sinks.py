@@ -38,19 +38,15 @@ and counted in one warning.
 from __future__ import annotations
 
 import asyncio
-import collections
 import inspect
-import logging
-import os
-import shutil
 import sys
 import time
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from typing import Any, Generic, NamedTuple, TextIO, TypeVar
+from typing import Any, NamedTuple, TextIO
 
-from ._console import ConsoleWriter, console_write, safe_write
-from ._flow import HARD_LIMIT, HIGH_WATER, LOW_WATER, RECORD_OVERHEAD, Flow
+from ._console import ConsoleWriter, Screen, console_write, safe_write
+from ._flow import Flow
+from ._sinkops import LineQueue, discard, logger, report_sink_error
 
 __all__ = [
     "CallbackSink",
@@ -60,8 +56,6 @@ __all__ = [
     "OutputStream",
     "Sink",
 ]
-
-logger = logging.getLogger("aioproc")
 
 SINK_CLOSE_DEADLINE = 5.0
 """Seconds ``close_sinks`` waits in total for the sinks of a group to drain."""
@@ -103,103 +97,7 @@ class Sink:
         return 0
 
 
-# ------------------------------------------------------------------- errors
-
-_reported: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
-_reported_ids: dict[int, set[str]] = {}  # sinks that cannot be weakly referenced
-
-
-def report_sink_error(sink: object, what: str) -> None:
-    """Log the exception being handled, once per sink and method.
-
-    Called from an ``except`` block.  Later failures of the same sink and
-    method are logged at debug level only: a sink raising on every line
-    must not flood the log.
-    """
-    try:
-        seen = _reported.setdefault(sink, set())
-    except TypeError:
-        seen = _reported_ids.setdefault(id(sink), set())
-    if what in seen:
-        logger.debug("sink %r failed again in %s", sink, what, exc_info=True)
-        return
-    seen.add(what)
-    logger.error(
-        "sink %r raised in %s; ignored (the workers, log files and other sinks are "
-        "unaffected; later failures of this sink are not logged)",
-        sink,
-        what,
-        exc_info=True,
-    )
-
-
 # ------------------------------------------------------------------ console
-
-
-class _Screen:
-    """The bottom-of-terminal status area of one text stream (shared)."""
-
-    # keyed by the terminal itself: stdout and stderr on one tty share a screen
-    _screens: dict[tuple[int, ...], _Screen] = {}  # noqa: RUF012
-
-    @classmethod
-    def of(cls, stream: TextIO) -> _Screen:
-        try:
-            st = os.fstat(stream.fileno())
-            key: tuple[int, ...] = (st.st_dev, st.st_ino, st.st_rdev)
-        except (AttributeError, OSError, ValueError):
-            key = (id(stream),)
-        screen = cls._screens.get(key)
-        if screen is None:
-            screen = cls._screens[key] = cls(stream)
-        screen.stream = stream
-        return screen
-
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-        self.statuses: dict[tuple[int, str, str], str] = {}
-        self._drawn = 0  # status lines currently on screen
-        self._redraw: asyncio.TimerHandle | None = None
-        self._redraw_loop: asyncio.AbstractEventLoop | None = None
-
-    def write_lines(self, text: str) -> ConsoleWriter | None:
-        return self._write(self._erase() + text + self._render())
-
-    def set_status(self, key: tuple[int, str, str], text: str | None, interval: float) -> None:
-        if text is None:
-            if self.statuses.pop(key, None) is not None:
-                self._write(self._erase() + self._render())
-            return
-        self.statuses[key] = text
-        loop = asyncio.get_running_loop()
-        if self._redraw is not None and self._redraw_loop is not loop:
-            self._redraw = None  # scheduled on a loop that is gone
-        if self._redraw is None:
-            self._redraw = loop.call_later(interval, self._redraw_now)
-            self._redraw_loop = loop
-
-    def _redraw_now(self) -> None:
-        self._redraw = None
-        self._write(self._erase() + self._render())
-
-    def _erase(self) -> str:
-        if not self._drawn:
-            return ""
-        n, self._drawn = self._drawn, 0
-        return f"\x1b[{n}F\x1b[J"  # up n lines to column 0, clear to end of screen
-
-    def _render(self) -> str:
-        if not self.statuses:
-            return ""
-        width = max(shutil.get_terminal_size().columns - 1, 10)
-        rows = [f"{prefix}{text}"[:width] for (_, _, prefix), text in self.statuses.items()]
-        self._drawn = len(rows)
-        return "".join(f"{row}\n" for row in rows)
-
-    def _write(self, text: str) -> ConsoleWriter | None:
-        if text:
-            return console_write(self.stream, text)
-        return None
 
 
 class ConsoleSink(Sink):
@@ -280,7 +178,7 @@ class ConsoleSink(Sink):
         sep = "\n" + prefix
         text = prefix + sep.join(lines) + "\n"
         if _isatty(target):
-            screen = _Screen.of(target)
+            screen = Screen.of(target)
             screen.statuses.pop(key, None)
             self._used(screen.write_lines(text))
         else:
@@ -292,7 +190,7 @@ class ConsoleSink(Sink):
         if self._write is None and _isatty(target):
             if text is not None:
                 self._keys.add(key)
-            _Screen.of(target).set_status(key, text, self._redraw_interval)
+            Screen.of(target).set_status(key, text, self._redraw_interval)
             return
         if text is None:
             return
@@ -313,7 +211,7 @@ class ConsoleSink(Sink):
         for key in self._keys:
             for target in {self._target("stdout"), self._target("stderr")}:
                 if _isatty(target):
-                    _Screen.of(target).set_status(key, None, 0)
+                    Screen.of(target).set_status(key, None, 0)
         self._keys.clear()
         for writer in self._writers:
             if writer.loop is asyncio.get_running_loop():
@@ -375,81 +273,6 @@ class _FilteredFileSink(FileSink):
             super().lines(rank, stream, prefix, hits)
 
 
-# ------------------------------------------------------------------- queues
-
-T = TypeVar("T")
-
-
-class _LineQueue(Generic[T]):
-    """A FIFO of records, bounded by their size in bytes, with backpressure.
-
-    Past ``HIGH_WATER`` its flow is held (the readers pause); below
-    ``LOW_WATER`` released.  Past ``HARD_LIMIT`` (readers that ignore
-    backpressure: a worker's last output after it exited) records are
-    dropped and counted in ``dropped``.  ``end()`` adds an end marker that is
-    never dropped.
-    """
-
-    def __init__(self) -> None:
-        self._items: collections.deque[tuple[T | None, int]] = collections.deque()
-        self._cost = 0
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-        self.flow = Flow()
-        self.dropped = 0
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def put(self, item: T, size: int) -> bool:
-        """Append ``item`` of ``size`` text bytes; False (dropped) past the hard limit."""
-        cost = size + RECORD_OVERHEAD
-        if self._cost + cost > HARD_LIMIT:
-            self.dropped += 1
-            return False
-        self._items.append((item, cost))
-        self._cost += cost
-        if self._cost >= HIGH_WATER:
-            self.flow.hold(self)
-        self._wake()
-        return True
-
-    def end(self) -> None:
-        self._items.append((None, 0))
-        self._wake()
-
-    def _wake(self) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
-
-    async def get(self) -> T | None:
-        """The next record; None for the end marker."""
-        while not self._items:
-            fut = asyncio.get_running_loop().create_future()
-            self._waiters.append(fut)
-            try:
-                await fut
-            except BaseException:
-                if fut.done() and not fut.cancelled():
-                    self._wake()  # pass the wake-up on to another getter
-                raise
-        item, cost = self._items.popleft()
-        self._cost -= cost
-        if self._cost < LOW_WATER:
-            self.flow.release(self)
-        return item
-
-    def clear(self) -> list[T]:
-        """Remove and return every record (not end markers)."""
-        items = [item for item, _ in self._items if item is not None]
-        self._items.clear()
-        self._cost = 0
-        self.flow.release(self)
-        return items
-
-
 # ----------------------------------------------------------------- callbacks
 
 _Job = tuple[OutputLine, "Awaitable[Any] | None"]
@@ -471,7 +294,7 @@ class CallbackSink(Sink):
         self._async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
             getattr(fn, "__call__", None)  # noqa: B004 - an object with async __call__
         )
-        self._queue: _LineQueue[_Job] = _LineQueue()
+        self._queue: LineQueue[_Job] = LineQueue()
         self._backpressure = self._queue.flow
         self._task: asyncio.Task[None] | None = None
 
@@ -502,7 +325,7 @@ class CallbackSink(Sink):
             )
         for job in jobs:
             if not self._queue.put(job, len(job[0].line)):
-                _discard(job[1])
+                discard(job[1])
 
     async def _drain(self) -> None:
         while (job := await self._queue.get()) is not None:
@@ -526,17 +349,10 @@ class CallbackSink(Sink):
             self._task.cancel()
         left = self._queue.clear()
         for _, pending in left:
-            _discard(pending)
+            discard(pending)
         dropped = len(left) + self._queue.dropped
         self._queue.dropped = 0
         return dropped
-
-
-def _discard(pending: Awaitable[Any] | None) -> None:
-    """Close an awaitable that will never be awaited (no 'never awaited' warning)."""
-    close = getattr(pending, "close", None)
-    if inspect.iscoroutine(pending) and close is not None:
-        close()
 
 
 class OutputStream(Sink):
@@ -549,7 +365,7 @@ class OutputStream(Sink):
     """
 
     def __init__(self) -> None:
-        self._queue: _LineQueue[OutputLine] = _LineQueue()
+        self._queue: LineQueue[OutputLine] = LineQueue()
         self._backpressure = self._queue.flow
         self._closed = False
 
