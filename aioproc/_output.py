@@ -22,12 +22,18 @@ Framing rules:
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
 from typing import TYPE_CHECKING, BinaryIO
 
 from ._drain import ReadProgress
+from ._flow import Flow
+from ._sinkops import report_sink_error
 
 if TYPE_CHECKING:
     from .sinks import Sink
+
+logger = logging.getLogger("aioproc")
 
 MAX_LINE = 64 * 1024
 """Longest line held back, in bytes; longer lines reach the sinks in pieces."""
@@ -171,7 +177,20 @@ class LineFramer:
 
 
 class TeeProtocol(asyncio.Protocol):
-    """Reads one worker stream from a pipe into its log file and the sinks."""
+    """Reads one worker stream from a pipe into its log file and the sinks.
+
+    Backpressure: while any sink's flow is held (its buffer is full) the
+    transport stops reading, so the worker blocks on its pipe; once the
+    worker has exited (``settled()`` was asked) the pipe is read to the end
+    whatever the sinks' state, so the log file gets every byte and the
+    verdict never waits on a slow sink.
+
+    Isolation: nothing a sink does escapes ``data_received`` (on uvloop an
+    escaping exception would close the pipe and kill the worker with
+    SIGPIPE).  A failed log-file write (a full disk) is logged once as a
+    warning naming the rank, stream and path, kept in ``write_error``, and
+    the sinks still get every line.
+    """
 
     def __init__(
         self,
@@ -189,45 +208,133 @@ class TeeProtocol(asyncio.Protocol):
         self._splitter = LineSplitter() if sinks else None
         self.progress = ReadProgress()
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.write_error: OSError | None = None
+        """The error that stopped writes to the log file (e.g. ENOSPC), if any."""
         self._fd = -1
+        self._transport: asyncio.ReadTransport | None = None
+        self._blocked: set[Flow] = set()  # the sinks' flows that are held
+        self._paused = False
+        self._draining = False  # the worker exited: read to EOF, ignore backpressure
+        self._flows = [f for f in (s._backpressure for s in sinks) if f is not None]
+        for flow in self._flows:
+            flow.watch(self._on_flow)
+
+    def __repr__(self) -> str:
+        return f"<TeeProtocol rank={self._rank} {self._stream}>"
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         pipe = transport.get_extra_info("pipe")
         self._fd = pipe.fileno() if pipe is not None else -1
+        # uvloop's pipe transports do not subclass asyncio.ReadTransport
+        self._transport = transport  # type: ignore[assignment]
+        self._update_reading()
+
+    def _on_flow(self, flow: Flow, blocked: bool) -> None:
+        if blocked:
+            self._blocked.add(flow)
+        else:
+            self._blocked.discard(flow)
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        tr = self._transport
+        if tr is None or tr.is_closing():
+            return
+        want_paused = bool(self._blocked) and not self._draining
+        if want_paused and not self._paused:
+            tr.pause_reading()
+            self._paused = True
+        elif not want_paused and self._paused:
+            tr.resume_reading()
+            self._paused = False
 
     def settled(self) -> asyncio.Future[None]:
-        """Resolves once the bytes waiting in the pipe now have been consumed."""
+        """Resolves once the bytes waiting in the pipe now have been consumed.
+
+        Asked when the worker has exited: from then on the pipe is read
+        without backpressure (the worker cannot be slowed down any more,
+        and the log file must get everything).
+        """
+        if not self._draining:
+            self._draining = True
+            self._update_reading()
         if self.progress.at_eof:
             return self.closed
         return self.progress.reached(self._fd)
 
     def data_received(self, data: bytes) -> None:
-        if self.log_file is not None:
-            self.log_file.write(data)
+        if self.log_file is not None and self.write_error is None:
+            self._write_log(data)
         if self._splitter is not None:
-            lines, status = self._splitter.feed(data)
-            self._emit(lines)
-            if status is not None:
-                for sink in self._sinks:
-                    sink.status(self._rank, self._stream, self._prefix, status)
+            try:
+                lines, status = self._splitter.feed(data)
+            except Exception:  # a bug here must not close the pipe (uvloop) and kill the worker
+                report_sink_error(self, "line splitting")
+            else:
+                self._emit(lines)
+                if status is not None:
+                    self._status(status)
         self.progress.advance(len(data))
+
+    def _write_log(self, data: bytes) -> None:
+        assert self.log_file is not None
+        view = memoryview(data)
+        try:
+            while view:
+                n = self.log_file.write(view)
+                if not n:
+                    raise OSError(errno.EIO, "the log file accepted no bytes")
+                view = view[n:]
+        except OSError as e:
+            self.write_error = e
+            path = getattr(self.log_file, "name", "?")
+            logger.warning(
+                "could not write the %s log of rank %d to %s: %s; the rest of this stream "
+                "is missing from that file (the sinks still get every line)",
+                self._stream,
+                self._rank,
+                path,
+                e,
+            )
 
     def _emit(self, lines: list[str]) -> None:
         if not lines:
             return
         for sink in self._sinks:
-            sink.lines(self._rank, self._stream, self._prefix, lines)
+            try:
+                sink.lines(self._rank, self._stream, self._prefix, lines)
+            except Exception:
+                report_sink_error(sink, "lines()")
+
+    def _status(self, text: str | None) -> None:
+        for sink in self._sinks:
+            try:
+                sink.status(self._rank, self._stream, self._prefix, text)
+            except Exception:
+                report_sink_error(sink, "status()")
 
     def eof_received(self) -> bool | None:
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
+        for flow in self._flows:
+            flow.unwatch(self._on_flow)
+        self._transport = None
         if self._splitter is not None:
             self._emit(self._splitter.flush())
-            for sink in self._sinks:
-                sink.status(self._rank, self._stream, self._prefix, None)
+            self._status(None)
         if self.log_file is not None:
-            self.log_file.close()
+            try:
+                self.log_file.close()
+            except OSError as e:
+                if self.write_error is None:
+                    self.write_error = e
+                    logger.warning(
+                        "could not close the %s log of rank %d: %s",
+                        self._stream,
+                        self._rank,
+                        e,
+                    )
         self.progress.finish()
         if not self.closed.done():
             self.closed.set_result(None)

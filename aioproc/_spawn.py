@@ -137,18 +137,68 @@ _late: set[Child] = set()
 
 
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031 if sys.platform.startswith("linux") else 0)
+_F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032 if sys.platform.startswith("linux") else 0)
 PIPE_SIZE = 1 << 20
-"""Tee pipes are grown to 1 MiB (Linux's default limit for unprivileged users):
+"""A tee pipe is grown to 1 MiB when the budget allows (see ``_grow_pipe``):
 a chatty worker then blocks and wakes the supervisor 16x less often."""
+
+PIPE_BUDGET = 16 << 20
+"""Most bytes this process adds to its tee pipes' buffers, summed over live pipes."""
+
+# fd -> ((st_dev, st_ino) of the pipe, bytes added): pipes grown and not yet seen closed
+_grown: dict[int, tuple[tuple[int, int], int]] = {}
+
+
+def _pipe_budget() -> int:
+    """This process's share of the user's pipe allowance, in bytes.
+
+    Linux charges pipe buffers to the user: past ``pipe-user-pages-soft``
+    pages (default 16384, i.e. 64 MiB) every new pipe of that user, in any
+    program, gets a single page.  What other programs of the user hold is not
+    visible, so a supervisor takes at most a quarter of the allowance, and
+    never more than ``PIPE_BUDGET``.  (Read per launch: a sysctl may change.)
+    """
+    try:
+        with open("/proc/sys/fs/pipe-user-pages-soft") as f:
+            soft = int(f.read()) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return PIPE_BUDGET
+    return PIPE_BUDGET if soft == 0 else min(PIPE_BUDGET, soft // 4)  # 0: no limit
 
 
 def _grow_pipe(fd: int) -> None:
+    """Grow a tee pipe to ``PIPE_SIZE`` if this process's pipe budget allows.
+
+    Policy: the bytes granted to live pipes are summed; a pipe is grown only
+    while the sum stays within ``_pipe_budget()`` (16 of 1 MiB pipes at the
+    default limits), later ones keep the kernel's default (64 KiB), which
+    is only a little slower.  Closed pipes give their share back: an entry
+    whose fd no longer refers to the same pipe (by inode) is forgotten, so
+    nothing has to report the close.
+    """
     if not _F_SETPIPE_SZ:
         return
+    for old_fd, (ident, _) in list(_grown.items()):
+        try:
+            st = os.fstat(old_fd)
+            alive = (st.st_dev, st.st_ino) == ident
+        except OSError:
+            alive = False
+        if not alive:
+            del _grown[old_fd]
     try:
-        fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_SIZE)
+        st = os.fstat(fd)
+        default = fcntl.fcntl(fd, _F_GETPIPE_SZ)
     except OSError:
-        pass  # over the system's pipe-max-size, or not a pipe: keep the default
+        return
+    used = sum(size for _, size in _grown.values())
+    if used + PIPE_SIZE - default > _pipe_budget():
+        return
+    try:
+        size = fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_SIZE)
+    except OSError:
+        return  # over the system's pipe-max-size, or not a pipe: keep the default
+    _grown[fd] = ((st.st_dev, st.st_ino), size - default)
 
 
 async def _connect_tees(

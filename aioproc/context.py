@@ -53,7 +53,7 @@ from .errors import ProcessFailure
 from .logs import DefaultLogsSpecs, LogsDest, LogsSpecs
 from .results import DEFAULT_GRACE_PERIOD, RunProcsResult, WorkerEvent
 from .signals import SignalException, pending_signal
-from .sinks import CallbackSink, ConsoleSink, FileSink, Sink, _FilteredFileSink
+from .sinks import CallbackSink, ConsoleSink, FileSink, Sink, _FilteredFileSink, close_sinks
 
 __all__ = ["PContext", "RunProcsResult", "WorkerEvent", "start_processes"]
 
@@ -479,6 +479,9 @@ class PContext:
                 failure.message = problem
             elif child.channel is not None and child.channel.error is not None:
                 failure.message = str(child.channel.error)  # why the worker was ended
+            lost = [t.write_error for t in child.tees if t.write_error is not None]
+            if lost and isinstance(failure.message, str):
+                failure.message += f" (its log file could not be written: {lost[0]})"
             self._failures[rank] = failure
             remote = self._remote_exception(rank)
             if remote is not None:
@@ -664,11 +667,8 @@ class PContext:
                 self._failures[rank] = failure
         await asyncio.gather(*(c.close_streams(_DRAIN_TIMEOUT) for c in children))
         own_sinks = self._sinks if self._close_sinks else []
-        for sink in [*own_sinks, *self._filter_sinks.values()]:
-            try:
-                await sink.aclose()
-            except Exception:
-                logger.exception("closing sink %r failed", sink)
+        # bounded, and never raises: the cleanup below always runs
+        await close_sinks([*own_sinks, *self._filter_sinks.values()])
         _lifeline.release(children)
         for c in children:
             if not c.watcher.future.done():

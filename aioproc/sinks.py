@@ -20,18 +20,34 @@ Console rendering (``ConsoleSink``):
 * With ``write=`` (for example ``tqdm.write`` or ``rich.console.Console.print``)
   lines go through that function, so a progress bar the parent draws itself
   is never garbled; status updates are then shown only in their final state.
+
+Writes to a console that can block (a pipe, a terminal, a socket) never block
+the event loop: they go through a bounded non-blocking buffer
+(``aioproc._console``).  When the console, the queue of an async
+``CallbackSink`` or an ``OutputStream`` falls behind, the output readers
+pause and the workers block on their own pipes (backpressure), so the
+supervisor's memory stays bounded; the log files still get every byte.
+
+A sink that raises is isolated: the error is logged once on the ``aioproc``
+logger, naming the sink, and neither the workers, the log files, the other
+sinks nor the verdict notice.  At close, sinks get ``SINK_CLOSE_DEADLINE``
+seconds in total to drain (``close_sinks``); what is left then is dropped
+and counted in one warning.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import os
-import shutil
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, NamedTuple, TextIO
+
+from ._console import ConsoleWriter, Screen, console_write, safe_write
+from ._flow import Flow
+from ._sinkops import LineQueue, discard, logger, report_sink_error
+from ._validate import check_duration
 
 __all__ = [
     "CallbackSink",
@@ -41,6 +57,12 @@ __all__ = [
     "OutputStream",
     "Sink",
 ]
+
+SINK_CLOSE_DEADLINE = 5.0
+"""Seconds ``close_sinks`` waits in total for the sinks of a group to drain."""
+
+_CANCEL_GRACE = 0.5
+"""Seconds a sink's cancelled ``aclose()`` gets to unwind before it is left behind."""
 
 
 class OutputLine(NamedTuple):
@@ -58,6 +80,9 @@ class OutputLine(NamedTuple):
 class Sink:
     """Base class: override ``lines`` (and optionally ``status``, ``aclose``)."""
 
+    # the flow readers watch to pause while this sink's buffer is full (None: no buffer)
+    _backpressure: Flow | None = None
+
     def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
         """Receive complete lines of one worker stream, in order."""
         raise NotImplementedError
@@ -68,91 +93,28 @@ class Sink:
     async def aclose(self) -> None:
         """Flush and release resources; called when the group is closed."""
 
+    def _drop_pending(self) -> int:
+        """Drop what is still buffered; the number of lines lost (ever) not yet reported."""
+        return 0
+
 
 # ------------------------------------------------------------------ console
-
-
-class _Screen:
-    """The bottom-of-terminal status area of one text stream (shared)."""
-
-    # keyed by the terminal itself: stdout and stderr on one tty share a screen
-    _screens: dict[tuple[int, ...], _Screen] = {}  # noqa: RUF012
-
-    @classmethod
-    def of(cls, stream: TextIO) -> _Screen:
-        try:
-            st = os.fstat(stream.fileno())
-            key: tuple[int, ...] = (st.st_dev, st.st_ino, st.st_rdev)
-        except (AttributeError, OSError, ValueError):
-            key = (id(stream),)
-        screen = cls._screens.get(key)
-        if screen is None:
-            screen = cls._screens[key] = cls(stream)
-        screen.stream = stream
-        return screen
-
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-        self.statuses: dict[tuple[int, str, str], str] = {}
-        self._drawn = 0  # status lines currently on screen
-        self._redraw: asyncio.TimerHandle | None = None
-        self._redraw_loop: asyncio.AbstractEventLoop | None = None
-
-    def write_lines(self, text: str) -> None:
-        self._write(self._erase() + text + self._render())
-
-    def set_status(self, key: tuple[int, str, str], text: str | None, interval: float) -> None:
-        if text is None:
-            if self.statuses.pop(key, None) is not None:
-                self._write(self._erase() + self._render())
-            return
-        self.statuses[key] = text
-        loop = asyncio.get_running_loop()
-        if self._redraw is not None and self._redraw_loop is not loop:
-            self._redraw = None  # scheduled on a loop that is gone
-        if self._redraw is None:
-            self._redraw = loop.call_later(interval, self._redraw_now)
-            self._redraw_loop = loop
-
-    def _redraw_now(self) -> None:
-        self._redraw = None
-        self._write(self._erase() + self._render())
-
-    def _erase(self) -> str:
-        if not self._drawn:
-            return ""
-        n, self._drawn = self._drawn, 0
-        return f"\x1b[{n}F\x1b[J"  # up n lines to column 0, clear to end of screen
-
-    def _render(self) -> str:
-        if not self.statuses:
-            return ""
-        width = max(shutil.get_terminal_size().columns - 1, 10)
-        rows = [f"{prefix}{text}"[:width] for (_, _, prefix), text in self.statuses.items()]
-        self._drawn = len(rows)
-        return "".join(f"{row}\n" for row in rows)
-
-    def _write(self, text: str) -> None:
-        if text:
-            _safe_write(self.stream, text)
-
-
-def _safe_write(stream: TextIO, text: str) -> None:
-    try:
-        stream.write(text)
-        stream.flush()
-    except (OSError, ValueError):
-        pass  # console gone (closed pipe or file): the log file still has it
 
 
 class ConsoleSink(Sink):
     """Prefixed lines on the parent's stdout/stderr (see the module docstring).
 
+    Writes never block the event loop: a console that does not keep up
+    (a pipe nobody reads) fills a bounded buffer, then the workers feeding
+    it are paused.  Characters the console's encoding cannot represent are
+    written as backslash escapes.
+
     Args:
         stream: write everything here instead of sys.stdout/sys.stderr
             (chosen per worker stream at write time).
         write: a function taking one line (without newline), e.g.
-            ``tqdm.write``, used instead of writing to a stream.
+            ``tqdm.write``, used instead of writing to a stream.  It is
+            called on the event loop and must not block.
         status_interval: seconds between printed updates of one progress
             bar when not on a terminal.
         redraw_interval: seconds between redraws of the status lines on a
@@ -169,15 +131,38 @@ class ConsoleSink(Sink):
     ) -> None:
         self._stream = stream
         self._write = write
-        self._status_interval = status_interval
-        self._redraw_interval = redraw_interval
+        self._status_interval = check_duration("status_interval", status_interval)
+        self._redraw_interval = check_duration("redraw_interval", redraw_interval)
         self._last_printed: dict[tuple[int, str, str], tuple[float, str]] = {}
         self._keys: set[tuple[int, str, str]] = set()
+        self._backpressure = Flow()
+        self._writers: list[ConsoleWriter] = []
+
+    def __repr__(self) -> str:
+        target = "write=" + repr(self._write) if self._write is not None else self._stream
+        return f"ConsoleSink({target or ''})"
 
     def _target(self, stream: str) -> TextIO:
         if self._stream is not None:
             return self._stream
         return sys.stderr if stream == "stderr" else sys.stdout
+
+    def _used(self, writer: ConsoleWriter | None) -> None:
+        """Follow a console writer's fullness (it pauses the readers feeding this sink).
+
+        Only a writer left with bytes pending can fill up; one that took
+        everything is followed once it does not.
+        """
+        if writer is not None and writer.pending and writer not in self._writers:
+            self._writers.append(writer)
+            writer.flow.watch(self._on_writer_flow)
+
+    def _on_writer_flow(self, flow: Flow, blocked: bool) -> None:
+        assert self._backpressure is not None
+        if blocked:
+            self._backpressure.hold(flow)
+        else:
+            self._backpressure.release(flow)
 
     def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
         key = (rank, stream, prefix)
@@ -194,11 +179,11 @@ class ConsoleSink(Sink):
         sep = "\n" + prefix
         text = prefix + sep.join(lines) + "\n"
         if _isatty(target):
-            screen = _Screen.of(target)
+            screen = Screen.of(target)
             screen.statuses.pop(key, None)
-            screen.write_lines(text)
+            self._used(screen.write_lines(text))
         else:
-            _safe_write(target, text)
+            self._used(console_write(target, text))
 
     def status(self, rank: int, stream: str, prefix: str, text: str | None) -> None:
         key = (rank, stream, prefix)
@@ -206,7 +191,7 @@ class ConsoleSink(Sink):
         if self._write is None and _isatty(target):
             if text is not None:
                 self._keys.add(key)
-            _Screen.of(target).set_status(key, text, self._redraw_interval)
+            Screen.of(target).set_status(key, text, self._redraw_interval)
             return
         if text is None:
             return
@@ -218,14 +203,29 @@ class ConsoleSink(Sink):
         if self._write is not None:
             self._write(f"{prefix}{text}")
         else:
-            _safe_write(target, f"{prefix}{text}\n")
+            self._used(console_write(target, f"{prefix}{text}\n"))
 
     async def aclose(self) -> None:
+        """Clear the status lines, then wait while the console accepts what is
+        buffered (a console that accepts nothing for ``_console.STALL_TIMEOUT``
+        seconds is given up: see ``close_sinks``)."""
         for key in self._keys:
             for target in {self._target("stdout"), self._target("stderr")}:
                 if _isatty(target):
-                    _Screen.of(target).set_status(key, None, 0)
+                    Screen.of(target).set_status(key, None, 0)
         self._keys.clear()
+        for writer in self._writers:
+            if writer.loop is asyncio.get_running_loop():
+                await writer.drain()
+
+    def _drop_pending(self) -> int:
+        dropped = 0
+        for writer in self._writers:
+            dropped += writer.abandon()  # releases its flow: readers resume
+            writer.flow.unwatch(self._on_writer_flow)
+            self._on_writer_flow(writer.flow, False)
+        self._writers.clear()
+        return dropped
 
 
 def _isatty(stream: TextIO) -> bool:
@@ -245,12 +245,15 @@ class FileSink(Sink):
         self._path = target if isinstance(target, str) else None
         self._file: TextIO | None = None if isinstance(target, str) else target
 
+    def __repr__(self) -> str:
+        return f"FileSink({self._path if self._path is not None else self._file!r})"
+
     def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
         if self._file is None:
             assert self._path is not None
             # opened on first use, on the loop: a local file open is quick
             self._file = open(self._path, "a", encoding="utf-8")  # noqa: SIM115
-        _safe_write(self._file, "".join(f"{prefix}{line}\n" for line in lines))
+        safe_write(self._file, "".join(f"{prefix}{line}\n" for line in lines))
 
     async def aclose(self) -> None:
         if self._path is not None and self._file is not None:
@@ -273,12 +276,18 @@ class _FilteredFileSink(FileSink):
 
 # ----------------------------------------------------------------- callbacks
 
+_Job = tuple[OutputLine, "Awaitable[Any] | None"]
+
 
 class CallbackSink(Sink):
     """Calls ``fn(OutputLine)`` for every line; ``fn`` may be a coroutine function.
 
-    Async callbacks run one at a time, in order, in a task of their own, so a
-    slow callback delays only itself, never the readers.
+    Async callbacks (coroutine functions, or callables returning an
+    awaitable such as ``lambda rec: queue.put(rec)``) run one at a time, in
+    order, in a task of their own, so a slow callback delays only itself,
+    never the readers.  Its queue is bounded: when it is full the readers
+    pause and the workers block on their pipes.  An exception from ``fn``
+    is logged once and the next line is delivered as usual.
     """
 
     def __init__(self, fn: Callable[[OutputLine], Awaitable[Any] | Any]) -> None:
@@ -286,51 +295,97 @@ class CallbackSink(Sink):
         self._async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
             getattr(fn, "__call__", None)  # noqa: B004 - an object with async __call__
         )
-        self._queue: asyncio.Queue[OutputLine | None] | None = None
+        self._queue: LineQueue[_Job] = LineQueue()
+        self._backpressure = self._queue.flow
         self._task: asyncio.Task[None] | None = None
+
+    def __repr__(self) -> str:
+        return f"CallbackSink({self._fn!r})"
 
     def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
         records = [OutputLine(rank, stream, line, prefix) for line in lines]
         if not self._async:
-            for rec in records:
-                self._fn(rec)
+            for i, rec in enumerate(records):
+                try:
+                    result = self._fn(rec)
+                except Exception:
+                    report_sink_error(self, "its callback")
+                    continue
+                if inspect.isawaitable(result):
+                    # it returns awaitables: from now on it runs in the drain task
+                    self._async = True
+                    self._enqueue([(rec, result)] + [(r, None) for r in records[i + 1 :]])
+                    return
             return
-        if self._queue is None:
-            self._queue = asyncio.Queue()
-            self._task = asyncio.get_running_loop().create_task(self._drain())
-        for rec in records:
-            self._queue.put_nowait(rec)
+        self._enqueue([(rec, None) for rec in records])
+
+    def _enqueue(self, jobs: list[_Job]) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(
+                self._drain(), name=f"aioproc-sink-{self._fn!r}"
+            )
+        for job in jobs:
+            if not self._queue.put(job, len(job[0].line)):
+                discard(job[1])
 
     async def _drain(self) -> None:
-        assert self._queue is not None
-        while (rec := await self._queue.get()) is not None:
-            await self._fn(rec)
+        while (job := await self._queue.get()) is not None:
+            rec, pending = job
+            try:
+                if pending is None:
+                    pending = self._fn(rec)
+                if inspect.isawaitable(pending):
+                    await pending
+            except Exception:
+                report_sink_error(self, "its callback")
 
     async def aclose(self) -> None:
-        if self._queue is not None and self._task is not None:
-            self._queue.put_nowait(None)
+        """Wait until every queued line was handed to the callback."""
+        if self._task is not None and not self._task.done():
+            self._queue.end()
             await self._task
+
+    def _drop_pending(self) -> int:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        left = self._queue.clear()
+        for _, pending in left:
+            discard(pending)
+        dropped = len(left) + self._queue.dropped
+        self._queue.dropped = 0
+        return dropped
 
 
 class OutputStream(Sink):
     """An async iterator of ``OutputLine`` records; ends when the group is closed.
 
-    ``async for rec in stream: ...`` in a task of its own.  The buffer is
-    unbounded so the readers never wait for the consumer.
+    ``async for rec in stream: ...`` in a task of its own, while the group
+    runs.  The buffer is bounded: while the consumer lags more than about a
+    megabyte behind, the workers feeding it are paused (they block on their
+    pipes).  Records buffered when the group closes can still be read.
     """
 
     def __init__(self) -> None:
-        self._queue: asyncio.Queue[OutputLine | None] = asyncio.Queue()
+        self._queue: LineQueue[OutputLine] = LineQueue()
+        self._backpressure = self._queue.flow
         self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<OutputStream {len(self._queue)} buffered{' closed' if self._closed else ''}>"
 
     def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
         for line in lines:
-            self._queue.put_nowait(OutputLine(rank, stream, line, prefix))
+            self._queue.put(OutputLine(rank, stream, line, prefix), len(line))
 
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
-            self._queue.put_nowait(None)
+            self._queue.end()
+
+    def _drop_pending(self) -> int:
+        # what is buffered stays readable after close; only overflow was lost
+        dropped, self._queue.dropped = self._queue.dropped, 0
+        return dropped
 
     def __aiter__(self) -> AsyncIterator[OutputLine]:
         return self._iter()
@@ -338,4 +393,75 @@ class OutputStream(Sink):
     async def _iter(self) -> AsyncIterator[OutputLine]:
         while (rec := await self._queue.get()) is not None:
             yield rec
-        self._queue.put_nowait(None)  # every other iteration ends too
+        self._queue.end()  # every other iteration ends too
+
+
+# -------------------------------------------------------------------- close
+
+
+async def close_sinks(sinks: Sequence[Sink], deadline: float | None = None) -> None:
+    """Close every sink, giving them ``deadline`` seconds in total to drain.
+
+    ``deadline`` defaults to ``SINK_CLOSE_DEADLINE`` (5 s).
+    The sinks are closed concurrently.  Past the deadline, the ``aclose()``
+    calls still running are cancelled and what the sinks still buffer is
+    dropped; the number of lines lost is logged in one warning.  A sink
+    whose ``aclose()`` raises is logged (``report_sink_error``).  Never
+    raises for a sink's sake, so the caller's cleanup always completes.
+
+    Cancellation: cancelling this cancels the ``aclose()`` calls, drops
+    what is buffered and re-raises; callers run it shielded.
+    """
+    if not sinks:
+        return
+    if deadline is None:
+        deadline = SINK_CLOSE_DEADLINE
+    loop = asyncio.get_running_loop()
+    tasks = {
+        loop.create_task(_aclose(sink), name=f"aioproc-close-{sink!r}"): sink for sink in sinks
+    }
+    try:
+        _, pending = await asyncio.wait(tasks, timeout=max(deadline, 0.0))
+    except BaseException:
+        pending = {t for t in tasks if not t.done()}
+        _give_up(tasks, pending)
+        raise
+    late = _give_up(tasks, pending)
+    if pending:
+        _, stuck = await asyncio.wait(pending, timeout=_CANCEL_GRACE)
+        for task in stuck:
+            logger.error("sink %r did not stop when cancelled; left behind", tasks[task])
+    if late:
+        logger.warning(
+            "%d line(s) of worker output were dropped: sink(s) %s had not taken them "
+            "when the group closed (they get %g s to drain; a console that accepts "
+            "nothing is given up sooner); the log files have every line",
+            sum(n for _, n in late),
+            ", ".join(repr(s) for s, _ in late),
+            deadline,
+        )
+
+
+def _give_up(
+    tasks: dict[asyncio.Task[None], Sink], pending: set[asyncio.Task[None]]
+) -> list[tuple[Sink, int]]:
+    """Cancel the pending closes, drop every sink's leftovers; lines lost per sink."""
+    for task in pending:
+        task.cancel()
+    late: list[tuple[Sink, int]] = []
+    for sink in tasks.values():
+        try:
+            n = sink._drop_pending()
+        except Exception:
+            report_sink_error(sink, "_drop_pending()")
+            continue
+        if n:
+            late.append((sink, n))
+    return late
+
+
+async def _aclose(sink: Sink) -> None:
+    try:
+        await sink.aclose()
+    except Exception:
+        report_sink_error(sink, "aclose()")

@@ -33,7 +33,7 @@ from ._shutdown import stop_groups, warn_forced
 from ._spawn import Child
 from ._validate import check_duration, check_env
 from .errors import BrokenWorkerError
-from .sinks import ConsoleSink, Sink
+from .sinks import ConsoleSink, Sink, close_sinks
 
 __all__ = ["WorkerProcess", "open_worker"]
 
@@ -64,12 +64,14 @@ class WorkerProcess:
         channel: Channel,
         shutdown_timeout: float,
         tail: _TailSink,
+        console: Sink,
     ) -> None:
         self.name = name
         self._child = child
         self._channel = channel
         self._shutdown_timeout = shutdown_timeout
         self._tail = tail
+        self._console = console
         self._lock = asyncio.Lock()
         self._reply: asyncio.Future[tuple[int, bytearray]] | None = None
         self._closed = False
@@ -221,6 +223,7 @@ class WorkerProcess:
             await stop_groups([self._child], signal.SIGKILL, 0)  # descendants only
         await self._exit_task
         await self._child.close_streams(1.0)
+        await close_sinks([self._console, self._tail])
         _release(self._child)
         await _lifeline.settle()
         if forced:
@@ -249,7 +252,8 @@ async def _start_worker(
     init_parts = CallEncoder(init).encode(init_args, {}) if init is not None else None
     full_env = {**os.environ, **(env or {})}
     tail = _TailSink(STDERR_TAIL)
-    stderr_tee = TeeProtocol(None, 0, "stderr", f"[{name}]:", [ConsoleSink(), tail])
+    console = ConsoleSink()
+    stderr_tee = TeeProtocol(None, 0, "stderr", f"[{name}]:", [console, tail])
     child: Child | None = None
     worker: WorkerProcess | None = None
     pending_init: asyncio.Future[tuple[int, bytearray]] | None = None
@@ -307,7 +311,7 @@ async def _start_worker(
                     f"worker {name} (pid {child.pid}): init did not finish within "
                     f"init_timeout={init_timeout:g} s"
                 )
-        worker = WorkerProcess(name, child, child.channel, shutdown_timeout, tail)
+        worker = WorkerProcess(name, child, child.channel, shutdown_timeout, tail, console)
         return worker
     except BaseException:
         await shielded(_abandon(child))

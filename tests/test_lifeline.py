@@ -72,6 +72,8 @@ async def test_a_killed_guardian_is_replaced_and_logged(
             await asyncio.wait_for(asyncio.shield(guardian.watcher.future), 5)
             replacement = _lifeline.current_pid()
             assert replacement not in (None, first)
+            # it stays up (and, once exec has completed, shows as a guardian)
+            assert await still_alive_after([replacement], 0.5) == {replacement}
             assert guardians() == [replacement]
             assert f"guardian process (pid {first}) died" in caplog.text
             await pc.close(timeout=5)

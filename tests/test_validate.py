@@ -445,13 +445,11 @@ def test_agent_specs_reject_bad_input(
 
 async def test_agent_run_id_cannot_leave_the_log_dir(tmp_path: Path, log_dir: Path) -> None:
     spec = WorkerSpec("r", 2, "/bin/true", max_restarts=3)
-    agent = LocalElasticAgent(
-        spec, logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)), run_id="../x"
-    )
     children_before = child_pids()
-    with pytest.raises(ValueError, match="run id") as info:
-        await agent.run()
-    assert "run id (TORCHELASTIC_RUN_ID) '../x' contains a path separator" in str(info.value)
+    # refused when the agent is built, before any attempt could start
+    with pytest.raises(ValueError, match="run_id") as info:
+        LocalElasticAgent(spec, logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)), run_id="../x")
+    assert "run_id '../x' contains a path separator" in str(info.value)
     assert child_pids() == children_before
     assert list(log_dir.iterdir()) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logs", "tmp"]

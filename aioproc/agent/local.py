@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from .._validate import check_duration, check_path_name
 from ..context import (
     START_METHODS,
     PContext,
@@ -32,6 +33,7 @@ from ..context import (
 from ..errors import ChildFailedError
 from ..logs import DefaultLogsSpecs, LogsSpecs
 from ..signals import pending_signal
+from ..sinks import close_sinks
 from . import events as ev
 from .events import AgentEvent, EventHub
 from .spec import RunResult, WorkerSpec, WorkerState
@@ -88,8 +90,10 @@ class LocalElasticAgent:
             raise TypeError(f"spec must be a WorkerSpec, got {spec!r}")
         if start_method not in START_METHODS:
             raise ValueError(f"unknown start_method {start_method!r}: only 'spawn' is supported")
-        if not isinstance(grace_period, (int, float)) or grace_period < 0:
-            raise ValueError(f"grace_period must be a number >= 0, got {grace_period!r}")
+        grace_period = check_duration("grace_period", grace_period)
+        exit_barrier_timeout = check_duration("exit_barrier_timeout", exit_barrier_timeout)
+        if run_id is not None:
+            check_path_name("run_id", run_id)
         if logs_specs is None:
             logs_specs = DefaultLogsSpecs(
                 log_dir=log_dir,
@@ -244,8 +248,8 @@ class LocalElasticAgent:
         finally:
             if watchdog is not None:
                 await watchdog.aclose()
-            for sink in self._sinks or ():
-                await sink.aclose()
+            # bounded, and never raises for a sink's sake
+            await close_sinks(list(self._sinks or ()))
             self._running = False
             self._events.close()
 

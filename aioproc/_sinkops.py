@@ -1,0 +1,122 @@
+"""Plumbing shared by the sinks and the output readers: error reports, bounded queues."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import logging
+import weakref
+from collections.abc import Awaitable
+from typing import Any, Generic, TypeVar
+
+from ._flow import HARD_LIMIT, HIGH_WATER, LOW_WATER, RECORD_OVERHEAD, Flow
+
+logger = logging.getLogger("aioproc")
+
+_reported: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+_reported_ids: dict[int, set[str]] = {}  # sinks that cannot be weakly referenced
+
+
+def report_sink_error(sink: object, what: str) -> None:
+    """Log the exception being handled, once per sink and method.
+
+    Called from an ``except`` block.  Later failures of the same sink and
+    method are logged at debug level only: a sink raising on every line
+    must not flood the log.
+    """
+    try:
+        seen = _reported.setdefault(sink, set())
+    except TypeError:
+        seen = _reported_ids.setdefault(id(sink), set())
+    if what in seen:
+        logger.debug("sink %r failed again in %s", sink, what, exc_info=True)
+        return
+    seen.add(what)
+    logger.error(
+        "sink %r raised in %s; ignored (the workers, log files and other sinks are "
+        "unaffected; later failures of this sink are not logged)",
+        sink,
+        what,
+        exc_info=True,
+    )
+
+
+T = TypeVar("T")
+
+
+class LineQueue(Generic[T]):
+    """A FIFO of records, bounded by their size in bytes, with backpressure.
+
+    Past ``HIGH_WATER`` its flow is held (the readers pause); below
+    ``LOW_WATER`` released.  Past ``HARD_LIMIT`` (readers that ignore
+    backpressure: a worker's last output after it exited) records are
+    dropped and counted in ``dropped``.  ``end()`` adds an end marker that is
+    never dropped.
+    """
+
+    def __init__(self) -> None:
+        self._items: collections.deque[tuple[T | None, int]] = collections.deque()
+        self._cost = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.flow = Flow()
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, item: T, size: int) -> bool:
+        """Append ``item`` of ``size`` text bytes; False (dropped) past the hard limit."""
+        cost = size + RECORD_OVERHEAD
+        if self._cost + cost > HARD_LIMIT:
+            self.dropped += 1
+            return False
+        self._items.append((item, cost))
+        self._cost += cost
+        if self._cost >= HIGH_WATER:
+            self.flow.hold(self)
+        self._wake()
+        return True
+
+    def end(self) -> None:
+        self._items.append((None, 0))
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+
+    async def get(self) -> T | None:
+        """The next record; None for the end marker."""
+        while not self._items:
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            try:
+                await fut
+            except BaseException:
+                if fut.done() and not fut.cancelled():
+                    self._wake()  # pass the wake-up on to another getter
+                raise
+        item, cost = self._items.popleft()
+        self._cost -= cost
+        if self._cost < LOW_WATER:
+            self.flow.release(self)
+        return item
+
+    def clear(self) -> list[T]:
+        """Remove and return every record (not end markers)."""
+        items = [item for item, _ in self._items if item is not None]
+        self._items.clear()
+        self._cost = 0
+        self.flow.release(self)
+        return items
+
+
+def discard(pending: Awaitable[Any] | None) -> None:
+    """Close an awaitable that will never be awaited (no 'never awaited' warning)."""
+    close = getattr(pending, "close", None)
+    if inspect.iscoroutine(pending) and close is not None:
+        close()
