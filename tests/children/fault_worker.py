@@ -1,0 +1,108 @@
+"""Workers for the fault-injection and core-edge tests; standard library only.
+
+As a function-worker module (imported by name from ``tests/children``):
+``fn_worker(report, chatty)`` starts a ``sleep 1000`` grandchild in its own
+process group, appends "<worker pid> <grandchild pid>" to ``report`` and
+then blocks (or, if ``chatty``, writes lines to stdout as fast as it can).
+
+As a binary worker, ``python fault_worker.py <mode> ...``:
+
+- ``flush-leader <fifo> <done>``: starts a ``flusher`` grandchild in its own
+  group, waits for it to be ready, writes "<pid> <grandchild pid>" to
+  ``<fifo>`` and blocks; SIGTERM ends it at once (default action).
+- ``flusher <done>``: traps SIGTERM, prints "ready"; on SIGTERM it takes
+  ``FLUSH_SECONDS`` to "flush" (simulated work), then writes ``<done>``.
+- ``slow-exit <fifo>``: reports "<pid> 0" on ``<fifo>``; on SIGTERM it takes
+  ``SLOW_EXIT_SECONDS`` before exiting 0.
+
+A report is one ``write`` of one short line in append mode, so lines from
+many workers never interleave.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+FLUSH_SECONDS = 1.0
+SLOW_EXIT_SECONDS = 0.5
+CHATTY_LINE = "fault-injection chatter " + "x" * 100 + "\n"
+
+
+def report_line(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def fn_worker(report: str, chatty: bool = False) -> None:
+    """Function worker: start a grandchild, report both pids, then block or chatter."""
+    sleeper = subprocess.Popen(["sleep", "1000"])
+    report_line(report, f"{os.getpid()} {sleeper.pid}\n")
+    if chatty:
+        block = CHATTY_LINE * 64
+        while True:
+            sys.stdout.write(block)
+    while True:
+        signal.pause()
+
+
+class _Term(Exception):
+    pass
+
+
+def _raise_term(signum: int, frame: object) -> None:
+    raise _Term
+
+
+def flush_leader(fifo: str, done: str) -> None:
+    child = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "flusher", done], stdout=subprocess.PIPE
+    )
+    assert child.stdout is not None
+    if child.stdout.readline() != b"ready\n":
+        sys.exit("flusher did not get ready")
+    child.stdout.close()
+    report_line(fifo, f"{os.getpid()} {child.pid}\n")
+    while True:
+        signal.pause()
+
+
+def flusher(done: str) -> None:
+    signal.signal(signal.SIGTERM, _raise_term)
+    try:
+        print("ready", flush=True)
+        while True:
+            signal.pause()
+    except _Term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(FLUSH_SECONDS)  # the work a real helper would flush before exiting
+    report_line(done, "flushed\n")
+
+
+def slow_exit(fifo: str) -> None:
+    signal.signal(signal.SIGTERM, _raise_term)
+    try:
+        report_line(fifo, f"{os.getpid()} 0\n")
+        while True:
+            signal.pause()
+    except _Term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(SLOW_EXIT_SECONDS)  # a worker that needs a moment to shut down
+
+
+if __name__ == "__main__":
+    mode, rest = sys.argv[1], sys.argv[2:]
+    if mode == "flush-leader":
+        flush_leader(*rest)
+    elif mode == "flusher":
+        flusher(*rest)
+    elif mode == "slow-exit":
+        slow_exit(*rest)
+    else:
+        sys.exit(f"unknown mode {mode!r}")
