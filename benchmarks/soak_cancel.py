@@ -58,7 +58,7 @@ MARK_VAR = "AIOPROC_FAULT_MARK"
 SH_WORKER = 'sleep 1000 & echo "$$ $!" >> "$1"; wait'
 """A binary worker: ``/bin/sh -c SH_WORKER fault <report>`` starts a grandchild,
 reports both pids and waits (SIGTERM ends the shell and, via the group, the sleep)."""
-SETTLE = 10.0
+SETTLE = 5.0
 """Seconds leftover processes get to exit after an iteration (bounded pidfd wait)."""
 PHASES = ("start", "start-await", "wait", "close")
 KINDS = ("binary", "function")
@@ -360,6 +360,7 @@ async def soak(
         os.mkdir(tmp)
         tempfile.tempdir = tmp
         try:
+            await warm_up()
             base_children = child_pids()
             base_fds = open_fds()
             base_threads = threading.active_count()
@@ -406,6 +407,16 @@ async def soak(
         finally:
             tempfile.tempdir = saved_tempdir
     return out
+
+
+async def warm_up() -> None:
+    """One uncancelled tee'd group first: the loop opens some fds lazily on first use
+    (uvloop a /dev/null), and they are the loop's, not leaks."""
+    pc = await aioproc.start_processes(
+        "warm-up", "/bin/true", {0: ()}, {0: {}}, DefaultLogsSpecs(tee=Std.ALL), sinks=[discard]
+    )
+    await pc.wait()
+    await pc.close()
 
 
 async def _count(

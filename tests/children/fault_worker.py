@@ -1,9 +1,10 @@
 """Workers for the fault-injection and core-edge tests; standard library only.
 
 As a function-worker module (imported by name from ``tests/children``):
-``fn_worker(report, chatty)`` starts a ``sleep 1000`` grandchild in its own
+``fn_worker(report, gate)`` starts a ``sleep 1000`` grandchild in its own
 process group, appends "<worker pid> <grandchild pid>" to ``report`` and
-then blocks (or, if ``chatty``, writes lines to stdout as fast as it can).
+then blocks; given a ``gate`` (a FIFO), it instead waits for one byte on it
+and then writes lines to stdout as fast as it can.
 
 As a binary worker, ``python fault_worker.py <mode> ...``:
 
@@ -40,11 +41,21 @@ def report_line(path: str, text: str) -> None:
         os.close(fd)
 
 
-def fn_worker(report: str, chatty: bool = False) -> None:
+def read_byte(path: str) -> None:
+    """Block until one byte can be read from the FIFO ``path`` (a gate the test opens)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.read(fd, 1)
+    finally:
+        os.close(fd)
+
+
+def fn_worker(report: str, gate: str = "") -> None:
     """Function worker: start a grandchild, report both pids, then block or chatter."""
     sleeper = subprocess.Popen(["sleep", "1000"])
     report_line(report, f"{os.getpid()} {sleeper.pid}\n")
-    if chatty:
+    if gate:
+        read_byte(gate)
         block = CHATTY_LINE * 64
         while True:
             sys.stdout.write(block)
