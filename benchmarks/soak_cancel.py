@@ -14,7 +14,8 @@ file.  The task driving the group is cancelled at a random moment of
   pidfds up to ``SETTLE`` seconds;
 - fds and threads, against the counts before the first iteration;
 - ``aioproc_*`` temp dirs (the workers write nothing, so every log file is
-  empty and ``prune`` removes the whole dir).
+  empty and ``prune`` removes the whole dir);
+- warnings, such as the ``ResourceWarning`` of a pipe aioproc dropped unclosed.
 
 Usage::
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import random
 import sys
@@ -36,6 +38,7 @@ import tempfile
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -227,17 +230,20 @@ class Leftovers:
     threads: int = 0
     temp_dirs: int = 0
     errors: int = 0
+    warnings: int = 0
     details: list[str] = field(default_factory=list)
     outcomes: dict[str, int] = field(default_factory=dict)
 
     def total(self) -> int:
-        return self.processes + self.fds + self.threads + self.temp_dirs + self.errors
+        return (
+            self.processes + self.fds + self.threads + self.temp_dirs + self.errors + self.warnings
+        )
 
     def summary(self) -> str:
         return (
             f"{self.iterations} iterations: {self.processes} leftover processes, "
             f"{self.fds} fds, {self.threads} threads, {self.temp_dirs} temp dirs, "
-            f"{self.errors} unexpected errors"
+            f"{self.errors} unexpected errors, {self.warnings} warnings (e.g. unclosed files)"
         )
 
 
@@ -372,14 +378,23 @@ async def soak(
                 else:
                     kind = "function" if rng.random() < function_share else "binary"
                 where = f"iteration {i} ({phase}, {kind})"
-                try:
-                    mark, report, pids = await one_iteration(rng, workdir, phase, kind, nprocs)
-                    outcome = "ok"
-                except Exception as e:
-                    out.errors += 1
-                    out.details.append(f"{where}: unexpected {e!r}")
-                    outcome = type(e).__name__
-                    mark, report, pids = "", "", set()
+                with warnings.catch_warnings(record=True) as caught:
+                    # an object aioproc dropped unclosed warns when collected
+                    warnings.simplefilter("always")
+                    try:
+                        mark, report, pids = await one_iteration(
+                            rng, workdir, phase, kind, nprocs
+                        )
+                        outcome = "ok"
+                    except Exception as e:
+                        out.errors += 1
+                        out.details.append(f"{where}: unexpected {e!r}")
+                        outcome = type(e).__name__
+                        mark, report, pids = "", "", set()
+                    gc.collect()
+                for w in caught:
+                    out.warnings += 1
+                    out.details.append(f"{where}: {w.category.__name__}: {w.message}")
                 out.iterations += 1
                 out.outcomes[outcome] = out.outcomes.get(outcome, 0) + 1
                 await _count(out, where, mark, report, pids, base_children)

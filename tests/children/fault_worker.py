@@ -4,7 +4,7 @@ As a function-worker module (imported by name from ``tests/children``):
 ``fn_worker(report, gate)`` starts a ``sleep 1000`` grandchild in its own
 process group, appends "<worker pid> <grandchild pid>" to ``report`` and
 then blocks; given a ``gate`` (a FIFO), it instead waits for one byte on it
-and then writes lines to stdout as fast as it can.
+and then writes lines to stdout as fast as it can.  ``answer()`` returns 42.
 
 As a binary worker, ``python fault_worker.py <mode> ...``:
 
@@ -61,6 +61,11 @@ def fn_worker(report: str, gate: str = "") -> None:
             sys.stdout.write(block)
     while True:
         signal.pause()
+
+
+def answer() -> int:
+    """Function worker that returns at once."""
+    return 42
 
 
 class _Term(Exception):
