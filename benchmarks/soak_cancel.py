@@ -39,7 +39,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +52,7 @@ if CHILDREN_DIR not in sys.path:
     sys.path.insert(0, CHILDREN_DIR)  # fault_worker, importable by function workers
 
 import fault_worker  # noqa: E402
+from _util import run_on  # noqa: E402
 
 import aioproc  # noqa: E402
 from aioproc import DefaultLogsSpecs, Std  # noqa: E402
@@ -121,6 +122,11 @@ def reported_pids(report: str) -> set[int]:
     return {int(p) for p in text.split() if p.isdigit() and int(p) > 0}
 
 
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 async def wait_exited(pids: Iterable[int], timeout: float) -> set[int]:
     """Wait up to ``timeout`` for every pid to exit (via pidfds); return those still running."""
     loop = asyncio.get_running_loop()
@@ -134,7 +140,7 @@ async def wait_exited(pids: Iterable[int], timeout: float) -> set[int]:
                 continue
             fds.append(fd)
             fut: asyncio.Future[None] = loop.create_future()
-            loop.add_reader(fd, lambda f=fut: f.done() or f.set_result(None))
+            loop.add_reader(fd, _resolve, fut)
             futs[pid] = fut
         if futs:
             await asyncio.wait(futs.values(), timeout=timeout)
@@ -382,9 +388,7 @@ async def soak(
                     # an object aioproc dropped unclosed warns when collected
                     warnings.simplefilter("always")
                     try:
-                        mark, report, pids = await one_iteration(
-                            rng, workdir, phase, kind, nprocs
-                        )
+                        mark, report, pids = await one_iteration(rng, workdir, phase, kind, nprocs)
                         outcome = "ok"
                     except Exception as e:
                         out.errors += 1
@@ -396,7 +400,8 @@ async def soak(
                     out.warnings += 1
                     out.details.append(f"{where}: {w.category.__name__}: {w.message}")
                 out.iterations += 1
-                out.outcomes[outcome] = out.outcomes.get(outcome, 0) + 1
+                key = f"{phase}/{kind}: {outcome}"
+                out.outcomes[key] = out.outcomes.get(key, 0) + 1
                 await _count(out, where, mark, report, pids, base_children)
                 fds = open_fds() - base_fds
                 if fds:
@@ -456,17 +461,6 @@ async def _count(
 
 
 # ------------------------------------------------------------------- main
-
-
-def run_on(loop_kind: str, main: Callable[[], Awaitable[Leftovers]]) -> Leftovers:
-    if loop_kind == "uvloop":
-        import uvloop
-
-        factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
-    else:
-        factory = asyncio.new_event_loop
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(main())  # type: ignore[arg-type]
 
 
 def main() -> int:

@@ -33,8 +33,8 @@ from helpers import CHILDREN_DIR, REPO_ROOT, child_pids, open_fds, release_fifo
 from proc_utils import Fifo, still_alive_after
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
-import soak_cancel  # noqa: E402
-from soak_cancel import (  # noqa: E402
+import soak_cancel
+from soak_cancel import (
     describe,
     fd_target,
     kill_all,
@@ -44,8 +44,8 @@ from soak_cancel import (  # noqa: E402
     warm_up,
 )
 
-import aioproc  # noqa: E402
-from aioproc import DefaultLogsSpecs, ForcedKillWarning, PContext, Std  # noqa: E402
+import aioproc
+from aioproc import DefaultLogsSpecs, ForcedKillWarning, PContext, Std
 
 FAULT_WORKER = os.path.join(CHILDREN_DIR, "fault_worker.py")
 SUPERVISOR = os.path.join(CHILDREN_DIR, "fault_supervisor.py")
@@ -241,9 +241,13 @@ async def test_close_while_start_is_launching_stops_everything_truthfully() -> N
 
     n = 40
     pc = PContext(
-        "race", "sleep", {r: ("1000",) for r in range(n)}, envs(n), DefaultLogsSpecs(),
+        "race",
+        "sleep",
+        {r: ("1000",) for r in range(n)},
+        envs(n),
+        DefaultLogsSpecs(),
         on_event=on_event,
-    )  # fmt: skip
+    )
     start = asyncio.create_task(pc.start())
     try:
         await asyncio.wait_for(fifth.wait(), LIMIT)
@@ -267,7 +271,9 @@ async def test_close_while_start_is_launching_stops_everything_truthfully() -> N
         f"{len(alive_at_close)} workers still running when close() returned "
         f"(start() had launched {launched} of {n} when close() was called)"
     )
-    assert alive_after_start == set(), f"start() went on launching after close(): {alive_after_start}"
+    assert alive_after_start == set(), (
+        f"start() went on launching after close(): {alive_after_start}"
+    )
     assert result is not None, "a closed group has a final result"
     killed = {r: f.exitcode for r, f in result.failures.items() if f.exitcode == -signal.SIGKILL}
     assert killed == {}, f"ranks reported as SIGKILLed though close() used SIGTERM: {killed}"
@@ -286,9 +292,11 @@ async def test_concurrent_close_calls_return_only_when_everything_is_stopped(
     n = 4
     async with Fifo(tmp_path / "fifo") as fifo:
         pc = await aioproc.start_processes(
-            "closers", sys.executable, {r: (FAULT_WORKER, "slow-exit", fifo.path) for r in range(n)},
+            "closers",
+            sys.executable,
+            {r: (FAULT_WORKER, "slow-exit", fifo.path) for r in range(n)},
             envs(n),
-        )  # fmt: skip
+        )
         try:
             await fifo.lines(n)
             first = asyncio.create_task(pc.close(timeout=10))
@@ -317,11 +325,13 @@ async def test_descendants_of_exited_leaders_get_the_grace_period(tmp_path: Path
     helper = 0
     async with Fifo(tmp_path / "fifo") as fifo:
         pc = await aioproc.start_processes(
-            "flush", sys.executable, {0: (FAULT_WORKER, "flush-leader", fifo.path, str(done))},
+            "flush",
+            sys.executable,
+            {0: (FAULT_WORKER, "flush-leader", fifo.path, str(done))},
             envs(1),
-        )  # fmt: skip
+        )
         try:
-            ((leader, helper),) = await fifo.pid_pairs(1)
+            ((_leader, helper),) = await fifo.pid_pairs(1)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 await pc.close(timeout=10)
@@ -352,6 +362,7 @@ async def test_wait_on_a_finished_group_releases_guardian_and_pipes(
     no helper process (guardian) and no pipe of the group is left."""
     await warm_up()  # the loop's own lazily opened fds are not the group's
     entry: Any
+    args: dict[int, tuple[Any, ...]]
     if kind == "binary":
         entry, args = "/bin/sh", {0: ("-c", "echo out; echo err >&2")}
     else:
@@ -360,9 +371,13 @@ async def test_wait_on_a_finished_group_releases_guardian_and_pipes(
     children_before = child_pids()
     fds_before = open_fds()
     pc = await aioproc.start_processes(
-        "finished", entry, args, envs(1),
-        DefaultLogsSpecs(log_dir=str(tmp_path / "logs"), tee=Std.ALL), sinks=[lines.append],
-    )  # fmt: skip
+        "finished",
+        entry,
+        args,
+        envs(1),
+        DefaultLogsSpecs(log_dir=str(tmp_path / "logs"), tee=Std.ALL),
+        sinks=[lines.append],
+    )
     try:
         result = await pc.wait(timeout=LIMIT)
         extra_children = {p: describe(p) for p in child_pids() - children_before}

@@ -27,8 +27,8 @@ from helpers import CHILDREN_DIR, REPO_ROOT, release_fifo
 from proc_utils import Fifo
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
-import soak_cancel  # noqa: E402
-from soak_cancel import describe, kill_all, reported_pids, survivors  # noqa: E402
+import soak_cancel
+from soak_cancel import describe, kill_all, reported_pids, survivors
 
 SUPERVISOR = os.path.join(CHILDREN_DIR, "fault_supervisor.py")
 # the supervisor must import this checkout's aioproc, not an installed one
@@ -94,9 +94,7 @@ async def test_supervisor_sigkilled_while_starting_leaves_no_process(tmp_path: P
 async def test_supervisor_sigkilled_while_teeing_heavy_output_leaves_no_process(
     tmp_path: Path,
 ) -> None:
-    problems = await kill_supervisor_at_random(
-        tmp_path, "run", "running", 0.3, SIGKILL_ITERATIONS
-    )
+    problems = await kill_supervisor_at_random(tmp_path, "run", "running", 0.3, SIGKILL_ITERATIONS)
     assert problems == [], f"seed {SEED}:\n" + "\n".join(problems)
 
 
@@ -110,8 +108,7 @@ async def test_supervisor_sigkilled_while_closing_leaves_no_process(tmp_path: Pa
 
 async def test_cancelling_start_wait_close_at_random_points_leaves_nothing() -> None:
     found = await soak_cancel.soak(SOAK_ITERATIONS, SEED)
-    assert found.total() == 0, (
-        f"seed {SEED} on {loop_kind()}: {found.summary()}\n" + "\n".join(found.details)
+    assert found.total() == 0, f"seed {SEED} on {loop_kind()}: {found.summary()}\n" + "\n".join(
+        found.details
     )
     assert found.iterations == SOAK_ITERATIONS
-

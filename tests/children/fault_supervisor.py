@@ -27,7 +27,6 @@ Then it blocks until killed.
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import warnings
 
@@ -39,7 +38,9 @@ from aioproc import DefaultLogsSpecs, Std
 MARK_VAR = "AIOPROC_FAULT_MARK"
 SH_WORKER = 'sleep 1000 & echo "$$ $!" >> "$1"; wait'
 SH_CHATTY = (
-    'sleep 1000 & echo "$$ $!" >> "$1"; dd bs=1 count=1 if="$2" of=/dev/null 2>/dev/null; exec yes "fault-injection chatter $$"'
+    'sleep 1000 & echo "$$ $!" >> "$1"; '
+    'dd bs=1 count=1 if="$2" of=/dev/null 2>/dev/null; '  # the test's go
+    'exec yes "fault-injection chatter $$"'
 )
 SH_STUBBORN = 'trap "" TERM; sleep 1000 & echo "$$ $!" >> "$1"; wait'
 
@@ -73,27 +74,43 @@ async def main(mode: str, report: str, mark: str) -> None:
     warnings.simplefilter("ignore")  # ForcedKillWarning on stderr is noise here
     if mode == "start":
         say("starting")
-        await group("bin", "/bin/sh", {r: ("-c", SH_WORKER, "f", report) for r in range(64)},
-                    mark, report)
+        await group(
+            "bin", "/bin/sh", {r: ("-c", SH_WORKER, "f", report) for r in range(64)}, mark, report
+        )
         await group("fn", fault_worker.fn_worker, {r: (report,) for r in range(4)}, mark, report)
         say("started")
     elif mode == "run":
         specs = {"sinks": [discard]}
-        await group("bin", "/bin/sh", {r: ("-c", SH_CHATTY, "f", report, f"{report}.gate") for r in range(8)},
-                    mark, report, logs_specs=DefaultLogsSpecs(f"{report}.logs", tee=Std.ALL),
-                    **specs)
-        await group("fn", fault_worker.fn_worker, {r: (report, f"{report}.gate") for r in range(4)},
-                    mark, report, logs_specs=DefaultLogsSpecs(f"{report}.logs", tee=Std.ALL),
-                    **specs)
+        await group(
+            "bin",
+            "/bin/sh",
+            {r: ("-c", SH_CHATTY, "f", report, f"{report}.gate") for r in range(8)},
+            mark,
+            report,
+            logs_specs=DefaultLogsSpecs(f"{report}.logs", tee=Std.ALL),
+            **specs,
+        )
+        await group(
+            "fn",
+            fault_worker.fn_worker,
+            {r: (report, f"{report}.gate") for r in range(4)},
+            mark,
+            report,
+            logs_specs=DefaultLogsSpecs(f"{report}.logs", tee=Std.ALL),
+            **specs,
+        )
         say("running")
     elif mode == "close":
         bins = await group(
-            "bin", "/bin/sh",
+            "bin",
+            "/bin/sh",
             {r: ("-c", SH_STUBBORN if r % 2 else SH_WORKER, "f", report) for r in range(8)},
-            mark, report,
+            mark,
+            report,
         )
-        fns = await group("fn", fault_worker.fn_worker, {r: (report,) for r in range(2)},
-                          mark, report)
+        fns = await group(
+            "fn", fault_worker.fn_worker, {r: (report,) for r in range(2)}, mark, report
+        )
         say("closing")
         await asyncio.gather(bins.close(timeout=1), fns.close(timeout=1))
         say("closed")
@@ -102,12 +119,14 @@ async def main(mode: str, report: str, mark: str) -> None:
         await pc.wait()
         say(f"exited {pc.pids()[0]}")
     elif mode == "guardian":
-        a = await group("a", "/bin/sh", {r: ("-c", SH_WORKER, "f", report) for r in range(2)},
-                        mark, report)
+        a = await group(
+            "a", "/bin/sh", {r: ("-c", SH_WORKER, "f", report) for r in range(2)}, mark, report
+        )
         say("ready-a " + " ".join(map(str, a.pids().values())))
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-        b = await group("b", "/bin/sh", {r: ("-c", SH_WORKER, "f", report) for r in range(2)},
-                        mark, report)
+        b = await group(
+            "b", "/bin/sh", {r: ("-c", SH_WORKER, "f", report) for r in range(2)}, mark, report
+        )
         say("ready-b " + " ".join(map(str, b.pids().values())))
     else:
         raise SystemExit(f"unknown mode {mode!r}")
@@ -116,7 +135,7 @@ async def main(mode: str, report: str, mark: str) -> None:
 
 if __name__ == "__main__":
     mode, loop_kind, STATUS = sys.argv[1:4]
-    rest = sys.argv[4:] + ["", ""]
+    rest = [*sys.argv[4:], "", ""]
     if loop_kind == "uvloop":
         import uvloop
 
