@@ -68,12 +68,10 @@ def answer() -> int:
     return 42
 
 
-class _Term(Exception):
-    pass
-
-
-def _raise_term(signum: int, frame: object) -> None:
-    raise _Term
+def _block_sigterm() -> None:
+    """Block SIGTERM, to be taken with ``sigwait``: a second SIGTERM (two close()
+    calls) then stays pending instead of interrupting the work the first one started."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
 
 def flush_leader(fifo: str, done: str) -> None:
@@ -90,25 +88,17 @@ def flush_leader(fifo: str, done: str) -> None:
 
 
 def flusher(done: str) -> None:
-    signal.signal(signal.SIGTERM, _raise_term)
-    try:
-        print("ready", flush=True)
-        while True:
-            signal.pause()
-    except _Term:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _block_sigterm()
+    print("ready", flush=True)
+    signal.sigwait({signal.SIGTERM})
     time.sleep(FLUSH_SECONDS)  # the work a real helper would flush before exiting
     report_line(done, "flushed\n")
 
 
 def slow_exit(fifo: str) -> None:
-    signal.signal(signal.SIGTERM, _raise_term)
-    try:
-        report_line(fifo, f"{os.getpid()} 0\n")
-        while True:
-            signal.pause()
-    except _Term:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _block_sigterm()
+    report_line(fifo, f"{os.getpid()} 0\n")
+    signal.sigwait({signal.SIGTERM})
     time.sleep(SLOW_EXIT_SECONDS)  # a worker that needs a moment to shut down
 
 
