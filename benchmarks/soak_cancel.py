@@ -57,20 +57,13 @@ from _util import run_on  # noqa: E402
 import aioproc  # noqa: E402
 from aioproc import DefaultLogsSpecs, Std  # noqa: E402
 
-MARK_VAR = "AIOPROC_FAULT_MARK"
-"""Environment variable every worker of a soak or fault test carries."""
-SH_WORKER = 'sleep 1000 & echo "$$ $!" >> "$1"; wait'
-"""A binary worker: ``/bin/sh -c SH_WORKER fault <report>`` starts a grandchild,
-reports both pids and waits (SIGTERM ends the shell and, via the group, the sleep)."""
+MARK_VAR = fault_worker.MARK_VAR
+SH_WORKER = fault_worker.SH_WORKER
+SH_STUBBORN = fault_worker.SH_STUBBORN
 SETTLE = 5.0
 """Seconds leftover processes get to exit after an iteration (bounded pidfd wait)."""
 PHASES = ("start", "start-await", "wait", "close")
 KINDS = ("binary", "function")
-
-
-def sh_worker_args(report: str) -> tuple[str, ...]:
-    """args of one ``/bin/sh`` binary worker reporting to ``report``."""
-    return ("-c", SH_WORKER, "fault", report)
 
 
 def discard(line: object) -> None:
@@ -277,9 +270,13 @@ async def one_iteration(
     n = nprocs or (4 if kind == "binary" else 2)
     envs = {r: {MARK_VAR: mark} for r in range(n)}
     entrypoint: Callable[..., Any] | str
+    # in half the close iterations the binary workers ignore SIGTERM, so close()
+    # is cancelled during its grace period or its SIGKILL escalation too
+    stubborn = phase == "close" and kind == "binary" and rng.random() < 0.5
     if kind == "binary":
         entrypoint = "/bin/sh"
-        args = {r: sh_worker_args(report) for r in range(n)}
+        script = SH_STUBBORN if stubborn else SH_WORKER
+        args = {r: ("-c", script, "fault", report) for r in range(n)}
     else:
         entrypoint = fault_worker.fn_worker
         args = {r: (report,) for r in range(n)}
@@ -334,10 +331,12 @@ async def one_iteration(
         pc = await ctx()
         if rng.random() < 0.5:
             await asyncio.sleep(rng.uniform(0, 0.05))
-        task = asyncio.create_task(pc.close(timeout=5))
+        task = asyncio.create_task(pc.close(timeout=0.2 if stubborn else 5))
         # one turn at least: a task cancelled before it ever ran would not close at all
         for _ in range(1 + rng.randrange(6)):
             await asyncio.sleep(0)
+        if stubborn:
+            await asyncio.sleep(rng.uniform(0, 0.3))  # into the grace period, or past it
         task.cancel()
     try:
         await asyncio.wait_for(asyncio.shield(task), 30)
@@ -397,6 +396,8 @@ async def soak(
                         mark, report, pids = "", "", set()
                     gc.collect()
                 for w in caught:
+                    if issubclass(w.category, aioproc.ForcedKillWarning):
+                        continue  # expected: the stubborn workers ignore SIGTERM
                     out.warnings += 1
                     out.details.append(f"{where}: {w.category.__name__}: {w.message}")
                 out.iterations += 1

@@ -282,6 +282,11 @@ async def test_close_while_start_is_launching_stops_everything_truthfully() -> N
         r: -signal.SIGTERM for r in started
     }
     assert all(result.failures[r].stopped for r in started)
+    # a rank that never ran was not killed by anything: no signal may be claimed for it
+    claimed = {
+        r: f.exitcode for r, f in result.failures.items() if r not in started and f.exitcode < 0
+    }
+    assert claimed == {}, f"ranks that never started are reported as killed by a signal: {claimed}"
 
 
 async def test_concurrent_close_calls_return_only_when_everything_is_stopped(

@@ -34,7 +34,7 @@ SUPERVISOR = os.path.join(CHILDREN_DIR, "fault_supervisor.py")
 # the supervisor must import this checkout's aioproc, not an installed one
 SUPERVISOR_ENV = {**os.environ, "PYTHONPATH": REPO_ROOT}
 SIGKILL_ITERATIONS = 5  # per phase and per event loop: 10 per phase in all
-SOAK_ITERATIONS = 20  # per event loop: 40 in all
+SOAK_ITERATIONS = 40  # per event loop: 80 in all
 RUN_WORKERS = 12  # chatty workers of fault_supervisor.py's run mode
 SEED = int(os.environ.get("AIOPROC_FAULT_SEED", random.randrange(1 << 30)))
 

@@ -31,19 +31,10 @@ import sys
 import warnings
 
 import fault_worker
+from fault_worker import MARK_VAR, SH_CHATTY, SH_STUBBORN, SH_WORKER
 
 import aioproc
 from aioproc import DefaultLogsSpecs, Std
-
-MARK_VAR = "AIOPROC_FAULT_MARK"
-SH_WORKER = 'sleep 1000 & echo "$$ $!" >> "$1"; wait'
-SH_CHATTY = (
-    'sleep 1000 & echo "$$ $!" >> "$1"; '
-    'dd bs=1 count=1 if="$2" of=/dev/null 2>/dev/null; '  # the test's go
-    'exec yes "fault-injection chatter $$"'
-)
-SH_STUBBORN = 'trap "" TERM; sleep 1000 & echo "$$ $!" >> "$1"; wait'
-
 
 STATUS = ""
 

@@ -6,6 +6,8 @@ process group, appends "<worker pid> <grandchild pid>" to ``report`` and
 then blocks; given a ``gate`` (a FIFO), it instead waits for one byte on it
 and then writes lines to stdout as fast as it can.  ``answer()`` returns 42.
 
+The ``SH_*`` scripts are binary workers run by ``/bin/sh -c``.
+
 As a binary worker, ``python fault_worker.py <mode> ...``:
 
 - ``flush-leader <fifo> <done>``: starts a ``flusher`` grandchild in its own
@@ -28,6 +30,19 @@ import subprocess
 import sys
 import time
 
+MARK_VAR = "AIOPROC_FAULT_MARK"
+"""Environment variable every worker of a fault test carries (found in /proc/*/environ)."""
+SH_WORKER = 'sleep 1000 & echo "$$ $!" >> "$1"; wait'
+"""A binary worker: ``/bin/sh -c SH_WORKER fault <report>`` starts a grandchild,
+reports both pids and waits (SIGTERM ends the shell and, via the group, the sleep)."""
+SH_STUBBORN = 'trap "" TERM; sleep 1000 & echo "$$ $!" >> "$1"; wait'
+"""Like ``SH_WORKER``, but the shell and its sleep ignore SIGTERM: only SIGKILL ends them."""
+SH_CHATTY = (
+    'sleep 1000 & echo "$$ $!" >> "$1"; '
+    'dd bs=1 count=1 if="$2" of=/dev/null 2>/dev/null; '  # wait for the test's go
+    'exec yes "fault-injection chatter $$"'
+)
+"""Like ``SH_WORKER``, then it waits for a byte on the FIFO ``$2`` and floods stdout."""
 FLUSH_SECONDS = 1.0
 SLOW_EXIT_SECONDS = 0.5
 CHATTY_LINE = "fault-injection chatter " + "x" * 100 + "\n"
