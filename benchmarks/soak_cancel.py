@@ -286,7 +286,7 @@ async def one_iteration(
     k = rng.randrange(n)
     count = 0
 
-    def on_event(ev: aioproc.WorkerEvent) -> None:
+    def on_event(ev: Any) -> None:  # a WorkerEvent (not exported by aioproc)
         nonlocal count
         if ev.kind == "started":
             pids.add(ev.pid)

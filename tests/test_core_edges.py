@@ -233,7 +233,7 @@ async def test_close_while_start_is_launching_stops_everything_truthfully() -> N
     launched = 0
     fifth = asyncio.Event()
 
-    def on_event(ev: aioproc.WorkerEvent) -> None:
+    def on_event(ev: Any) -> None:  # a WorkerEvent (not exported by aioproc)
         if ev.kind == "started":
             seen[ev.local_rank] = ev.pid
             if len(seen) == 5:
