@@ -84,13 +84,17 @@ def running(pid: int) -> bool:
 
 
 def marked_pids(mark: str) -> set[int]:
-    """Running processes whose environment holds ``MARK_VAR=mark``.
+    """Running processes whose environment holds ``MARK_VAR=mark``, or whose
+    command line holds ``mark``.
 
-    Reads ``/proc/<pid>/environ`` (the environment given at exec): a process
-    between fork and exec still shows its parent's, so it is found once it
-    runs the worker.  Zombies have no environment and are not counted.
+    ``/proc/<pid>/environ`` is the environment given at exec.  A process
+    forked to become a worker but not yet exec'd still shows its parent's
+    environment and command line; the fault tests pass the mark in the
+    supervisor's argv, so such a process is found by its command line (and
+    a supervisor killed mid-launch can leave exactly that).  Zombies have
+    neither and are not counted.
     """
-    needle = f"{MARK_VAR}={mark}".encode()
+    env_needle = f"{MARK_VAR}={mark}".encode()
     found: set[int] = set()
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -98,9 +102,11 @@ def marked_pids(mark: str) -> set[int]:
         try:
             with open(f"/proc/{name}/environ", "rb") as f:
                 env = f.read()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
         except OSError:
             continue  # gone meanwhile, or not readable
-        if needle in env.split(b"\0"):
+        if env_needle in env.split(b"\0") or mark.encode() in argv:
             found.add(int(name))
     return found
 
@@ -160,6 +166,23 @@ async def survivors(mark: str, known: Iterable[int], timeout: float = SETTLE) ->
         alive = await wait_exited(alive, left)
         if alive:
             return alive
+
+
+async def clean_up(mark: str, known: Iterable[int], timeout: float = SETTLE) -> None:
+    """SIGKILL what ``survivors`` found, and what they forked meanwhile, until none is left.
+
+    A worker found still running may have started a grandchild (or exec'd)
+    since it was found, so this kills, waits and scans again, bounded by
+    ``timeout``.  Only processes of this test (marked, or in ``known``).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        found = {p for p in known if running(p)} | marked_pids(mark)
+        left = deadline - time.monotonic()
+        if not found or left <= 0:
+            return
+        kill_all(found)
+        await wait_exited(found, left)
 
 
 def describe(pid: int) -> str:
@@ -452,7 +475,7 @@ async def _count(
             + ", ".join(describe(p) for p in sorted(alive))
             + f"; aioproc reported pids {sorted(pids)}"
         )
-        kill_all(alive)
+        await clean_up(mark, alive)
     # a child of ours still here (running or an unreaped zombie) is a leak too
     extra = child_pids() - base_children - alive
     if extra:

@@ -35,6 +35,7 @@ from proc_utils import Fifo, still_alive_after
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
 import soak_cancel
 from soak_cancel import (
+    clean_up,
     describe,
     fd_target,
     kill_all,
@@ -454,7 +455,7 @@ async def test_killed_guardian_is_noticed_and_a_supervisor_sigkill_still_kills_w
             sup.wait(timeout=10)
             sup.stdin.close()
     alive = await survivors(mark, reported_pids(report) | workers_a)
-    kill_all(alive)
+    await clean_up(mark, alive)
     assert alive == set(), (
         "group A outlived its supervisor after its guardian had been killed: "
         + ", ".join(describe(p) for p in sorted(alive))

@@ -28,7 +28,7 @@ from proc_utils import Fifo
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
 import soak_cancel
-from soak_cancel import describe, kill_all, reported_pids, survivors
+from soak_cancel import clean_up, describe, reported_pids, survivors
 
 SUPERVISOR = os.path.join(CHILDREN_DIR, "fault_supervisor.py")
 # the supervisor must import this checkout's aioproc, not an installed one
@@ -79,7 +79,7 @@ async def kill_supervisor_at_random(
                 f"{mode} #{i}, SIGKILL {delay:.3f} s after {ready!r}: still running "
                 + ", ".join(describe(p) for p in sorted(alive))
             )
-            kill_all(alive)
+            await clean_up(mark, alive)
         shutil.rmtree(f"{report}.logs", ignore_errors=True)
     return problems
 
