@@ -55,6 +55,7 @@ class Child:
         self.tees = tees
         self._tee_transports = tee_transports
         self.watcher = ExitWatcher(popen)
+        self.watcher.future.add_done_callback(self._exited)
         self.forced = False  # needed SIGKILL during shutdown
         self.stop_requested = False  # the supervisor signalled it while it ran
         self.unkillable = False  # survived SIGKILL; released when it finally exits
@@ -71,6 +72,12 @@ class Child:
     @property
     def returncode(self) -> int | None:
         return self.popen.returncode
+
+    def _exited(self, _: asyncio.Future[int]) -> None:
+        if self.watcher.lost:
+            # reaped behind our back: the id may be recycled at any moment, so
+            # the guardian must forget it now, not at close
+            _lifeline.forget(self.pgid)
 
     @property
     def owns_group(self) -> bool:

@@ -62,6 +62,9 @@ logger = logging.getLogger("aioproc")
 SinkLike: TypeAlias = Sink | Callable[..., Any] | str | IO[str]
 """A sink, a callable taking an ``OutputLine``, a file path or an open text file."""
 
+NEVER_STARTED = 127
+"""Exit code of a rank the group was closed before launching (pid -1): what a
+shell reports for a command it could not run; never a signal."""
 _DRAIN_TIMEOUT = 2.0
 """Bound on waiting for EOF of a killed group's pipes (a setsid'd descendant may hold them)."""
 
@@ -315,7 +318,7 @@ class PContext:
     def _mark_never_started(self) -> None:
         for rank in range(self.nprocs):
             if rank not in self._children:
-                failure = ProcessFailure(rank, -1, -1, "", stopped=True)
+                failure = ProcessFailure(rank, -1, NEVER_STARTED, "", stopped=True)
                 failure.message = (
                     f"local rank {rank} was never started: the group was closed while it "
                     "was being launched"

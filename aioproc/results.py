@@ -27,8 +27,9 @@ class RunProcsResult:
             ``sys.exit(0)``).  When the group failed, the ranks that did
             succeed are still listed.
         failures: ``{local_rank: ProcessFailure}``; empty when all succeeded.
-            A rank the group was closed before launching has ``pid == -1``
-            and ``never_started`` set.
+            A rank the group was closed before launching has ``pid == -1``,
+            exit code 127 (as a shell reports a command it never ran; never
+            a signal) and a message saying it was never started.
         stdouts: ``{local_rank: path}`` of stdout log files ("" if none).
         stderrs: ``{local_rank: path}`` of stderr log files ("" if none).
     """
