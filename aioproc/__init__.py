@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from .agent import WorkerSpec as WorkerSpec
     from .agent import WorkerState as WorkerState
     from .context import PContext as PContext
-    from .context import start_processes as start_processes
     from .errors import BrokenWorkerError as BrokenWorkerError
     from .errors import ChildFailedError as ChildFailedError
     from .errors import ErrorHandler as ErrorHandler
@@ -39,6 +38,7 @@ if TYPE_CHECKING:
     from .pool import open_pool as open_pool
     from .results import RunProcsResult as RunProcsResult
     from .runner import run as run
+    from .runner import start_processes as start_processes
     from .signals import SignalException as SignalException
     from .signals import translate_signals as translate_signals
     from .sinks import CallbackSink as CallbackSink
@@ -64,7 +64,7 @@ _EXPORTS: dict[str, str] = {
     "PContext": "context",
     "RunProcsResult": "results",
     "run": "runner",
-    "start_processes": "context",
+    "start_processes": "runner",
     "ChildFailedError": "errors",
     "ErrorHandler": "errors",
     "ForcedKillWarning": "errors",

@@ -1,4 +1,4 @@
-"""The supervisor of one worker group: ``PContext`` and ``start_processes``.
+"""The supervisor of one worker group: ``PContext`` (built by ``start_processes``).
 
 A ``PContext`` owns its work in ONE supervisor task and the anyio task group
 inside it: the launch of every rank, one watcher per worker, the stop after
@@ -22,27 +22,24 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import os
 import signal
-import string
-import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
-from typing import IO, Any, TypeAlias
+from typing import Any
 
 import anyio
 import anyio.abc
 
-from . import _lifeline, _wire
-from ._boot import CallEncoder, init_frame, rebuild_exception
-from ._cm import OpenResource
-from ._launch import launch_function
-from ._output import TeeProtocol
+from . import _lifeline
+from ._outcomes import NEVER_STARTED as NEVER_STARTED
+from ._outcomes import Outcomes
+from ._ranks import RankLauncher, SinkLike
+from ._ranks import make_sinks as _make_sinks
 from ._shield import shielded
 from ._shutdown import stop_groups, warn_forced
-from ._spawn import Child, spawn
+from ._spawn import Child
 from ._validate import START_METHODS as START_METHODS
 from ._validate import check_duration, check_start
 from ._validate import check_executable as _check_executable
@@ -50,21 +47,15 @@ from ._validate import check_filters as _check_filters
 from ._validate import check_signal as _validate_signal
 from ._validate import validate_group as _validate
 from .errors import ProcessFailure
-from .logs import DefaultLogsSpecs, LogsDest, LogsSpecs
+from .logs import LogsDest, LogsSpecs
 from .results import DEFAULT_GRACE_PERIOD, RunProcsResult, WorkerEvent
 from .signals import SignalException, pending_signal
-from .sinks import CallbackSink, ConsoleSink, FileSink, Sink, _FilteredFileSink, close_sinks
+from .sinks import close_sinks
 
-__all__ = ["PContext", "RunProcsResult", "WorkerEvent", "start_processes"]
+__all__ = ["PContext", "RunProcsResult", "WorkerEvent", "close_on_exit"]
 
 logger = logging.getLogger("aioproc")
 
-SinkLike: TypeAlias = Sink | Callable[..., Any] | str | IO[str]
-"""A sink, a callable taking an ``OutputLine``, a file path or an open text file."""
-
-NEVER_STARTED = 127
-"""Exit code of a rank the group was closed before launching (pid -1): what a
-shell reports for a command it could not run; never a signal."""
 _DRAIN_TIMEOUT = 2.0
 """Bound on waiting for EOF of a killed group's pipes (a setsid'd descendant may hold them)."""
 
@@ -109,17 +100,15 @@ class PContext:
     ) -> None:
         grace_period = check_duration("grace_period", grace_period)
         _validate(name, entrypoint, args, envs, logs_specs, log_line_prefixes, start_method)
-        self._sinks = _make_sinks(sinks)
+        own_sinks = _make_sinks(sinks)
         self._filters = {
             "stdout": _check_filters("duplicate_stdout_filters", duplicate_stdout_filters),
             "stderr": _check_filters("duplicate_stderr_filters", duplicate_stderr_filters),
         }
-        self._filter_sinks: dict[str, Sink] = {}
         if isinstance(pass_fds, (str, bytes)) or not all(
             isinstance(fd, int) and fd >= 0 for fd in pass_fds
         ):
             raise TypeError(f"pass_fds must be a sequence of fds, got {pass_fds!r}")
-        self._pass_fds = tuple(pass_fds)
         self._on_event = on_event
         self._close_sinks = close_sinks or sinks is None
         self.name = name
@@ -133,15 +122,18 @@ class PContext:
         self.stdouts: dict[int, str] = {}
         self.stderrs: dict[int, str] = {}
         self.error_files: dict[int, str] = {}
-        self._prefix_template = log_line_prefixes if isinstance(log_line_prefixes, str) else None
-        self._prefixes = dict(log_line_prefixes) if isinstance(log_line_prefixes, Mapping) else {}
+        self._ranks = RankLauncher(
+            name,
+            entrypoint,
+            self.args,
+            self.envs,
+            sinks=own_sinks,
+            prefixes=log_line_prefixes,
+            pass_fds=tuple(pass_fds),
+        )
+        self._outcomes = Outcomes(self.nprocs)
         self._state = _State.NEW
         self._children: dict[int, Child] = {}
-        self._results: dict[int, bytearray] = {}
-        self._errors: dict[int, bytearray] = {}
-        self._values: dict[int, Any] = {}
-        self._failures: dict[int, ProcessFailure] = {}
-        self._remote: dict[int, BaseException] = {}
         self._stopping = False  # a failure stop or a close has begun
         # owned by the supervisor task (created by start())
         self._supervisor: asyncio.Task[None] | None = None
@@ -155,10 +147,13 @@ class PContext:
         self._watched: dict[int, asyncio.Event] = {}
         self._auto_stop: anyio.CancelScope | None = None
         self._auto_stopped: asyncio.Event | None = None
-        self._finished: asyncio.Future[None] | None = None
         # reads failed ranks' error files off the loop; shut down at close,
         # so no thread outlives the group (the default executor's would)
         self._reader: ThreadPoolExecutor | None = None
+
+    @property
+    def _finished(self) -> asyncio.Future[None] | None:
+        return self._outcomes.finished
 
     def __repr__(self) -> str:
         kind = "function" if callable(self.entrypoint) else "binary"
@@ -183,7 +178,7 @@ class PContext:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await _close_on_exit(self, exc)
+        await close_on_exit(self, exc)
 
     # ------------------------------------------------------------------ start
 
@@ -209,13 +204,13 @@ class PContext:
             )
         # everything that can reject the input runs before anything is created
         check_start(self.entrypoint, self.args, self.envs, self.logs_specs)
-        payloads = self._call_payloads() if self.is_function else {}
+        payloads = self._ranks.payloads()
         if not self.is_function:
             _check_executable(str(self.entrypoint), self.envs)
         dest = self.logs_specs.reify(self.envs)
         self._state = _State.RUNNING
         loop = asyncio.get_running_loop()
-        self._finished = loop.create_future()
+        self._outcomes.start()
         self._launched = loop.create_future()
         self._close_request = loop.create_future()
         self._launch_done = asyncio.Event()
@@ -223,9 +218,7 @@ class PContext:
         self.stdouts = dict(dest.stdouts)
         self.stderrs = dict(dest.stderrs)
         self.error_files = dict(dest.error_files)
-        for stream, path in (("stdout", dest.filtered_stdout), ("stderr", dest.filtered_stderr)):
-            if self._filters[stream] and path:
-                self._filter_sinks[stream] = _FilteredFileSink(path, self._filters[stream])
+        self._ranks.add_filters(dest, self._filters)
         self._supervisor = loop.create_task(
             self._supervise(dest, payloads), name=f"aioproc-supervisor-{self.name}"
         )
@@ -241,20 +234,6 @@ class PContext:
             else:
                 await shielded(self._close(signal.SIGKILL, 0.0))
             raise
-
-    def _call_payloads(self) -> dict[int, list[bytes]]:
-        """Encode the INIT and CALL frames of every rank, before anything starts."""
-        init = init_frame()
-        encoder = CallEncoder(self.entrypoint)
-        out: dict[int, list[bytes]] = {}
-        for rank in range(self.nprocs):
-            try:
-                out[rank] = [init, *encoder.encode(self.args[rank], {})]
-            except TypeError as e:
-                if "arguments for" not in str(e):
-                    raise
-                raise TypeError(f"args for local rank {rank} cannot be pickled: {e}") from e
-        return out
 
     async def _supervise(self, dest: LogsDest, payloads: dict[int, list[bytes]]) -> None:
         """The group's one owner: launch, watch, stop after a failure, shut down."""
@@ -309,7 +288,9 @@ class PContext:
                 await asyncio.sleep(0)
             if self._close_request.done():
                 return
-            child = await self._spawn_rank(rank, dest, payloads.get(rank))
+            child = await self._ranks.launch(
+                rank, dest, payloads.get(rank), self._outcomes.frame_handler(rank)
+            )
             self._children[rank] = child
             self._watched[rank] = asyncio.Event()
             self._notify(WorkerEvent("started", rank, child.pid, None, time.time()))
@@ -318,72 +299,7 @@ class PContext:
     def _mark_never_started(self) -> None:
         for rank in range(self.nprocs):
             if rank not in self._children:
-                failure = ProcessFailure(rank, -1, NEVER_STARTED, "", stopped=True)
-                failure.message = (
-                    f"local rank {rank} was never started: the group was closed while it "
-                    "was being launched"
-                )
-                self._failures[rank] = failure
-        self._check_finished()
-
-    async def _spawn_rank(self, rank: int, dest: LogsDest, payload: list[bytes] | None) -> Child:
-        env = {**os.environ, **self.envs[rank]}
-        label = f"{self.name}/{rank}"
-        prefix = self._prefix(rank)
-        files: list[Any] = []
-        tees: dict[str, TeeProtocol] = {}
-        try:
-            streams: dict[str, Any] = {}
-            for key, path, tee_map in (
-                ("stdout", dest.stdouts.get(rank, ""), dest.tee_stdouts),
-                ("stderr", dest.stderrs.get(rank, ""), dest.tee_stderrs),
-            ):
-                if not path:
-                    streams[key] = None
-                    continue
-                sinks = list(self._sinks) if rank in tee_map else []
-                if key in self._filter_sinks:
-                    sinks.append(self._filter_sinks[key])
-                # a local open(); the tee owns it or it is closed below
-                f = open(path, "wb", buffering=0)  # noqa: ASYNC230, SIM115
-                if sinks:
-                    streams[key] = subprocess.PIPE
-                    tees[key] = TeeProtocol(f, rank, key, prefix, sinks)
-                else:
-                    streams[key] = f
-                    files.append(f)
-            if payload is not None:
-                init, *call = payload
-                return await launch_function(
-                    label,
-                    env,
-                    on_frame=self._frame_handler(rank),
-                    frames=[(_wire.INIT, [init]), (_wire.CALL, call)],
-                    stdout=streams["stdout"],
-                    stderr=streams["stderr"],
-                    pass_fds=self._pass_fds,
-                    tee_out=tees.get("stdout"),
-                    tee_err=tees.get("stderr"),
-                )
-            return await spawn(
-                label,
-                [str(self.entrypoint), *map(str, self.args[rank])],
-                env,
-                stdout=streams["stdout"],
-                stderr=streams["stderr"],
-                stdin=None,
-                pass_fds=self._pass_fds,
-                tee_out=tees.get("stdout"),
-                tee_err=tees.get("stderr"),
-            )
-        except BaseException:
-            for t in tees.values():
-                if t.log_file is not None:
-                    t.log_file.close()
-            raise
-        finally:
-            for f in files:
-                f.close()  # the child has its own copy
+                self._outcomes.never_started(rank)
 
     def _notify(self, event: WorkerEvent) -> None:
         if self._on_event is None:
@@ -392,26 +308,6 @@ class PContext:
             self._on_event(event)
         except Exception:
             logger.exception("on_event callback failed for %s", event)
-
-    def _prefix(self, rank: int) -> str:
-        """torch's default ``[{name}{rank}]:``, a per-rank override or a template."""
-        template = self._prefixes.get(rank, self._prefix_template)
-        if template is None:
-            return f"[{self.name}{rank}]:"
-        return string.Template(template).safe_substitute(
-            role_name=self.name,
-            rank=self.envs[rank].get("RANK", str(rank)),
-            local_rank=str(rank),
-        )
-
-    def _frame_handler(self, rank: int) -> Callable[[int, bytearray], None]:
-        def on_frame(kind: int, body: bytearray) -> None:
-            if kind == _wire.RESULT:
-                self._results[rank] = body
-            elif kind == _wire.ERROR:
-                self._errors[rank] = body
-
-        return on_frame
 
     # ------------------------------------------------------------ supervision
 
@@ -446,65 +342,21 @@ class PContext:
                     self._record(rank, child, code, failure)
                 except Exception:  # a bug here must not take the supervisor down
                     logger.exception("recording the exit of %s failed", child.label)
-                    if rank not in self._values and rank not in self._failures:
-                        self._failures[rank] = ProcessFailure(rank, child.pid, code, "")
-                        self._check_finished()
+                    self._outcomes.fallback(rank, child, code)
         finally:
             self._watched[rank].set()
 
     def _record(
         self, rank: int, child: Child, code: int, failure: ProcessFailure | None = None
     ) -> None:
-        value: Any = None
-        problem = ""
-        if child.watcher.lost:
-            problem = (
-                f"exit status lost: process {child.pid} was reaped by somebody else's "
-                "waitpid() in this process (a SIGCHLD handler or a child watcher reaping "
-                "every child?), so how it ended is unknown"
-            )
-        elif code == 0 and rank in self._results:
-            try:
-                value = _wire.decode_value(self._results.pop(rank))
-            except Exception as e:
-                problem = f"return value could not be unpickled in the supervisor: {e!r}"
-        if code == 0 and not problem:
-            self._values[rank] = value
-        else:
-            failure = failure or ProcessFailure(
-                local_rank=rank,
-                pid=child.pid,
-                exitcode=code,
-                error_file=self.error_files.get(rank, ""),
-                stopped=child.stop_requested,
-            )
-            if problem:
-                failure.message = problem
-            elif child.channel is not None and child.channel.error is not None:
-                failure.message = str(child.channel.error)  # why the worker was ended
-            lost = [t.write_error for t in child.tees if t.write_error is not None]
-            if lost and isinstance(failure.message, str):
-                failure.message += f" (its log file could not be written: {lost[0]})"
-            self._failures[rank] = failure
-            remote = self._remote_exception(rank)
-            if remote is not None:
-                self._remote[rank] = remote
-            if not self._stopping and self._tg is not None:
-                self._stopping = True
-                self._tg.start_soon(self._stop_after_failure, name=f"aioproc-stop-{self.name}")
+        error_file = self.error_files.get(rank, "")
+        failed = self._outcomes.record(rank, child, code, error_file, failure)
+        if failed and not self._stopping and self._tg is not None:
+            self._stopping = True
+            self._tg.start_soon(self._stop_after_failure, name=f"aioproc-stop-{self.name}")
         self._notify(
             WorkerEvent("exited", rank, child.pid, code, child.watcher.exit_time or time.time())
         )
-        self._check_finished()
-
-    def _remote_exception(self, rank: int) -> BaseException | None:
-        body = self._errors.pop(rank, None)
-        return rebuild_exception(body) if body is not None else None
-
-    def _check_finished(self) -> None:
-        done = len(self._values) + len(self._failures)
-        if done == self.nprocs and self._finished is not None and not self._finished.done():
-            self._finished.set_result(None)
 
     async def _stop_after_failure(self) -> None:
         assert self._launch_done is not None
@@ -527,12 +379,7 @@ class PContext:
             self._auto_stopped.set()
 
     def _result(self) -> RunProcsResult:
-        return RunProcsResult(
-            return_values=dict(sorted(self._values.items())),
-            failures=dict(sorted(self._failures.items())),
-            stdouts=dict(self.stdouts),
-            stderrs=dict(self.stderrs),
-        )
+        return self._outcomes.result(self.stdouts, self.stderrs)
 
     def remote_exception(self, local_rank: int) -> BaseException | None:
         """The exception a function worker raised, rebuilt in the supervisor.
@@ -540,7 +387,7 @@ class PContext:
         Its ``__cause__`` is a ``RemoteTraceback`` holding the worker's own
         formatted traceback.  ``None`` for binaries and ranks that did not raise.
         """
-        return self._remote.get(local_rank)
+        return self._outcomes.remote.get(local_rank)
 
     # ------------------------------------------------------------------ query
 
@@ -660,18 +507,11 @@ class PContext:
                 # only an unkillable worker keeps its watcher waiting
                 scope.cancel()
                 child = self._children[rank]
-                failure = ProcessFailure(
-                    rank, child.pid, -signal.SIGKILL, self.error_files.get(rank, ""), stopped=True
-                )
-                failure.message = (
-                    f"process {child.pid} did not exit after SIGKILL (uninterruptible sleep?); "
-                    "it is still running and will be reaped when it exits"
-                )
-                self._failures[rank] = failure
+                self._outcomes.unkillable(rank, child, self.error_files.get(rank, ""))
         await asyncio.gather(*(c.close_streams(_DRAIN_TIMEOUT) for c in children))
-        own_sinks = self._sinks if self._close_sinks else []
+        own_sinks = self._ranks.sinks if self._close_sinks else []
         # bounded, and never raises: the cleanup below always runs
-        await close_sinks([*own_sinks, *self._filter_sinks.values()])
+        await close_sinks([*own_sinks, *self._ranks.filter_sinks.values()])
         _lifeline.release(children)
         for c in children:
             if not c.watcher.future.done():
@@ -680,18 +520,13 @@ class PContext:
         if self._reader is not None:
             self._reader.shutdown(wait=True)  # idle by now: joins at once
             self._reader = None
-        self._check_finished()
+        self._outcomes.check_finished()
         self._state = _State.CLOSED
         self.logs_specs.prune()
         warn_forced(forced, sig, timeout)
 
 
-async def _start(pc: PContext) -> PContext:
-    await pc.start()
-    return pc
-
-
-async def _close_on_exit(pc: PContext, exc: BaseException | None) -> None:
+async def close_on_exit(pc: PContext, exc: BaseException | None) -> None:
     """Leaving ``async with``: a signal stops the workers with it."""
     sig: int | None = None
     if isinstance(exc, SignalException):
@@ -701,108 +536,3 @@ async def _close_on_exit(pc: PContext, exc: BaseException | None) -> None:
     if sig is not None and pc._state is _State.RUNNING:
         pc._notify(WorkerEvent("stopping", -1, -1, -sig, time.time()))
     await pc.close(signal.SIGTERM if sig is None else sig, pc.grace_period)
-
-
-def start_processes(
-    name: str,
-    entrypoint: Callable[..., Any] | str,
-    args: Mapping[int, tuple[Any, ...]],
-    envs: Mapping[int, Mapping[str, str]],
-    logs_specs: LogsSpecs | None = None,
-    log_line_prefixes: Mapping[int, str] | str | None = None,
-    start_method: str = "spawn",
-    *,
-    grace_period: float = DEFAULT_GRACE_PERIOD,
-    sinks: Sequence[SinkLike] | None = None,
-    duplicate_stdout_filters: Sequence[str] | None = None,
-    duplicate_stderr_filters: Sequence[str] | None = None,
-    pass_fds: Sequence[int] = (),
-    on_event: Callable[[WorkerEvent], None] | None = None,
-    close_sinks: bool = True,
-) -> OpenResource[PContext]:
-    """Start ``len(args)`` workers running ``entrypoint``.
-
-    ``await start_processes(...)`` returns the started ``PContext``;
-    ``async with start_processes(...) as pc:`` also closes the group when
-    the block exits, by error, cancellation or signal (a ``SignalException``,
-    or a cancellation from ``translate_signals``, stops the workers with
-    that same signal).
-
-    Args:
-        name: the group's name, used in log prefixes and messages.
-        entrypoint: a picklable callable (function workers) or the path or
-            name of an executable (binary workers: ``argv = (entrypoint,
-            *map(str, args[rank]))``, never a shell).
-        args: ``{local_rank: tuple}`` for ranks ``0..n-1``.
-        envs: ``{local_rank: {name: value}}``, added to the parent's
-            environment in each worker.
-        logs_specs: where output and error files go (default:
-            ``DefaultLogsSpecs()``: inherited output, error files in a
-            temporary directory that is removed when left empty).
-        log_line_prefixes: ``{local_rank: prefix}`` for tee'd lines, or one
-            template for every rank with ``${role_name}`` (the group name),
-            ``${rank}`` (the rank's ``RANK`` env var, else its local rank)
-            and ``${local_rank}``; a per-rank value may be a template too.
-            Default ``[{name}{local_rank}]:``.
-        start_method: only ``"spawn"``: every worker is a fresh interpreter.
-        grace_period: seconds between SIGTERM and SIGKILL when a failure
-            stops the group or the ``async with`` block exits.
-        sinks: where tee'd lines go (``aioproc.sinks``): ``Sink`` objects,
-            callables taking an ``OutputLine`` (sync or async), file paths or
-            open text files.  Default: one ``ConsoleSink``.
-        duplicate_stdout_filters: lines of redirected or tee'd stdout that
-            contain any of these strings also go, prefixed, to the attempt's
-            ``filtered_stdout.log`` (torch's option).
-        duplicate_stderr_filters: the same for stderr.
-        pass_fds: extra fds every worker inherits (kept open under the same
-            numbers), e.g. a channel the worker reports to.
-        on_event: called on the loop with a ``WorkerEvent`` when a worker
-            has started and when its exit has been recorded.
-        close_sinks: close the given ``sinks`` when the group is closed
-            (``False`` when they outlive the group, as across agent restarts).
-
-    Raises:
-        TypeError, ValueError, RuntimeError, FileNotFoundError,
-        PermissionError, NotADirectoryError: for bad input, before anything
-        is started.
-    """
-    pc = PContext(
-        name,
-        entrypoint,
-        args,
-        envs,
-        logs_specs if logs_specs is not None else DefaultLogsSpecs(),
-        log_line_prefixes,
-        start_method,
-        grace_period=grace_period,
-        sinks=sinks,
-        duplicate_stdout_filters=duplicate_stdout_filters,
-        duplicate_stderr_filters=duplicate_stderr_filters,
-        pass_fds=pass_fds,
-        on_event=on_event,
-        close_sinks=close_sinks,
-    )
-    return OpenResource(lambda: _start(pc), _close_on_exit)
-
-
-# ---------------------------------------------------------------- sinks
-
-
-def _make_sinks(sinks: Sequence[SinkLike] | None) -> list[Sink]:
-    if sinks is None:
-        return [ConsoleSink()]
-    if isinstance(sinks, (str, Sink)) or not isinstance(sinks, Sequence):
-        raise TypeError(f"sinks must be a list of sinks, got {sinks!r}")
-    out: list[Sink] = []
-    for sink in sinks:
-        if isinstance(sink, Sink):
-            out.append(sink)
-        elif isinstance(sink, str) or hasattr(sink, "write"):
-            out.append(FileSink(sink))  # type: ignore[arg-type]
-        elif callable(sink):
-            out.append(CallbackSink(sink))
-        else:
-            raise TypeError(
-                f"unsupported sink {sink!r}: expected a Sink, a callable, a path or a text file"
-            )
-    return out

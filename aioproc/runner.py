@@ -1,4 +1,5 @@
-"""``run()``: start a group, wait for it, close it, raise if it failed."""
+"""The two ways to run a group: ``start_processes`` (yours to wait on and close)
+and ``run()`` (start, wait, close, raise if it failed)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,102 @@ import signal
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ._cm import OpenResource
+from ._ranks import SinkLike
 from ._validate import check_duration
-from .context import SinkLike, start_processes
+from .context import PContext, close_on_exit
 from .errors import ChildFailedError
-from .logs import LogsSpecs
-from .results import DEFAULT_GRACE_PERIOD, RunProcsResult
+from .logs import DefaultLogsSpecs, LogsSpecs
+from .results import DEFAULT_GRACE_PERIOD, RunProcsResult, WorkerEvent
 
-__all__ = ["run"]
+__all__ = ["run", "start_processes"]
+
+
+async def _start(pc: PContext) -> PContext:
+    await pc.start()
+    return pc
+
+
+def start_processes(
+    name: str,
+    entrypoint: Callable[..., Any] | str,
+    args: Mapping[int, tuple[Any, ...]],
+    envs: Mapping[int, Mapping[str, str]],
+    logs_specs: LogsSpecs | None = None,
+    log_line_prefixes: Mapping[int, str] | str | None = None,
+    start_method: str = "spawn",
+    *,
+    grace_period: float = DEFAULT_GRACE_PERIOD,
+    sinks: Sequence[SinkLike] | None = None,
+    duplicate_stdout_filters: Sequence[str] | None = None,
+    duplicate_stderr_filters: Sequence[str] | None = None,
+    pass_fds: Sequence[int] = (),
+    on_event: Callable[[WorkerEvent], None] | None = None,
+    close_sinks: bool = True,
+) -> OpenResource[PContext]:
+    """Start ``len(args)`` workers running ``entrypoint``.
+
+    ``await start_processes(...)`` returns the started ``PContext``;
+    ``async with start_processes(...) as pc:`` also closes the group when
+    the block exits, by error, cancellation or signal (a ``SignalException``,
+    or a cancellation from ``translate_signals``, stops the workers with
+    that same signal).
+
+    Args:
+        name: the group's name, used in log prefixes and messages.
+        entrypoint: a picklable callable (function workers) or the path or
+            name of an executable (binary workers: ``argv = (entrypoint,
+            *map(str, args[rank]))``, never a shell).
+        args: ``{local_rank: tuple}`` for ranks ``0..n-1``.
+        envs: ``{local_rank: {name: value}}``, added to the parent's
+            environment in each worker.
+        logs_specs: where output and error files go (default:
+            ``DefaultLogsSpecs()``: inherited output, error files in a
+            temporary directory that is removed when left empty).
+        log_line_prefixes: ``{local_rank: prefix}`` for tee'd lines, or one
+            template for every rank with ``${role_name}`` (the group name),
+            ``${rank}`` (the rank's ``RANK`` env var, else its local rank)
+            and ``${local_rank}``; a per-rank value may be a template too.
+            Default ``[{name}{local_rank}]:``.
+        start_method: only ``"spawn"``: every worker is a fresh interpreter.
+        grace_period: seconds between SIGTERM and SIGKILL when a failure
+            stops the group or the ``async with`` block exits.
+        sinks: where tee'd lines go (``aioproc.sinks``): ``Sink`` objects,
+            callables taking an ``OutputLine`` (sync or async), file paths or
+            open text files.  Default: one ``ConsoleSink``.
+        duplicate_stdout_filters: lines of redirected or tee'd stdout that
+            contain any of these strings also go, prefixed, to the attempt's
+            ``filtered_stdout.log`` (torch's option).
+        duplicate_stderr_filters: the same for stderr.
+        pass_fds: extra fds every worker inherits (kept open under the same
+            numbers), e.g. a channel the worker reports to.
+        on_event: called on the loop with a ``WorkerEvent`` when a worker
+            has started and when its exit has been recorded.
+        close_sinks: close the given ``sinks`` when the group is closed
+            (``False`` when they outlive the group, as across agent restarts).
+
+    Raises:
+        TypeError, ValueError, RuntimeError, FileNotFoundError,
+        PermissionError, NotADirectoryError: for bad input, before anything
+        is started.
+    """
+    pc = PContext(
+        name,
+        entrypoint,
+        args,
+        envs,
+        logs_specs if logs_specs is not None else DefaultLogsSpecs(),
+        log_line_prefixes,
+        start_method,
+        grace_period=grace_period,
+        sinks=sinks,
+        duplicate_stdout_filters=duplicate_stdout_filters,
+        duplicate_stderr_filters=duplicate_stderr_filters,
+        pass_fds=pass_fds,
+        on_event=on_event,
+        close_sinks=close_sinks,
+    )
+    return OpenResource(lambda: _start(pc), close_on_exit)
 
 
 async def run(

@@ -927,9 +927,8 @@ async def test_spawn_failure_part_way_stops_started_workers(
     private_tmpdir: str,
 ) -> None:
     """A worker that cannot be launched (EMFILE, EAGAIN...) after others were: they are reaped."""
-    import aioproc.context as context
 
-    real_spawn = context.spawn
+    real_spawn = aioproc._spawn.spawn
     started: list[int] = []
 
     async def spawn_then_fail(label: str, *args: Any, **kwargs: Any) -> Any:
@@ -960,9 +959,8 @@ async def test_spawn_failure_part_way_warns_nothing(
     fifo: tuple[str, Callable[[int], None]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import aioproc.context as context
 
-    real_spawn = context.spawn
+    real_spawn = aioproc._spawn.spawn
 
     async def spawn_then_fail(label: str, *args: Any, **kwargs: Any) -> Any:
         if label.endswith("/1"):
@@ -983,9 +981,9 @@ async def test_spawn_failure_part_way_warns_nothing(
 def _patch_spawn(monkeypatch: pytest.MonkeyPatch, fake: Any) -> None:
     """Replace the spawn used for binary (context) and function (_launch) workers."""
     import aioproc._launch as launch
-    import aioproc.context as context
+    import aioproc._ranks as ranks
 
-    monkeypatch.setattr(context, "spawn", fake)
+    monkeypatch.setattr(ranks, "spawn", fake)
     monkeypatch.setattr(launch, "spawn", fake)
 
 
@@ -1054,7 +1052,7 @@ async def test_failure_during_start_stops_later_ranks(
     """
     import aioproc.context as context
 
-    real_spawn = context.spawn
+    real_spawn = aioproc._spawn.spawn
     noticed = asyncio.Event()
 
     class NoticedFailure(ProcessFailure):

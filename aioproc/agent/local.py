@@ -21,17 +21,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from .._ranks import SinkLike
+from .._ranks import make_sinks as _make_sinks
 from .._validate import check_duration, check_path_name
-from ..context import (
-    START_METHODS,
-    PContext,
-    SinkLike,
-    WorkerEvent,
-    _make_sinks,
-    start_processes,
-)
+from ..context import START_METHODS, PContext, WorkerEvent
 from ..errors import ChildFailedError
 from ..logs import DefaultLogsSpecs, LogsSpecs
+from ..runner import start_processes
 from ..signals import pending_signal
 from ..sinks import close_sinks
 from . import events as ev

@@ -1,0 +1,176 @@
+"""Launch one rank of a group: its streams, tees, prefix and process.
+
+``RankLauncher`` holds what every rank of a ``PContext`` shares (name,
+entrypoint, per-rank args and envs, sinks, prefixes, extra fds) and turns a
+rank into a running ``Child``: log files opened, tee'd streams wired to their
+sinks, then a function worker through the one launch path (``_launch``) or a
+binary through ``spawn``.  It never reaches back into the supervisor: frames
+go to the handler the supervisor passes in.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO, Any, TypeAlias
+
+from . import _wire
+from ._boot import CallEncoder, init_frame
+from ._launch import launch_function
+from ._output import TeeProtocol
+from ._spawn import Child, spawn
+from .logs import LogsDest
+from .sinks import CallbackSink, ConsoleSink, FileSink, Sink, _FilteredFileSink
+
+SinkLike: TypeAlias = Sink | Callable[..., Any] | str | IO[str]
+"""A sink, a callable taking an ``OutputLine``, a file path or an open text file."""
+
+
+class RankLauncher:
+    """Starts the ranks of one group (see the module docstring)."""
+
+    def __init__(
+        self,
+        name: str,
+        entrypoint: Callable[..., Any] | str,
+        args: Mapping[int, tuple[Any, ...]],
+        envs: Mapping[int, Mapping[str, str]],
+        *,
+        sinks: list[Sink],
+        prefixes: Mapping[int, str] | str | None,
+        pass_fds: tuple[int, ...],
+    ) -> None:
+        self.name = name
+        self.entrypoint = entrypoint
+        self.args = args
+        self.envs = envs
+        self.sinks = sinks
+        self.filter_sinks: dict[str, Sink] = {}
+        self._template = prefixes if isinstance(prefixes, str) else None
+        self._prefixes = dict(prefixes) if isinstance(prefixes, Mapping) else {}
+        self.pass_fds = pass_fds
+
+    def add_filters(self, dest: LogsDest, filters: Mapping[str, tuple[str, ...]]) -> None:
+        """torch's duplicate filters: matching lines also go to the attempt's files."""
+        for stream, path in (("stdout", dest.filtered_stdout), ("stderr", dest.filtered_stderr)):
+            if filters[stream] and path:
+                self.filter_sinks[stream] = _FilteredFileSink(path, filters[stream])
+
+    def payloads(self) -> dict[int, list[bytes]]:
+        """Encode the INIT and CALL frames of every rank, before anything starts."""
+        if isinstance(self.entrypoint, str):
+            return {}
+        init = init_frame()
+        encoder = CallEncoder(self.entrypoint)
+        out: dict[int, list[bytes]] = {}
+        for rank in range(len(self.args)):
+            try:
+                out[rank] = [init, *encoder.encode(self.args[rank], {})]
+            except TypeError as e:
+                if "arguments for" not in str(e):
+                    raise
+                raise TypeError(f"args for local rank {rank} cannot be pickled: {e}") from e
+        return out
+
+    def prefix(self, rank: int) -> str:
+        """torch's default ``[{name}{rank}]:``, a per-rank override or a template."""
+        template = self._prefixes.get(rank, self._template)
+        if template is None:
+            return f"[{self.name}{rank}]:"
+        return string.Template(template).safe_substitute(
+            role_name=self.name,
+            rank=self.envs[rank].get("RANK", str(rank)),
+            local_rank=str(rank),
+        )
+
+    async def launch(
+        self,
+        rank: int,
+        dest: LogsDest,
+        payload: list[bytes] | None,
+        on_frame: Callable[[int, bytearray], None],
+    ) -> Child:
+        """Start ``rank``; raises what the launch raises, with nothing left open.
+
+        Cancellation: see ``spawn``: the half-started worker's group is killed.
+        """
+        env = {**os.environ, **self.envs[rank]}
+        label = f"{self.name}/{rank}"
+        prefix = self.prefix(rank)
+        files: list[Any] = []
+        tees: dict[str, TeeProtocol] = {}
+        try:
+            streams: dict[str, Any] = {}
+            for key, path, tee_map in (
+                ("stdout", dest.stdouts.get(rank, ""), dest.tee_stdouts),
+                ("stderr", dest.stderrs.get(rank, ""), dest.tee_stderrs),
+            ):
+                if not path:
+                    streams[key] = None
+                    continue
+                sinks = list(self.sinks) if rank in tee_map else []
+                if key in self.filter_sinks:
+                    sinks.append(self.filter_sinks[key])
+                # a local open(); the tee owns it or it is closed below
+                f = open(path, "wb", buffering=0)  # noqa: ASYNC230, SIM115
+                if sinks:
+                    streams[key] = subprocess.PIPE
+                    tees[key] = TeeProtocol(f, rank, key, prefix, sinks)
+                else:
+                    streams[key] = f
+                    files.append(f)
+            if payload is not None:
+                init, *call = payload
+                return await launch_function(
+                    label,
+                    env,
+                    on_frame=on_frame,
+                    frames=[(_wire.INIT, [init]), (_wire.CALL, call)],
+                    stdout=streams["stdout"],
+                    stderr=streams["stderr"],
+                    pass_fds=self.pass_fds,
+                    tee_out=tees.get("stdout"),
+                    tee_err=tees.get("stderr"),
+                )
+            return await spawn(
+                label,
+                [str(self.entrypoint), *map(str, self.args[rank])],
+                env,
+                stdout=streams["stdout"],
+                stderr=streams["stderr"],
+                stdin=None,
+                pass_fds=self.pass_fds,
+                tee_out=tees.get("stdout"),
+                tee_err=tees.get("stderr"),
+            )
+        except BaseException:
+            for t in tees.values():
+                if t.log_file is not None:
+                    t.log_file.close()
+            raise
+        finally:
+            for f in files:
+                f.close()  # the child has its own copy
+
+
+def make_sinks(sinks: Sequence[SinkLike] | None) -> list[Sink]:
+    """Sinks from what users pass (default: one ``ConsoleSink``)."""
+    if sinks is None:
+        return [ConsoleSink()]
+    if isinstance(sinks, (str, Sink)) or not isinstance(sinks, Sequence):
+        raise TypeError(f"sinks must be a list of sinks, got {sinks!r}")
+    out: list[Sink] = []
+    for sink in sinks:
+        if isinstance(sink, Sink):
+            out.append(sink)
+        elif isinstance(sink, str) or hasattr(sink, "write"):
+            out.append(FileSink(sink))  # type: ignore[arg-type]
+        elif callable(sink):
+            out.append(CallbackSink(sink))
+        else:
+            raise TypeError(
+                f"unsupported sink {sink!r}: expected a Sink, a callable, a path or a text file"
+            )
+    return out
