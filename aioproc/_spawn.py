@@ -220,6 +220,16 @@ async def spawn(
         popen.kill()
         popen.wait()
         for tr in transports:
-            tr.close()
+            tr.close()  # closes its pipe
+        for pipe in (popen.stdout, popen.stderr):
+            if pipe is None or any(tr.get_extra_info("pipe") is pipe for tr in transports):
+                continue
+            try:
+                pipe.close()
+            except OSError:
+                # uvloop closes the fd itself when connect_read_pipe is cancelled
+                # but leaves the file object open: closed here, not at GC time,
+                # when the number may belong to another file
+                pass
         raise
     return Child(label, popen, channel, tees, transports)
