@@ -194,6 +194,8 @@ class WorkerPool:
         name, env = self._slots[i]
         try:
             with start.scope:
+                if self._closed:  # closed before this start began: launch nothing
+                    return
                 worker = await _start_worker(
                     name,
                     self._initializer,

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import json
 import os
 import signal
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from proc_utils import Fifo
 import aioproc
 from aioproc import Std
 from aioproc.agent import AgentEvent, LocalElasticAgent, RestartPolicy, WorkerSpec, WorkerState
+from aioproc.agent.events import EventHub
 
 FLAKY = str(Path(__file__).parent / "children" / "agent_flaky.py")
 
@@ -446,3 +449,41 @@ async def test_a_stalled_reader_never_slows_the_agent_and_learns_what_it_lost(
     assert kept == published[-8:]  # the newest ones, in order, ending with the verdict
     assert kept[-1].kind == "group_failed"
     assert "events_dropped" not in [e.kind for e in agent.event_history]
+
+
+def hub_event(i: int) -> AgentEvent:
+    return AgentEvent(kind="worker_started", role="r", attempt=0, message=str(i))
+
+
+async def test_event_stream_drops_its_oldest_events_and_ends_after_the_rest() -> None:
+    hub = EventHub(history_size=3)
+    stream = hub.subscribe(maxsize=2)
+    assert repr(stream) == "<EventStream open buffered=0/2 dropped=0>"
+    for i in range(5):
+        hub.publish(hub_event(i))
+    hub.close()
+    got = [e async for e in stream]
+    assert [(e.kind, e.dropped) for e in got] == [
+        ("events_dropped", 3),
+        ("worker_started", None),
+        ("worker_started", None),
+    ]
+    assert [e.message for e in got[1:]] == ["3", "4"]
+    assert [e.message for e in hub.history] == ["2", "3", "4"]
+    assert repr(stream) == "<EventStream ended buffered=0/2 dropped=3>"
+    assert [e async for e in hub.subscribe()] == []  # subscribed after the end
+
+
+async def test_event_stream_closed_or_abandoned_by_its_reader_gets_nothing_more() -> None:
+    hub = EventHub()
+    closed = hub.subscribe()
+    hub.publish(hub_event(0))
+    await closed.aclose()
+    hub.publish(hub_event(1))
+    assert [e async for e in closed] == []
+    abandoned = hub.subscribe()
+    ref = weakref.ref(abandoned)
+    del abandoned
+    gc.collect()
+    assert ref() is None  # the hub does not keep an abandoned reader's buffer alive
+    hub.close()

@@ -131,7 +131,6 @@ class LocalElasticAgent:
         self._state = WorkerState.INIT
         self._restart_count = 0
         self._remaining_restarts = spec.max_restarts
-        self._pc: PContext | None = None
         self._running = False
         self._pids: dict[int, int] = {}
         self._watchdog_expired: dict[int, str] = {}
@@ -330,7 +329,6 @@ class LocalElasticAgent:
             on_event=self._on_worker_event,
             close_sinks=False,  # they live across attempts; closed when run() ends
         ) as pc:
-            self._pc = pc
             if watchdog is not None:
                 watchdog.set_workers(pc.pids())
             try:
@@ -342,9 +340,6 @@ class LocalElasticAgent:
                     self._signalled = True
                     self._publish(ev.SIGNAL_RECEIVED, signal=signal.Signals(sigval).name)
                 raise
-            finally:
-                self._pc = None
-        assert result is not None
         for rank, scope in self._watchdog_expired.items():
             if rank in result.failures:
                 result.failures[rank].message = scope
