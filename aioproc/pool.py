@@ -34,6 +34,7 @@ import asyncio
 import collections
 import json
 import logging
+import math
 import socket
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -131,9 +132,8 @@ class WorkerPool:
         """Start every worker (concurrently); on failure none is left running.
 
         Raises:
-            Exception: the first start failure in worker order among those
-                that failed first (what the initializer raised,
-                ``TimeoutError``, ``BrokenWorkerError``).
+            Exception: what made a worker's start fail, as soon as one
+                fails (see ``open_pool``).
 
         Cancellation: every worker started or starting is stopped (shielded,
         bounded) before the cancellation propagates.
@@ -143,7 +143,9 @@ class WorkerPool:
         # No await before the try: once the owner exists, it is always closed.
         self._close_requested = anyio.Event()
         starts = [self._new_start(i) for i in range(self.size)]
-        self._owner = asyncio.get_running_loop().create_task(self._own())
+        self._owner = asyncio.get_running_loop().create_task(
+            self._own(), name=f"aioproc pool owner ({self.size} workers)"
+        )
         try:
             pending = {s.finished for s in starts}
             while pending:
@@ -435,18 +437,32 @@ def open_pool(
         idle_timeout: stop a worker idle this long; it restarts on demand.
         env: extra environment for every worker.
         name: prefix of the workers' names.
+
+    Raises:
+        ValueError, TypeError: a bad argument (at the call, before anything
+            starts).
+        Exception: what made a worker's start fail (the initializer's
+            exception, ``TimeoutError``, ``BrokenWorkerError``), raised as
+            soon as one fails, once every worker is stopped.
+
+    Cancellation: cancelling the start (the ``await`` or the ``async with``
+    entry) at any point stops every worker started or starting, shielded and
+    bounded, before the cancellation propagates: nothing is left running.
     """
     slots = _slots(n_or_cluster_spec, name, dict(env or {}))
     if max_calls_per_worker is not None and (
-        not isinstance(max_calls_per_worker, int) or max_calls_per_worker <= 0
+        isinstance(max_calls_per_worker, bool)
+        or not isinstance(max_calls_per_worker, int)
+        or max_calls_per_worker <= 0
     ):
         raise ValueError(
             f"max_calls_per_worker must be a positive int, got {max_calls_per_worker!r}"
         )
-    if idle_timeout is not None and (
-        not isinstance(idle_timeout, (int, float)) or idle_timeout <= 0
-    ):
+    if idle_timeout is not None and not (_is_number(idle_timeout) and idle_timeout > 0):
         raise ValueError(f"idle_timeout must be > 0, got {idle_timeout!r}")
+    for what, value in (("init_timeout", init_timeout), ("shutdown_timeout", shutdown_timeout)):
+        if not (_is_number(value) and value >= 0):
+            raise ValueError(f"{what} must be a number >= 0, got {value!r}")
     if initializer is not None and not callable(initializer):
         raise TypeError(f"initializer must be callable, got {initializer!r}")
     pool = WorkerPool(
@@ -459,6 +475,11 @@ def open_pool(
         idle_timeout,
     )
     return OpenResource(lambda: _started(pool), _closed)
+
+
+def _is_number(value: object) -> bool:
+    """A real, finite number (NaN and infinity are no durations)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _free_ports(n: int) -> list[int]:

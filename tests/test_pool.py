@@ -124,6 +124,14 @@ async def test_bad_arguments_raise_builtin_errors(pw: ModuleType) -> None:
         open_pool(1, max_calls_per_worker=0)
     with pytest.raises(ValueError, match="idle_timeout must be > 0"):
         open_pool(1, idle_timeout=0)
+    with pytest.raises(ValueError, match="idle_timeout must be > 0, got nan"):
+        open_pool(1, idle_timeout=float("nan"))
+    with pytest.raises(ValueError, match="max_calls_per_worker must be a positive int, got True"):
+        open_pool(1, max_calls_per_worker=True)
+    with pytest.raises(ValueError, match="init_timeout must be a number >= 0, got nan"):
+        open_pool(1, init_timeout=float("nan"))
+    with pytest.raises(ValueError, match="shutdown_timeout must be a number >= 0, got -1"):
+        open_pool(1, shutdown_timeout=-1)
     with pytest.raises(TypeError, match="initializer must be callable"):
         open_pool(1, initializer="setup")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="'ps'"):
@@ -542,7 +550,7 @@ async def test_close_while_an_idle_retired_worker_restarts_leaves_nothing(
         1, initializer=pool_gate.hold_replacements, initargs=initargs, idle_timeout=0.1
     )
     try:
-        first = await pool.submit(os.getpid)
+        (first,) = live_pids(pool)  # read at once: no await since the open returned
         assert await still_alive_after([first], 10) == set()  # retired when idle
         waiting = asyncio.ensure_future(pool.submit(os.getpid))
         (line,) = await announce.lines(1)  # restarting on demand, inside its initializer
