@@ -346,7 +346,10 @@ async def test_stop_during_the_restart_backoff_starts_no_new_attempt(tmp_path: P
 
 
 async def test_stop_while_the_group_starts_stops_it_once_started(tmp_path: Path) -> None:
-    spec = WorkerSpec(role="early", local_world_size=4, entrypoint="sleep", args=("60",))
+    # tee'd: each launch awaits its pipes, so the stop task runs between two launches
+    spec = WorkerSpec(
+        role="early", local_world_size=4, entrypoint="sleep", args=("60",), tee=Std.ALL
+    )
     agent = LocalElasticAgent(spec, log_dir=str(tmp_path), grace_period=5)
     stopping: list[asyncio.Task[None]] = []
     pids: list[int] = []
