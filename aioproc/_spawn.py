@@ -292,9 +292,15 @@ async def spawn(
         _lifeline.forget(popen.pid)
         for tr in transports:
             tr.close()  # closes its pipe
-        connected = {t.get_extra_info("pipe") for t in transports}
         for pipe in (popen.stdout, popen.stderr):
-            if pipe is not None and pipe not in connected:
+            if pipe is None or any(tr.get_extra_info("pipe") is pipe for tr in transports):
+                continue
+            try:
                 pipe.close()
+            except OSError:
+                # uvloop closes the fd itself when connect_read_pipe is cancelled
+                # but leaves the file object open: closed here, not at GC time,
+                # when the number may belong to another file
+                pass
         raise
     return child

@@ -8,14 +8,39 @@ recycled after ``max_calls_per_worker`` calls or retired after
 ``idle_timeout`` seconds without work (then restarted on demand).
 """
 
+# Ownership
+# ---------
+#
+# A pool outlives the call that opened it (``pool = await open_pool(...)``
+# returns it to the caller), so the pool's task group cannot live in the
+# caller's task.  It lives in one task of the pool's own, the *owner*,
+# created when the pool opens and awaited when it closes.  Everything the
+# pool does in the background runs in that task group: every worker start
+# (the first ones and the replacements), every retirement (recycled, idle,
+# crashed).  Callers never start workers themselves: ``submit``/``run``
+# ask the owner for a start and wait for its outcome, so a cancelled caller
+# can never strand a half-started worker; the worker still lands in its
+# position and is closed with the pool.
+#
+# Closing asks the owner to finish: it cancels the starts in flight (a
+# cancelled start kills what it launched), closes every live worker, and
+# leaves its task group once the last retirement is done.  ``aclose()``
+# returns only then, so when it returns no interpreter and no guardian of
+# the pool is left, whatever was starting, retiring or running at the time.
+
 from __future__ import annotations
 
 import asyncio
 import collections
 import json
+import logging
+import math
 import socket
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import anyio
+import anyio.abc
 
 from ._cm import OpenResource
 from ._shield import shielded
@@ -24,7 +49,36 @@ from .worker import WorkerProcess, _start_worker
 
 __all__ = ["WorkerPool", "open_pool"]
 
+logger = logging.getLogger("aioproc")
+
 ClusterSpec = Mapping[str, Sequence[str] | int]
+
+
+class _Start:
+    """One start of a worker at one position, run by the pool's owner task.
+
+    Any number of callers wait for ``finished`` (never cancelled by a
+    waiter's cancellation: waiters use ``asyncio.wait``), then read
+    ``worker`` or ``error``.
+    """
+
+    def __init__(self) -> None:
+        self.scope = anyio.CancelScope()  # cancelled when the pool closes
+        self.finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.worker: WorkerProcess | None = None
+        self.error: BaseException | None = None
+
+    async def outcome(self) -> WorkerProcess:
+        """Wait for the start to end; its worker, or what made it fail.
+
+        Cancellation: cancelling the waiter leaves the start running (the
+        pool keeps the worker).
+        """
+        await asyncio.wait({self.finished})
+        if self.error is not None:
+            raise self.error
+        assert self.worker is not None
+        return self.worker
 
 
 class WorkerPool:
@@ -48,17 +102,22 @@ class WorkerPool:
         self._max_calls = max_calls_per_worker
         self._idle_timeout = idle_timeout
         self._workers: list[WorkerProcess | None] = [None] * len(slots)
+        self._starts: dict[int, _Start] = {}  # position -> its start in flight
         self._idle: collections.deque[int] = collections.deque()
         self._idle_timers: dict[int, asyncio.TimerHandle] = {}
         self._waiters: collections.deque[asyncio.Future[int]] = collections.deque()
         self._busy: set[int] = set()
-        self._starting: dict[int, asyncio.Task[WorkerProcess]] = {}
-        self._retiring: set[asyncio.Task[None]] = set()
+        # the owner task and its task group: set by _open, for the pool's lifetime
+        self._owner: asyncio.Task[None] | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._close_requested: anyio.Event | None = None
+        self._errors: list[Exception] = []  # from closing workers; raised by aclose()
         self._closed = False
 
     def __repr__(self) -> str:
         live = sum(w is not None and w.alive for w in self._workers)
-        return f"<WorkerPool size={len(self._slots)} live={live} busy={len(self._busy)}>"
+        state = " closed" if self._closed else ""
+        return f"<WorkerPool size={len(self._slots)} live={live} busy={len(self._busy)}{state}>"
 
     @property
     def size(self) -> int:
@@ -70,18 +129,77 @@ class WorkerPool:
 
     # ------------------------------------------------------------ lifecycle
 
-    async def _ensure(self, i: int) -> WorkerProcess:
-        """The live worker at position ``i``, starting one if needed."""
-        w = self._workers[i]
-        if w is not None and w.alive:
-            return w
-        if w is not None:
-            self._retire(i)  # dead: reap it and its guardian in the background
-        task = self._starting.get(i)
-        if task is None:
-            name, env = self._slots[i]
-            task = asyncio.get_running_loop().create_task(
-                _start_worker(
+    async def _open(self) -> WorkerPool:
+        """Start every worker (concurrently); on failure none is left running.
+
+        Raises:
+            Exception: what made a worker's start fail, as soon as one
+                fails (see ``open_pool``).
+
+        Cancellation: every worker started or starting is stopped (shielded,
+        bounded) before the cancellation propagates.
+        """
+        if self._owner is not None:
+            raise RuntimeError(f"{self!r} was already opened")
+        # No await before the try: once the owner exists, it is always closed.
+        self._close_requested = anyio.Event()
+        starts = [self._new_start(i) for i in range(self.size)]
+        self._owner = asyncio.get_running_loop().create_task(
+            self._own(), name=f"aioproc pool owner ({self.size} workers)"
+        )
+        try:
+            pending = {s.finished for s in starts}
+            while pending:
+                # report a failure at once, without waiting for slower starts
+                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for s in starts:
+                    if s.error is not None:
+                        raise s.error
+        except BaseException:
+            await shielded(self._close())
+            raise
+        self._idle.extend(range(self.size))
+        for i in range(self.size):
+            self._arm_idle(i)
+        return self
+
+    async def _own(self) -> None:
+        """The owner task: holds the task group that every start and retirement runs in."""
+        assert self._close_requested is not None
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            for i, start in list(self._starts.items()):  # the first ones, made by _open
+                tg.start_soon(self._run_start, i, start)
+            try:
+                await self._close_requested.wait()
+            finally:
+                # also when the owner itself is cancelled (the loop shutting down)
+                self._stop_everything(tg)
+
+    def _stop_everything(self, tg: anyio.abc.TaskGroup) -> None:
+        self._closed = True
+        for start in self._starts.values():
+            start.scope.cancel()  # a cancelled start kills what it launched
+        for i, w in enumerate(self._workers):
+            if w is not None:
+                self._workers[i] = None
+                tg.start_soon(self._stop_worker, w)
+
+    def _new_start(self, i: int) -> _Start:
+        start = _Start()
+        self._starts[i] = start
+        if self._tg is not None:  # else: the owner starts it when it begins
+            self._tg.start_soon(self._run_start, i, start)
+        return start
+
+    async def _run_start(self, i: int, start: _Start) -> None:
+        """Start the worker at ``i``; it belongs to the pool the moment it exists."""
+        name, env = self._slots[i]
+        try:
+            with start.scope:
+                if self._closed:  # closed before this start began: launch nothing
+                    return
+                worker = await _start_worker(
                     name,
                     self._initializer,
                     self._initargs,
@@ -89,39 +207,60 @@ class WorkerPool:
                     self._shutdown_timeout,
                     env,
                 )
-            )
-            self._starting[i] = task
+                # no await from here on: the worker is never without an owner
+                start.worker = worker
+                if not self._closed:
+                    self._workers[i] = worker
+        except Exception as e:
+            start.error = e
+        finally:
+            if self._starts.get(i) is start:
+                del self._starts[i]
+            if start.worker is None and start.error is None:
+                start.error = RuntimeError(f"{self!r} was closed while worker {name} started")
+            start.finished.set_result(None)
+            if start.worker is not None and self._closed:
+                # finished just as the pool closed: nobody else will close it
+                await self._stop_worker(start.worker)
 
-            def forget(_: asyncio.Task[WorkerProcess], i: int = i) -> None:
-                self._starting.pop(i, None)
-
-            task.add_done_callback(forget)
-        w = await asyncio.shield(task)
-        self._workers[i] = w
-        return w
-
-    async def start(self) -> None:
-        """Start every worker (concurrently); on failure none is left running."""
+    async def _stop_worker(self, w: WorkerProcess) -> None:
+        """Close one worker (retired, replaced, or the pool closing); shielded, bounded."""
         try:
-            await asyncio.gather(*(self._ensure(i) for i in range(self.size)))
-        except BaseException:
-            await shielded(self._close())
-            raise
-        self._idle.extend(range(self.size))
-        for i in range(self.size):
-            self._arm_idle(i)
+            await w.aclose()
+        except Exception as e:  # e.g. a ForcedKillWarning turned into an error
+            self._errors.append(e)
+
+    async def _ensure(self, i: int) -> WorkerProcess:
+        """The live worker at position ``i``, starting one if needed.
+
+        Cancellation: the start goes on in the pool (which keeps the worker).
+        """
+        w = self._workers[i]
+        if w is not None and w.alive:
+            return w
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
+        if w is not None:
+            self._retire(i)  # dead: reaped and its guardian dismissed by the pool
+        start = self._starts.get(i) or self._new_start(i)
+        return await start.outcome()
 
     def _retire(self, i: int) -> None:
-        """Stop the worker at ``i`` in the background (recycled or idle too long)."""
+        """Stop the worker at ``i`` in the pool's task group (recycled, idle, dead)."""
         w = self._workers[i]
         self._workers[i] = None
-        if w is not None:
-            task = asyncio.get_running_loop().create_task(w.aclose())
-            self._retiring.add(task)
-            task.add_done_callback(self._retiring.discard)
+        if w is not None and self._tg is not None:
+            self._tg.start_soon(self._stop_worker, w)
+
+    def _recycle_if_spent(self, i: int) -> None:
+        w = self._workers[i]
+        if w is None or self._closed:
+            return
+        if not w.alive or (self._max_calls is not None and w.calls >= self._max_calls):
+            self._retire(i)  # crashed, killed or recycled: replaced on next use
 
     def _arm_idle(self, i: int) -> None:
-        if self._idle_timeout is None:
+        if self._idle_timeout is None or self._closed:
             return
         loop = asyncio.get_running_loop()
         self._idle_timers[i] = loop.call_later(self._idle_timeout, self._idle_expired, i)
@@ -144,7 +283,7 @@ class WorkerPool:
             try:
                 i = await fut
             except asyncio.CancelledError:
-                if fut.done() and not fut.cancelled():
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
                     self._release(fut.result())  # handed over just as we were cancelled
                 raise
         timer = self._idle_timers.pop(i, None)
@@ -155,11 +294,9 @@ class WorkerPool:
 
     def _release(self, i: int) -> None:
         self._busy.discard(i)
-        w = self._workers[i]
-        if w is not None and self._max_calls is not None and w.calls >= self._max_calls:
-            self._retire(i)  # recycled: a fresh worker starts on next use
-        elif w is not None and not w.alive:
-            self._retire(i)  # crashed or killed: reaped now, replaced on next use
+        if self._closed:
+            return
+        self._recycle_if_spent(i)
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
@@ -175,9 +312,12 @@ class WorkerPool:
             Exception: what ``fn`` raised (with the worker's traceback).
             BrokenWorkerError: the worker died during the call; it is
                 replaced for later calls.
+            RuntimeError: the pool is closed, or was closed before the call
+                got a worker.
 
         Cancellation: cancelling kills the worker running the call; the pool
-        replaces it.
+        replaces it.  Cancelled while its worker is (re)starting, the start
+        goes on and the pool keeps the worker.
         """
         i = await self._acquire()
         try:
@@ -210,11 +350,8 @@ class WorkerPool:
 
         results = await asyncio.gather(*(one(i) for i in range(self.size)), return_exceptions=True)
         for i in range(self.size):
-            w = self._workers[i]
-            if w is None or i in self._busy:
-                continue
-            if not w.alive or (self._max_calls is not None and w.calls >= self._max_calls):
-                self._retire(i)  # crashed, or recycled: replaced on next use
+            if i not in self._busy:
+                self._recycle_if_spent(i)
         for value in results:
             if isinstance(value, BaseException):
                 raise value
@@ -223,34 +360,48 @@ class WorkerPool:
     async def aclose(self) -> None:
         """Stop every worker (terminate request, then SIGKILL after the timeout).
 
+        Starts in flight are cancelled (what they launched is killed),
+        waiting and running calls fail, and every retirement still going on
+        is waited for: when ``aclose()`` returns, none of the pool's
+        processes is left.  A second call waits for the first.
+
+        Raises:
+            Exception: what closing a worker raised (e.g. a
+                ``ForcedKillWarning`` that a warnings filter turned into an
+                error), once everything is closed; when several did, the
+                first, and the others are logged.
+
         Cancellation: shielded and bounded.
         """
-        if self._closed:
-            return
         await shielded(self._close())
+        errors, self._errors = self._errors, []
+        for e in errors[1:]:
+            logger.error("closing %r also failed", self, exc_info=e)
+        if errors:
+            raise errors[0]
 
     async def _close(self) -> None:
-        self._closed = True
-        for timer in self._idle_timers.values():
-            timer.cancel()
-        self._idle_timers.clear()
-        for fut in self._waiters:
-            if not fut.done():
-                fut.set_exception(RuntimeError(f"{self!r} was closed"))
-        if self._starting:
-            await asyncio.wait(set(self._starting.values()))
-            for i, task in list(self._starting.items()):
-                if not task.cancelled() and task.exception() is None:
-                    self._workers[i] = task.result()
-        workers = [w for w in self._workers if w is not None]
-        await asyncio.gather(*(w.aclose() for w in workers))
-        if self._retiring:
-            await asyncio.wait(set(self._retiring))
+        if not self._closed:
+            self._closed = True
+            for timer in self._idle_timers.values():
+                timer.cancel()
+            self._idle_timers.clear()
+            for fut in self._waiters:
+                if not fut.done():
+                    fut.set_exception(RuntimeError(f"{self!r} was closed"))
+            self._waiters.clear()
+        if self._close_requested is not None:
+            self._close_requested.set()
+        if self._owner is not None:
+            await asyncio.wait({self._owner})  # every closer waits for the one close
+            if not self._owner.cancelled():
+                error = self._owner.exception()
+                if error is not None:
+                    raise error  # a bug in the pool itself: never hidden
 
 
 async def _started(pool: WorkerPool) -> WorkerPool:
-    await pool.start()
-    return pool
+    return await pool._open()
 
 
 async def _closed(pool: WorkerPool, exc: BaseException | None) -> None:
@@ -287,6 +438,17 @@ def open_pool(
         idle_timeout: stop a worker idle this long; it restarts on demand.
         env: extra environment for every worker.
         name: prefix of the workers' names.
+
+    Raises:
+        ValueError, TypeError: a bad argument (at the call, before anything
+            starts).
+        Exception: what made a worker's start fail (the initializer's
+            exception, ``TimeoutError``, ``BrokenWorkerError``), raised as
+            soon as one fails, once every worker is stopped.
+
+    Cancellation: cancelling the start (the ``await`` or the ``async with``
+    entry) at any point stops every worker started or starting, shielded and
+    bounded, before the cancellation propagates: nothing is left running.
     """
     check_duration("init_timeout", init_timeout)
     check_duration("shutdown_timeout", shutdown_timeout)
@@ -295,15 +457,18 @@ def open_pool(
         check_env("env", env)
     slots = _slots(n_or_cluster_spec, name, dict(env or {}))
     if max_calls_per_worker is not None and (
-        not isinstance(max_calls_per_worker, int) or max_calls_per_worker <= 0
+        isinstance(max_calls_per_worker, bool)
+        or not isinstance(max_calls_per_worker, int)
+        or max_calls_per_worker <= 0
     ):
         raise ValueError(
             f"max_calls_per_worker must be a positive int, got {max_calls_per_worker!r}"
         )
-    if idle_timeout is not None and (
-        not isinstance(idle_timeout, (int, float)) or idle_timeout <= 0
-    ):
+    if idle_timeout is not None and not (_is_number(idle_timeout) and idle_timeout > 0):
         raise ValueError(f"idle_timeout must be > 0, got {idle_timeout!r}")
+    for what, value in (("init_timeout", init_timeout), ("shutdown_timeout", shutdown_timeout)):
+        if not (_is_number(value) and value >= 0):
+            raise ValueError(f"{what} must be a number >= 0, got {value!r}")
     if initializer is not None and not callable(initializer):
         raise TypeError(f"initializer must be callable, got {initializer!r}")
     pool = WorkerPool(
@@ -316,6 +481,11 @@ def open_pool(
         idle_timeout,
     )
     return OpenResource(lambda: _started(pool), _closed)
+
+
+def _is_number(value: object) -> bool:
+    """A real, finite number (NaN and infinity are no durations)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _free_ports(n: int) -> list[int]:

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import itertools
 import json
 import os
 import signal
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
+from helpers import pid_gone
+from proc_utils import Fifo
 
 import aioproc
 from aioproc import Std
 from aioproc.agent import AgentEvent, LocalElasticAgent, RestartPolicy, WorkerSpec, WorkerState
+from aioproc.agent.events import EventHub
 
 FLAKY = str(Path(__file__).parent / "children" / "agent_flaky.py")
 
@@ -174,8 +180,6 @@ async def test_reset_after_restores_the_restart_budget(tmp_path: Path) -> None:
 
 
 async def test_events_async_iterator_sees_the_whole_run(tmp_path: Path) -> None:
-    import asyncio
-
     agent = LocalElasticAgent(flaky_spec("", n=2), log_dir=str(tmp_path))
     stream = agent.events()
 
@@ -203,8 +207,6 @@ async def test_function_workers_return_values_by_rank() -> None:
 
 
 async def test_signal_stops_workers_and_raises(tmp_path: Path) -> None:
-    import asyncio
-
     spec = WorkerSpec(role="s", local_world_size=2, entrypoint="sleep", args=("1000",))
     agent = LocalElasticAgent(spec, log_dir=str(tmp_path), grace_period=5)
     with pytest.raises(aioproc.SignalException) as info:
@@ -244,3 +246,247 @@ def test_bad_specs_are_rejected() -> None:
         WorkerSpec(role="r", local_world_size=1, entrypoint="true", master_port=70000)
     with pytest.raises(ValueError, match="start_method"):
         LocalElasticAgent(WorkerSpec(role="r", local_world_size=1, entrypoint="true"), "fork")
+
+
+# ------------------------------------------------------------------ stop()
+#
+# torchelastic treats a stop as the end of the run: stop() never costs a
+# restart or starts an attempt, and run() returns a STOPPED RunResult.
+
+# each worker writes "<pid>\n" to the FIFO argv[1], then sleeps until stopped
+ANNOUNCE_AND_SLEEP = (
+    "import os, sys, time\n"
+    "fd = os.open(sys.argv[1], os.O_WRONLY)\n"
+    "os.write(fd, f'{os.getpid()}\\n'.encode())\n"
+    "os.close(fd)\n"
+    "time.sleep(60)\n"
+)
+
+
+def announcing_spec(fifo: Fifo, n: int = 2, **kw: object) -> WorkerSpec:
+    return WorkerSpec(
+        role="st",
+        local_world_size=n,
+        entrypoint=sys.executable,
+        args=("-c", ANNOUNCE_AND_SLEEP, fifo.path),
+        max_restarts=3,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+async def test_stop_ends_the_run_with_the_given_signal_and_no_restart(
+    tmp_path: Path, fifo: Fifo
+) -> None:
+    events: list[AgentEvent] = []
+    logs = tmp_path / "logs"  # tmp_path also holds the FIFO
+    agent = LocalElasticAgent(
+        announcing_spec(fifo), log_dir=str(logs), grace_period=30, on_event=events.append
+    )
+    running = asyncio.ensure_future(agent.run())
+    try:
+        pids = [int(line) for line in await fifo.lines(2)]  # both workers are up
+        await asyncio.wait_for(agent.stop(signal.SIGUSR1, timeout=5), 20)
+        assert running.done()  # stop() returns once run() has ended
+        result = await running
+    finally:
+        await agent.stop()
+        await asyncio.gather(running, return_exceptions=True)
+    assert result.state == WorkerState.STOPPED
+    assert not result.is_failed()
+    assert agent.state == WorkerState.STOPPED
+    assert agent.restart_count == 0
+    assert {r: f.exitcode for r, f in result.failures.items()} == {
+        0: -signal.SIGUSR1,
+        1: -signal.SIGUSR1,
+    }
+    kinds = [e.kind for e in events]
+    assert kinds.count("attempt_started") == 1
+    assert kinds.count("worker_started") == 2
+    assert "restart_scheduled" not in kinds and "attempt_failed" not in kinds
+    assert kinds[-1] == "group_stopped"
+    assert events[-1].message == "stopped by stop() with SIGUSR1, grace 5 s"
+    exits = [e for e in events if e.kind == "worker_exited"]
+    assert sorted(e.pid for e in exits if e.pid is not None) == sorted(pids)
+    assert {e.signal for e in exits} == {"SIGUSR1"}
+    assert all(pid_gone(p) for p in pids)
+    assert not (run_dir(logs) / "attempt_1").exists()
+    await agent.stop()  # no run going on: returns at once
+
+
+async def test_stop_during_the_restart_backoff_starts_no_new_attempt(tmp_path: Path) -> None:
+    backoff = asyncio.Event()
+    events: list[AgentEvent] = []
+
+    def on_event(e: AgentEvent) -> None:
+        events.append(e)
+        if e.kind == "restart_scheduled":
+            backoff.set()
+
+    policy = RestartPolicy(initial_delay=3600)  # only stop() can end this backoff
+    agent = LocalElasticAgent(
+        flaky_spec("0", n=1, max_restarts=3, restart_policy=policy),
+        log_dir=str(tmp_path),
+        on_event=on_event,
+    )
+    running = asyncio.ensure_future(agent.run())
+    try:
+        await asyncio.wait_for(backoff.wait(), 20)
+        await asyncio.wait_for(agent.stop(), 20)
+        result = await running
+    finally:
+        await agent.stop()
+        await asyncio.gather(running, return_exceptions=True)
+    assert result.state == WorkerState.STOPPED
+    assert result.failures[0].exitcode == 3  # how the last attempt ended
+    assert agent.restart_count == 0  # the scheduled restart never happened
+    kinds = [e.kind for e in events]
+    assert kinds.count("attempt_started") == 1
+    assert kinds[-1] == "group_stopped"
+    assert not (run_dir(tmp_path) / "attempt_1").exists()
+
+
+async def test_stop_while_the_group_starts_stops_it_once_started(tmp_path: Path) -> None:
+    # tee'd: each launch awaits its pipes, so the stop task runs between two launches
+    spec = WorkerSpec(
+        role="early", local_world_size=4, entrypoint="sleep", args=("60",), tee=Std.ALL
+    )
+    agent = LocalElasticAgent(spec, log_dir=str(tmp_path), grace_period=5)
+    stopping: list[asyncio.Task[None]] = []
+    pids: list[int] = []
+
+    def on_event(e: AgentEvent) -> None:
+        if e.kind == "worker_started" and e.pid is not None:
+            pids.append(e.pid)
+            if not stopping:  # the first rank is up, the others are being launched
+                stopping.append(asyncio.ensure_future(agent.stop(signal.SIGTERM)))
+
+    agent.add_event_handler(on_event)
+    try:
+        result = await asyncio.wait_for(agent.run(), 30)
+    finally:
+        await agent.stop()
+        for task in stopping:
+            await task
+    assert result.state == WorkerState.STOPPED
+    assert len(pids) == 4
+    assert {f.exitcode for f in result.failures.values()} == {-signal.SIGTERM}
+    assert all(pid_gone(p) for p in pids)
+    kinds = [e.kind for e in agent.event_history]
+    assert kinds.count("attempt_started") == 1
+    assert kinds[-1] == "group_stopped"
+
+
+async def test_stop_rejects_bad_arguments_before_stopping_anything() -> None:
+    agent = LocalElasticAgent(WorkerSpec(role="r", local_world_size=1, entrypoint="true"))
+    with pytest.raises(ValueError, match="death_sig must be a signal number, got 999"):
+        await agent.stop(999)
+    with pytest.raises(ValueError, match="timeout must be a number >= 0, got nan"):
+        await agent.stop(signal.SIGTERM, float("nan"))
+    with pytest.raises(ValueError, match="timeout must be a number >= 0, got -1"):
+        await agent.stop(signal.SIGTERM, -1)
+
+
+# ----------------------------------------------------- bounded event memory
+
+
+def test_event_history_keeps_the_last_events_only() -> None:
+    spec = WorkerSpec(role="h", local_world_size=1, entrypoint="true")
+    agent = LocalElasticAgent(spec, event_history_size=50)
+    for i in range(5000):
+        agent._publish("worker_started", message=str(i))
+    history = agent.event_history
+    assert [e.message for e in history] == [str(i) for i in range(4950, 5000)]
+    default = LocalElasticAgent(spec)
+    for i in range(3000):
+        default._publish("worker_started", message=str(i))
+    assert len(default.event_history) == 1000
+    assert default.event_history[0].message == "2000"
+    with pytest.raises(ValueError, match="event_history_size must be a positive int, got 0"):
+        LocalElasticAgent(spec, event_history_size=0)
+    with pytest.raises(ValueError, match="maxsize must be a positive int, got 0"):
+        agent.events(maxsize=0)
+
+
+async def test_a_stalled_reader_never_slows_the_agent_and_learns_what_it_lost(
+    tmp_path: Path,
+) -> None:
+    # 40 restarts of a worker that fails at once, no backoff: about 200 events
+    spec = WorkerSpec(role="fast", local_world_size=1, entrypoint="false", max_restarts=40)
+    published: list[AgentEvent] = []
+    agent = LocalElasticAgent(
+        spec, log_dir=str(tmp_path), on_event=published.append, event_history_size=32
+    )
+    stream = agent.events(maxsize=8)
+    got_first = asyncio.Event()
+    resume = asyncio.Event()
+    received: list[AgentEvent] = []
+
+    async def stalled_reader() -> None:
+        async for event in stream:
+            received.append(event)
+            if len(received) == 1:
+                got_first.set()
+                await resume.wait()  # stalls until the run is over
+
+    reader = asyncio.ensure_future(stalled_reader())
+    try:
+        result = await asyncio.wait_for(agent.run(), 50)
+        assert result.state == WorkerState.FAILED
+        assert agent.restart_count == 40
+        assert len(agent.event_history) == 32
+        assert agent.event_history == published[-32:]
+        await asyncio.wait_for(got_first.wait(), 5)
+        resume.set()
+        await asyncio.wait_for(reader, 5)
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+    assert len(published) > 200
+    lost = len(published) - 1 - 8
+    assert stream.dropped == lost
+    first, dropped, *kept = received
+    assert first == published[0]
+    assert dropped.kind == "events_dropped"
+    assert dropped.dropped == lost
+    assert f"{lost} event(s) dropped here" in dropped.message
+    assert kept == published[-8:]  # the newest ones, in order, ending with the verdict
+    assert kept[-1].kind == "group_failed"
+    assert "events_dropped" not in [e.kind for e in agent.event_history]
+
+
+def hub_event(i: int) -> AgentEvent:
+    return AgentEvent(kind="worker_started", role="r", attempt=0, message=str(i))
+
+
+async def test_event_stream_drops_its_oldest_events_and_ends_after_the_rest() -> None:
+    hub = EventHub(history_size=3)
+    stream = hub.subscribe(maxsize=2)
+    assert repr(stream) == "<EventStream open buffered=0/2 dropped=0>"
+    for i in range(5):
+        hub.publish(hub_event(i))
+    hub.close()
+    got = [e async for e in stream]
+    assert [(e.kind, e.dropped) for e in got] == [
+        ("events_dropped", 3),
+        ("worker_started", None),
+        ("worker_started", None),
+    ]
+    assert [e.message for e in got[1:]] == ["3", "4"]
+    assert [e.message for e in hub.history] == ["2", "3", "4"]
+    assert repr(stream) == "<EventStream ended buffered=0/2 dropped=3>"
+    assert [e async for e in hub.subscribe()] == []  # subscribed after the end
+
+
+async def test_event_stream_closed_or_abandoned_by_its_reader_gets_nothing_more() -> None:
+    hub = EventHub()
+    closed = hub.subscribe()
+    hub.publish(hub_event(0))
+    await closed.aclose()
+    hub.publish(hub_event(1))
+    assert [e async for e in closed] == []
+    abandoned = hub.subscribe()
+    ref = weakref.ref(abandoned)
+    del abandoned
+    gc.collect()
+    assert ref() is None  # the hub does not keep an abandoned reader's buffer alive
+    hub.close()

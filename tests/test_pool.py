@@ -12,14 +12,17 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import sys
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from types import ModuleType
 
+import anyio
 import pytest
-from helpers import child_pids, open_fds, pid_gone
+from helpers import child_pids, open_fds, pid_gone, release_fifo
 from proc_utils import Fifo, still_alive_after
 
 from aioproc import BrokenWorkerError, ForcedKillWarning, WorkerPool, WorkerProcess, open_pool
@@ -121,6 +124,16 @@ async def test_bad_arguments_raise_builtin_errors(pw: ModuleType) -> None:
         open_pool(1, max_calls_per_worker=0)
     with pytest.raises(ValueError, match="idle_timeout must be > 0"):
         open_pool(1, idle_timeout=0)
+    with pytest.raises(ValueError, match=r"idle_timeout must be a finite number .* got nan"):
+        open_pool(1, idle_timeout=float("nan"))
+    with pytest.raises(ValueError, match="max_calls_per_worker must be a positive int, got True"):
+        open_pool(1, max_calls_per_worker=True)
+    with pytest.raises(
+        ValueError, match="init_timeout must be a finite number of seconds, got nan"
+    ):
+        open_pool(1, init_timeout=float("nan"))
+    with pytest.raises(ValueError, match="shutdown_timeout must be a number >= 0, got -1"):
+        open_pool(1, shutdown_timeout=-1)
     with pytest.raises(TypeError, match="initializer must be callable"):
         open_pool(1, initializer="setup")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="'ps'"):
@@ -431,3 +444,188 @@ def test_tf_config_json_is_valid_for_every_slot() -> None:
     for name, env in _slots({"worker": 2}, "p", {}):
         assert json.loads(env["TF_CONFIG"])["task"]["type"] == "worker"
         assert name.startswith("worker:")
+
+
+# ------------------------------------------- ownership: nothing ever leaks
+#
+# The pool owns every start and retirement; these tests attack that at the
+# edges: a cancelled open, a close while a replacement boots, a close racing
+# a stream of submits.  Each checks, the moment the call returns, that no
+# interpreter and no guardian shell of the pool is left (``child_pids()``
+# lists running and zombie children alike).
+
+CANCEL_ROUNDS = 30
+
+
+async def start_time_of_a_pool(size: int) -> float:
+    """Seconds one ``open_pool(size)`` takes here, now: the range to cancel in."""
+    t0 = time.monotonic()
+    pool = await open_pool(size)
+    elapsed = time.monotonic() - t0
+    await pool.aclose()
+    return elapsed
+
+
+def cancel_delays(start_time: float, seed: int) -> list[float]:
+    """Delays spread from 0 (before anything ran) to past a whole start."""
+    rng = random.Random(seed)
+    top = 1.3 * start_time
+    return [top * (k + rng.random()) / CANCEL_ROUNDS for k in range(CANCEL_ROUNDS)]
+
+
+async def test_cancelling_await_open_pool_at_random_points_leaves_nothing() -> None:
+    before = child_pids()
+    delays = cancel_delays(await start_time_of_a_pool(2), seed=8)
+    cancelled = 0
+    for delay in delays:
+        pool: WorkerPool | None = None
+        try:
+            pool = await asyncio.wait_for(open_pool(2), delay)
+        except asyncio.TimeoutError:
+            cancelled += 1
+            # the cancellation has propagated: nothing of the pool may be left
+            assert child_pids() == before, f"cancelled after {delay:.4f} s"
+        if pool is not None:
+            assert all(isinstance(p, int) for p in pool.pids())
+            await pool.aclose()
+            assert child_pids() == before
+    assert cancelled > 0
+
+
+async def test_cancelling_async_with_open_pool_at_random_points_leaves_nothing() -> None:
+    before = child_pids()
+    delays = cancel_delays(await start_time_of_a_pool(2), seed=9)
+    entered = 0
+    for delay in delays:
+        with anyio.move_on_after(delay) as scope:
+            async with open_pool(2) as pool:
+                entered += 1
+                assert all(isinstance(p, int) for p in pool.pids())
+                await anyio.sleep_forever()
+        assert scope.cancelled_caught
+        assert child_pids() == before, f"cancelled after {delay:.4f} s"
+    assert entered < len(delays)  # some were cancelled while their workers started
+
+
+@pytest.fixture
+async def gate(tmp_path: Path, pw: ModuleType) -> AsyncIterator[tuple[tuple[str, str, str], Fifo]]:
+    """``initargs`` for ``pool_gate.hold_replacements`` and the FIFO it announces on."""
+    release = str(tmp_path / "release")
+    async with Fifo(tmp_path / "announce") as announce:
+        with release_fifo(release):
+            yield (str(tmp_path / "first"), announce.path, release), announce
+
+
+async def test_close_while_a_recycled_worker_is_replaced_leaves_nothing(
+    gate: tuple[tuple[str, str, str], Fifo],
+) -> None:
+    import pool_gate
+
+    initargs, announce = gate
+    before = child_pids()
+    pool = await open_pool(
+        1, initializer=pool_gate.hold_replacements, initargs=initargs, max_calls_per_worker=1
+    )
+    try:
+        first = await pool.submit(os.getpid)  # recycled after this call
+        waiting = asyncio.ensure_future(pool.submit(os.getpid))
+        (line,) = await announce.lines(1)  # the replacement is inside its initializer
+        replacement = int(line)
+        assert replacement != first
+        await asyncio.wait_for(pool.aclose(), 10)
+        assert child_pids() == before  # nothing left the moment aclose() returns
+        with pytest.raises(RuntimeError, match=r"was closed while worker pool/0 started"):
+            await waiting
+    finally:
+        await pool.aclose()
+    assert pid_gone(first) and pid_gone(replacement)
+
+
+async def test_close_while_an_idle_retired_worker_restarts_leaves_nothing(
+    gate: tuple[tuple[str, str, str], Fifo],
+) -> None:
+    import pool_gate
+
+    initargs, announce = gate
+    before = child_pids()
+    pool = await open_pool(
+        1, initializer=pool_gate.hold_replacements, initargs=initargs, idle_timeout=0.1
+    )
+    try:
+        (first,) = live_pids(pool)  # read at once: no await since the open returned
+        assert await still_alive_after([first], 10) == set()  # retired when idle
+        waiting = asyncio.ensure_future(pool.submit(os.getpid))
+        (line,) = await announce.lines(1)  # restarting on demand, inside its initializer
+        assert int(line) != first
+        await asyncio.wait_for(pool.aclose(), 10)
+        assert child_pids() == before
+        with pytest.raises(RuntimeError, match="was closed while worker pool/0 started"):
+            await waiting
+    finally:
+        await pool.aclose()
+
+
+async def test_a_cancelled_submit_leaves_its_starting_worker_to_the_pool(
+    gate: tuple[tuple[str, str, str], Fifo],
+) -> None:
+    import pool_gate
+
+    (marker, announce_path, release), announce = gate
+    before = child_pids()
+    pool = await open_pool(
+        1,
+        initializer=pool_gate.hold_replacements,
+        initargs=(marker, announce_path, release),
+        max_calls_per_worker=1,
+    )
+    try:
+        await pool.submit(os.getpid)  # recycled after this call
+        cancelled = asyncio.ensure_future(pool.submit(os.getpid))
+        (line,) = await announce.lines(1)
+        replacement = int(line)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        # the start went on without its caller: the next call gets that very worker
+        later = asyncio.ensure_future(pool.submit(os.getpid))
+        fd = os.open(release, os.O_WRONLY)
+        try:
+            os.write(fd, b"x")  # let the replacement's initializer finish
+        finally:
+            os.close(fd)
+        assert await asyncio.wait_for(later, 10) == replacement
+    finally:
+        await pool.aclose()
+    assert child_pids() == before
+    assert pid_gone(replacement)
+
+
+async def test_close_racing_a_stream_of_submits_and_restarts_leaves_nothing(
+    pw: ModuleType,
+) -> None:
+    before = child_pids()
+    # every call recycles its worker: starts and retirements never stop
+    pool = await open_pool(2, name="churn", max_calls_per_worker=1)
+    try:
+        calls = [asyncio.ensure_future(pool.submit(os.getpid)) for _ in range(20)]
+        for done, call in enumerate(asyncio.as_completed(calls), 1):
+            await call
+            if done == 3:
+                break
+        first = asyncio.ensure_future(pool.aclose())
+        await asyncio.wait_for(pool.aclose(), 20)  # a second close waits for the first
+        assert child_pids() == before
+        await first
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    finally:
+        await pool.aclose()
+    pids = [o for o in outcomes if isinstance(o, int)]
+    errors = [o for o in outcomes if not isinstance(o, int)]
+    assert len(pids) >= 3 and len(set(pids)) == len(pids)  # a fresh worker per call
+    assert errors, "the close came after every call had finished"
+    for e in errors:
+        assert isinstance(e, (RuntimeError, BrokenWorkerError)), repr(e)
+        assert "closed" in str(e) or "SIGKILL" in str(e) or "exited" in str(e), str(e)
+    with pytest.raises(RuntimeError, match="closed"):
+        await pool.submit(os.getpid)
+    assert repr(pool) == "<WorkerPool size=2 live=0 busy=0 closed>"

@@ -6,32 +6,39 @@ an exit is noticed when it happens), and on failure stops the whole group,
 waits the restart policy's backoff and starts the next attempt, logging
 into ``attempt_<n>`` beside the earlier attempts' logs, while restarts
 remain.  Everything that happens is published as an ``AgentEvent``.
+
+``stop()`` ends the run, as torchelastic's agent treats a stop: it never
+restarts.  The run's own task does the stopping (one close per attempt,
+with the signal and grace period ``stop()`` was given); ``stop()`` asks and
+waits for the run to end.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import math
 import os
 import signal
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
+
+import anyio
 
 from .._ranks import SinkLike
 from .._ranks import make_sinks as _make_sinks
 from .._validate import check_duration, check_path_name
-from ..context import START_METHODS, PContext, WorkerEvent
+from ..context import START_METHODS, PContext, RunProcsResult, WorkerEvent
 from ..errors import ChildFailedError
 from ..logs import DefaultLogsSpecs, LogsSpecs
 from ..runner import start_processes
 from ..signals import pending_signal
 from ..sinks import close_sinks
 from . import events as ev
-from .events import AgentEvent, EventHub
+from .events import HISTORY_SIZE, STREAM_BUFFER, AgentEvent, EventHub, EventStream
 from .spec import RunResult, WorkerSpec, WorkerState
 
 if TYPE_CHECKING:
@@ -60,7 +67,10 @@ class LocalElasticAgent:
         grace_period: seconds between the stop signal and SIGKILL.
         run_id: ``TORCHELASTIC_RUN_ID`` (default: a random id).
         sinks: where tee'd lines go (see ``start_processes``).
-        on_event: called with every ``AgentEvent``.
+        on_event: called with every ``AgentEvent`` (synchronously: keep it
+            quick).
+        event_history_size: how many of the last events ``event_history``
+            keeps (default ``events.HISTORY_SIZE``, 1000).
 
     Usage::
 
@@ -81,6 +91,7 @@ class LocalElasticAgent:
         run_id: str | None = None,
         sinks: Sequence[SinkLike] | None = None,
         on_event: Callable[[AgentEvent], Any] | None = None,
+        event_history_size: int = HISTORY_SIZE,
     ) -> None:
         if not isinstance(spec, WorkerSpec):
             raise TypeError(f"spec must be a WorkerSpec, got {spec!r}")
@@ -90,6 +101,14 @@ class LocalElasticAgent:
         exit_barrier_timeout = check_duration("exit_barrier_timeout", exit_barrier_timeout)
         if run_id is not None:
             check_path_name("run_id", run_id)
+        if (
+            isinstance(event_history_size, bool)
+            or not isinstance(event_history_size, int)
+            or event_history_size <= 0
+        ):
+            raise ValueError(
+                f"event_history_size must be a positive int, got {event_history_size!r}"
+            )
         if logs_specs is None:
             logs_specs = DefaultLogsSpecs(
                 log_dir=log_dir,
@@ -105,17 +124,20 @@ class LocalElasticAgent:
         self._run_id = run_id or uuid.uuid4().hex[:12]
         # converted once: the same sink objects serve every attempt
         self._sinks = _make_sinks(sinks) if sinks is not None else None
-        self._events = EventHub()
+        self._events = EventHub(event_history_size)
         if on_event is not None:
             self._events.add_callback(on_event)
         self._state = WorkerState.INIT
         self._restart_count = 0
         self._remaining_restarts = spec.max_restarts
-        self._pc: PContext | None = None
         self._running = False
         self._pids: dict[int, int] = {}
         self._watchdog_expired: dict[int, str] = {}
         self._signalled = False
+        # set by stop() while a run is going on: (signal, grace period)
+        self._stop_request: tuple[int, float] | None = None
+        self._stop_requested: anyio.Event | None = None
+        self._run_ended: anyio.Event | None = None
 
     def __repr__(self) -> str:
         return (
@@ -145,15 +167,23 @@ class LocalElasticAgent:
         """``{local_rank: pid}`` of the current attempt's workers."""
         return dict(self._pids)
 
-    def events(self) -> AsyncIterator[AgentEvent]:
-        """An async iterator of events from now until ``run()`` returns."""
-        return self._events.subscribe()
+    def events(self, maxsize: int = STREAM_BUFFER) -> EventStream:
+        """An async iterator of events from now until ``run()`` returns.
+
+        The agent never waits for the reader: it buffers up to ``maxsize``
+        events for it, then drops the oldest; the reader is told with an
+        ``events_dropped`` event (and ``stream.dropped`` counts them).
+        """
+        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize <= 0:
+            raise ValueError(f"maxsize must be a positive int, got {maxsize!r}")
+        return self._events.subscribe(maxsize)
 
     def add_event_handler(self, fn: Callable[[AgentEvent], Any]) -> None:
         self._events.add_callback(fn)
 
     @property
     def event_history(self) -> list[AgentEvent]:
+        """The last ``event_history_size`` events, oldest first."""
         return list(self._events.history)
 
     # ------------------------------------------------------------------- run
@@ -163,7 +193,9 @@ class LocalElasticAgent:
 
         Returns:
             ``RunResult`` keyed by global rank: SUCCEEDED with the return
-            values, or FAILED with the last attempt's failures.
+            values, FAILED with the last attempt's failures, or STOPPED
+            (with how each worker ended) when ``stop()`` ended the run;
+            a stop never consumes a restart or starts an attempt.
 
         Raises:
             SignalException: when run inside ``translate_signals`` and a
@@ -176,6 +208,9 @@ class LocalElasticAgent:
         if self._running:
             raise RuntimeError(f"{self!r} is already running")
         self._running = True
+        self._stop_request = None
+        self._stop_requested = anyio.Event()
+        self._run_ended = anyio.Event()
         spec = self._spec
         policy = spec.restart_policy
         master_addr = spec.master_addr or "127.0.0.1"
@@ -190,11 +225,16 @@ class LocalElasticAgent:
             if watchdog is not None:
                 await watchdog.start()
             while True:
+                if self._stop_request is not None:  # during the watchdog's start
+                    return self._finish(WorkerState.STOPPED, {}, {})
                 attempt = self._restart_count
                 started = time.monotonic()
                 result = await self._run_attempt(attempt, master_addr, master_port, watchdog)
                 if not result.is_failed():
                     return self._finish(WorkerState.SUCCEEDED, result.return_values, {})
+                if self._stop_request is not None:
+                    # the end, as torchelastic treats a stop: never a restart
+                    return self._finish(WorkerState.STOPPED, result.return_values, result.failures)
                 root_rank, root = ChildFailedError(spec.role, result.failures).get_first_failure()
                 if root.exitcode in policy.expected_exit_codes:
                     return self._finish(
@@ -231,7 +271,14 @@ class LocalElasticAgent:
                     f"in {delay:.3g} s",
                 )
                 if delay > 0:
-                    await asyncio.sleep(delay)  # the policy's backoff delay
+                    # the policy's backoff delay, cut short by stop()
+                    with anyio.move_on_after(delay):
+                        await self._stop_requested.wait()
+                if self._stop_request is not None:
+                    # stopped during the backoff: the scheduled restart never happens
+                    self._restart_count -= 1
+                    self._remaining_restarts += 1
+                    return self._finish(WorkerState.STOPPED, result.return_values, result.failures)
         except BaseException as e:
             if not isinstance(e, Exception) or _is_signal(e):
                 self._state = WorkerState.STOPPED
@@ -248,6 +295,7 @@ class LocalElasticAgent:
             await close_sinks(list(self._sinks or ()))
             self._running = False
             self._events.close()
+            self._run_ended.set()
 
     async def _run_attempt(
         self, attempt: int, master_addr: str, master_port: int, watchdog: WatchdogServer | None
@@ -280,11 +328,10 @@ class LocalElasticAgent:
             on_event=self._on_worker_event,
             close_sinks=False,  # they live across attempts; closed when run() ends
         ) as pc:
-            self._pc = pc
             if watchdog is not None:
                 watchdog.set_workers(pc.pids())
             try:
-                result = await pc.wait()
+                result = await self._wait_or_stop(pc)
             except BaseException as e:
                 # announce a signal before the workers are stopped with it
                 sigval = getattr(e, "sigval", None) or pending_signal()
@@ -292,14 +339,37 @@ class LocalElasticAgent:
                     self._signalled = True
                     self._publish(ev.SIGNAL_RECEIVED, signal=signal.Signals(sigval).name)
                 raise
-            finally:
-                self._pc = None
-        assert result is not None
         for rank, scope in self._watchdog_expired.items():
             if rank in result.failures:
                 result.failures[rank].message = scope
         state = WorkerState.FAILED if result.is_failed() else WorkerState.SUCCEEDED
         return RunResult(state, dict(result.return_values), dict(result.failures))
+
+    async def _wait_or_stop(self, pc: PContext) -> RunProcsResult:
+        """The group's result; if ``stop()`` asks first, stop the group as asked.
+
+        The stopper is a task of this attempt's task group, so exactly one
+        close (``stop()``'s signal and grace period) runs, in this attempt.
+        """
+        errors: list[Exception] = []
+
+        async def stop_when_asked() -> None:
+            assert self._stop_requested is not None
+            await self._stop_requested.wait()
+            assert self._stop_request is not None
+            try:
+                await pc.close(*self._stop_request)
+            except Exception as e:  # surfaced by run(), outside the task group
+                errors.append(e)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stop_when_asked)
+            result = await pc.wait()
+            tg.cancel_scope.cancel()  # a close in progress is shielded: it finishes
+        if errors:
+            raise errors[0]
+        assert result is not None
+        return result
 
     def _worker_env(
         self, local_rank: int, attempt: int, master_addr: str, master_port: int
@@ -341,7 +411,13 @@ class LocalElasticAgent:
         message: str = "",
     ) -> RunResult:
         self._state = state
-        kind = ev.GROUP_SUCCEEDED if state == WorkerState.SUCCEEDED else ev.GROUP_FAILED
+        kind = {
+            WorkerState.SUCCEEDED: ev.GROUP_SUCCEEDED,
+            WorkerState.STOPPED: ev.GROUP_STOPPED,
+        }.get(state, ev.GROUP_FAILED)
+        if state == WorkerState.STOPPED and self._stop_request is not None and not message:
+            sig, grace = self._stop_request
+            message = f"stopped by stop() with {signal.Signals(sig).name}, grace {grace:g} s"
         self._publish(kind, message=message)
         return RunResult(state, values, failures)
 
@@ -396,14 +472,53 @@ class LocalElasticAgent:
 
     # ---------------------------------------------------------------- close
 
-    async def stop(self, death_sig: int = signal.SIGTERM, timeout: float | None = None) -> None:
-        """Stop the current attempt's workers (the run then ends as failed).
+    # ``timeout`` is the grace period before SIGKILL (PContext.close's name), not a deadline
+    async def stop(
+        self,
+        death_sig: int = signal.SIGTERM,
+        timeout: float | None = None,
+    ) -> None:
+        """End the run: stop the workers and return once ``run()`` has ended.
 
-        Cancellation: shielded and bounded, like ``PContext.close``.
+        ``run()`` then returns a ``RunResult`` with state STOPPED (SUCCEEDED
+        if every worker had already succeeded): a stop is the end of the
+        run, never a failure to restart from, as in torchelastic.  Asked
+        while the group starts, the group is stopped once started; asked
+        during a restart's backoff, no new attempt starts.  Later calls
+        (and calls when no run is going on) only wait for the run to end.
+
+        Args:
+            death_sig: the graceful signal sent to every worker's group.
+            timeout: seconds before SIGKILL (default: the agent's
+                ``grace_period``).
+
+        Raises:
+            ValueError: ``death_sig`` is not a signal, or ``timeout`` is
+                negative or not a number.
+
+        Cancellation: the stop goes on in ``run()``'s task (shielded and
+        bounded, like ``PContext.close``); only the wait for it is
+        cancelled.
         """
-        pc = self._pc
-        if pc is not None:
-            await pc.close(death_sig, self._grace_period if timeout is None else timeout)
+        try:
+            sig = signal.Signals(death_sig)
+        except (ValueError, TypeError):
+            raise ValueError(f"death_sig must be a signal number, got {death_sig!r}") from None
+        grace = self._grace_period if timeout is None else timeout
+        if (
+            isinstance(grace, bool)
+            or not isinstance(grace, (int, float))
+            or math.isnan(grace)
+            or grace < 0
+        ):
+            raise ValueError(f"timeout must be a number >= 0, got {timeout!r}")
+        if not self._running or self._run_ended is None:
+            return
+        if self._stop_request is None:
+            self._stop_request = (int(sig), float(grace))
+            assert self._stop_requested is not None
+            self._stop_requested.set()
+        await self._run_ended.wait()
 
     async def __aenter__(self) -> LocalElasticAgent:
         return self
