@@ -59,6 +59,7 @@ class Child:
         self.forced = False  # needed SIGKILL during shutdown
         self.stop_requested = False  # the supervisor signalled it while it ran
         self.unkillable = False  # survived SIGKILL; released when it finally exits
+        self.swept = False  # its group was SIGKILLed after the leader exited: empty for good
 
     def __repr__(self) -> str:
         if self.returncode is None:
