@@ -332,6 +332,28 @@ def error_row(bench: str, exc: BaseException) -> Row:
     return Row(bench, "-", math.nan, math.nan, "", None, error=f"{type(exc).__name__}: {exc}")
 
 
+def standalone_main(
+    doc: str, bench: Callable[[Config], list[Row]], child: Callable[[list[str]], None]
+) -> None:
+    """``main()`` of a benchmark script run on its own: ``--child ...`` runs its
+    measured child process, anything else parses ``--quick/--rounds/--loop``
+    and prints the table."""
+    import argparse
+
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(sys.argv[2:])
+        return
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--loop", choices=("asyncio", "uvloop", "both"), default="both")
+    a = p.parse_args()
+    loops = LOOPS if a.loop == "both" else (a.loop,)
+    loops = tuple(x for x in loops if x != "uvloop" or uvloop_available())
+    cfg = Config.quick_mode(loops, a.rounds) if a.quick else Config.full(loops, a.rounds)
+    print(format_table(bench(cfg)))
+
+
 def format_table(rows: Sequence[Row]) -> str:
     head = ["benchmark", "loop", "candidate", "baseline", "ratio", "target", "result", "notes"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -19,7 +19,6 @@ Target: peak RSS < 100 MB.  ``--quick`` (CI): 100 MB of output, one round.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -27,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 
-from _util import LOOPS, Config, Row, Target, uvloop_available
+from _util import Config, Row, Target, standalone_main
 
 LINE = 1000  # bytes per line, newline included
 WORKER = (
@@ -138,20 +137,7 @@ def rss(cfg: Config) -> list[Row]:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        _child(sys.argv[2], int(sys.argv[3]))
-        return
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--rounds", type=int, default=None)
-    p.add_argument("--loop", choices=("asyncio", "uvloop", "both"), default="both")
-    a = p.parse_args()
-    loops = LOOPS if a.loop == "both" else (a.loop,)
-    loops = tuple(x for x in loops if x != "uvloop" or uvloop_available())
-    cfg = Config.quick_mode(loops, a.rounds) if a.quick else Config.full(loops, a.rounds)
-    from _util import format_table
-
-    print(format_table(rss(cfg)))
+    standalone_main(__doc__ or "", rss, lambda argv: _child(argv[0], int(argv[1])))
 
 
 if __name__ == "__main__":

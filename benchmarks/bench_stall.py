@@ -17,7 +17,6 @@ fresh supervisor each).  ``--quick`` (CI): 1 s of measurement, 1 round.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -25,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 
-from _util import LOOPS, Config, Row, Target, uvloop_available
+from _util import Config, Row, Target, standalone_main
 
 WORKER = (
     "import os\n"
@@ -128,20 +127,7 @@ def stall(cfg: Config) -> list[Row]:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        _child(sys.argv[2], float(sys.argv[3]))
-        return
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--rounds", type=int, default=None)
-    p.add_argument("--loop", choices=("asyncio", "uvloop", "both"), default="both")
-    a = p.parse_args()
-    loops = LOOPS if a.loop == "both" else (a.loop,)
-    loops = tuple(x for x in loops if x != "uvloop" or uvloop_available())
-    cfg = Config.quick_mode(loops, a.rounds) if a.quick else Config.full(loops, a.rounds)
-    from _util import format_table
-
-    print(format_table(stall(cfg)))
+    standalone_main(__doc__ or "", stall, lambda argv: _child(argv[0], float(argv[1])))
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ if CHILDREN_DIR not in sys.path:
     sys.path.insert(0, CHILDREN_DIR)  # fault_worker, importable by function workers
 
 import fault_worker  # noqa: E402
-from _util import run_on  # noqa: E402
+from _util import child_pids, run_on  # noqa: E402
 
 import aioproc  # noqa: E402
 from aioproc import DefaultLogsSpecs, Std  # noqa: E402
@@ -209,18 +209,6 @@ def kill_all(pids: Iterable[int]) -> None:
             os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
             pass
-
-
-def child_pids() -> set[int]:
-    """Direct children of this process (any thread), running or zombie."""
-    pids: set[int] = set()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/children") as f:
-                pids.update(int(p) for p in f.read().split())
-        except FileNotFoundError:
-            continue
-    return pids
 
 
 def open_fds() -> set[int]:
