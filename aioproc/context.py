@@ -33,6 +33,7 @@ import anyio
 import anyio.abc
 
 from . import _lifeline
+from ._loops import check_loop
 from ._outcomes import NEVER_STARTED as NEVER_STARTED
 from ._outcomes import Outcomes
 from ._ranks import RankLauncher, SinkLike
@@ -422,6 +423,7 @@ class PContext:
         ``async with`` block (or ``close()``) stops them.  Once the result is
         final, the release runs shielded.
         """
+        check_loop(self._supervisor.get_loop() if self._supervisor else None, self)
         timeout = check_duration("wait(timeout=...)", timeout, allow_negative=True)
         if self._finished is None:
             raise RuntimeError(f"{self!r} has not been started")
@@ -456,6 +458,7 @@ class PContext:
         Cancellation: the stop runs shielded and bounded in time; a
         cancellation arriving meanwhile is re-raised once it is done.
         """
+        check_loop(self._supervisor.get_loop() if self._supervisor else None, self)
         sig = _validate_signal(signal.SIGTERM if death_sig is None else death_sig)
         timeout = check_duration("close(timeout=...)", timeout)
         if self._state is _State.NEW:

@@ -43,6 +43,7 @@ import anyio
 import anyio.abc
 
 from ._cm import OpenResource
+from ._loops import check_loop
 from ._shield import shielded
 from ._validate import check_duration, check_env
 from .worker import WorkerProcess, _start_worker
@@ -105,6 +106,8 @@ class WorkerPool:
         self._starts: dict[int, _Start] = {}  # position -> its start in flight
         self._idle: collections.deque[int] = collections.deque()
         self._idle_timers: dict[int, asyncio.TimerHandle] = {}
+        # positions whose idle timer fired (at most one entry per worker)
+        self._idle_expired_q: asyncio.Queue[int] = asyncio.Queue()
         self._waiters: collections.deque[asyncio.Future[int]] = collections.deque()
         self._busy: set[int] = set()
         # the owner task and its task group: set by _open, for the pool's lifetime
@@ -170,11 +173,27 @@ class WorkerPool:
             self._tg = tg
             for i, start in list(self._starts.items()):  # the first ones, made by _open
                 tg.start_soon(self._run_start, i, start)
+            retiring = anyio.CancelScope()
+            tg.start_soon(self._retire_idle, retiring)
             try:
                 await self._close_requested.wait()
             finally:
                 # also when the owner itself is cancelled (the loop shutting down)
+                retiring.cancel()
                 self._stop_everything(tg)
+
+    async def _retire_idle(self, scope: anyio.CancelScope) -> None:
+        """Retire the workers whose idle timer fired, from inside the task group.
+
+        The timer is a plain loop callback, where the task group cannot be
+        used (anyio needs a task to tell which event loop runs it), so it
+        only queues the position; this task does the rest.
+        """
+        with scope:
+            while True:
+                i = await self._idle_expired_q.get()
+                if i in self._idle and not self._closed:
+                    self._retire(i)  # stays in the idle list: restarted on its next use
 
     def _stop_everything(self, tg: anyio.abc.TaskGroup) -> None:
         self._closed = True
@@ -267,8 +286,7 @@ class WorkerPool:
 
     def _idle_expired(self, i: int) -> None:
         self._idle_timers.pop(i, None)
-        if i in self._idle and not self._closed:
-            self._retire(i)  # stays in the idle list: restarted on its next use
+        self._idle_expired_q.put_nowait(i)  # see _retire_idle
 
     # ---------------------------------------------------------- scheduling
 
@@ -319,6 +337,7 @@ class WorkerPool:
         replaces it.  Cancelled while its worker is (re)starting, the start
         goes on and the pool keeps the worker.
         """
+        check_loop(self._owner.get_loop() if self._owner is not None else None, self)
         i = await self._acquire()
         try:
             w = await self._ensure(i)
@@ -340,6 +359,7 @@ class WorkerPool:
 
         Cancellation: cancelling kills the workers still running the call.
         """
+        check_loop(self._owner.get_loop() if self._owner is not None else None, self)
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
         kwargs = dict(kwargs or {})
@@ -373,6 +393,7 @@ class WorkerPool:
 
         Cancellation: shielded and bounded.
         """
+        check_loop(self._owner.get_loop() if self._owner is not None else None, self)
         await shielded(self._close())
         errors, self._errors = self._errors, []
         for e in errors[1:]:
@@ -480,7 +501,7 @@ def open_pool(
         max_calls_per_worker,
         idle_timeout,
     )
-    return OpenResource(lambda: _started(pool), _closed)
+    return OpenResource(lambda: _started(pool), _closed, "open_pool(...)")
 
 
 def _is_number(value: object) -> bool:

@@ -103,7 +103,7 @@ def start_processes(
         on_event=on_event,
         close_sinks=close_sinks,
     )
-    return OpenResource(lambda: _start(pc), close_on_exit)
+    return OpenResource(lambda: _start(pc), close_on_exit, "start_processes(...)")
 
 
 async def run(

@@ -27,6 +27,7 @@ from ._boot import CallEncoder, init_frame, rebuild_exception
 from ._channel import Channel
 from ._cm import OpenResource
 from ._launch import Frame, launch_function
+from ._loops import check_loop
 from ._output import TeeProtocol
 from ._shield import shielded
 from ._shutdown import stop_groups, warn_forced
@@ -165,6 +166,7 @@ class WorkerProcess:
 
     async def ping(self) -> None:
         """Round trip to the worker; raises ``BrokenWorkerError`` if it died."""
+        check_loop(self._child.watcher.loop, self)
         async with self._lock:
             kind, _ = await self._request(_wire.PING, [])
             assert kind == _wire.PONG
@@ -183,6 +185,7 @@ class WorkerProcess:
         since the request cannot be withdrawn; later calls raise
         ``BrokenWorkerError`` (a pool replaces the worker).
         """
+        check_loop(self._child.watcher.loop, self)
         parts = CallEncoder(fn).encode(args, kwargs)
         async with self._lock:
             kind, body = await self._request(_wire.CALL, parts)
@@ -203,6 +206,7 @@ class WorkerProcess:
         Cancellation: shielded and bounded by ``shutdown_timeout`` plus a
         few seconds.
         """
+        check_loop(self._child.watcher.loop, self)
         if self._closed:
             return
         self._closed = True
@@ -385,4 +389,4 @@ def open_worker(
     async def close(worker: WorkerProcess, exc: BaseException | None) -> None:
         await worker.aclose()
 
-    return OpenResource(start, close)
+    return OpenResource(start, close, "open_worker(...)")

@@ -12,6 +12,10 @@ import glob
 import os
 import sys
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import asyncio
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 CHILDREN_DIR = os.path.join(TESTS_DIR, "children")
@@ -86,3 +90,13 @@ def release_fifo(path: str) -> Iterator[Callable[[int], None]]:
         yield release
     finally:
         os.close(fd)
+
+
+def run_on_new_loop(factory: Callable[[], asyncio.AbstractEventLoop], coro: Any) -> Any:
+    """``asyncio.Runner(loop_factory=factory).run(coro)``, also on Python 3.10."""
+    loop = factory()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()

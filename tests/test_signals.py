@@ -19,6 +19,7 @@ from types import FrameType
 from typing import Any
 
 import pytest
+from helpers import run_on_new_loop
 
 from aioproc.signals import SignalException, pending_signal, translate_signals
 
@@ -126,12 +127,12 @@ async def test_other_exceptions_pass_through() -> None:
             raise KeyError("boom")
 
     async def times_out() -> None:
-        async with translate_signals((signal.SIGUSR1,)), asyncio.timeout(0):
-            await forever()
+        async with translate_signals((signal.SIGUSR1,)):
+            await asyncio.wait_for(forever(), 0)
 
     with pytest.raises(KeyError):
         await raises_keyerror()
-    with pytest.raises(TimeoutError):
+    with pytest.raises(asyncio.TimeoutError):  # TimeoutError itself on 3.11+
         await times_out()
 
 
@@ -469,8 +470,7 @@ def test_off_main_thread_warns_and_runs_the_body(
 
     def thread_main() -> None:
         try:
-            with asyncio.Runner(loop_factory=loop_factory) as runner:
-                runner.run(body())
+            run_on_new_loop(loop_factory, body())
         except BaseException as exc:
             errors.append(exc)
 

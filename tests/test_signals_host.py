@@ -28,6 +28,7 @@ from types import FrameType
 from typing import Any
 
 import pytest
+from helpers import run_on_new_loop
 
 from aioproc.signals import SignalException, pending_signal, translate_signals
 
@@ -435,9 +436,8 @@ def test_loop_without_add_signal_handler(base: type[asyncio.AbstractEventLoop]) 
             kill_self(USR1)
             await forever()
 
-    with asyncio.Runner(loop_factory=NoSignals) as runner:
-        with pytest.raises(SignalException) as info:
-            runner.run(body())
+    with pytest.raises(SignalException) as info:
+        run_on_new_loop(NoSignals, body())
     assert info.value.sigval is USR1
     assert signal.getsignal(USR1) is before
 
@@ -457,8 +457,7 @@ def test_loop_in_another_thread_warns(base: type[asyncio.AbstractEventLoop]) -> 
 
     def thread_main() -> None:
         try:
-            with asyncio.Runner(loop_factory=base) as runner:
-                runner.run(body())
+            run_on_new_loop(base, body())
         except BaseException as exc:  # reported to the test thread
             results.append(exc)
 
