@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("aioproc")
 
+FAIR_CHUNK = 32 * 1024
+"""A chunk this big means the pipe is flooded: its reader then skips one loop
+iteration, so one worker's output cannot starve the rest of the loop."""
+
 MAX_LINE = 64 * 1024
 """Longest line held back, in bytes; longer lines reach the sinks in pieces."""
 
@@ -215,6 +219,7 @@ class TeeProtocol(asyncio.Protocol):
         self._blocked: set[Flow] = set()  # the sinks' flows that are held
         self._paused = False
         self._draining = False  # the worker exited: read to EOF, ignore backpressure
+        self._yielding = False  # paused for one loop iteration after a big chunk
         self._flows = [f for f in (s._backpressure for s in sinks) if f is not None]
         for flow in self._flows:
             flow.watch(self._on_flow)
@@ -240,7 +245,7 @@ class TeeProtocol(asyncio.Protocol):
         tr = self._transport
         if tr is None or tr.is_closing():
             return
-        want_paused = bool(self._blocked) and not self._draining
+        want_paused = (bool(self._blocked) and not self._draining) or self._yielding
         if want_paused and not self._paused:
             tr.pause_reading()
             self._paused = True
@@ -275,6 +280,17 @@ class TeeProtocol(asyncio.Protocol):
                 if status is not None:
                     self._status(status)
         self.progress.advance(len(data))
+        if len(data) >= FAIR_CHUNK and not self._yielding:
+            # A flooding worker: let everything else on the loop run before the
+            # next chunk (uvloop would otherwise read up to 32 chunks at once,
+            # and a launch waiting for its next iteration would crawl).
+            self._yielding = True
+            self._update_reading()
+            asyncio.get_running_loop().call_soon(self._end_yield)
+
+    def _end_yield(self) -> None:
+        self._yielding = False
+        self._update_reading()
 
     def _write_log(self, data: bytes) -> None:
         assert self.log_file is not None

@@ -280,7 +280,8 @@ async def spawn(
     try:
         # shielded: a cancellation inside connect_read_pipe could leave a
         # transport registered with the loop that nobody can close
-        await shielded(_connect_tees(loop, popen, tee_out, tee_err, tees, transports))
+        if tee_out is not None or tee_err is not None:
+            await shielded(_connect_tees(loop, popen, tee_out, tee_err, tees, transports))
         child = Child(label, popen, channel, tees, transports)
     except BaseException:
         try:

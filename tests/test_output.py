@@ -1017,3 +1017,30 @@ def test_tqdm_bars_on_a_terminal(tmp_path: Path, mode: str) -> None:
         assert sorted(said) == sorted(want)
     else:
         assert len(screen) == 4
+
+
+class _ChunkCounter(Sink):
+    """Counts how many chunks of lines reach it (each ``lines`` call is one chunk)."""
+
+    def __init__(self) -> None:
+        self.chunks = 0
+
+    def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
+        self.chunks += 1
+
+
+async def test_a_flooding_worker_does_not_starve_the_loop(tmp_path: Path) -> None:
+    """A worker that floods its tee'd stdout gets one chunk read per loop iteration,
+    so the rest of the loop keeps running (uvloop would read up to 32 chunks at once)."""
+    counter = _ChunkCounter()
+    spec = logs(tmp_path, tee=Std.OUT)
+    async with aioproc.start_processes("flood", "yes", {0: ()}, {0: {}}, spec, sinks=[counter]):
+        while counter.chunks < 20:  # flooding by now
+            await asyncio.sleep(0)
+        iterations = 200
+        before = counter.chunks
+        for _ in range(iterations):
+            await asyncio.sleep(0)  # one loop iteration each
+        read = counter.chunks - before
+    # at most one chunk per iteration (plus the slack of the first and last one)
+    assert 0 < read <= iterations + 2, f"{read} chunks read in {iterations} iterations"
