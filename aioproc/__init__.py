@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from .sinks import CallbackSink as CallbackSink
     from .sinks import ConsoleSink as ConsoleSink
     from .sinks import FileSink as FileSink
+    from .sinks import LoggingSink as LoggingSink
     from .sinks import OutputLine as OutputLine
     from .sinks import OutputStream as OutputStream
     from .sinks import Sink as Sink
@@ -80,6 +81,7 @@ _EXPORTS: dict[str, str] = {
     "CallbackSink": "sinks",
     "ConsoleSink": "sinks",
     "FileSink": "sinks",
+    "LoggingSink": "sinks",
     "OutputLine": "sinks",
     "OutputStream": "sinks",
     "Sink": "sinks",

@@ -1,4 +1,4 @@
-"""Where tee'd worker lines go: the console, a file, a callback, an async iterator.
+"""Where tee'd worker lines go: the console, a file, a logger, a callback, an async iterator.
 
 A sink receives whole lines (never a fragment) and progress-bar updates from
 the output readers, on the event loop thread, in order.  Pass sinks to
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -53,6 +54,7 @@ __all__ = [
     "CallbackSink",
     "ConsoleSink",
     "FileSink",
+    "LoggingSink",
     "OutputLine",
     "OutputStream",
     "Sink",
@@ -259,6 +261,53 @@ class FileSink(Sink):
         if self._path is not None and self._file is not None:
             self._file.close()
             self._file = None
+
+
+# ------------------------------------------------------------------ logging
+
+
+class LoggingSink(Sink):
+    """Sends every line to a stdlib ``logging`` logger, for services.
+
+    Each line is one record, ``"<prefix><line>"``, with ``rank``, ``stream``
+    and ``prefix`` as ``extra`` attributes for formatters and filters.
+    Logging is synchronous: the handlers configured on ``logger`` run on the
+    event loop, so they should not block (use a ``QueueHandler`` for slow
+    destinations).
+
+    Args:
+        logger: a ``logging.Logger`` or a logger name (default
+            ``"aioproc.workers"``).
+        level: the level of stdout lines (default INFO).
+        stderr_level: the level of stderr lines (default: ``level``).
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger | str = "aioproc.workers",
+        level: int = logging.INFO,
+        stderr_level: int | None = None,
+    ) -> None:
+        if isinstance(logger, str):
+            logger = logging.getLogger(logger)
+        if not isinstance(logger, logging.Logger):
+            raise TypeError(f"logger must be a logging.Logger or a name, got {logger!r}")
+        for what, value in (("level", level), ("stderr_level", stderr_level)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{what} must be a logging level (an int), got {value!r}")
+        self._logger = logger
+        self._levels = {"stdout": level, "stderr": level if stderr_level is None else stderr_level}
+
+    def __repr__(self) -> str:
+        return f"LoggingSink({self._logger.name!r})"
+
+    def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
+        level = self._levels.get(stream, self._levels["stdout"])
+        if not self._logger.isEnabledFor(level):
+            return
+        extra = {"rank": rank, "stream": stream, "prefix": prefix}
+        for line in lines:
+            self._logger.log(level, "%s%s", prefix, line, extra=extra)
 
 
 class _FilteredFileSink(FileSink):

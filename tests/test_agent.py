@@ -490,3 +490,23 @@ async def test_event_stream_closed_or_abandoned_by_its_reader_gets_nothing_more(
     gc.collect()
     assert ref() is None  # the hub does not keep an abandoned reader's buffer alive
     hub.close()
+
+
+async def test_a_reader_made_just_before_run_sees_every_event() -> None:
+    """Subscribing is synchronous: nothing published by run() is missed, the first
+    attempt_started and worker_started included."""
+    agent = LocalElasticAgent(WorkerSpec(role="r", local_world_size=2, entrypoint="/bin/true"))
+    stream = agent.events()
+    seen: list[str] = []
+
+    async def consume() -> None:
+        async for event in stream:
+            seen.append(event.kind)
+
+    reader = asyncio.create_task(consume())
+    await agent.run()
+    await asyncio.wait_for(reader, 10)
+    assert seen == [e.kind for e in agent.event_history]
+    assert seen[0] == "attempt_started"
+    assert seen.count("worker_started") == 2
+    assert seen[-1] == "group_succeeded"

@@ -23,6 +23,7 @@ import contextlib
 import importlib
 import io
 import itertools
+import logging
 import os
 import re
 import signal
@@ -1044,3 +1045,48 @@ async def test_a_flooding_worker_does_not_starve_the_loop(tmp_path: Path) -> Non
         read = counter.chunks - before
     # at most one chunk per iteration (plus the slack of the first and last one)
     assert 0 < read <= iterations + 2, f"{read} chunks read in {iterations} iterations"
+
+
+async def test_logging_sink_sends_every_line_with_rank_and_stream(tmp_path: Path) -> None:
+    records: list[logging.LogRecord] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    log = logging.getLogger("aioproc.test.workers")
+    log.setLevel(logging.DEBUG)
+    log.propagate = False
+    handler = Collect()
+    log.addHandler(handler)
+    try:
+        spec = logs(tmp_path, tee=Std.ALL)
+        code = "import sys; print('out', 1); print('err', 2, file=sys.stderr); print('out', 3)"
+        sink = aioproc.LoggingSink(log, level=logging.INFO, stderr_level=logging.WARNING)
+        result = await aioproc.run(
+            sys.executable, 2, args=("-c", code), logs_specs=spec, name="w", sinks=[sink]
+        )
+        assert not result.is_failed()
+    finally:
+        log.removeHandler(handler)
+    got = sorted(
+        (r.rank, r.stream, r.levelno, r.getMessage())  # type: ignore[attr-defined]
+        for r in records
+    )
+    assert got == sorted(
+        (rank, stream, level, f"[w{rank}]:{text}")
+        for rank in range(2)
+        for stream, level, text in (
+            ("stdout", logging.INFO, "out 1"),
+            ("stdout", logging.INFO, "out 3"),
+            ("stderr", logging.WARNING, "err 2"),
+        )
+    )
+    assert {r.prefix for r in records} == {"[w0]:", "[w1]:"}  # type: ignore[attr-defined]
+
+
+def test_logging_sink_rejects_what_is_not_a_logger() -> None:
+    with pytest.raises(TypeError, match=r"logger must be a logging\.Logger or a name, got 42"):
+        aioproc.LoggingSink(42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="level must be a logging level"):
+        aioproc.LoggingSink(level="INFO")  # type: ignore[arg-type]
