@@ -41,8 +41,9 @@ if TYPE_CHECKING:
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
 
-def _lifeline(fd: int) -> None:
+def _lifeline(fd: int, started: Any) -> None:
     """Kill this worker's whole process group when the supervisor goes away."""
+    started.release()
     try:
         while os.read(fd, 4096):
             pass  # nothing is sent after CALL; ignore anything that is
@@ -283,7 +284,13 @@ def main(fd: int) -> None:
     kind, body = _wire.read_frame(fd)
     if kind != _wire.CALL:
         raise RuntimeError(f"aioproc worker: expected CALL frame, got kind {kind}")
-    _thread.start_new_thread(_lifeline, (fd,))
+    # Wait until the thread runs: a thread still starting up when a quick
+    # function returns and the interpreter finalizes crashes Python 3.10
+    # (SIGSEGV in the new thread); one blocked in read() is safe.
+    started = _thread.allocate_lock()
+    started.acquire()
+    _thread.start_new_thread(_lifeline, (fd, started))
+    started.acquire()
     try:
         fn, args, kwargs = _load_call(body)
         del body
