@@ -11,6 +11,7 @@ do about a failure; this module only records it.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,19 @@ from ._boot import rebuild_exception
 from ._spawn import Child
 from .errors import ProcessFailure
 from .results import RunProcsResult
+
+
+def _remote_message(exc: BaseException, timestamp: int) -> dict[str, Any]:
+    """torch's ``@record`` message layout, built from a reported exception."""
+    cause = exc.__cause__
+    return {
+        "message": f"{type(exc).__name__}: {exc}",
+        "extraInfo": {
+            "py_callstack": str(cause) if cause is not None else f"{type(exc).__name__}: {exc}",
+            "timestamp": str(timestamp),
+        },
+    }
+
 
 NEVER_STARTED = 127
 """Exit code of a rank the group was closed before launching (pid -1): what a
@@ -60,8 +74,13 @@ class Outcomes:
         code: int,
         error_file: str,
         failure: ProcessFailure | None = None,
+        logs: tuple[str, str] = ("", ""),
     ) -> bool:
-        """Record ``rank``'s exit; True if it is a failure."""
+        """Record ``rank``'s exit; True if it is a failure.
+
+        ``logs`` are the rank's stdout and stderr log paths (``""``: none),
+        named in the failure so the summary points at them.
+        """
         value: Any = None
         problem = ""
         if child.watcher.lost:
@@ -93,11 +112,16 @@ class Outcomes:
         lost = [t.write_error for t in child.tees if t.write_error is not None]
         if lost and isinstance(failure.message, str):
             failure.message += f" (its log file could not be written: {lost[0]})"
+        failure.stdout_log, failure.stderr_log = (p if p != os.devnull else "" for p in logs)
         self.failures[rank] = failure
         body = self._errors.pop(rank, None)
         remote = rebuild_exception(body) if body is not None else None
         if remote is not None:
             self.remote[rank] = remote
+            if not problem and not failure.error_file_data and failure.exitcode >= 0:
+                # no error file (none asked for, e.g. log_dir=os.devnull, or the
+                # worker could not write it): the channel told us what happened
+                failure.message = _remote_message(remote, failure.timestamp)
         self.check_finished()
         return True
 
@@ -129,10 +153,13 @@ class Outcomes:
         if done == self.nprocs and self.finished is not None and not self.finished.done():
             self.finished.set_result(None)
 
-    def result(self, stdouts: dict[int, str], stderrs: dict[int, str]) -> RunProcsResult:
+    def result(
+        self, stdouts: dict[int, str], stderrs: dict[int, str], log_dir: str = ""
+    ) -> RunProcsResult:
         return RunProcsResult(
             return_values=dict(sorted(self.values.items())),
             failures=dict(sorted(self.failures.items())),
             stdouts=dict(stdouts),
             stderrs=dict(stderrs),
+            log_dir=log_dir,
         )

@@ -575,7 +575,7 @@ async def _supervise(run: _Run) -> int:
     if not result.is_failed():
         return 0
     if result.failures:
-        _print_stderr(ChildFailedError(run.name, result.failures).format_msg())
+        _print_stderr(ChildFailedError(run.name, result.failures, result.log_dir).format_msg())
     return 1
 
 

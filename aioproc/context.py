@@ -351,7 +351,8 @@ class PContext:
         self, rank: int, child: Child, code: int, failure: ProcessFailure | None = None
     ) -> None:
         error_file = self.error_files.get(rank, "")
-        failed = self._outcomes.record(rank, child, code, error_file, failure)
+        logs = (self.stdouts.get(rank, ""), self.stderrs.get(rank, ""))
+        failed = self._outcomes.record(rank, child, code, error_file, failure, logs)
         if failed and not self._stopping and self._tg is not None:
             self._stopping = True
             self._tg.start_soon(self._stop_after_failure, name=f"aioproc-stop-{self.name}")
@@ -380,7 +381,7 @@ class PContext:
             self._auto_stopped.set()
 
     def _result(self) -> RunProcsResult:
-        return self._outcomes.result(self.stdouts, self.stderrs)
+        return self._outcomes.result(self.stdouts, self.stderrs, self.logs_specs.run_log_dir)
 
     def remote_exception(self, local_rank: int) -> BaseException | None:
         """The exception a function worker raised, rebuilt in the supervisor.
@@ -525,7 +526,8 @@ class PContext:
             self._reader = None
         self._outcomes.check_finished()
         self._state = _State.CLOSED
-        self.logs_specs.prune()
+        done = self._finished is not None and self._finished.done()
+        self.logs_specs.prune(succeeded=done and not self._outcomes.failures)
         warn_forced(forced, sig, timeout)
 
 

@@ -149,6 +149,10 @@ class ProcessFailure:
         timestamp: Seconds since the epoch: the error file's own timestamp
             when it has one, else when the exit was noticed.
         error_file_data: The parsed error file, or ``{}``.
+        stdout_log, stderr_log: Paths of the worker's ``stdout.log`` and
+            ``stderr.log`` (``""`` when the stream was not written to a
+            file); set by the supervisor, shown in the summary while the
+            file exists. An aioproc extension to torch's fields.
     """
 
     local_rank: int
@@ -159,6 +163,8 @@ class ProcessFailure:
     message: str | dict[str, Any] = field(init=False)
     timestamp: int = field(init=False)
     error_file_data: dict[str, Any] = field(init=False)
+    stdout_log: str = field(init=False, default="", compare=False)
+    stderr_log: str = field(init=False, default="", compare=False)
     # When the supervisor noticed the exit; sub-second, unlike `timestamp`.
     _observed_at: float = field(init=False, repr=False, compare=False)
     _seq: int = field(init=False, repr=False, compare=False)
@@ -380,18 +386,21 @@ class ChildFailedError(Exception):
     Args:
         name: Name of the group (the entrypoint), shown in the title.
         failures: The failed processes by global rank; must not be empty.
+        log_dir: The run's log directory, named at the end of the summary
+            (an aioproc extension; ``""`` when no files were kept).
 
     Raises:
         ValueError: ``failures`` is empty.
     """
 
-    def __init__(self, name: str, failures: dict[int, ProcessFailure]) -> None:
+    def __init__(self, name: str, failures: dict[int, ProcessFailure], log_dir: str = "") -> None:
         if not failures:
             raise ValueError(f"ChildFailedError({name!r}) needs at least one failure, got {{}}")
         # args carry everything __init__ needs, so the default pickling works.
-        super().__init__(name, failures)
+        super().__init__(name, failures, log_dir)
         self.name = name
         self.failures = failures
+        self.log_dir = log_dir
         # The host where the failures were seen, kept across pickling.
         self._host = _local_hostname()
 
@@ -434,6 +443,8 @@ class ChildFailedError(Exception):
         width = min(width, 60)  # a long traceback line must not widen the rules
         border = boarder_delim * width
         section = section_delim * width
+        kept = bool(self.log_dir) and os.path.isdir(self.log_dir)
+        logs = [f"Logs: {self.log_dir}"] if kept else []
         return "\n".join(
             [
                 "",
@@ -445,6 +456,7 @@ class ChildFailedError(Exception):
                 section,
                 "Root Cause (first observed failure):",
                 root_block,
+                *logs,
                 border,
             ]
         )
@@ -459,9 +471,25 @@ class ChildFailedError(Exception):
                 f"  rank      : {rank} (local_rank: {failure.local_rank})",
                 f"  exitcode  : {failure.exitcode} (pid: {failure.pid}){stopped}",
                 f"  error_file: {failure.error_file}",
+                *(
+                    f"  {label}    : {path}"
+                    for label, path in (
+                        ("stdout", failure.stdout_log),
+                        ("stderr", failure.stderr_log),
+                    )
+                    if _has_content(path)
+                ),
                 f"  traceback : {_failure_text(failure.message)}",
             ]
         )
+
+
+def _has_content(path: str) -> bool:
+    # a log worth pointing at: it exists and the worker wrote to it
+    try:
+        return bool(path) and os.path.getsize(path) > 0
+    except OSError:
+        return False
 
 
 def _failure_text(message: str | dict[str, Any]) -> str:

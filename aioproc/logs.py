@@ -214,11 +214,23 @@ class LogsSpecs(ABC):
             envs: each local rank's environment, ranks ``0..n-1``.
         """
 
-    def prune(self) -> None:  # noqa: B027 (an optional hook, not abstract)
+    @property
+    def run_log_dir(self) -> str:
+        """This run's directory of logs, ``""`` when none (was) made or kept.
+
+        Named in results and failure summaries.  The default is ``""``.
+        """
+        return ""
+
+    def prune(self, *, succeeded: bool = False) -> None:  # noqa: B027 (optional hook)
         """Tidy what this spec created; called when a process group is closed.
 
         The supervisor calls it after the group's workers are gone and their
         output is flushed.  The default does nothing.
+
+        Args:
+            succeeded: every worker of the group succeeded, so copies of
+                output that was also shown on the console are not needed.
         """
 
 
@@ -258,6 +270,7 @@ class DefaultLogsSpecs(LogsSpecs):
         )
         self._ephemeral_root: str | None = None
         self._run_log_dir: str | None = None
+        self._tee_copies: set[str] = set()  # the last reify's tee'd log files
 
     @property
     def root_log_dir(self) -> str:
@@ -265,6 +278,12 @@ class DefaultLogsSpecs(LogsSpecs):
         if self._root_log_dir is None:
             self._root_log_dir = self._ephemeral_root = tempfile.mkdtemp(prefix="aioproc_")
         return self._root_log_dir
+
+    @property
+    def run_log_dir(self) -> str:
+        """``<root_log_dir>/<run_id>_<random>`` once made and while it exists, else ``""``."""
+        run_dir = self._run_log_dir
+        return run_dir if run_dir is not None and os.path.isdir(run_dir) else ""
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         """Create ``attempt_<restart_count>/<rank>/`` dirs and return their paths.
@@ -298,6 +317,7 @@ class DefaultLogsSpecs(LogsSpecs):
         shutil.rmtree(attempt_dir, ignore_errors=True)
         os.makedirs(attempt_dir)
 
+        self._tee_copies = set()
         dest = LogsDest(
             filtered_stdout=os.path.join(attempt_dir, "filtered_stdout.log"),
             filtered_stderr=os.path.join(attempt_dir, "filtered_stderr.log"),
@@ -312,8 +332,12 @@ class DefaultLogsSpecs(LogsSpecs):
             if self._on_console(rank):
                 if tee[rank] & Std.OUT:
                     dest.tee_stdouts[rank] = stdout
+                    if not redirects[rank] & Std.OUT:
+                        self._tee_copies.add(stdout)
                 if tee[rank] & Std.ERR:
                     dest.tee_stderrs[rank] = stderr
+                    if not redirects[rank] & Std.ERR:
+                        self._tee_copies.add(stderr)
             else:
                 # Filtered out: tee'd streams still reach their files, the rest is dropped.
                 stdout = stdout or os.devnull
@@ -344,16 +368,27 @@ class DefaultLogsSpecs(LogsSpecs):
         check_path_name(f"run id ({RUN_ID_ENV})", env0.get(RUN_ID_ENV, DEFAULT_RUN_ID))
         check_path_name(f"restart count ({RESTART_COUNT_ENV})", env0.get(RESTART_COUNT_ENV, "0"))
 
-    def prune(self) -> None:
-        """Remove empty files and dirs from the temp dir this spec made.
+    def prune(self, *, succeeded: bool = False) -> None:
+        """Remove what nobody needs from the temp dir this spec made.
 
-        Does nothing for a ``log_dir`` the user gave.  Files with content (and
-        the dirs holding them) are kept; if nothing is left, the temp dir goes
-        too and the next ``reify`` makes a fresh one.
+        Does nothing for a ``log_dir`` the user gave.  Empty files and dirs
+        go; after a successful group so do the files of its tee'd streams
+        (the console showed them).  What is left (redirected output, a
+        failed group's logs and error files) is kept and the dirs holding
+        it; if nothing is left, the temp dir goes too and the next ``reify``
+        makes a fresh one.
         """
         root = self._ephemeral_root
+        tee_copies, self._tee_copies = self._tee_copies, set()
         if root is None:
             return
+        if succeeded:
+            for path in tee_copies:
+                try:
+                    if stat.S_ISREG(os.lstat(path).st_mode):
+                        os.unlink(path)
+                except OSError:
+                    pass  # never written, or vanished meanwhile
         for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
             for name in filenames:
                 path = os.path.join(dirpath, name)
@@ -397,14 +432,18 @@ class DefaultLogsSpecs(LogsSpecs):
         # files point at devnull and no error file env is given.  Unlike torch,
         # local_ranks_filter still applies, and the filtered logs go to devnull
         # rather than to an impossible path under it.
+        # Unlike torch, tee'd streams still go through the pipe to the sinks
+        # (prefixed lines, OutputStream, ...); only their file is devnull.
         dest = LogsDest(filtered_stdout=os.devnull, filtered_stderr=os.devnull)
         for rank in range(len(envs)):
             shown = self._on_console(rank)
             dest.stdouts[rank] = _CONSOLE if shown else os.devnull
             dest.stderrs[rank] = _CONSOLE if shown else os.devnull
             if shown:
-                dest.tee_stdouts[rank] = os.devnull
-                dest.tee_stderrs[rank] = os.devnull
+                if tee[rank] & Std.OUT:
+                    dest.stdouts[rank] = dest.tee_stdouts[rank] = os.devnull
+                if tee[rank] & Std.ERR:
+                    dest.stderrs[rank] = dest.tee_stderrs[rank] = os.devnull
             dest.error_files[rank] = os.devnull
             envs[rank][ERROR_FILE_ENV] = ""
         return dest

@@ -32,12 +32,16 @@ class RunProcsResult:
             a signal) and a message saying it was never started.
         stdouts: ``{local_rank: path}`` of stdout log files ("" if none).
         stderrs: ``{local_rank: path}`` of stderr log files ("" if none).
+        log_dir: the run's log directory (``<log_dir>/<run_id>_<random>``)
+            while it exists; ``""`` when none was made or, for a private temp
+            dir, nothing worth keeping was written (an aioproc extension).
     """
 
     return_values: dict[int, Any] = field(default_factory=dict)
     failures: dict[int, ProcessFailure] = field(default_factory=dict)
     stdouts: dict[int, str] = field(default_factory=dict)
     stderrs: dict[int, str] = field(default_factory=dict)
+    log_dir: str = ""
 
     def is_failed(self) -> bool:
         return len(self.failures) > 0

@@ -188,7 +188,7 @@ async def run(
             err.result = partial  # type: ignore[attr-defined]
             raise err
         if result.is_failed():
-            failed = ChildFailedError(name=pc.name, failures=result.failures)
+            failed = ChildFailedError(pc.name, result.failures, result.log_dir)
             root, _ = failed.get_first_failure()
             raise failed from pc.remote_exception(root)
         return result

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -29,6 +31,22 @@ else:
     # libuv opens a process-wide pipe the first time any loop is created; open
     # it now so the leak check does not blame the first uvloop test for it.
     uvloop.new_event_loop().close()
+
+
+# The suite gets a temp dir of its own (children inherit TMPDIR), so the
+# leak check can tell what a test left in it from other programs' files.
+_SUITE_TMP = tempfile.mkdtemp(prefix="aioproc-suite-")
+os.environ["TMPDIR"] = _SUITE_TMP
+tempfile.tempdir = None  # recomputed from TMPDIR
+
+
+def _temp_entries() -> set[str]:
+    # pytest's own tmp_path tree lives there too and is pytest's to manage
+    return {n for n in os.listdir(_SUITE_TMP) if not n.startswith("pytest-of-")}
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_SUITE_TMP, ignore_errors=True)
 
 
 def pytest_asyncio_loop_factories(
@@ -56,7 +74,14 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     children_before = child_pids()
     fds_before = open_fds()
+    temps_before = _temp_entries()
     yield
+    leaked_temps = _temp_entries() - temps_before
+    for name in leaked_temps:
+        path = os.path.join(_SUITE_TMP, name)
+        shutil.rmtree(path, ignore_errors=True)
+        if os.path.lexists(path):
+            os.unlink(path)
     leaked_children = child_pids() - children_before
     for pid in leaked_children:
         try:
@@ -71,6 +96,8 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     if leaked_fds:
         detail = ", ".join(f"{fd}->{_fd_target(fd)}" for fd in sorted(leaked_fds))
         problems.append(f"file descriptors left open: {detail}")
+    if leaked_temps:
+        problems.append(f"left in $TMPDIR: {sorted(leaked_temps)}")
     if problems:
         pytest.fail("; ".join(problems))
 

@@ -13,6 +13,8 @@ import contextlib
 import gc
 import importlib
 import multiprocessing
+import os
+import shutil
 import socket
 import tracemalloc
 from collections.abc import AsyncIterator, Iterator
@@ -251,6 +253,8 @@ async def test_value_over_the_cap_fails_in_the_worker_with_a_clear_error(
         "or shared memory"
     )
     assert info.value.failures[0].exitcode == 1
+    # a failed run keeps its temp dir (error.json) and names it
+    shutil.rmtree(os.path.dirname(info.value.log_dir))
     # under the cap the same function works
     result = await asyncio.wait_for(aioproc.run(cf.make_bytes, 1, args=(MiB // 2,)), 30)
     assert result.return_values == {0: b"x" * (MiB // 2)}

@@ -184,7 +184,7 @@ async def test_guardian_never_kills_a_stranger_that_took_an_exited_workers_pid(
         sup = subprocess.Popen(
             [sys.executable, SUPERVISOR, "reuse", loop_kind(), status.path],
             stdin=subprocess.DEVNULL,
-            env=SUPERVISOR_ENV,
+            env={**SUPERVISOR_ENV, "TMPDIR": str(tmp_path)},  # a SIGKILLed run keeps its logs
         )
         try:
             (line,) = await status.lines(1, timeout=LIMIT)
@@ -434,7 +434,7 @@ async def test_killed_guardian_is_noticed_and_a_supervisor_sigkill_still_kills_w
         sup = subprocess.Popen(
             [sys.executable, SUPERVISOR, "guardian", loop_kind(), status.path, report, mark],
             stdin=subprocess.PIPE,
-            env=SUPERVISOR_ENV,
+            env={**SUPERVISOR_ENV, "TMPDIR": str(tmp_path)},  # a SIGKILLed run keeps its logs
         )
         assert sup.stdin is not None
         try:

@@ -63,7 +63,7 @@ async def kill_supervisor_at_random(
                     [sys.executable, SUPERVISOR, mode, loop_kind(), status.path, report, mark],
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
-                    env=SUPERVISOR_ENV,
+                    env={**SUPERVISOR_ENV, "TMPDIR": str(tmp_path)},  # kept logs go there
                 )
                 delay = rng.uniform(0, max_delay)
                 try:

@@ -111,6 +111,7 @@ async def test_supervisor_sigkill_kills_worker_and_grandchild(tmp_path: Path, mo
         sup = subprocess.Popen(
             [sys.executable, "-c", SUPERVISOR, fifo.path, GRANDCHILD, mode],
             stdout=subprocess.PIPE,
+            env={**os.environ, "TMPDIR": str(tmp_path)},  # a SIGKILLed run keeps its logs
         )
         try:
             ((worker, grandchild),) = await fifo.pid_pairs(1)

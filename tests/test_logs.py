@@ -317,10 +317,12 @@ def test_devnull_writes_nothing() -> None:
     envs = envs_for(2)
     dest = spec.reify(envs)
     assert spec.root_log_dir == os.devnull
-    assert dest.stdouts == {0: "", 1: ""}
+    # as torch: untee'd streams stay on the console; unlike torch, a tee'd one
+    # still goes through the pipe to the sinks, its file being devnull
+    assert dest.stdouts == {0: os.devnull, 1: ""}
     assert dest.stderrs == {0: "", 1: ""}
-    assert dest.tee_stdouts == {0: os.devnull, 1: os.devnull}
-    assert dest.tee_stderrs == {0: os.devnull, 1: os.devnull}
+    assert dest.tee_stdouts == {0: os.devnull}
+    assert dest.tee_stderrs == {}
     assert dest.error_files == {0: os.devnull, 1: os.devnull}
     assert (dest.filtered_stdout, dest.filtered_stderr) == (os.devnull, os.devnull)
     assert envs[0][ERROR_FILE] == ""
@@ -333,7 +335,12 @@ def test_devnull_respects_local_ranks_filter() -> None:
     dest = DefaultLogsSpecs(log_dir=os.devnull, local_ranks_filter={1}).reify(envs_for(2))
     assert dest.stdouts == {0: os.devnull, 1: ""}
     assert dest.stderrs == {0: os.devnull, 1: ""}
-    assert dest.tee_stdouts == {1: os.devnull}
+    assert dest.tee_stdouts == {}
+    dest = DefaultLogsSpecs(log_dir=os.devnull, tee=Std.ERR, local_ranks_filter={1}).reify(
+        envs_for(2)
+    )
+    assert dest.stderrs == {0: os.devnull, 1: os.devnull}
+    assert dest.tee_stderrs == {1: os.devnull}
 
 
 # --- DefaultLogsSpecs: validation --------------------------------------------

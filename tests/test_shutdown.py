@@ -178,7 +178,10 @@ async def test_exit_detection_uses_no_thread_per_worker(tmp_path: Path) -> None:
 async def test_supervisor_killed_with_sigkill_leaves_no_orphans(tmp_path: Path) -> None:
     async with Fifo(tmp_path / "fifo") as fifo:
         sup = await asyncio.create_subprocess_exec(
-            sys.executable, str(CHILDREN / "supervisor.py"), fifo.path
+            sys.executable,
+            str(CHILDREN / "supervisor.py"),
+            fifo.path,
+            env={**os.environ, "TMPDIR": str(tmp_path)},  # a SIGKILLed run keeps its logs
         )
         try:
             pairs = await fifo.pid_pairs(8)

@@ -419,7 +419,7 @@ class LocalElasticAgent:
             sig, grace = self._stop_request
             message = f"stopped by stop() with {signal.Signals(sig).name}, grace {grace:g} s"
         self._publish(kind, message=message)
-        return RunResult(state, values, failures)
+        return RunResult(state, values, failures, self._logs_specs.run_log_dir)
 
     # ------------------------------------------------------------- callbacks
 

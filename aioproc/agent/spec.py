@@ -195,11 +195,16 @@ class WorkerSpec:
 
 @dataclass
 class RunResult:
-    """Outcome of ``LocalElasticAgent.run()``, keyed by global rank."""
+    """Outcome of ``LocalElasticAgent.run()``, keyed by global rank.
+
+    ``log_dir`` is the run's log directory while it exists (``""`` when a
+    private temp dir held nothing worth keeping).
+    """
 
     state: WorkerState
     return_values: dict[int, Any] = field(default_factory=dict)
     failures: dict[int, ProcessFailure] = field(default_factory=dict)
+    log_dir: str = ""
 
     def is_failed(self) -> bool:
         return self.state == WorkerState.FAILED
