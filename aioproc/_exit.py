@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import subprocess
 import threading
 import time
+import weakref
+from collections.abc import Callable
 
 LOST = 255
 """Exit code recorded when the status was taken by somebody else's waitpid()."""
@@ -45,6 +48,7 @@ class ExitWatcher:
         self.reaped = False
         self.lost = False  # the status was reaped behind our back
         self._pidfd = -1
+        self._mux: _ExitMux | None = None
         try:
             self._pidfd = os.pidfd_open(popen.pid)
         except (AttributeError, OSError):
@@ -52,7 +56,8 @@ class ExitWatcher:
                 target=self._wait_blocking, name=f"aioproc-waitpid-{popen.pid}", daemon=True
             ).start()
         else:
-            self.loop.add_reader(self._pidfd, self._on_pidfd)
+            self._mux = _ExitMux.of(self.loop)
+            self._mux.add(self._pidfd, self._on_pidfd)
 
     @property
     def pid(self) -> int:
@@ -100,8 +105,8 @@ class ExitWatcher:
     def detach(self) -> None:
         """Stop watching (after exit, or when giving up on an unkillable process)."""
         if self._pidfd >= 0:
-            if not self.loop.is_closed():
-                self.loop.remove_reader(self._pidfd)
+            assert self._mux is not None
+            self._mux.remove(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = -1
 
@@ -118,3 +123,58 @@ class ExitWatcher:
         if pid:
             self.reaped = True
         return self.reaped
+
+
+class _ExitMux:
+    """All of a loop's pidfds in one epoll set, registered with the loop once.
+
+    When hundreds of workers exit together (a group being closed), one
+    reader per pidfd would make the loop run every exit's callback in a
+    single iteration: tens of milliseconds during which nothing else runs.
+    Behind one epoll fd, each iteration handles at most ``BATCH`` exits;
+    the set stays readable (level-triggered) and the rest follow in the
+    next iterations, with other callbacks in between.  The epoll fd is
+    closed as soon as no pidfd is left in it.
+    """
+
+    BATCH = 32
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._epoll = select.epoll()
+        self._callbacks: dict[int, Callable[[], None]] = {}
+        loop.add_reader(self._epoll.fileno(), self._ready)
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _ExitMux:
+        mux = _muxes.get(loop)
+        if mux is None or mux._epoll.closed:
+            mux = _muxes[loop] = cls(loop)
+        return mux
+
+    def add(self, fd: int, callback: Callable[[], None]) -> None:
+        self._epoll.register(fd, select.EPOLLIN)
+        self._callbacks[fd] = callback
+
+    def remove(self, fd: int) -> None:
+        if self._callbacks.pop(fd, None) is None:
+            return
+        try:
+            self._epoll.unregister(fd)
+        except OSError:
+            pass  # closed already
+        if not self._callbacks:
+            if not self.loop.is_closed():
+                self.loop.remove_reader(self._epoll.fileno())
+            self._epoll.close()
+            if _muxes.get(self.loop) is self:
+                del _muxes[self.loop]
+
+    def _ready(self) -> None:
+        for fd, _ in self._epoll.poll(0, self.BATCH):
+            callback = self._callbacks.get(fd)
+            if callback is not None:
+                callback()
+
+
+_muxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _ExitMux] = weakref.WeakKeyDictionary()

@@ -130,6 +130,7 @@ class _Guardian:
 
 _lock = threading.Lock()
 _current: _Guardian | None = None
+_holds = 0  # forks in flight off the loop (see hold())
 _token = ""
 _token_pid = 0
 
@@ -199,14 +200,56 @@ def register(pgid: int) -> None:
     """Tell the guardian about a new process group (before it runs user code).
 
     Starts the guardian if none is running.  Must be called on the loop.
+    Idempotent: a group the guardian knows is not written again (the
+    guardian's list must hold each group once, or a ``-PGID`` would leave a
+    stale copy behind).
     """
     with _lock:
         guardian = _ensure_locked()
-        guardian.groups.add(pgid)
+        _add_locked(guardian, pgid)
+
+
+def register_from_thread(pgid: int) -> None:
+    """``register`` from the thread that forked the group, at once.
+
+    Best effort: if the guardian is being replaced at this moment, nothing
+    is written and the loop's ``register`` (which must follow) adds it.  A
+    ``hold()`` keeps the guardian from being dismissed meanwhile.
+    """
+    with _lock:
+        guardian = _current
+        if guardian is not None and guardian.owner == os.getpid():
+            _add_locked(guardian, pgid)
+
+
+def _add_locked(guardian: _Guardian, pgid: int) -> None:
+    if pgid in guardian.groups:
+        return
+    guardian.groups.add(pgid)
     if not guardian.write(f"+{pgid}\n"):
         # died before noticing: the exit watcher starts a replacement that
         # already knows this group
         logger.debug("guardian write failed for group %d; a replacement will take it", pgid)
+
+
+def hold() -> None:
+    """Start the guardian if needed and keep it until ``unhold()``, even idle.
+
+    Taken around a fork made off the loop: the guardian must still be there
+    when the new group is registered.  Must be called on the loop.
+    """
+    global _holds
+    with _lock:
+        _ensure_locked()
+        _holds += 1
+
+
+def unhold() -> None:
+    """Drop a ``hold()``; dismisses the guardian if it now guards nothing."""
+    global _holds
+    with _lock:
+        _holds -= 1
+    forget()
 
 
 def forget(*pgids: int) -> None:
@@ -224,7 +267,7 @@ def forget(*pgids: int) -> None:
             return
         known = [g for g in pgids if g in guardian.groups]
         guardian.groups.difference_update(known)
-        if guardian.groups:
+        if guardian.groups or _holds:
             if known:
                 guardian.write("".join(f"-{g}\n" for g in known))
             return
@@ -291,6 +334,7 @@ def _after_fork_in_child() -> None:
         guardian.write_fd = -1
     _dismissed.clear()
     globals()["_lock"] = threading.Lock()
+    globals()["_holds"] = 0
 
 
 if hasattr(os, "register_at_fork"):

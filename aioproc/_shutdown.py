@@ -22,6 +22,7 @@ import time
 import warnings
 from collections.abc import Iterable, Sequence
 
+from ._offloop import run_blocking
 from ._spawn import Child
 from .errors import ForcedKillWarning
 
@@ -29,6 +30,10 @@ logger = logging.getLogger("aioproc")
 
 KILL_WAIT = 5.0
 """Seconds to wait for SIGKILLed workers to exit before reporting them."""
+
+
+_SIGNAL_BATCH = 32
+"""Groups signalled per loop iteration (a signal to a group costs tens of us)."""
 
 
 async def stop_groups(children: Sequence[Child], death_sig: int, timeout: float) -> list[Child]:
@@ -47,7 +52,9 @@ async def stop_groups(children: Sequence[Child], death_sig: int, timeout: float)
     # a swept group (SIGKILLed after its leader exited) can never hold a
     # process again: nothing to signal, nothing to wait for
     owned = [c for c in children if c.owns_group and not c.swept]
-    for c in owned:
+    for i, c in enumerate(owned):
+        if i and not i % _SIGNAL_BATCH:
+            await asyncio.sleep(0)  # a few hundred signals: let the loop breathe
         # exited leaders too: their descendants may still be in the group
         c.signal_group(death_sig)
     pending = {c.watcher.future for c in running if not c.watcher.future.done()}
@@ -56,7 +63,9 @@ async def stop_groups(children: Sequence[Child], death_sig: int, timeout: float)
     forced = [c for c in running if not c.watcher.future.done()]
     if not forced and timeout > 0:
         await _wait_descendants({c.pgid for c in owned}, deadline)
-    for c in owned:
+    for i, c in enumerate(owned):
+        if i and not i % _SIGNAL_BATCH:
+            await asyncio.sleep(0)
         c.signal_group(signal.SIGKILL)
         if c.watcher.future.done():
             c.swept = True  # leader gone before the SIGKILL: the group is empty for good
@@ -117,7 +126,7 @@ async def _wait_descendants(pgids: set[int], deadline: float) -> None:
     """
     loop = asyncio.get_running_loop()
     while True:
-        members = group_members(pgids)
+        members = await run_blocking(group_members, pgids)  # a /proc scan: off the loop
         remaining = deadline - time.monotonic()
         if not members or remaining <= 0:
             return

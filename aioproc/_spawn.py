@@ -6,10 +6,15 @@ the loop (``_exit``), which needs no thread per child, unlike asyncio's
 default child watcher on Python < 3.12; that is why workers are not started
 through ``loop.subprocess_exec``.
 
-No orphan window: the guardian (``_lifeline``) is told of the new group
-synchronously as ``Popen`` returns, before the loop runs anything else.  A
-function worker runs nothing of the user's until the supervisor sends its
-boot code over the channel.  A binary worker runs from its ``exec``, so for
+``Popen`` runs on the helper thread (``_offloop``): it returns only once the
+child has exec'd, which on a busy machine held the loop for tens of
+milliseconds per worker.
+
+No orphan window: the guardian (``_lifeline``) is told of the new group by
+that thread as ``Popen`` returns, before anything else runs there, and the
+loop registers it again (a no-op) when it resumes.  A function worker runs
+nothing of the user's until the supervisor sends its boot code over the
+channel.  A binary worker runs from its ``exec``, so for
 the few microseconds between ``exec`` and registration every worker also
 carries the supervisor's lifeline token in its environment, and a guardian
 whose supervisor died sweeps the processes carrying it (see ``_lifeline``).
@@ -32,6 +37,7 @@ from typing import IO, Any
 from . import _lifeline
 from ._channel import Channel
 from ._exit import ExitWatcher
+from ._offloop import helper
 from ._output import TeeProtocol
 from ._shield import shielded
 
@@ -127,9 +133,13 @@ class Child:
             futs.append(self.channel.settled())
         return futs
 
+    def streams_eof(self) -> list[asyncio.Future[None]]:
+        """Futures resolved at EOF of each output pipe not yet at its end."""
+        return [t.closed for t in self.tees if not t.closed.done()]
+
     async def close_streams(self, timeout: float) -> None:
         """Wait up to ``timeout`` for EOF on the output pipes, then cut them."""
-        pending = [t.closed for t in self.tees if not t.closed.done()]
+        pending = self.streams_eof()
         if pending:
             await asyncio.wait(pending, timeout=timeout)
         for tr in self._tee_transports:
@@ -257,10 +267,12 @@ async def spawn(
     kills the worker's whole group and reaps it.
     """
     loop = asyncio.get_running_loop()
-    _lifeline.ensure()
-    try:
-        # Popen is what loop.subprocess_exec runs too: (v)fork+exec, about a millisecond
-        popen = subprocess.Popen(  # noqa: ASYNC220
+
+    def start() -> subprocess.Popen[bytes]:
+        # Popen is what loop.subprocess_exec runs too: (v)fork+exec, about a
+        # millisecond, but it returns only once the child has exec'd, which
+        # on a busy machine can take a scheduler slice or more
+        popen = subprocess.Popen(
             list(argv),
             env={**env, _lifeline.TOKEN_VAR: _lifeline.token()},
             stdin=stdin,
@@ -270,10 +282,22 @@ async def spawn(
             start_new_session=True,
             close_fds=True,
         )
-    except BaseException:
-        _lifeline.forget()  # dismisses the guardian if it guards nothing now
-        raise
-    _lifeline.register(popen.pid)  # no await before this: see the module docstring
+        _lifeline.register_from_thread(popen.pid)  # at once: see the module docstring
+        return popen
+
+    _lifeline.hold()
+    try:
+        with helper() as pool:
+            starting = loop.run_in_executor(pool, start)
+            try:
+                popen = await shielded(starting)
+            except asyncio.CancelledError:
+                if starting.done() and not starting.cancelled() and not starting.exception():
+                    _discard(starting.result())  # started after all: not ours to keep
+                raise
+        _lifeline.register(popen.pid)  # a no-op unless the guardian was being replaced
+    finally:
+        _lifeline.unhold()  # dismisses the guardian if the start failed and it is idle
     tees: list[TeeProtocol] = []
     transports: list[asyncio.BaseTransport] = []
     child: Child | None = None
@@ -284,25 +308,32 @@ async def spawn(
             await shielded(_connect_tees(loop, popen, tee_out, tee_err, tees, transports))
         child = Child(label, popen, channel, tees, transports)
     except BaseException:
-        try:
-            os.killpg(popen.pid, signal.SIGKILL)  # the leader is unreaped: still ours
-        except ProcessLookupError:
-            pass
         if child is not None:
             child.watcher.detach()
-        popen.wait()  # SIGKILLed: exits at once
-        _lifeline.forget(popen.pid)
-        for tr in transports:
-            tr.close()  # closes its pipe
-        for pipe in (popen.stdout, popen.stderr):
-            if pipe is None or any(tr.get_extra_info("pipe") is pipe for tr in transports):
-                continue
-            try:
-                pipe.close()
-            except OSError:
-                # uvloop closes the fd itself when connect_read_pipe is cancelled
-                # but leaves the file object open: closed here, not at GC time,
-                # when the number may belong to another file
-                pass
+        _discard(popen, transports)
         raise
     return child
+
+
+def _discard(
+    popen: subprocess.Popen[bytes], transports: Sequence[asyncio.BaseTransport] = ()
+) -> None:
+    """Kill and reap a worker whose start was abandoned, and close its pipes."""
+    try:
+        os.killpg(popen.pid, signal.SIGKILL)  # the leader is unreaped: still ours
+    except ProcessLookupError:
+        pass
+    popen.wait()  # SIGKILLed: exits at once
+    _lifeline.forget(popen.pid)
+    for tr in transports:
+        tr.close()  # closes its pipe
+    for pipe in (popen.stdout, popen.stderr):
+        if pipe is None or any(tr.get_extra_info("pipe") is pipe for tr in transports):
+            continue
+        try:
+            pipe.close()
+        except OSError:
+            # uvloop closes the fd itself when connect_read_pipe is cancelled
+            # but leaves the file object open: closed here, not at GC time,
+            # when the number may belong to another file
+            pass

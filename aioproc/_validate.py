@@ -285,8 +285,12 @@ def check_executable(entrypoint: str, envs: Mapping[int, Mapping[str, str]]) -> 
                 13, f"binary entrypoint is not an executable file: {entrypoint!r}", entrypoint
             )
         return
+    checked: set[str] = set()  # ranks usually share one PATH: look it up once
     for rank, env in envs.items():
         path = env.get("PATH", os.environ.get("PATH", os.defpath))
+        if path in checked:
+            continue
+        checked.add(path)
         if shutil.which(entrypoint, path=path) is None:
             raise FileNotFoundError(
                 2, f"binary entrypoint {entrypoint!r} not found on PATH of local rank {rank}"

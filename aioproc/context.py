@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
@@ -34,6 +34,7 @@ import anyio.abc
 
 from . import _lifeline
 from ._loops import check_loop
+from ._offloop import helper, run_blocking
 from ._outcomes import NEVER_STARTED as NEVER_STARTED
 from ._outcomes import Outcomes
 from ._ranks import RankLauncher, SinkLike
@@ -56,6 +57,9 @@ from .sinks import close_sinks
 __all__ = ["PContext", "RunProcsResult", "WorkerEvent", "close_on_exit"]
 
 logger = logging.getLogger("aioproc")
+
+_RELEASE_BATCH = 32
+"""Workers whose pipes are closed, or leaders reaped, per loop iteration at close."""
 
 _DRAIN_TIMEOUT = 2.0
 """Bound on waiting for EOF of a killed group's pipes (a setsid'd descendant may hold them)."""
@@ -150,7 +154,6 @@ class PContext:
         self._auto_stopped: asyncio.Event | None = None
         # reads failed ranks' error files off the loop; shut down at close,
         # so no thread outlives the group (the default executor's would)
-        self._reader: ThreadPoolExecutor | None = None
 
     @property
     def _finished(self) -> asyncio.Future[None] | None:
@@ -208,7 +211,17 @@ class PContext:
         payloads = self._ranks.payloads()
         if not self.is_function:
             _check_executable(str(self.entrypoint), self.envs)
-        dest = self.logs_specs.reify(self.envs)
+        # the helper thread (see _offloop) is held until the launch is over
+        with helper():
+            await self._start(payloads)
+
+    async def _start(self, payloads: dict[int, list[bytes]]) -> None:
+        try:
+            # a directory per rank: off the loop (see _offloop)
+            dest = await run_blocking(self.logs_specs.reify, self.envs)
+        except asyncio.CancelledError:
+            self.logs_specs.prune()  # nothing was started: take the empty tree back
+            raise
         self._state = _State.RUNNING
         loop = asyncio.get_running_loop()
         self._outcomes.start()
@@ -282,11 +295,9 @@ class PContext:
         self, tg: anyio.abc.TaskGroup, dest: LogsDest, payloads: dict[int, list[bytes]]
     ) -> None:
         assert self._close_request is not None
+        # each fork+exec runs off the loop on the helper thread start() holds, so
+        # other tasks keep running while a large group starts
         for rank in range(self.nprocs):
-            if rank:
-                # yield between launches: each Popen blocks the loop ~1 ms, so
-                # other tasks keep running while a large group starts
-                await asyncio.sleep(0)
             if self._close_request.done():
                 return
             child = await self._ranks.launch(
@@ -325,16 +336,15 @@ class PContext:
                         await asyncio.wait(settled, timeout=_DRAIN_TIMEOUT)
                     if code != 0:
                         # the error file is read off the loop (capped, see errors.py)
-                        if self._reader is None:
-                            self._reader = ThreadPoolExecutor(1, "aioproc-error-file")
-                        failure = await ProcessFailure.load(
-                            rank,
-                            child.pid,
-                            code,
-                            self.error_files.get(rank, ""),
-                            child.stop_requested,
-                            executor=self._reader,
-                        )
+                        with helper() as pool:
+                            failure = await ProcessFailure.load(
+                                rank,
+                                child.pid,
+                                code,
+                                self.error_files.get(rank, ""),
+                                child.stop_requested,
+                                executor=pool,
+                            )
                 except OSError:
                     logger.exception("reading the outcome of %s failed", child.label)
             if not scope.cancelled_caught:
@@ -492,6 +502,10 @@ class PContext:
         await _lifeline.settle()
 
     async def _shutdown(self, sig: int, timeout: float) -> None:
+        with helper():  # one helper thread for the whole shutdown (see _offloop)
+            await self._shutdown_held(sig, timeout)
+
+    async def _shutdown_held(self, sig: int, timeout: float) -> None:
         self._stopping = True
         assert self._auto_stopped is not None
         if self._auto_stop is not None:
@@ -512,22 +526,30 @@ class PContext:
                 scope.cancel()
                 child = self._children[rank]
                 self._outcomes.unkillable(rank, child, self.error_files.get(rank, ""))
-        await asyncio.gather(*(c.close_streams(_DRAIN_TIMEOUT) for c in children))
+        # wait for every pipe's EOF together, then close them a batch per
+        # iteration: hundreds of closes at once would hold the loop
+        eofs = [f for c in children for f in c.streams_eof()]
+        if eofs:
+            await asyncio.wait(eofs, timeout=_DRAIN_TIMEOUT)
+        for i in range(0, len(children), _RELEASE_BATCH):
+            batch = children[i : i + _RELEASE_BATCH]
+            await asyncio.gather(*(c.close_streams(_DRAIN_TIMEOUT) for c in batch))
         own_sinks = self._ranks.sinks if self._close_sinks else []
         # bounded, and never raises: the cleanup below always runs
         await close_sinks([*own_sinks, *self._ranks.filter_sinks.values()])
-        _lifeline.release(children)
+        for i in range(0, len(children), _RELEASE_BATCH):
+            if i:
+                await asyncio.sleep(0)  # a reap is a syscall: let the loop breathe
+            _lifeline.release(children[i : i + _RELEASE_BATCH])
         for c in children:
             if not c.watcher.future.done():
                 c.release_when_exited()
         await _lifeline.settle()
-        if self._reader is not None:
-            self._reader.shutdown(wait=True)  # idle by now: joins at once
-            self._reader = None
         self._outcomes.check_finished()
         self._state = _State.CLOSED
         done = self._finished is not None and self._finished.done()
-        self.logs_specs.prune(succeeded=done and not self._outcomes.failures)
+        succeeded = done and not self._outcomes.failures
+        await run_blocking(functools.partial(self.logs_specs.prune, succeeded=succeeded))
         warn_forced(forced, sig, timeout)
 
 

@@ -36,7 +36,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--only",
         default="",
-        help="comma-separated subset: p1,p2,p3,p5,p6,p4,worker,leak,rss,stall,torch (default: all)",
+        help="comma-separated subset: p1,p2,p3,p5,p6,p4,worker,leak,rss,stall,p7,torch (default: all)",
     )
     p.add_argument("--no-torch", action="store_true", help="skip the torch comparison")
     args = p.parse_args(argv)
@@ -126,6 +126,7 @@ def main(argv: list[str]) -> int:
     import bench_failure
     import bench_leak
     import bench_output
+    import bench_p7
     import bench_rss
     import bench_stall
     import bench_threads
@@ -143,6 +144,7 @@ def main(argv: list[str]) -> int:
         "leak": bench_leak.leak,
         "rss": bench_rss.rss,
         "stall": bench_stall.stall,
+        "p7": bench_p7.p7,
         # last: torch's spawn context starts a resource-tracker child and
         # installs signal handlers; nothing measured after it
         "torch": bench_torch.torch_rows,

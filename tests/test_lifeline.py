@@ -91,6 +91,7 @@ SUPERVISOR = textwrap.dedent(
     if mode == "unregistered":
         # the supervisor dies in the window between exec and registration
         _spawn._lifeline.register = lambda pgid: None
+        _spawn._lifeline.register_from_thread = lambda pgid: None
 
     async def main():
         pc = await aioproc.start_processes(
@@ -124,3 +125,55 @@ async def test_supervisor_sigkill_kills_worker_and_grandchild(tmp_path: Path, mo
                 sup.wait()
             assert sup.stdout is not None
             sup.stdout.close()
+
+
+TWICE = textwrap.dedent(
+    """
+    import asyncio, subprocess, sys
+    from aioproc import _lifeline
+
+    async def main():
+        stranger = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+        kept = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+        # the spawning thread and then the loop both register a group
+        _lifeline.register_from_thread(stranger.pid)
+        _lifeline.register(stranger.pid)
+        _lifeline.register(kept.pid)
+        # the group is forgotten once, before its leader is reaped
+        _lifeline.forget(stranger.pid)
+        print(stranger.pid, kept.pid, flush=True)
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_a_group_registered_twice_is_forgotten_by_one_forget(tmp_path: Path) -> None:
+    """The guardian lists each group once: after ``forget`` it never kills that
+    group's id (by then it may belong to a stranger), even when the thread that
+    forked the group and the loop both registered it."""
+    sup = subprocess.Popen(
+        [sys.executable, "-c", TWICE], stdout=subprocess.PIPE, text=True, env=os.environ
+    )
+    assert sup.stdout is not None
+    stranger = kept = 0
+    try:
+        stranger, kept = map(int, sup.stdout.readline().split())
+        os.kill(sup.pid, signal.SIGKILL)
+        sup.wait()
+        assert await still_alive_after([kept], 5) == set(), "a registered group survived"
+        assert await still_alive_after([stranger], 0.5) == {stranger}, (
+            "the guardian killed a group it had been told to forget"
+        )
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait()
+        sup.stdout.close()
+        for pid in (stranger, kept):
+            if pid:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
