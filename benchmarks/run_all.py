@@ -36,7 +36,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--only",
         default="",
-        help="comma-separated subset: p1,p2,p3,p5,p6,p4,worker,leak,rss,stall,p7,torch (default: all)",
+        help="comma-separated subset: p1,p2,p3,p5,p6,p4,worker,leak,rss,stall,p7,torch "
+        "(default: all)",
     )
     p.add_argument("--no-torch", action="store_true", help="skip the torch comparison")
     args = p.parse_args(argv)

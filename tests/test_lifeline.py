@@ -90,8 +90,10 @@ SUPERVISOR = textwrap.dedent(
 
     if mode == "unregistered":
         # the supervisor dies in the window between exec and registration
+        # (held as during the start, the guardian is never dismissed)
         _spawn._lifeline.register = lambda pgid: None
         _spawn._lifeline.register_from_thread = lambda pgid: None
+        _spawn._lifeline.unhold = lambda: None
 
     async def main():
         pc = await aioproc.start_processes(
