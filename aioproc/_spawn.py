@@ -31,7 +31,7 @@ from typing import IO, Any
 
 from . import _lifeline
 from ._channel import Channel
-from ._exit import ExitWatcher
+from ._exit import ExitWatcher, Proc
 from ._output import TeeProtocol
 from ._shield import shielded
 
@@ -42,7 +42,7 @@ class Child:
     def __init__(
         self,
         label: str,
-        popen: subprocess.Popen[bytes],
+        popen: Proc,
         channel: Channel | None,
         tees: list[TeeProtocol],
         tee_transports: list[asyncio.BaseTransport],
@@ -211,7 +211,7 @@ def _grow_pipe(fd: int) -> None:
 
 async def _connect_tees(
     loop: asyncio.AbstractEventLoop,
-    popen: subprocess.Popen[bytes],
+    popen: Proc,
     tee_out: TeeProtocol | None,
     tee_err: TeeProtocol | None,
     tees: list[TeeProtocol],
@@ -256,7 +256,6 @@ async def spawn(
     Cancellation: a start cancelled while the pipes are being connected
     kills the worker's whole group and reaps it.
     """
-    loop = asyncio.get_running_loop()
     _lifeline.ensure()
     try:
         # Popen is what loop.subprocess_exec runs too: (v)fork+exec, about a millisecond
@@ -274,6 +273,24 @@ async def spawn(
         _lifeline.forget()  # dismisses the guardian if it guards nothing now
         raise
     _lifeline.register(popen.pid)  # no await before this: see the module docstring
+    return await adopt(label, popen, channel, tee_out, tee_err)
+
+
+async def adopt(
+    label: str,
+    popen: Proc,
+    channel: Channel | None,
+    tee_out: TeeProtocol | None,
+    tee_err: TeeProtocol | None,
+) -> Child:
+    """Wire up a just-started, already registered worker (spawned or forked).
+
+    Raises what connecting its pipes raises, after killing its group.
+
+    Cancellation: a start cancelled while the pipes are being connected
+    kills the worker's whole group and reaps it.
+    """
+    loop = asyncio.get_running_loop()
     tees: list[TeeProtocol] = []
     transports: list[asyncio.BaseTransport] = []
     child: Child | None = None
