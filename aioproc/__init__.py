@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from .errors import ForcedKillWarning as ForcedKillWarning
     from .errors import ProcessFailure as ProcessFailure
     from .errors import record as record
+    from .forkserver import Forkserver as Forkserver
+    from .forkserver import open_forkserver as open_forkserver
     from .logs import DefaultLogsSpecs as DefaultLogsSpecs
     from .logs import LogsDest as LogsDest
     from .logs import LogsSpecs as LogsSpecs
@@ -92,6 +94,8 @@ _EXPORTS: dict[str, str] = {
     "WorkerProcess": "worker",
     "open_worker": "worker",
     "worker_state": "_bootstrap",
+    "Forkserver": "forkserver",
+    "open_forkserver": "forkserver",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -17,16 +17,27 @@ from __future__ import annotations
 import asyncio
 import os
 import select
-import subprocess
 import threading
 import time
 import weakref
 from collections.abc import Callable
+from typing import IO, Protocol
 
 LOST = 255
 """Exit code recorded when the status was taken by somebody else's waitpid()."""
 
 _WNOWAIT = getattr(os, "WNOWAIT", 0)
+
+
+class Proc(Protocol):
+    """What is watched: a ``subprocess.Popen``, or a worker forked by the template."""
+
+    pid: int
+    returncode: int | None
+    stdout: IO[bytes] | None
+    stderr: IO[bytes] | None
+
+    def wait(self) -> int: ...
 
 
 class ExitWatcher:
@@ -39,7 +50,7 @@ class ExitWatcher:
             zombie until ``reap()``.
     """
 
-    def __init__(self, popen: subprocess.Popen[bytes], *, reap: bool = False) -> None:
+    def __init__(self, popen: Proc, *, reap: bool = False) -> None:
         self._popen = popen
         self._reap_now = reap
         self.loop = asyncio.get_running_loop()

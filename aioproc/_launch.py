@@ -14,13 +14,16 @@ import asyncio
 import socket
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from ._boot import boot_argv, boot_blob
 from ._channel import Channel
 from ._output import TeeProtocol
 from ._shield import shielded
 from ._spawn import Child, spawn
+
+if TYPE_CHECKING:
+    from ._template import Template
 
 Frame = tuple[int, Sequence[bytes]]
 """A control frame to send after boot: ``(kind, body parts)``."""
@@ -37,8 +40,12 @@ async def launch_function(
     pass_fds: Sequence[int] = (),
     tee_out: TeeProtocol | None = None,
     tee_err: TeeProtocol | None = None,
+    template: Template | None = None,
 ) -> Child:
     """Start one function worker and queue its boot code and ``frames``.
+
+    With a ``template`` (``start_method="forkserver"``) the worker is forked
+    from it instead of spawned; everything else is the same.
 
     Returns the ``Child``, whose ``channel`` delivers the worker's frames to
     ``on_frame``.  Raises what ``spawn`` raises, with nothing left running
@@ -53,18 +60,34 @@ async def launch_function(
     opening = asyncio.ensure_future(Channel.open(parent_sock, on_frame))
     try:
         channel = await shielded(opening)
-        child = await spawn(
-            label,
-            boot_argv(child_sock.fileno()),
-            env,
-            stdout=stdout,
-            stderr=stderr,
-            stdin=subprocess.DEVNULL,
-            pass_fds=(child_sock.fileno(), *pass_fds),
-            channel=channel,
-            tee_out=tee_out,
-            tee_err=tee_err,
-        )
+        if template is not None:
+            from ._template import spawn_forked
+
+            child = await spawn_forked(
+                template,
+                label,
+                env,
+                stdout=stdout,
+                stderr=stderr,
+                pass_fds=(child_sock.fileno(), *pass_fds),
+                channel_fd=child_sock.fileno(),
+                channel=channel,
+                tee_out=tee_out,
+                tee_err=tee_err,
+            )
+        else:
+            child = await spawn(
+                label,
+                boot_argv(child_sock.fileno()),
+                env,
+                stdout=stdout,
+                stderr=stderr,
+                stdin=subprocess.DEVNULL,
+                pass_fds=(child_sock.fileno(), *pass_fds),
+                channel=channel,
+                tee_out=tee_out,
+                tee_err=tee_err,
+            )
     except BaseException:
         opened = opening.done() and not opening.cancelled() and opening.exception() is None
         if channel is None and opened:

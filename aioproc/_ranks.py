@@ -14,7 +14,7 @@ import os
 import string
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO, Any, TypeAlias
+from typing import IO, TYPE_CHECKING, Any, TypeAlias
 
 from . import _wire
 from ._boot import CallEncoder, init_frame
@@ -23,6 +23,9 @@ from ._output import TeeProtocol
 from ._spawn import Child, spawn
 from .logs import LogsDest
 from .sinks import CallbackSink, ConsoleSink, FileSink, Sink, _FilteredFileSink
+
+if TYPE_CHECKING:
+    from ._template import Template
 
 SinkLike: TypeAlias = Sink | Callable[..., Any] | str | IO[str]
 """A sink, a callable taking an ``OutputLine``, a file path or an open text file."""
@@ -91,8 +94,11 @@ class RankLauncher:
         dest: LogsDest,
         payload: list[bytes] | None,
         on_frame: Callable[[int, bytearray], None],
+        template: Template | None = None,
     ) -> Child:
         """Start ``rank``; raises what the launch raises, with nothing left open.
+
+        A function worker is forked from ``template`` when one is given.
 
         Cancellation: see ``spawn``: the half-started worker's group is killed.
         """
@@ -133,6 +139,7 @@ class RankLauncher:
                     pass_fds=self.pass_fds,
                     tee_out=tees.get("stdout"),
                     tee_err=tees.get("stderr"),
+                    template=template,
                 )
             return await spawn(
                 label,

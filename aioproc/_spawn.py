@@ -36,7 +36,7 @@ from typing import IO, Any
 
 from . import _lifeline
 from ._channel import Channel
-from ._exit import ExitWatcher
+from ._exit import ExitWatcher, Proc
 from ._offloop import helper
 from ._output import TeeProtocol
 from ._shield import shielded
@@ -48,7 +48,7 @@ class Child:
     def __init__(
         self,
         label: str,
-        popen: subprocess.Popen[bytes],
+        popen: Proc,
         channel: Channel | None,
         tees: list[TeeProtocol],
         tee_transports: list[asyncio.BaseTransport],
@@ -221,7 +221,7 @@ def _grow_pipe(fd: int) -> None:
 
 async def _connect_tees(
     loop: asyncio.AbstractEventLoop,
-    popen: subprocess.Popen[bytes],
+    popen: Proc,
     tee_out: TeeProtocol | None,
     tee_err: TeeProtocol | None,
     tees: list[TeeProtocol],
@@ -298,6 +298,24 @@ async def spawn(
         _lifeline.register(popen.pid)  # a no-op unless the guardian was being replaced
     finally:
         _lifeline.unhold()  # dismisses the guardian if the start failed and it is idle
+    return await adopt(label, popen, channel, tee_out, tee_err)
+
+
+async def adopt(
+    label: str,
+    popen: Proc,
+    channel: Channel | None,
+    tee_out: TeeProtocol | None,
+    tee_err: TeeProtocol | None,
+) -> Child:
+    """Wire up a just-started, already registered worker (spawned or forked).
+
+    Raises what connecting its pipes raises, after killing its group.
+
+    Cancellation: a start cancelled while the pipes are being connected
+    kills the worker's whole group and reaps it.
+    """
+    loop = asyncio.get_running_loop()
     tees: list[TeeProtocol] = []
     transports: list[asyncio.BaseTransport] = []
     child: Child | None = None
@@ -315,9 +333,7 @@ async def spawn(
     return child
 
 
-def _discard(
-    popen: subprocess.Popen[bytes], transports: Sequence[asyncio.BaseTransport] = ()
-) -> None:
+def _discard(popen: Proc, transports: Sequence[asyncio.BaseTransport] = ()) -> None:
     """Kill and reap a worker whose start was abandoned, and close its pipes."""
     try:
         os.killpg(popen.pid, signal.SIGKILL)  # the leader is unreaped: still ours

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Literal, overload
 
-START_METHODS = ("spawn",)
+START_METHODS = ("spawn", "forkserver")
 
 _NUL = "\0"
 # exec's limits (Linux fs/exec.c): the strings of argv and envp, each with its
@@ -203,6 +203,40 @@ def _check_prefixes(prefixes: object, expected: set[int]) -> None:
 # ------------------------------------------------------------ the group
 
 
+def check_start_method(start_method: object) -> str:
+    """``"spawn"`` or ``"forkserver"``; ``"fork"`` is refused with the reason."""
+    if start_method == "fork":
+        raise ValueError(
+            "start_method='fork' is refused: forking this process would copy its running "
+            "event loop, its threads' held locks and its open fds into every worker; use "
+            "'forkserver' (workers forked from a clean template that preloads modules) "
+            "or 'spawn'"
+        )
+    if start_method not in START_METHODS:
+        raise ValueError(
+            f"unknown start_method {start_method!r}: expected 'spawn' (a fresh "
+            "interpreter per worker) or 'forkserver' (forked from a preloaded template)"
+        )
+    if start_method == "forkserver" and not sys.platform.startswith("linux"):
+        raise ValueError(f"start_method='forkserver' needs Linux, not {sys.platform}")
+    return str(start_method)
+
+
+def check_preload(start_method: str, preload: object) -> tuple[str, ...]:
+    """The module names to preload in the forkserver template, as a tuple."""
+    if isinstance(preload, (str, bytes)) or not isinstance(preload, Sequence):
+        raise TypeError(f"preload must be a list of module names, got {preload!r}")
+    for name in preload:
+        if not isinstance(name, str) or not all(p.isidentifier() for p in name.split(".")):
+            raise ValueError(f"preload: {name!r} is not a module name")
+    if preload and start_method != "forkserver":
+        raise ValueError(
+            f"preload={list(preload)!r} needs start_method='forkserver' "
+            f"(got {start_method!r}): only the forkserver template preloads modules"
+        )
+    return tuple(dict.fromkeys(preload))
+
+
 def validate_group(
     name: object,
     entrypoint: object,
@@ -226,11 +260,7 @@ def validate_group(
         if not entrypoint:
             raise ValueError("entrypoint is an empty string")
         check_exec_text("entrypoint", entrypoint)
-    if start_method not in START_METHODS:
-        raise ValueError(
-            f"unknown start_method {start_method!r}: aioproc supports only 'spawn' "
-            "(every worker is a fresh interpreter; fork is unsafe with a running event loop)"
-        )
+    check_start_method(start_method)
     if not isinstance(args, Mapping):
         raise TypeError(f"args must be a {{local_rank: tuple}} dict, got {args!r}")
     if not isinstance(envs, Mapping):

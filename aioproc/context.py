@@ -32,7 +32,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from . import _lifeline
+from . import _lifeline, _template
 from ._loops import check_loop
 from ._offloop import helper, run_blocking
 from ._outcomes import NEVER_STARTED as NEVER_STARTED
@@ -43,7 +43,7 @@ from ._shield import shielded
 from ._shutdown import stop_groups, warn_forced
 from ._spawn import Child
 from ._validate import START_METHODS as START_METHODS
-from ._validate import check_duration, check_start
+from ._validate import check_duration, check_preload, check_start
 from ._validate import check_executable as _check_executable
 from ._validate import check_filters as _check_filters
 from ._validate import check_signal as _validate_signal
@@ -102,9 +102,11 @@ class PContext:
         pass_fds: Sequence[int] = (),
         on_event: Callable[[WorkerEvent], None] | None = None,
         close_sinks: bool = True,
+        preload: Sequence[str] = (),
     ) -> None:
         grace_period = check_duration("grace_period", grace_period)
         _validate(name, entrypoint, args, envs, logs_specs, log_line_prefixes, start_method)
+        self.preload = check_preload(start_method, preload)
         own_sinks = _make_sinks(sinks)
         self._filters = {
             "stdout": _check_filters("duplicate_stdout_filters", duplicate_stdout_filters),
@@ -295,18 +297,30 @@ class PContext:
         self, tg: anyio.abc.TaskGroup, dest: LogsDest, payloads: dict[int, list[bytes]]
     ) -> None:
         assert self._close_request is not None
-        # each fork+exec runs off the loop on the helper thread start() holds, so
-        # other tasks keep running while a large group starts
-        for rank in range(self.nprocs):
-            if self._close_request.done():
-                return
-            child = await self._ranks.launch(
-                rank, dest, payloads.get(rank), self._outcomes.frame_handler(rank)
-            )
-            self._children[rank] = child
-            self._watched[rank] = asyncio.Event()
-            self._notify(WorkerEvent("started", rank, child.pid, None, time.time()))
-            tg.start_soon(self._watch, rank, child, name=f"aioproc-watch-{child.label}")
+        template: _template.Template | None = None
+        if self.start_method == "forkserver" and self.is_function:
+            # binary workers are always spawned: exec would discard the template
+            template = await _template.acquire(self.preload)
+        try:
+            for rank in range(self.nprocs):
+                if rank and template is not None:
+                    # a template fork is a ~1 ms request made on the loop (a
+                    # spawn runs on the helper thread start() holds): yield
+                    await asyncio.sleep(0)
+                if self._close_request.done():
+                    return
+                child = await self._ranks.launch(
+                    rank, dest, payloads.get(rank), self._outcomes.frame_handler(rank), template
+                )
+                self._children[rank] = child
+                self._watched[rank] = asyncio.Event()
+                self._notify(WorkerEvent("started", rank, child.pid, None, time.time()))
+                tg.start_soon(self._watch, rank, child, name=f"aioproc-watch-{child.label}")
+        finally:
+            # forked workers do not need the template: it is closed now unless
+            # somebody else (an agent, a pool, open_forkserver) holds it
+            if template is not None:
+                await shielded(_template.release(template))
 
     def _mark_never_started(self) -> None:
         for rank in range(self.nprocs):

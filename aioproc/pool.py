@@ -42,10 +42,12 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from . import _template
 from ._cm import OpenResource
 from ._loops import check_loop
 from ._shield import shielded
-from ._validate import check_duration, check_env
+from ._template import Template
+from ._validate import check_duration, check_env, check_preload, check_start_method
 from .worker import WorkerProcess, _start_worker
 
 __all__ = ["WorkerPool", "open_pool"]
@@ -94,8 +96,11 @@ class WorkerPool:
         shutdown_timeout: float,
         max_calls_per_worker: int | None,
         idle_timeout: float | None,
+        preload: tuple[str, ...] | None = None,
     ) -> None:
         self._slots = slots  # (name, env) of each worker position
+        self._preload = preload  # forkserver: the template's modules; None: spawn
+        self._template: Template | None = None  # a lease held for the pool's life
         self._initializer = initializer
         self._initargs = initargs
         self._init_timeout = init_timeout
@@ -144,6 +149,10 @@ class WorkerPool:
         """
         if self._owner is not None:
             raise RuntimeError(f"{self!r} was already opened")
+        if self._preload is not None:
+            # cancelled or failed, acquire leaves nothing behind; the owner
+            # gives the lease back once every worker has stopped
+            self._template = await _template.acquire(self._preload)
         # No await before the try: once the owner exists, it is always closed.
         self._close_requested = anyio.Event()
         starts = [self._new_start(i) for i in range(self.size)]
@@ -169,18 +178,23 @@ class WorkerPool:
     async def _own(self) -> None:
         """The owner task: holds the task group that every start and retirement runs in."""
         assert self._close_requested is not None
-        async with anyio.create_task_group() as tg:
-            self._tg = tg
-            for i, start in list(self._starts.items()):  # the first ones, made by _open
-                tg.start_soon(self._run_start, i, start)
-            retiring = anyio.CancelScope()
-            tg.start_soon(self._retire_idle, retiring)
-            try:
-                await self._close_requested.wait()
-            finally:
-                # also when the owner itself is cancelled (the loop shutting down)
-                retiring.cancel()
-                self._stop_everything(tg)
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                for i, start in list(self._starts.items()):  # the first ones, made by _open
+                    tg.start_soon(self._run_start, i, start)
+                retiring = anyio.CancelScope()
+                tg.start_soon(self._retire_idle, retiring)
+                try:
+                    await self._close_requested.wait()
+                finally:
+                    # also when the owner itself is cancelled (the loop shutting down)
+                    retiring.cancel()
+                    self._stop_everything(tg)
+        finally:
+            if self._template is not None:
+                await shielded(_template.release(self._template))
+                self._template = None
 
     async def _retire_idle(self, scope: anyio.CancelScope) -> None:
         """Retire the workers whose idle timer fired, from inside the task group.
@@ -225,6 +239,7 @@ class WorkerPool:
                     self._init_timeout,
                     self._shutdown_timeout,
                     env,
+                    self._template,
                 )
                 # no await from here on: the worker is never without an owner
                 start.worker = worker
@@ -440,6 +455,8 @@ def open_pool(
     idle_timeout: float | None = None,
     env: Mapping[str, str] | None = None,
     name: str = "pool",
+    start_method: str = "spawn",
+    preload: Sequence[str] = (),
 ) -> OpenResource[WorkerPool]:
     """Start a pool of persistent workers.
 
@@ -459,6 +476,10 @@ def open_pool(
         idle_timeout: stop a worker idle this long; it restarts on demand.
         env: extra environment for every worker.
         name: prefix of the workers' names.
+        start_method: ``"spawn"`` or ``"forkserver"``: the pool keeps the
+            template for ``preload`` up for its whole life, so replacements
+            fork from it too (see ``start_processes``).
+        preload: modules the forkserver template imports first.
 
     Raises:
         ValueError, TypeError: a bad argument (at the call, before anything
@@ -476,6 +497,8 @@ def open_pool(
     check_duration("idle_timeout", idle_timeout, allow_none=True)
     if env is not None:
         check_env("env", env)
+    check_start_method(start_method)
+    names = check_preload(start_method, preload)
     slots = _slots(n_or_cluster_spec, name, dict(env or {}))
     if max_calls_per_worker is not None and (
         isinstance(max_calls_per_worker, bool)
@@ -500,6 +523,7 @@ def open_pool(
         shutdown_timeout,
         max_calls_per_worker,
         idle_timeout,
+        names if start_method == "forkserver" else None,
     )
     return OpenResource(lambda: _started(pool), _closed, "open_pool(...)")
 

@@ -40,6 +40,7 @@ def start_processes(
     pass_fds: Sequence[int] = (),
     on_event: Callable[[WorkerEvent], None] | None = None,
     close_sinks: bool = True,
+    preload: Sequence[str] = (),
 ) -> OpenResource[PContext]:
     """Start ``len(args)`` workers running ``entrypoint``.
 
@@ -65,7 +66,10 @@ def start_processes(
             ``${rank}`` (the rank's ``RANK`` env var, else its local rank)
             and ``${local_rank}``; a per-rank value may be a template too.
             Default ``[{name}{local_rank}]:``.
-        start_method: only ``"spawn"``: every worker is a fresh interpreter.
+        start_method: ``"spawn"`` (default): every worker is a fresh
+            interpreter.  ``"forkserver"``: function workers are forked from
+            a template process that imported ``preload`` once (binary
+            workers are still spawned); ``"fork"`` is refused.
         grace_period: seconds between SIGTERM and SIGKILL when a failure
             stops the group or the ``async with`` block exits.
         sinks: where tee'd lines go (``aioproc.sinks``): ``Sink`` objects,
@@ -81,6 +85,10 @@ def start_processes(
             has started and when its exit has been recorded.
         close_sinks: close the given ``sinks`` when the group is closed
             (``False`` when they outlive the group, as across agent restarts).
+        preload: modules the forkserver template imports before forking
+            (torch's ``set_forkserver_preload``); only with ``"forkserver"``.
+            A module that fails to import raises ``ImportError``; one that
+            starts a thread or initialises CUDA raises ``RuntimeError``.
 
     Raises:
         TypeError, ValueError, RuntimeError, FileNotFoundError,
@@ -102,6 +110,7 @@ def start_processes(
         pass_fds=pass_fds,
         on_event=on_event,
         close_sinks=close_sinks,
+        preload=preload,
     )
     return OpenResource(lambda: _start(pc), close_on_exit, "start_processes(...)")
 
@@ -119,6 +128,7 @@ async def run(
     timeout: float | None = None,
     grace_period: float = DEFAULT_GRACE_PERIOD,
     sinks: Sequence[SinkLike] | None = None,
+    preload: Sequence[str] = (),
 ) -> RunProcsResult:
     """Run ``nprocs`` workers to completion: start, wait, close.
 
@@ -131,6 +141,7 @@ async def run(
         name: group name (default: the function's or executable's name).
         timeout: seconds before the group is stopped and ``TimeoutError``
             raised (its ``result`` attribute holds the partial result).
+        start_method, preload: as for ``start_processes``.
 
     Returns:
         The ``RunProcsResult`` when every worker succeeded.
@@ -176,6 +187,7 @@ async def run(
         start_method,
         grace_period=grace_period,
         sinks=sinks,
+        preload=preload,
     ) as pc:
         result = await pc.wait(-1 if timeout is None else timeout)
         if result is None:

@@ -19,10 +19,10 @@ import collections
 import os
 import signal
 import subprocess
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import _lifeline, _wire
+from . import _lifeline, _template, _wire
 from ._boot import CallEncoder, init_frame, rebuild_exception
 from ._channel import Channel
 from ._cm import OpenResource
@@ -32,7 +32,8 @@ from ._output import TeeProtocol
 from ._shield import shielded
 from ._shutdown import stop_groups, warn_forced
 from ._spawn import Child
-from ._validate import check_duration, check_env
+from ._template import Template
+from ._validate import check_duration, check_env, check_preload, check_start_method
 from .errors import BrokenWorkerError
 from .sinks import ConsoleSink, Sink, close_sinks
 
@@ -243,6 +244,7 @@ async def _start_worker(
     init_timeout: float,
     shutdown_timeout: float,
     env: Mapping[str, str] | None,
+    template: Template | None = None,
 ) -> WorkerProcess:
     if init is not None and not callable(init):
         raise TypeError(f"init must be callable, got {init!r}")
@@ -281,6 +283,7 @@ async def _start_worker(
             stdout=None,
             stderr=subprocess.PIPE,
             tee_err=stderr_tee,
+            template=template,
         )
         assert child.channel is not None
         if pending_init is not None:
@@ -348,6 +351,8 @@ def open_worker(
     shutdown_timeout: float = 60,
     env: Mapping[str, str] | None = None,
     name: str | None = None,
+    start_method: str = "spawn",
+    preload: Sequence[str] = (),
 ) -> OpenResource[WorkerProcess]:
     """Start a persistent worker process (PyTorch's ``CheckpointProcess``, async).
 
@@ -366,6 +371,9 @@ def open_worker(
             terminate request before its process group is SIGKILLed.
         env: extra environment variables for the worker.
         name: used in messages and as the stderr prefix ``[name]:``.
+        start_method: ``"spawn"`` or ``"forkserver"`` (forked from the
+            template for ``preload``; see ``start_processes``).
+        preload: modules the forkserver template imports first.
 
     Raises:
         TimeoutError: ``init`` took longer than ``init_timeout``.
@@ -382,9 +390,20 @@ def open_worker(
     _counter += 1
     name = name or f"worker{_counter}"
     init_args = tuple(init_args)
+    check_start_method(start_method)
+    names = check_preload(start_method, preload)
 
-    def start() -> Awaitable[WorkerProcess]:
-        return _start_worker(name, init, init_args, init_timeout, shutdown_timeout, env)
+    async def start() -> WorkerProcess:
+        if start_method == "spawn":
+            return await _start_worker(name, init, init_args, init_timeout, shutdown_timeout, env)
+        template = await _template.acquire(names)
+        try:
+            return await _start_worker(
+                name, init, init_args, init_timeout, shutdown_timeout, env, template
+            )
+        finally:
+            # the forked worker does not need the template any more
+            await shielded(_template.release(template))
 
     async def close(worker: WorkerProcess, exc: BaseException | None) -> None:
         await worker.aclose()

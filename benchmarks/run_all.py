@@ -36,8 +36,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--only",
         default="",
-        help="comma-separated subset: p1,p2,p3,p5,p6,p4,worker,leak,rss,stall,p7,torch "
-        "(default: all)",
+        help="comma-separated subset: p1,p2,p1b,memory,p3,p5,p6,p4,worker,leak,rss,stall,"
+        "p7,torch (default: all)",
     )
     p.add_argument("--no-torch", action="store_true", help="skip the torch comparison")
     args = p.parse_args(argv)
@@ -125,6 +125,7 @@ def main(argv: list[str]) -> int:
     import bench_close
     import bench_core
     import bench_failure
+    import bench_forkserver
     import bench_leak
     import bench_output
     import bench_p7
@@ -137,6 +138,8 @@ def main(argv: list[str]) -> int:
     benches = {
         "p1": bench_core.p1,
         "p2": bench_core.p2,
+        "p1b": bench_forkserver.p1b,
+        "memory": bench_forkserver.memory,
         "p3": bench_failure.p3,
         "p5": bench_threads.p5,
         "p6": bench_close.p6,

@@ -28,10 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from .. import _template
 from .._ranks import SinkLike
 from .._ranks import make_sinks as _make_sinks
-from .._validate import check_duration, check_path_name
-from ..context import START_METHODS, PContext, RunProcsResult, WorkerEvent
+from .._shield import shielded
+from .._validate import check_duration, check_path_name, check_preload, check_start_method
+from ..context import PContext, RunProcsResult, WorkerEvent
 from ..errors import ChildFailedError
 from ..logs import DefaultLogsSpecs, LogsSpecs
 from ..runner import start_processes
@@ -57,7 +59,9 @@ class LocalElasticAgent:
 
     Args:
         spec: what to run.
-        start_method: only ``"spawn"``.
+        start_method: ``"spawn"`` or ``"forkserver"``: function workers are
+            forked from a template that imported ``spec.preload``; the agent
+            holds it for its whole run, so every restart reuses it.
         exit_barrier_timeout: accepted for compatibility; with one host every
             worker is in one group, so there is no cross-node exit barrier.
         log_dir: base directory of the logs (torch's layout); ``None``: a
@@ -95,8 +99,8 @@ class LocalElasticAgent:
     ) -> None:
         if not isinstance(spec, WorkerSpec):
             raise TypeError(f"spec must be a WorkerSpec, got {spec!r}")
-        if start_method not in START_METHODS:
-            raise ValueError(f"unknown start_method {start_method!r}: only 'spawn' is supported")
+        check_start_method(start_method)
+        self._preload = check_preload(start_method, spec.preload)
         grace_period = check_duration("grace_period", grace_period)
         exit_barrier_timeout = check_duration("exit_barrier_timeout", exit_barrier_timeout)
         if run_id is not None:
@@ -221,9 +225,13 @@ class LocalElasticAgent:
             from .watchdog import WatchdogServer
 
             watchdog = WatchdogServer(self._on_watchdog_expired)
+        template: _template.Template | None = None
         try:
             if watchdog is not None:
                 await watchdog.start()
+            if self._start_method == "forkserver" and not isinstance(spec.entrypoint, str):
+                # one lease for the whole run: every attempt forks from this template
+                template = await _template.acquire(self._preload)
             while True:
                 if self._stop_request is not None:  # during the watchdog's start
                     return self._finish(WorkerState.STOPPED, {}, {})
@@ -289,6 +297,8 @@ class LocalElasticAgent:
                 self._state = WorkerState.FAILED
             raise
         finally:
+            if template is not None:
+                await shielded(_template.release(template))
             if watchdog is not None:
                 await watchdog.aclose()
             # bounded, and never raises for a sink's sake
@@ -327,6 +337,7 @@ class LocalElasticAgent:
             pass_fds=watchdog.pass_fds() if watchdog is not None else (),
             on_event=self._on_worker_event,
             close_sinks=False,  # they live across attempts; closed when run() ends
+            preload=self._preload,
         ) as pc:
             if watchdog is not None:
                 watchdog.set_workers(pc.pids())

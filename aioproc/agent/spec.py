@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._validate import check_duration, check_env, check_exec_text
+from .._validate import check_duration, check_env, check_exec_text, check_preload
 from ..errors import ProcessFailure
 from ..logs import Std
 
@@ -116,6 +116,9 @@ class WorkerSpec:
         watchdog: enable ``aioproc.timer`` watchdog timers in the workers.
         duplicate_stdout_filters, duplicate_stderr_filters: as in
             ``start_processes``.
+        preload: modules the forkserver template imports before forking the
+            workers (with the agent's ``start_method="forkserver"``); the
+            agent keeps the template up across restarts.
     """
 
     role: str
@@ -134,6 +137,7 @@ class WorkerSpec:
     watchdog: bool = False
     duplicate_stdout_filters: Sequence[str] | None = None
     duplicate_stderr_filters: Sequence[str] | None = None
+    preload: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, str) or not self.role:
@@ -173,6 +177,7 @@ class WorkerSpec:
             raise ValueError(f"WorkerSpec.master_port must be a TCP port, got {self.master_port!r}")
         if self.env is not None:
             check_env("WorkerSpec.env", self.env)
+        self.preload = check_preload("forkserver", self.preload)  # the agent checks the method
         if self.master_addr is not None:
             if not isinstance(self.master_addr, str):
                 raise TypeError(

@@ -1,0 +1,415 @@
+"""The warm-start template behind ``start_method="forkserver"`` (parent side).
+
+A template is a fresh ``sys.executable`` in a session of its own that has
+imported the modules the user named (``preload``) and forks function workers
+on request (its side: ``_template_child``).  One template serves every group,
+worker and pool of this supervisor process that asks for the same preload
+set at the same time: each holds a *lease* (``acquire``/``release``), and
+the last release closes it.  An agent or a pool holds a lease for its whole
+life, so restarts and replacements reuse the template;
+``aioproc.open_forkserver`` lets anyone else keep one warm between groups.
+
+Why the guarantees of spawned workers carry over: the template forks with
+``CLONE_PARENT``, so a worker is this process's child exactly like a spawned
+one, found by the same pidfd exit watcher, with the true exit status, and
+its leader reaped late by ``Child.release``; the template neither waits for
+nor signals workers.  A fork request is a blocking round trip of about a
+millisecond, like ``Popen``, with no ``await`` between the fork and
+``_lifeline.register``; the template carries the lifeline token in its
+exec environment, so a worker that outruns registration (its
+``/proc/<pid>/environ`` is the template's) is swept by token too.  The
+template's own group is registered with the guardian, and it exits on EOF
+of its socket, so it never outlives this process.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import functools
+import marshal
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from . import _lifeline
+from ._boot import BOOT_CODE
+from ._channel import Channel
+from ._exit import ExitWatcher
+from ._output import TeeProtocol
+from ._shield import shielded
+from ._spawn import Child, adopt
+from .errors import RemoteTraceback
+
+FORK_TIMEOUT = 30.0
+"""Seconds a fork request may take before the template is deemed wedged."""
+
+CLOSE_WAIT = 5.0
+"""Seconds a closed template gets to exit before it is killed."""
+
+MAX_FDS = 250
+"""Most fds one worker can be given (stdout, stderr, channel, ``pass_fds``)."""
+
+
+@functools.cache
+def _source() -> str:
+    return (Path(__file__).parent / "_template_child.py").read_text()
+
+
+class Forked:
+    """A worker forked by the template: the ``Proc`` that ``Child`` watches."""
+
+    def __init__(self, pid: int, stdout: IO[bytes] | None, stderr: IO[bytes] | None) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self.stdout = stdout
+        self.stderr = stderr
+
+    def wait(self) -> int:
+        """Block until the worker exits and reap it (only after SIGKILL)."""
+        if self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+class Template:
+    """One template process and its leases (see the module docstring)."""
+
+    def __init__(self, preload: tuple[str, ...]) -> None:
+        loop = asyncio.get_running_loop()
+        self.preload = preload
+        self.leases = 0
+        self.closed = False
+        self.broken = False  # a request failed: new leases start a new template
+        self._lock = threading.Lock()  # one request at a time, whatever thread asks
+        self._buf = bytearray()
+        self.ready: asyncio.Future[None] = loop.create_future()
+        # an error nobody awaited any more (all waiters cancelled) is not "unretrieved"
+        self.ready.add_done_callback(lambda f: f.cancelled() or f.exception())
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        _lifeline.ensure()
+        try:
+            self.popen = subprocess.Popen(
+                [
+                    sys.executable,
+                    *subprocess._args_from_interpreter_flags(),  # type: ignore[attr-defined]
+                    "-c",
+                    _source(),
+                    str(theirs.fileno()),
+                ],
+                env={**os.environ, _lifeline.TOKEN_VAR: _lifeline.token()},
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,
+                close_fds=True,
+            )
+        except BaseException:
+            mine.close()
+            _lifeline.forget()
+            raise
+        finally:
+            theirs.close()
+        _lifeline.register(self.popen.pid)
+        self.pid = self.popen.pid
+        self.sock = mine
+        self.watcher = ExitWatcher(self.popen)
+        paths = [p for p in sys.path if isinstance(p, str)]
+        init = marshal.dumps({"sys_path": paths, "preload": list(preload), "boot": BOOT_CODE})
+        # a few KB into an empty socket buffer: does not block
+        mine.sendall(len(init).to_bytes(8, "big") + init)
+        mine.setblocking(False)
+        self._reading: asyncio.AbstractEventLoop | None = loop
+        loop.add_reader(mine.fileno(), self._on_readable)
+
+    def __repr__(self) -> str:
+        if self.closed:
+            state = "closed"
+        elif self.watcher.future.done():
+            state = "exited"
+        elif not self.ready.done():
+            state = "starting"
+        else:
+            state = "running"
+        return f"<forkserver template pid={self.pid} preload={list(self.preload)} {state}>"
+
+    @property
+    def usable(self) -> bool:
+        """Whether a new lease may use this template."""
+        if self.closed or self.broken or self.watcher.future.done():
+            return False
+        if not self.ready.done():
+            return self.ready.get_loop() is asyncio.get_running_loop()
+        return not self.ready.cancelled() and self.ready.exception() is None
+
+    # ------------------------------------------------------------ start-up
+
+    def _stop_reading(self) -> None:
+        if self._reading is not None:
+            if not self._reading.is_closed():
+                self._reading.remove_reader(self.sock.fileno())
+            self._reading = None
+
+    def _on_readable(self) -> None:
+        try:
+            chunk = self.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._stop_reading()
+            self.watcher.future.add_done_callback(self._died_starting)
+            return
+        self._buf += chunk
+        if len(self._buf) < 8 or len(self._buf) < 8 + int.from_bytes(self._buf[:8], "big"):
+            return
+        self._stop_reading()
+        answer = marshal.loads(bytes(self._buf[8:]))
+        self._buf.clear()
+        if self.ready.done():
+            return
+        if answer[0] == "ready":
+            self.sock.setblocking(True)
+            self.sock.settimeout(FORK_TIMEOUT)
+            self.ready.set_result(None)
+        else:
+            self.ready.set_exception(self._preload_error(*answer[1:]))
+
+    def _died_starting(self, fut: asyncio.Future[int]) -> None:
+        if not self.ready.done():
+            self.ready.set_exception(
+                RuntimeError(
+                    f"forkserver template (pid {self.pid}) exited with status "
+                    f"{fut.result()} while importing preload {list(self.preload)}"
+                )
+            )
+
+    def _preload_error(self, kind: str, name: str, detail: str, tb: str) -> BaseException:
+        if kind == "import":
+            err: BaseException = ImportError(
+                f"forkserver preload: importing {name!r} failed: {detail}", name=name
+            )
+            err.__cause__ = RemoteTraceback(tb)
+            return err
+        if kind == "unsafe":
+            return RuntimeError(
+                f"forkserver preload: importing {name!r} {detail}; the template cannot fork "
+                f"workers from it: import {name!r} in the workers instead, or use "
+                "start_method='spawn'"
+            )
+        return RuntimeError(f"forkserver template cannot fork on this system: {detail}")
+
+    # ------------------------------------------------------------ requests
+
+    def fork(
+        self,
+        fds: Sequence[int],
+        targets: Sequence[int],
+        channel: int,
+        env: Mapping[str, str],
+        cwd: str,
+    ) -> int:
+        """Fork one worker: ``fds[i]`` becomes its fd ``targets[i]``; returns its pid.
+
+        Blocks for the round trip (about a millisecond; bounded by
+        ``FORK_TIMEOUT``).  Raises ``OSError`` if the template could not
+        fork, ``RuntimeError`` if the template is gone or wedged.
+        """
+        body = marshal.dumps((list(targets), channel, dict(env), cwd))
+        message = len(body).to_bytes(8, "big") + body
+        with self._lock:
+            started = self.ready.done() and not self.ready.cancelled()
+            if self.closed or self.broken or not started or self.ready.exception() is not None:
+                raise RuntimeError(f"{self!r} cannot fork workers")
+            try:
+                fd_data = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+                sent = self.sock.sendmsg([message], fd_data)
+                if sent < len(message):
+                    self.sock.sendall(memoryview(message)[sent:])
+                answer = self._read_answer()
+            except OSError as e:
+                self.broken = True
+                raise RuntimeError(
+                    f"forkserver template (pid {self.pid}) did not answer a fork request "
+                    f"({e or type(e).__name__}); a new template starts with the next group"
+                ) from e
+        if answer[0] == "pid":
+            return int(answer[1])
+        if answer[0] == "failed":
+            # the worker exited before running anything; it is our child: reap it
+            os.waitpid(answer[1], 0)
+            raise OSError(f"a worker forked by the template failed to start: {answer[2]}")
+        raise OSError(
+            answer[1], f"forkserver template (pid {self.pid}) could not fork a worker: {answer[2]}"
+        )
+
+    def _read_answer(self) -> Any:
+        buf = bytearray()
+        need = 8
+        while len(buf) < need:
+            chunk = self.sock.recv(need - len(buf))
+            if not chunk:
+                raise ConnectionError("the template exited")
+            buf += chunk
+            if need == 8 and len(buf) == 8:
+                need = 8 + int.from_bytes(buf, "big")
+        return marshal.loads(bytes(buf[8:]))
+
+    # --------------------------------------------------------------- close
+
+    async def aclose(self) -> None:
+        """Close the socket (the template exits on EOF), wait, kill if need be, reap.
+
+        Cancellation: bounded by ``CLOSE_WAIT``; callers shield it.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        self._stop_reading()
+        self.sock.close()
+        if not self.ready.done():
+            self.ready.cancel()
+        if not self.ready.cancelled() and self.ready.exception() is None:
+            pass  # a ready template exits at once on EOF
+        else:
+            self._kill()  # still importing (or failed): do not wait for the import
+        if self.watcher.loop is not asyncio.get_running_loop():
+            self.watcher.detach()  # its loop is gone: notice the exit on this one
+            self.watcher = ExitWatcher(self.popen)
+        fut = self.watcher.future
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), CLOSE_WAIT)
+        except asyncio.TimeoutError:
+            self._kill()
+            await asyncio.shield(fut)
+        _lifeline.forget(self.pid)  # before the reap: the id may be reused after it
+        self.watcher.reap()
+        await _lifeline.settle()
+
+    def _kill(self) -> None:
+        if not self.watcher.reaped:  # unreaped: the group id is still the template's
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+_templates: dict[tuple[int, tuple[str, ...]], Template] = {}
+
+
+async def acquire(preload: tuple[str, ...]) -> Template:
+    """A lease on the running template for ``preload``, starting one if need be.
+
+    Raises:
+        ImportError: a preloaded module failed to import (the template's
+            traceback is the ``__cause__``).
+        RuntimeError: a preloaded module started a thread or initialised
+            CUDA, or the template died while starting.
+
+    Cancellation: the lease is released, and a template nobody else waits
+    for is killed and reaped before the cancellation propagates.
+    """
+    key = (os.getpid(), preload)
+    template = _templates.get(key)
+    if template is None or not template.usable:
+        template = _templates[key] = Template(preload)
+    template.leases += 1
+    try:
+        await asyncio.shield(template.ready)
+    except BaseException:
+        await shielded(release(template))  # bounded (see Template.aclose)
+        raise
+    return template
+
+
+async def release(template: Template) -> None:
+    """Give a lease back; the last one closes the template.
+
+    Cancellation: bounded by ``CLOSE_WAIT``; callers shield it.
+    """
+    template.leases -= 1
+    if template.leases > 0:
+        return
+    key = (os.getpid(), template.preload)
+    if _templates.get(key) is template:
+        del _templates[key]
+    await template.aclose()
+
+
+async def spawn_forked(
+    template: Template,
+    label: str,
+    env: Mapping[str, str],
+    *,
+    stdout: int | IO[Any] | None,
+    stderr: int | IO[Any] | None,
+    pass_fds: Sequence[int],
+    channel_fd: int,
+    channel: Channel,
+    tee_out: TeeProtocol | None = None,
+    tee_err: TeeProtocol | None = None,
+) -> Child:
+    """Fork one function worker from ``template``; the same contract as ``spawn``.
+
+    ``stdout``/``stderr`` are ``None`` (this process's own fd 1/2),
+    ``subprocess.PIPE`` (tee), ``subprocess.DEVNULL``, an fd or an open
+    file.  ``pass_fds`` (``channel_fd`` among them) keep their numbers.
+
+    Cancellation: as ``spawn``: the fork itself cannot be interrupted, and
+    a start cancelled while the pipes are connected kills the worker's group.
+    """
+    if len(pass_fds) + 2 > MAX_FDS:
+        raise ValueError(f"a forked worker takes at most {MAX_FDS - 2} pass_fds")
+    fds: list[int] = []
+    targets: list[int] = []
+    mine: list[int] = []  # fds opened here, closed once the worker has its copies
+    readers: dict[int, IO[bytes]] = {}
+    try:
+        for std, spec in ((1, stdout), (2, stderr)):
+            if spec is None:
+                try:
+                    os.fstat(std)
+                except OSError:
+                    continue  # closed here: the worker gets /dev/null
+                fd = std
+            elif spec == subprocess.PIPE:
+                r, w = os.pipe()
+                readers[std] = open(r, "rb")  # noqa: ASYNC230, SIM115 - a pipe; the Child owns it
+                mine.append(w)
+                fd = w
+            elif spec == subprocess.DEVNULL:
+                fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+                mine.append(fd)
+            elif isinstance(spec, int):
+                fd = spec
+            else:
+                fd = spec.fileno()
+            fds.append(fd)
+            targets.append(std)
+        fds.extend(pass_fds)
+        targets.extend(pass_fds)
+        worker_env = {**env, _lifeline.TOKEN_VAR: _lifeline.token()}
+        _lifeline.ensure()
+        try:
+            pid = template.fork(fds, targets, channel_fd, worker_env, os.getcwd())
+        except BaseException:
+            _lifeline.forget()  # dismisses the guardian if it guards nothing now
+            raise
+    except BaseException:
+        for reader in readers.values():
+            reader.close()
+        raise
+    finally:
+        for fd in mine:
+            os.close(fd)
+    _lifeline.register(pid)  # no await before this: see the module docstring
+    proc = Forked(pid, readers.get(1), readers.get(2))
+    return await adopt(label, proc, channel, tee_out, tee_err)

@@ -1,0 +1,262 @@
+"""Child side of the forkserver template.  Standard library only.
+
+The supervisor runs this file's source with ``sys.executable -c <source>
+<fd>`` in a session of its own (see ``_template``); ``fd`` is the template's
+end of a socketpair.  The template reads its INIT message (the parent's
+``sys.path``, the modules to preload, the worker boot code), imports the
+modules, checks it is still single-threaded and has not initialised CUDA,
+answers READY (or why not) and then serves fork requests until EOF.
+
+A request carries, as SCM_RIGHTS fds, a worker's stdout, stderr, channel
+socket and extra fds, and as data their fd numbers in the worker, its
+environment and working directory.  The template clones itself with
+``CLONE_PARENT``: the worker becomes a child of the *supervisor*, not of the
+template, so the supervisor notices its exit with a pidfd, reads the true
+status with ``waitid(WNOWAIT)`` and reaps it late exactly as it does for a
+spawned worker, and a template that dies never hands workers to init.  The
+raw ``clone`` is wrapped in ``PyOS_BeforeFork``/``PyOS_AfterFork_*``, which is
+all ``os.fork()`` adds around ``fork()``.  The template never waits for or
+signals the processes it forked: it serves requests, one blocking read at a
+time, and exits when the supervisor closes the socket or dies.
+
+The new worker leads a session of its own, gets its fds at their numbers and
+nothing else, its environment and cwd, a fresh ``__main__`` and then runs the
+same boot code as a spawned worker: the rest arrives over the channel.
+"""
+
+from __future__ import annotations
+
+import marshal
+import os
+import socket
+import sys
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
+CLONE_PARENT = 0x00008000
+SIGCHLD = 17  # on every architecture below
+# clone(2) syscall numbers; flags come first on all of these (s390 differs)
+_SYS_CLONE = {
+    "x86_64": 56,
+    "aarch64": 220,
+    "riscv64": 220,
+    "ppc64le": 120,
+    "ppc64": 120,
+    "i686": 120,
+    "i386": 120,
+    "armv7l": 120,
+}
+MAX_FDS = 250  # the kernel passes at most 253 fds in one message (SCM_MAX_FD)
+
+
+def _send(sock: socket.socket, message: Any) -> None:
+    body = marshal.dumps(message)
+    sock.sendall(len(body).to_bytes(8, "big") + body)
+
+
+def _recv_exact(sock: socket.socket, n: int, buf: bytearray) -> bool:
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return False
+        buf += chunk
+    return True
+
+
+def _recv(sock: socket.socket, with_fds: bool = False) -> tuple[Any, list[int]] | None:
+    """One length-prefixed message and the fds sent with it; None at EOF."""
+    fds: list[int] = []
+    buf = bytearray()
+    if with_fds:
+        import array
+
+        size = socket.CMSG_SPACE(MAX_FDS * 4)
+        data, ancdata, _, _ = sock.recvmsg(1 << 16, size, socket.MSG_CMSG_CLOEXEC)
+        if not data:
+            return None
+        buf += data
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                arr = array.array("i")
+                arr.frombytes(payload[: len(payload) - len(payload) % arr.itemsize])
+                fds.extend(arr)
+    if not _recv_exact(sock, 8, buf):
+        return None
+    if not _recv_exact(sock, 8 + int.from_bytes(buf[:8], "big"), buf):
+        return None
+    return marshal.loads(bytes(buf[8:])), fds
+
+
+def _unsafe() -> str:
+    """Why this process may no longer fork safely ("" if it may)."""
+    try:
+        threads = len(os.listdir("/proc/self/task"))
+    except OSError:
+        threading = sys.modules.get("threading")
+        threads = threading.active_count() if threading is not None else 1
+    if threads > 1:
+        names = ""
+        threading = sys.modules.get("threading")
+        if threading is not None:
+            named = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+            names = f" ({', '.join(named)})" if named else ""
+        return (
+            f"started {threads - 1} thread(s){names}; the template must stay "
+            "single-threaded (a forked worker would inherit locks those threads hold)"
+        )
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    is_initialized = getattr(cuda, "is_initialized", None)
+    if is_initialized is not None and is_initialized():
+        return "initialised CUDA; a forked worker cannot use CUDA initialised in its parent"
+    return ""
+
+
+def _preload(names: list[str]) -> tuple[Any, ...]:
+    """Import ``names``; on the first failure, ``("error", kind, name, detail)``."""
+    for name in names:
+        try:
+            __import__(name)
+        except BaseException as e:
+            import traceback
+
+            tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+            return ("error", "import", name, f"{type(e).__name__}: {e}", tb)
+        problem = _unsafe()
+        if problem:
+            return ("error", "unsafe", name, problem, "")
+    return ("ready", os.getpid())
+
+
+def _cloner() -> Callable[[], int]:
+    """``fork()`` that makes the new process a child of our parent (``CLONE_PARENT``)."""
+    import ctypes
+
+    nr = _SYS_CLONE.get(os.uname().machine)
+    if nr is None or not sys.platform.startswith("linux"):
+        raise OSError(f"CLONE_PARENT is not supported on {sys.platform} {os.uname().machine}")
+    libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: the GIL stays held across the call
+    syscall = libc.syscall
+    syscall.restype = ctypes.c_long
+    api = ctypes.pythonapi
+    args = (ctypes.c_long(nr), ctypes.c_ulong(CLONE_PARENT | SIGCHLD), *[ctypes.c_long(0)] * 4)
+
+    def clone() -> int:
+        api.PyOS_BeforeFork()
+        pid = int(syscall(*args))
+        err = ctypes.get_errno()
+        if pid == 0:
+            api.PyOS_AfterFork_Child()
+            return 0
+        api.PyOS_AfterFork_Parent()
+        if pid < 0:
+            raise OSError(err, os.strerror(err))
+        return pid
+
+    return clone
+
+
+def _become_worker(
+    fds: list[int], targets: list[int], env: dict[str, str], cwd: str, report: int
+) -> None:
+    """In the new process: own session, fds at their numbers, env, cwd.
+
+    Says "ok" (or why not, then exits) on ``report`` only once done: the
+    template answers the supervisor after that, so every signal the
+    supervisor sends to the worker's group reaches it.
+    """
+    import fcntl
+
+    try:
+        os.setsid()
+        top = max([2, report, *targets, *fds]) + 1
+        report = fcntl.fcntl(report, fcntl.F_DUPFD_CLOEXEC, top)
+        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, top) for fd in fds]
+        null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        for std in (0, 1, 2):
+            if std not in targets:
+                os.dup2(null, std)  # stdin, and a stream the supervisor has closed
+        for src, dst in zip(moved, targets, strict=True):
+            os.dup2(src, dst)  # inheritable, as Popen's pass_fds leaves them
+        keep = {0, 1, 2, report, *targets}
+        for name in os.listdir("/proc/self/fd"):
+            if int(name) not in keep:
+                try:
+                    os.close(int(name))
+                except OSError:
+                    pass  # the directory listing's own fd, already closed
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+    except OSError as e:
+        os.write(report, f"{type(e).__name__}: {e}".encode())
+        os._exit(127)
+    os.write(report, b"ok")
+    os.close(report)
+
+
+def serve(fd: int) -> str | None:
+    """Preload, then fork on request; returns the boot code in a new worker."""
+    sock = socket.socket(fileno=fd)
+    got = _recv(sock)
+    if got is None:
+        os._exit(0)
+    init = got[0]
+    sys.path[:] = init["sys_path"]
+    answer = _preload(init["preload"])
+    sys.stdout.flush()  # what a preloaded module printed must not reach a worker
+    sys.stderr.flush()
+    if answer[0] == "ready":
+        try:
+            clone = _cloner()
+        except OSError as e:
+            answer = ("error", "clone", "", str(e), "")
+    _send(sock, answer)
+    if answer[0] != "ready":
+        os._exit(1)  # at once: a thread a preloaded module started must not delay it
+    boot: str = init["boot"]
+    while True:
+        got = _recv(sock, with_fds=True)
+        if got is None:
+            os._exit(0)  # the supervisor closed us, or died
+        (targets, channel, env, cwd), fds = got
+        read_end, write_end = os.pipe()
+        try:
+            if len(fds) != len(targets):
+                raise OSError(f"got {len(fds)} fds for {len(targets)} targets")
+            pid = clone()
+        except OSError as e:
+            for fd in (*fds, read_end, write_end):
+                os.close(fd)
+            _send(sock, ("error", e.errno or 0, str(e)))
+            continue
+        if pid == 0:
+            sock.close()
+            os.close(read_end)
+            _become_worker(fds, targets, env, cwd, write_end)
+            sys.argv[:] = ["-c", str(channel)]
+            return boot
+        for fd in (*fds, write_end):
+            os.close(fd)
+        status = b""
+        while chunk := os.read(read_end, 4096):  # EOF once the worker is set up (or died)
+            status += chunk
+        os.close(read_end)
+        if status == b"ok":
+            _send(sock, ("pid", pid))
+        else:  # exited: the supervisor, its parent, reaps it
+            _send(sock, ("failed", pid, status.decode(errors="replace") or "died"))
+
+
+if __name__ == "__main__":
+    _code = serve(int(sys.argv[1]))
+    if _code is not None:
+        # a fresh __main__ for the worker, as in a spawned interpreter
+        _main = type(sys)("__main__")
+        _main.__builtins__ = __builtins__  # type: ignore[attr-defined]
+        sys.modules["__main__"] = _main
+        del serve, _main
+        exec(_code, sys.modules["__main__"].__dict__)

@@ -1,0 +1,3 @@
+"""A module that fails to import: the forkserver template reports it."""
+
+raise LookupError("fork_broken_mod refuses to load")

@@ -1,0 +1,79 @@
+"""Worker functions for tests/test_forkserver.py (standard library only).
+
+Imported by name in the workers: the test puts this directory on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def ident(x: object) -> tuple[object, int, int, int, int]:
+    """``(x, pid, ppid, session id, process group id)``."""
+    return x, os.getpid(), os.getppid(), os.getsid(0), os.getpgid(0)
+
+
+def fail(message: str) -> None:
+    raise ValueError(message)
+
+
+def exit_with(code: int) -> None:
+    os._exit(code)
+
+
+def kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def talk(n: int) -> str:
+    """Write ``n`` numbered lines to stdout and to stderr; return "done"."""
+    for i in range(n):
+        print(f"out {i}")
+        print(f"err {i}", file=sys.stderr)
+    return "done"
+
+
+def preload_info(module: str) -> tuple[int, int, bool, int]:
+    """``(pid that imported module, my pid, already imported before this call, my ppid)``."""
+    was_loaded = module in sys.modules
+    mod = __import__(module)
+    return mod.IMPORT_PID, os.getpid(), was_loaded, os.getppid()
+
+
+def with_grandchild(report: str) -> None:
+    """Start a ``sleep`` grandchild, append "<my pid> <its pid>" to ``report``, block."""
+    child = subprocess.Popen(["sleep", "1000"])
+    fd = os.open(report, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.write(fd, f"{os.getpid()} {child.pid}\n".encode())
+    os.close(fd)
+    time.sleep(1000)
+
+
+def environment_and_cwd() -> tuple[dict[str, str], str, list[str], list[int]]:
+    """The worker's os.environ, cwd, argv and open fds."""
+    return (
+        dict(os.environ),
+        os.getcwd(),
+        list(sys.argv),
+        sorted(map(int, os.listdir("/proc/self/fd"))),
+    )
+
+
+def block() -> None:
+    time.sleep(1000)
+
+
+def flaky(path: str) -> int:
+    """Record the template's pid; fail on the first attempt, succeed on the second."""
+    import fork_preload_mod
+
+    with open(path, "a") as f:
+        f.write(f"{fork_preload_mod.IMPORT_PID}\n")
+    with open(path) as f:
+        if len(f.read().split()) < 2:
+            raise RuntimeError("first attempt fails")
+    return fork_preload_mod.IMPORT_PID

@@ -1,0 +1,347 @@
+"""start_method="forkserver": workers forked from a preloaded template process.
+
+Every promise of spawned workers is checked for forked ones, mostly by
+running the same group both ways and comparing what the user sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import random
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from helpers import CHILDREN_DIR, REPO_ROOT, child_pids
+from proc_utils import Fifo, still_alive_after
+
+from aioproc import (
+    ChildFailedError,
+    DefaultLogsSpecs,
+    LocalElasticAgent,
+    Std,
+    WorkerSpec,
+    _template,
+    open_forkserver,
+    open_pool,
+    open_worker,
+    run,
+    start_processes,
+)
+
+sys.path.insert(0, CHILDREN_DIR)
+sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+import fork_funcs
+from fault_worker import MARK_VAR
+from soak_cancel import clean_up, describe, reported_pids, survivors
+
+METHODS = ["spawn", "forkserver"]
+SEED = int(os.environ.get("AIOPROC_FAULT_SEED", random.randrange(1 << 30)))
+
+
+def no_template_left() -> None:
+    assert _template._templates == {}
+
+
+@pytest.mark.parametrize("method", METHODS)
+async def test_results_and_session_of_forked_workers(method: str) -> None:
+    result = await run(fork_funcs.ident, 4, {r: (r,) for r in range(4)}, start_method=method)
+    for rank, (x, pid, ppid, sid, pgid) in result.return_values.items():
+        assert x == rank
+        assert ppid == os.getpid()  # the supervisor's own child, forked or spawned
+        assert sid == pgid == pid  # leads a session and a group of its own
+    no_template_left()
+
+
+async def test_exceptions_equal_spawned_ones() -> None:
+    errors = []
+    for method in METHODS:
+        with pytest.raises(ChildFailedError) as info:
+            await run(fork_funcs.fail, 1, ("bad value 7",), start_method=method)
+        shutil.rmtree(os.path.dirname(info.value.log_dir))  # the failed run's kept logs
+        cause = info.value.__cause__
+        assert type(cause) is ValueError
+        errors.append((str(cause), info.value.failures[0].exitcode))
+        assert "fail" in str(cause.__cause__)  # the worker's traceback text
+    assert errors[0] == errors[1] == ("bad value 7", 1)
+
+
+@pytest.mark.parametrize("method", METHODS)
+async def test_exit_codes_and_signals_are_relayed_truly(method: str) -> None:
+    async with start_processes(
+        "codes",
+        fork_funcs.exit_with,
+        {0: (3,), 1: (0,)},
+        {0: {}, 1: {}},
+        start_method=method,
+    ) as pc:
+        result = await pc.wait()
+    assert result is not None and result.failures[0].exitcode == 3
+    async with start_processes(
+        "sig", fork_funcs.kill_self, {0: ()}, {0: {}}, start_method=method
+    ) as pc:
+        result = await pc.wait()
+    assert result is not None
+    assert result.failures[0].exitcode == -signal.SIGKILL
+    assert result.failures[0].signal_name() == "SIGKILL"
+
+
+async def test_grandchildren_are_stopped_on_close(tmp_path: Path) -> None:
+    async with Fifo(tmp_path / "report") as report:
+        pc = await start_processes(
+            "gc",
+            fork_funcs.with_grandchild,
+            {r: (report.path,) for r in range(3)},
+            {r: {} for r in range(3)},
+            start_method="forkserver",
+        )
+        try:
+            pairs = await report.pid_pairs(3)
+        finally:
+            await pc.close(timeout=5)
+    pids = [p for pair in pairs for p in pair]
+    assert set(pc.pids().values()) == {w for w, _ in pairs}
+    assert await still_alive_after(pids, 5) == set()
+
+
+@pytest.mark.parametrize("method", METHODS)
+async def test_log_files_and_error_file_as_with_spawn(method: str, tmp_path: Path) -> None:
+    specs = DefaultLogsSpecs(str(tmp_path), redirects=Std.ALL)
+    result = await run(fork_funcs.talk, 2, (3,), logs_specs=specs, start_method=method)
+    for rank in range(2):
+        assert Path(result.stdouts[rank]).read_text() == "".join(f"out {i}\n" for i in range(3))
+        assert Path(result.stderrs[rank]).read_text() == "".join(f"err {i}\n" for i in range(3))
+    specs = DefaultLogsSpecs(str(tmp_path / "fail"))
+    with pytest.raises(ChildFailedError) as info:
+        await run(fork_funcs.fail, 1, ("broken",), logs_specs=specs, start_method=method)
+    failure = info.value.failures[0]
+    assert failure.message["message"] == "ValueError: broken"
+    assert os.path.isfile(failure.error_file)
+
+
+async def test_tee_to_sinks_from_forked_workers() -> None:
+    lines: list[str] = []
+    result = await run(
+        fork_funcs.talk,
+        2,
+        (2,),
+        logs_specs=DefaultLogsSpecs(tee=Std.ALL),
+        sinks=[lambda line: lines.append(f"{line.rank} {line.stream} {line.line}")],
+        start_method="forkserver",
+    )
+    assert result.return_values == {0: "done", 1: "done"}
+    expected = [f"{r} stdout out {i}" for r in range(2) for i in range(2)]
+    expected += [f"{r} stderr err {i}" for r in range(2) for i in range(2)]
+    assert sorted(lines) == sorted(expected)
+
+
+async def test_env_cwd_and_fds_are_the_workers_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with open_forkserver():
+        # changed after the template started: the worker must see the new state
+        monkeypatch.setenv("AIOPROC_TEST_LATE", "late")
+        monkeypatch.chdir(tmp_path)
+        forked = await run(
+            fork_funcs.environment_and_cwd, 1, envs={0: {"MINE": "1"}}, start_method="forkserver"
+        )
+        spawned = await run(fork_funcs.environment_and_cwd, 1, envs={0: {"MINE": "1"}})
+    env, cwd, argv, fds = forked.return_values[0]
+    s_env, s_cwd, s_argv, s_fds = spawned.return_values[0]
+    assert env["AIOPROC_TEST_LATE"] == "late" and env["MINE"] == "1"
+    assert set(env) == set(s_env)
+    assert cwd == s_cwd == str(tmp_path)
+    assert argv == s_argv == ["-c"]
+    assert len(fds) == len(s_fds)  # stdio, the channel, the listing's own fd: nothing else
+
+
+async def test_preload_is_imported_once_in_the_template(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = tmp_path / "imports"
+    monkeypatch.setenv("AIOPROC_TEST_IMPORT_LOG", str(log))
+    async with open_forkserver(["fork_preload_mod"]) as server:
+        assert repr(server) == f"<Forkserver pid={server.pid} preload=['fork_preload_mod'] open>"
+        seen = []
+        for _ in range(2):  # two groups, one template
+            result = await run(
+                fork_funcs.preload_info,
+                3,
+                ("fork_preload_mod",),
+                start_method="forkserver",
+                preload=["fork_preload_mod"],
+            )
+            seen.extend(result.return_values.values())
+    assert len(seen) == 6
+    for import_pid, pid, was_loaded, ppid in seen:
+        assert import_pid == server.pid != pid
+        assert was_loaded and ppid == os.getpid()
+    assert log.read_text() == f"{server.pid}\n"
+    assert repr(server).endswith("closed>")
+    no_template_left()
+
+
+async def test_preload_that_starts_a_thread_is_refused() -> None:
+    with pytest.raises(RuntimeError) as info:
+        await run(fork_funcs.ident, 2, (0,), start_method="forkserver", preload=["fork_thread_mod"])
+    assert str(info.value) == (
+        "forkserver preload: importing 'fork_thread_mod' started 1 thread(s) (sneaky-poller); "
+        "the template must stay single-threaded (a forked worker would inherit locks those "
+        "threads hold); the template cannot fork workers from it: import 'fork_thread_mod' "
+        "in the workers instead, or use start_method='spawn'"
+    )
+    no_template_left()  # and the leak check finds no process
+
+
+async def test_preload_that_fails_to_import_names_the_module() -> None:
+    with pytest.raises(ImportError) as info:
+        await run(fork_funcs.ident, 1, (0,), start_method="forkserver", preload=["fork_broken_mod"])
+    assert str(info.value) == (
+        "forkserver preload: importing 'fork_broken_mod' failed: "
+        "LookupError: fork_broken_mod refuses to load"
+    )
+    assert info.value.name == "fork_broken_mod"
+    assert "fork_broken_mod.py" in str(info.value.__cause__)  # the template's traceback
+    no_template_left()
+
+
+async def test_fork_is_refused_with_the_reason() -> None:
+    reason = (
+        "start_method='fork' is refused: forking this process would copy its running event loop"
+    )
+    with pytest.raises(ValueError, match=reason):
+        start_processes("x", fork_funcs.ident, {0: (1,)}, {0: {}}, start_method="fork")
+    with pytest.raises(ValueError, match=reason):
+        await run(fork_funcs.ident, 1, (1,), start_method="fork")
+    with pytest.raises(ValueError, match=reason):
+        open_pool(1, start_method="fork")
+    with pytest.raises(ValueError, match=reason):
+        open_worker(start_method="fork")
+    with pytest.raises(ValueError, match=reason):
+        LocalElasticAgent(WorkerSpec("r", 1, fork_funcs.ident, (1,)), "fork")
+    with pytest.raises(ValueError, match="unknown start_method 'vfork'"):
+        await run(fork_funcs.ident, 1, (1,), start_method="vfork")
+
+
+async def test_bad_preload_fails_before_anything_starts() -> None:
+    with pytest.raises(ValueError, match=r"preload=\['json'\] needs start_method='forkserver'"):
+        await run(fork_funcs.ident, 1, (1,), preload=["json"])
+    with pytest.raises(TypeError, match="preload must be a list of module names, got 'json'"):
+        await run(fork_funcs.ident, 1, (1,), start_method="forkserver", preload="json")
+    with pytest.raises(ValueError, match="preload: 'no such' is not a module name"):
+        open_forkserver(["no such"])
+    with pytest.raises(ValueError, match=r"preload: 'a\.\.b' is not a module name"):
+        WorkerSpec("r", 1, fork_funcs.ident, preload=["a..b"])
+    no_template_left()
+
+
+async def test_binary_workers_are_spawned_under_forkserver() -> None:
+    result = await run("/bin/sh", 1, ("-c", "exit 0"), start_method="forkserver")
+    assert result.return_values == {0: None}
+    no_template_left()
+
+
+async def test_agent_restarts_reuse_the_template(tmp_path: Path) -> None:
+    record = tmp_path / "attempts"
+    spec = WorkerSpec(
+        "flaky", 1, fork_funcs.flaky, (str(record),), max_restarts=2, preload=["fork_preload_mod"]
+    )
+    events: list[str] = []
+    agent = LocalElasticAgent(
+        spec,
+        "forkserver",
+        on_event=lambda e: events.append(e.name),
+        grace_period=2,
+        log_dir=str(tmp_path / "logs"),  # the failed attempt's logs are kept
+    )
+    result = await agent.run()
+    assert result.return_values.keys() == {0}
+    pids = record.read_text().split()
+    assert len(pids) == 2 and pids[0] == pids[1] == str(result.return_values[0])
+    assert int(pids[0]) != os.getpid()
+    no_template_left()
+
+
+async def test_pool_and_worker_fork_from_the_template() -> None:
+    async with open_pool(2, start_method="forkserver", preload=["fork_preload_mod"]) as pool:
+        infos = await pool.run(fork_funcs.preload_info, ("fork_preload_mod",))
+        template_pids = {info[0] for info in infos}
+        assert len(template_pids) == 1 and infos[0][0] not in pool.pids()
+        assert all(info[2] and info[3] == os.getpid() for info in infos)
+    async with open_worker(start_method="forkserver", preload=["fork_preload_mod"]) as w:
+        import_pid, pid, was_loaded, ppid = await w.call(
+            fork_funcs.preload_info, "fork_preload_mod"
+        )
+        assert import_pid != pid == w.pid and was_loaded and ppid == os.getpid()
+    no_template_left()
+
+
+async def test_cancelling_a_forkserver_start_at_random_points_leaves_nothing() -> None:
+    rng = random.Random(SEED)
+    before = child_pids()
+    for _ in range(20):
+        task = asyncio.ensure_future(
+            start_processes(
+                "c",
+                fork_funcs.block,
+                {r: () for r in range(4)},
+                {r: {} for r in range(4)},
+                start_method="forkserver",
+                preload=["json"],
+            ).__aenter__()
+        )
+        await asyncio.sleep(rng.uniform(0, 0.08))
+        task.cancel()
+        try:
+            pc = await task
+        except asyncio.CancelledError:
+            pass
+        else:
+            await pc.close(signal.SIGKILL, 0)
+        left = child_pids() - before
+        assert not left, f"seed {SEED}: " + ", ".join(describe(p) for p in left)
+        no_template_left()
+
+
+def loop_kind() -> str:
+    return "uvloop" if "uvloop" in type(asyncio.get_running_loop()).__module__ else "asyncio"
+
+
+async def test_supervisor_sigkilled_leaves_no_worker_nor_template(tmp_path: Path) -> None:
+    rng = random.Random(f"{SEED}-{loop_kind()}")
+    problems = []
+    for i in range(4):
+        mark = uuid.uuid4().hex
+        report = str(tmp_path / f"report-{i}")
+        async with Fifo(tmp_path / f"status-{i}") as status:
+            sup = subprocess.Popen(
+                [
+                    sys.executable,
+                    os.path.join(CHILDREN_DIR, "fork_supervisor.py"),
+                    loop_kind(),
+                    status.path,
+                    report,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONPATH": f"{REPO_ROOT}:{CHILDREN_DIR}", MARK_VAR: mark},
+            )
+            try:
+                assert await status.lines(1, timeout=30) == ["starting"]
+                if i % 2:
+                    assert await status.lines(1, timeout=30) == ["started"]
+                await asyncio.sleep(rng.uniform(0, 0.2))
+            finally:
+                sup.kill()
+                sup.wait(timeout=10)
+        alive = await survivors(mark, reported_pids(report))
+        if alive:
+            problems.append(f"#{i}: " + ", ".join(describe(p) for p in sorted(alive)))
+            await clean_up(mark, alive)
+    assert problems == [], f"seed {SEED}:\n" + "\n".join(problems)
