@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import random
+import shutil
 import signal
 import subprocess
 import sys
