@@ -42,6 +42,7 @@ from . import _lifeline
 from ._boot import BOOT_CODE
 from ._channel import Channel
 from ._exit import ExitWatcher
+from ._offloop import helper
 from ._output import TeeProtocol
 from ._shield import shielded
 from ._spawn import Child, adopt
@@ -397,12 +398,29 @@ async def spawn_forked(
         fds.extend(pass_fds)
         targets.extend(pass_fds)
         worker_env = {**env, _lifeline.TOKEN_VAR: _lifeline.token()}
-        _lifeline.ensure()
+        cwd = os.getcwd()
+
+        def start() -> int:
+            # the round trip waits for the new worker to set itself up, which
+            # takes milliseconds on a busy machine: on the helper thread
+            pid = template.fork(fds, targets, channel_fd, worker_env, cwd)
+            _lifeline.register_from_thread(pid)  # at once, as for a spawned worker
+            return pid
+
+        loop = asyncio.get_running_loop()
+        _lifeline.hold()
         try:
-            pid = template.fork(fds, targets, channel_fd, worker_env, os.getcwd())
-        except BaseException:
-            _lifeline.forget()  # dismisses the guardian if it guards nothing now
-            raise
+            with helper() as pool:
+                forking = loop.run_in_executor(pool, start)
+                try:
+                    pid = await shielded(forking)
+                except asyncio.CancelledError:
+                    if forking.done() and not forking.cancelled() and not forking.exception():
+                        _discard_forked(forking.result())  # forked after all: not ours to keep
+                    raise
+            _lifeline.register(pid)  # a no-op unless the guardian was being replaced
+        finally:
+            _lifeline.unhold()  # dismisses the guardian if the fork failed and it is idle
     except BaseException:
         for reader in readers.values():
             reader.close()
@@ -410,6 +428,15 @@ async def spawn_forked(
     finally:
         for fd in mine:
             os.close(fd)
-    _lifeline.register(pid)  # no await before this: see the module docstring
     proc = Forked(pid, readers.get(1), readers.get(2))
     return await adopt(label, proc, channel, tee_out, tee_err)
+
+
+def _discard_forked(pid: int) -> None:
+    """Kill and reap a forked worker whose start was abandoned (it leads its group)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    os.waitpid(pid, 0)  # our child (CLONE_PARENT), SIGKILLed: exits at once
+    _lifeline.forget(pid)

@@ -303,10 +303,6 @@ class PContext:
             template = await _template.acquire(self.preload)
         try:
             for rank in range(self.nprocs):
-                if rank and template is not None:
-                    # a template fork is a ~1 ms request made on the loop (a
-                    # spawn runs on the helper thread start() holds): yield
-                    await asyncio.sleep(0)
                 if self._close_request.done():
                     return
                 child = await self._ranks.launch(
