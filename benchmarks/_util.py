@@ -44,7 +44,7 @@ class Config:
     torch_rounds: int = 3
     warmup: int = 1
     p1_n: int = 64
-    p2_n: int = 256
+    p2_ns: tuple[int, ...] = (64, 256, 1024)  # P2 is reported at each size: linear in N?
     p3_n: int = 8
     p3_delay: float = 0.5
     p5_ns: tuple[int, ...] = (64, 256)
@@ -69,7 +69,7 @@ class Config:
             rounds=r,
             torch_rounds=1,
             p1_n=16,
-            p2_n=64,
+            p2_ns=(16, 64),
             p3_n=4,
             p3_delay=0.3,
             p5_ns=(16, 64),

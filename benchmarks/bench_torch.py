@@ -178,7 +178,7 @@ def torch_rows(cfg: Config) -> list[Row] | str:
         return "torch not installed: skipped"
     import torch
 
-    fn_n, p2_n, tr = cfg.torch_fn_n, cfg.p2_n, cfg.torch_rounds
+    fn_n, p2_n, tr = cfg.torch_fn_n, cfg.p2_ns[-1] if cfg.quick else 256, cfg.torch_rounds
     delay = cfg.p3_delay
     rows: list[Row] = []
     rows += _rows(
