@@ -58,6 +58,9 @@ __all__ = ["PContext", "RunProcsResult", "WorkerEvent", "close_on_exit"]
 
 logger = logging.getLogger("aioproc")
 
+_LAUNCH_WINDOW = 8
+"""Workers being launched at once: forks queue on the helper thread, in rank order."""
+
 _RELEASE_BATCH = 32
 """Workers whose pipes are closed, or leaders reaped, per loop iteration at close."""
 
@@ -301,17 +304,36 @@ class PContext:
         if self.start_method == "forkserver" and self.is_function:
             # binary workers are always spawned: exec would discard the template
             template = await _template.acquire(self.preload)
-        try:
-            for rank in range(self.nprocs):
-                if self._close_request.done():
-                    return
+        errors: list[Exception] = []
+        window = anyio.Semaphore(_LAUNCH_WINDOW)
+
+        async def launch(rank: int) -> None:
+            try:
                 child = await self._ranks.launch(
                     rank, dest, payloads.get(rank), self._outcomes.frame_handler(rank), template
                 )
-                self._children[rank] = child
-                self._watched[rank] = asyncio.Event()
-                self._notify(WorkerEvent("started", rank, child.pid, None, time.time()))
-                tg.start_soon(self._watch, rank, child, name=f"aioproc-watch-{child.label}")
+            except Exception as e:
+                errors.append(e)  # the first one is raised once the others are in
+                return
+            finally:
+                window.release()
+            self._children[rank] = child
+            self._watched[rank] = asyncio.Event()
+            self._notify(WorkerEvent("started", rank, child.pid, None, time.time()))
+            tg.start_soon(self._watch, rank, child, name=f"aioproc-watch-{child.label}")
+
+        try:
+            # a few launches in flight: the helper thread forks the next worker
+            # while the loop wires up the last one (no round trip per worker)
+            async with anyio.create_task_group() as launching:
+                for rank in range(self.nprocs):
+                    await window.acquire()
+                    if self._close_request.done() or errors:
+                        window.release()
+                        break
+                    launching.start_soon(launch, rank, name=f"aioproc-launch-{self.name}/{rank}")
+            if errors:
+                raise errors[0]
         finally:
             # forked workers do not need the template: it is closed now unless
             # somebody else (an agent, a pool, open_forkserver) holds it

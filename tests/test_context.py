@@ -948,8 +948,9 @@ async def test_spawn_failure_part_way_stops_started_workers(
             await aioproc.start_processes(
                 "partial", workers.wait_fifo, {r: (path,) for r in range(3)}, envs_for(3)
             )
-    assert len(started) == 1
-    assert pid_gone(started[0])
+    # rank 0 started; rank 2 may have been in flight when rank 1 failed
+    assert 1 <= len(started) <= 2
+    assert all(pid_gone(pid) for pid in started)
     assert child_pids() == children_before
     assert aioproc_temp_dirs(private_tmpdir) == set()
 
