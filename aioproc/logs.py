@@ -266,6 +266,11 @@ class DefaultLogsSpecs(LogsSpecs):
             self._root_log_dir = self._ephemeral_root = tempfile.mkdtemp(prefix="aioproc_")
         return self._root_log_dir
 
+    @property
+    def run_log_dir(self) -> str | None:
+        """``<log_dir>/<run_id>_<random>``, once the first ``reify`` has made it."""
+        return self._run_log_dir
+
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         """Create ``attempt_<restart_count>/<rank>/`` dirs and return their paths.
 
