@@ -765,7 +765,7 @@ def _where_the_logs_are(
     files = []
     for name in ("stderr.log", "stdout.log"):
         path = os.path.join(rank_dir, name)
-        if not _named(path, summary) and os.path.isfile(path) and os.path.getsize(path) > 0:
+        if not _named(path, summary) and os.path.isfile(path):
             files.append(path)
     lines = []
     if files:
