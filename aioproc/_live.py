@@ -2,7 +2,16 @@
 
 A table with one row per local rank (pid, state, uptime, restarts, and the
 rank's last line or progress-bar state) stays at the bottom of the terminal
-while the workers' prefixed lines scroll above it.
+while the workers' prefixed lines scroll above it.  The view takes at most
+half of the terminal's lines: with more ranks than fit, it shows one
+compact row per state instead ("running  22 ranks 0-3,5-22 ..."), so the
+workers' lines stay visible; the full table is drawn once, at the end.
+A Ctrl-C must not leave a stale copy of the view in the scrollback.  Two
+things would: the terminal discards output not yet displayed when it sends
+SIGINT (half a redraw lost, so the next one starts from the wrong line),
+which ``NOFLSH`` turns off while the view is live; and it echoes ``^C`` at
+the cursor, so the view ends with an empty line where the cursor waits and
+the echo is erased by the next redraw instead of wrapping below the view.
 
 How it works: ``LiveView`` is both a sink (the agent's output readers hand
 it whole lines and progress updates) and an agent event callback (starts,
@@ -22,9 +31,11 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import termios
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TextIO, TypeAlias
+from typing import IO, TextIO, TypeAlias
 
 from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.live import Live
@@ -85,6 +96,7 @@ class _Row:
     restarts: int = 0
     last: str = ""
     status: str | None = None
+    updated: float = 0.0  # time.monotonic() of the last line or status
 
     @property
     def running(self) -> bool:
@@ -137,6 +149,8 @@ class LiveView(Sink):
         self._tick: asyncio.TimerHandle | None = None
         self._last_flush = 0.0
         self._broken = False
+        self._final = False  # the last redraw: the whole table, no cursor line
+        self._restore_tty: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         state = "live" if self._live is not None else "stopped"
@@ -149,6 +163,7 @@ class LiveView(Sink):
         if self._live is not None:
             return
         self._loop = asyncio.get_running_loop()
+        self._restore_tty = _keep_output_on_interrupt(self._console.file)
         self._live = Live(
             self,
             console=self._console,
@@ -171,10 +186,15 @@ class LiveView(Sink):
                 handle.cancel()
         self._flush_handle = self._tick = None
         self._print_pending()
+        self._final = True
         try:
             live.stop()
         except OSError:
             self._broken = True
+        finally:
+            restore, self._restore_tty = self._restore_tty, None
+            if restore is not None:
+                restore()
 
     # --------------------------------------------------------------- sink
 
@@ -183,6 +203,7 @@ class LiveView(Sink):
         if row is not None and lines:
             row.last = lines[-1]
             row.status = None
+            row.updated = time.monotonic()
         if stream == "stderr" and not self._stderr_shown:
             text = "".join(f"{prefix}{line}\n" for line in lines)
             try:
@@ -199,6 +220,7 @@ class LiveView(Sink):
         row = self._row(rank)
         if row is not None:
             row.status = text
+            row.updated = time.monotonic()
             self._schedule()
 
     async def aclose(self) -> None:
@@ -249,17 +271,34 @@ class LiveView(Sink):
             self._phase = "succeeded"
         elif kind == ev.GROUP_FAILED:
             self._phase = "failed"
+        elif kind == ev.GROUP_STOPPED:
+            # stop() ended the run; during a backoff no worker was left to exit
+            self._phase = "stopped"
+            for r in self._rows:
+                if r.state in ("starting", "restarting"):
+                    r.state, r.style = "stopped", "yellow"
         self._schedule()
 
     def note(self, text: str, style: str = "yellow") -> None:
-        """Print a line of our own above the table, in order with the workers' lines."""
+        """Print a line of our own above the table now, after the workers' lines so far."""
         self._pending.append(Text(text, style=style, no_wrap=False))
-        self._schedule()
+        if self._live is None:
+            self._print_pending()
+        else:
+            self._flush()  # at once: what the command says next must come after it
 
     # ---------------------------------------------------------- rendering
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        yield Group(self._header(), self._table(time.monotonic()))
+        now = time.monotonic()
+        if self._final:
+            yield Group(self._header(), self._table(now))
+            return
+        # half of the terminal, less the cursor's line; the workers' lines keep the rest
+        room = max(2, options.size.height // 2) - 1
+        fits = len(self._rows) + 2 <= room  # the header, the column names, the ranks
+        body = self._table(now) if fits else self._compact(room - 1)
+        yield Group(self._header(), body, Text(""))
 
     def _header(self) -> Text:
         n = len(self._rows)
@@ -298,6 +337,38 @@ class LiveView(Sink):
                 str(row.restarts),
                 _plain(shown),
             )
+        return table
+
+    def _compact(self, room: int) -> Table:
+        """One row per state: its ranks and the latest line among them, in ``room`` rows."""
+        groups: dict[str, list[int]] = {}
+        for rank, row in enumerate(self._rows):
+            groups.setdefault(row.state, []).append(rank)
+        shown = list(groups.items())
+        if len(shown) > max(1, room):
+            keep = max(0, room - 1)
+            rest = sorted(rank for _, ranks in shown[keep:] for rank in ranks)
+            shown = [*shown[:keep], (f"{len(shown) - keep} other states", rest)]
+        table = Table(
+            box=None,
+            expand=True,
+            pad_edge=False,
+            show_edge=False,
+            show_header=False,
+            padding=(0, 1),
+        )
+        table.add_column("state", no_wrap=True)
+        table.add_column("ranks", no_wrap=True, overflow="ellipsis", max_width=40)
+        table.add_column("output", no_wrap=True, overflow="ellipsis", ratio=1)
+        for state, ranks in shown:
+            style = self._rows[ranks[0]].style if state in groups else "yellow"
+            latest = max(ranks, key=lambda r: self._rows[r].updated)
+            row = self._rows[latest]
+            shown_line = row.status if row.status is not None else row.last
+            output = Text(f"[{latest}] ", style="dim") if shown_line else Text()
+            output.append_text(_plain(shown_line))
+            count = f"{len(ranks)} rank{'s' if len(ranks) != 1 else ''}"
+            table.add_row(Text(state, style=style), f"{count} {_ranges(ranks)}", output)
         return table
 
     # ------------------------------------------------------------ drawing
@@ -381,6 +452,19 @@ def _plain(line: str) -> Text:
     return Text(line, no_wrap=True)
 
 
+def _ranges(ranks: list[int]) -> str:
+    """Sorted ranks as ranges: ``0-3,5,7-9``."""
+    parts: list[str] = []
+    start = prev = ranks[0]
+    for rank in [*ranks[1:], -1]:
+        if rank == prev + 1:
+            prev = rank
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = rank
+    return ",".join(parts)
+
+
 def _duration(seconds: float) -> str:
     s = int(max(0.0, seconds))
     if s < 60:
@@ -388,6 +472,34 @@ def _duration(seconds: float) -> str:
     if s < 3600:
         return f"{s // 60}m{s % 60:02d}s"
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _keep_output_on_interrupt(stream: IO[str]) -> Callable[[], None] | None:
+    """Set ``NOFLSH`` on ``stream``'s terminal; return what clears it again.
+
+    Without it, the terminal drops the output it has not displayed yet when
+    Ctrl-C (or Ctrl-\\, Ctrl-Z) sends its signal.  ``None``: not a terminal,
+    or ``NOFLSH`` was set already.
+    """
+    try:
+        fd = stream.fileno()
+        attrs = termios.tcgetattr(fd)
+        if attrs[3] & termios.NOFLSH:
+            return None
+        attrs[3] |= termios.NOFLSH
+        termios.tcsetattr(fd, termios.TCSANOW, attrs)
+    except (AttributeError, ValueError, OSError, termios.error):
+        return None
+
+    def restore() -> None:
+        try:  # the settings as they are now, less ours
+            now = termios.tcgetattr(fd)
+            now[3] &= ~termios.NOFLSH
+            termios.tcsetattr(fd, termios.TCSANOW, now)
+        except (OSError, termios.error):
+            pass  # the terminal is gone
+
+    return restore
 
 
 def _isatty(stream: TextIO) -> bool:

@@ -10,17 +10,22 @@ never waited on forever.
 
 Only groups whose leader is still unreaped are signalled (``Child.owns_group``):
 such a group id cannot have been recycled for somebody else.
+
+The grace period ends at a ``Deadline`` that a later request can bring
+forward (a second Ctrl-C: SIGKILL now); the waits wake up when it moves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import time
 import warnings
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from ._offloop import run_blocking
 from ._spawn import Child
@@ -36,16 +41,71 @@ _SIGNAL_BATCH = 32
 """Groups signalled per loop iteration (a signal to a group costs tens of us)."""
 
 
-async def stop_groups(children: Sequence[Child], death_sig: int, timeout: float) -> list[Child]:
+class Deadline:
+    """The end of a grace period (``time.monotonic()``), which can only come sooner.
+
+    ``bring_forward`` wakes whoever is in ``wait()``, so a request to kill
+    now is acted on at once, not at the old deadline.
+    """
+
+    def __init__(self) -> None:
+        self.at = math.inf
+        self._moved: asyncio.Future[None] | None = None
+
+    def __repr__(self) -> str:
+        left = self.at - time.monotonic()
+        return f"<Deadline in {left:.3g} s>" if math.isfinite(left) else "<Deadline unset>"
+
+    def bring_forward(self, at: float) -> None:
+        """End the grace period at ``at`` if that is sooner."""
+        if at < self.at:
+            self.at = at
+            if self._moved is not None and not self._moved.done():
+                self._moved.set_result(None)
+
+    async def wait(self, futures: Iterable[asyncio.Future[Any]]) -> None:
+        """Until every one of ``futures`` is done or the deadline has passed."""
+        pending = {f for f in futures if not f.done()}
+        if not pending:
+            return
+        loop = asyncio.get_running_loop()
+        # woken when all are done or the deadline moves, never per exit (a
+        # group of hundreds would make that quadratic) nor on a timer
+        everything = asyncio.ensure_future(asyncio.wait(pending))
+        try:
+            while not everything.done() and (left := self.at - time.monotonic()) > 0:
+                moved = self._moved = loop.create_future()
+                try:
+                    await asyncio.wait(
+                        {everything, moved}, timeout=left, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    self._moved = None
+                    moved.cancel()
+        finally:
+            everything.cancel()
+
+
+async def stop_groups(
+    children: Sequence[Child],
+    death_sig: int,
+    timeout: float,
+    *,
+    deadline: Deadline | None = None,
+) -> list[Child]:
     """Stop ``children``: ``death_sig`` to each group, grace ``timeout``, then SIGKILL.
 
     The grace period covers the whole group: once a leader has exited, the
     processes it left in its group get the rest of ``timeout`` before they
-    are killed.  Returns the workers whose leader had to be killed (see
+    are killed.  ``deadline``, if given, is where the grace period ends (at
+    most ``timeout`` from now): whoever brings it forward cuts the grace
+    period short.  Returns the workers whose leader had to be killed (see
     ``warn_forced``).  The caller shields this from cancellation; it always
     returns within ``timeout + KILL_WAIT`` seconds.
     """
-    deadline = time.monotonic() + timeout
+    if deadline is None:
+        deadline = Deadline()
+    deadline.bring_forward(time.monotonic() + timeout)
     running = [c for c in children if c.returncode is None]
     for c in running:
         c.stop_requested = True
@@ -57,11 +117,9 @@ async def stop_groups(children: Sequence[Child], death_sig: int, timeout: float)
             await asyncio.sleep(0)  # a few hundred signals: let the loop breathe
         # exited leaders too: their descendants may still be in the group
         c.signal_group(death_sig)
-    pending = {c.watcher.future for c in running if not c.watcher.future.done()}
-    if pending and timeout > 0:
-        await asyncio.wait(pending, timeout=timeout)
+    await deadline.wait(c.watcher.future for c in running)
     forced = [c for c in running if not c.watcher.future.done()]
-    if not forced and timeout > 0:
+    if not forced:
         await _wait_descendants({c.pgid for c in owned}, deadline)
     for i, c in enumerate(owned):
         if i and not i % _SIGNAL_BATCH:
@@ -117,7 +175,7 @@ def group_members(pgids: Iterable[int]) -> list[int]:
     return members
 
 
-async def _wait_descendants(pgids: set[int], deadline: float) -> None:
+async def _wait_descendants(pgids: set[int], deadline: Deadline) -> None:
     """Wait until the groups hold no live process, or until ``deadline``.
 
     Members are found by one scan of ``/proc`` and waited on with pidfds;
@@ -125,10 +183,9 @@ async def _wait_descendants(pgids: set[int], deadline: float) -> None:
     forked meanwhile), so nothing is polled on a timer.
     """
     loop = asyncio.get_running_loop()
-    while True:
+    while deadline.at > time.monotonic():
         members = await run_blocking(group_members, pgids)  # a /proc scan: off the loop
-        remaining = deadline - time.monotonic()
-        if not members or remaining <= 0:
+        if not members:
             return
         fds: list[int] = []
         futs: list[asyncio.Future[None]] = []
@@ -144,7 +201,7 @@ async def _wait_descendants(pgids: set[int], deadline: float) -> None:
                 futs.append(fut)
             if not futs:
                 return  # pidfds unsupported, or all gone: nothing to wait on
-            await asyncio.wait(futs, timeout=remaining)
+            await deadline.wait(futs)
         finally:
             for fd in fds:
                 loop.remove_reader(fd)
@@ -172,7 +229,7 @@ def warn_forced(
     names = ", ".join(f"{c.label} (pid {c.pid})" for c in forced)
     asked = request or signal.Signals(death_sig).name
     warnings.warn(
-        f"{len(forced)} worker(s) did not exit within {timeout:g} s of "
+        f"{len(forced)} worker(s) did not exit within {round(timeout, 2):g} s of "
         f"{asked} and were killed with SIGKILL: {names}",
         ForcedKillWarning,
         stacklevel=2,  # the aioproc call that stopped the workers

@@ -23,6 +23,7 @@ import asyncio
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import warnings
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     from ._live import LiveView
-    from .agent import AgentEvent, RestartPolicy, WorkerSpec
+    from .agent import AgentEvent, LocalElasticAgent, RestartPolicy, WorkerSpec
     from .logs import LogsSpecs, Std
 
 __all__ = ["build_parser", "main", "parse_backoff", "parse_nproc"]
@@ -196,13 +197,73 @@ def _parse_ranks(value: str) -> set[int] | None:
     return ranks
 
 
+_MULTI_NODE = "multi-node runs are not supported yet (aioproc run starts workers on this host)"
+
+
 def _parse_nnodes(value: str) -> int:
-    low, _, high = value.partition(":")
-    if low.strip() == "1" and high.strip() in ("", "1"):
-        return 1
-    raise argparse.ArgumentTypeError(
-        f"aioproc run starts workers on this host only: --nnodes must be 1, got {value!r}"
-    )
+    """``--nnodes``: ``1`` or ``1:1``; more nodes (``2``, ``1:4``) are a usage error."""
+    low, colon, high = value.partition(":")
+    try:
+        bounds = [int(low), int(high) if colon else int(low)]
+    except ValueError:
+        bounds = []
+    if len(bounds) != 2 or not 0 < bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of nodes, 1 or MIN:MAX such as 1:1, got {value!r}"
+        )
+    if bounds[1] > 1:
+        raise argparse.ArgumentTypeError(
+            f"{_MULTI_NODE}: --nnodes must be 1 (or 1:1), got {value!r}"
+        )
+    return 1
+
+
+def _parse_node_rank(value: str) -> int:
+    """``--node-rank``: only 0, the one node."""
+    try:
+        rank = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a node rank, got {value!r}") from None
+    if rank != 0:
+        raise argparse.ArgumentTypeError(f"{_MULTI_NODE}: --node-rank must be 0, got {value!r}")
+    return 0
+
+
+def _parse_backend(value: str) -> str:
+    if not value.strip():
+        raise argparse.ArgumentTypeError("expected a rendezvous backend name such as c10d, got ''")
+    return value
+
+
+def _parse_endpoint(value: str) -> str:
+    """``--rdzv-endpoint``: ``HOST[:PORT]`` (port 0: any), checked, then unused."""
+    if not value.strip():
+        return ""  # torchrun's default
+    host, colon, port = value.strip().rpartition(":")
+    if not colon or host.endswith(":"):  # no port, or a bare IPv6 address
+        host, port = value.strip(), ""
+    ok = bool(host.strip("[]"))
+    if port:
+        ok = ok and port.isdigit() and int(port) <= 65535
+    if not ok:
+        raise argparse.ArgumentTypeError(
+            f"expected HOST[:PORT] such as localhost:29400, got {value!r}"
+        )
+    return value
+
+
+def _parse_rdzv_conf(value: str) -> dict[str, str]:
+    """``--rdzv-conf``: ``KEY=VALUE`` pairs, comma-separated, checked, then unused."""
+    conf: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        key, eq, val = item.partition("=")
+        if not eq or not key.strip():
+            raise argparse.ArgumentTypeError(
+                f"expected KEY=VALUE pairs separated by commas (e.g. 'join_timeout=900'), "
+                f"got {value!r}"
+            )
+        conf[key.strip()] = val.strip()
+    return conf
 
 
 def _number(kind: type[int] | type[float], minimum: float) -> Callable[[str], Any]:
@@ -287,12 +348,50 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         type=_parse_nnodes,
         default=1,
         metavar="1",
-        help="accepted for torchrun compatibility; only 1 (or 1:1)",
+        help="number of nodes: only 1 (or 1:1); multi-node runs are not supported yet",
+    )
+    add(
+        "--node-rank",
+        "--node_rank",
+        dest="node_rank",
+        type=_parse_node_rank,
+        default=0,
+        metavar="0",
+        help="this node's rank: only 0 (the one node)",
     )
     add(
         "--standalone",
         action="store_true",
         help="accepted for torchrun compatibility (aioproc run is always standalone)",
+    )
+    add(
+        "--rdzv-backend",
+        "--rdzv_backend",
+        dest="rdzv_backend",
+        type=_parse_backend,
+        default="static",
+        metavar="BACKEND",
+        help="accepted for torchrun compatibility: with one node there is nothing to "
+        "rendezvous with, so any backend (c10d, static, ...) runs standalone",
+    )
+    add(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        dest="rdzv_endpoint",
+        type=_parse_endpoint,
+        default="",
+        metavar="HOST[:PORT]",
+        help="accepted for torchrun compatibility and checked; unused with one node "
+        "(see --master-addr/--master-port)",
+    )
+    add(
+        "--rdzv-conf",
+        "--rdzv_conf",
+        dest="rdzv_conf",
+        type=_parse_rdzv_conf,
+        default="",
+        metavar="KEY=VALUE,...",
+        help="accepted for torchrun compatibility and checked; unused with one node",
     )
     add(
         "--max-restarts",
@@ -464,6 +563,7 @@ class _Run:
     start_method: str
     live: bool
     signals: tuple[signal.Signals, ...]
+    show_log_dir: bool  # --log-dir was given: say where this run's logs are
 
 
 def _make_run(ns: argparse.Namespace) -> _Run:
@@ -514,6 +614,7 @@ def _make_run(ns: argparse.Namespace) -> _Run:
         start_method=ns.start_method,
         live=live,
         signals=tuple(sigs),
+        show_log_dir=ns.log_dir is not None and ns.log_dir != os.devnull,
     )
 
 
@@ -532,8 +633,13 @@ def _live_possible() -> bool:
 
 
 async def _supervise(run: _Run) -> int:
-    """Run the agent; return the exit status."""
+    """Run the agent; return the exit status.
+
+    Cancellation: the agent stops the workers (shielded, bounded) before the
+    cancellation propagates.
+    """
     from .agent import LocalElasticAgent
+    from .agent import events as ev
     from .errors import ChildFailedError
     from .signals import SignalException, translate_signals
 
@@ -544,9 +650,23 @@ async def _supervise(run: _Run) -> int:
         view = LiveView(
             run.spec.role, run.spec.local_world_size, run.spec.max_restarts, title=run.name
         )
+        say: Callable[[str], None] = view.note
         show_event: Callable[[AgentEvent], None] = _show_on(view)
     else:
+        say = _print_stderr
         show_event = _log_event
+    attempt = 0
+
+    def on_event(event: AgentEvent) -> None:
+        nonlocal attempt
+        if event.kind == ev.ATTEMPT_STARTED:
+            attempt = event.attempt
+        show_event(event)
+        if run.show_log_dir and event.kind == ev.WORKER_STARTED and event.local_rank == 0:
+            run_dir = _run_log_dir(run.logs_specs)
+            if run_dir is not None and event.attempt == 0:
+                say(f"{PROG} run: logs in {run_dir}")
+
     agent = LocalElasticAgent(
         run.spec,
         run.start_method,
@@ -554,15 +674,17 @@ async def _supervise(run: _Run) -> int:
         grace_period=run.grace_period,
         run_id=run.run_id,
         sinks=[view] if view is not None else None,
-        on_event=show_event,
+        on_event=on_event,
     )
+    stopper = _Stopper(agent, run.grace_period, say)
     try:
         try:
             if view is not None:
                 view.start()
-            async with translate_signals(run.signals):
+            async with translate_signals(run.signals, on_signal=stopper.on_signal):
                 result = await agent.run()
         finally:
+            await stopper.aclose()
             if view is not None:
                 view.stop()  # before anything else is printed
     except SignalException as e:
@@ -575,8 +697,83 @@ async def _supervise(run: _Run) -> int:
     if not result.is_failed():
         return 0
     if result.failures:
-        _print_stderr(ChildFailedError(run.name, result.failures, result.log_dir).format_msg())
+        failure = ChildFailedError(run.name, result.failures, result.log_dir)
+        summary = failure.format_msg()
+        _print_stderr(summary)
+        rank, root = failure.get_first_failure()
+        for line in _where_the_logs_are(run.logs_specs, attempt, rank, root.local_rank, summary):
+            _error(line)
     return 1
+
+
+class _Stopper:
+    """What the command does on each terminating signal.
+
+    The first one stops the workers gracefully (``translate_signals``
+    cancels the agent's run, which stops them with that signal); this says
+    so.  A second one kills them now, skipping the rest of the grace period.
+    """
+
+    def __init__(
+        self, agent: LocalElasticAgent, grace_period: float, say: Callable[[str], None]
+    ) -> None:
+        self._agent = agent
+        self._grace_period = grace_period
+        self._say = say
+        self._received = 0
+        self._kill: asyncio.Task[None] | None = None
+
+    def on_signal(self, sig: signal.Signals) -> None:
+        self._received += 1
+        if self._received == 1:
+            again = "Ctrl-C again" if sig == signal.SIGINT else "a second signal"
+            self._say(
+                f"{PROG} run: got {sig.name}: stopping the workers (SIGKILL in "
+                f"{self._grace_period:g} s; {again} kills them now)"
+            )
+        elif self._kill is None:
+            self._say(
+                f"{PROG} run: got {sig.name} again: killing the workers now with SIGKILL, "
+                f"without waiting out the {self._grace_period:g} s grace period"
+            )
+            self._kill = asyncio.get_running_loop().create_task(
+                self._agent.stop(signal.SIGKILL, 0.0), name="aioproc-run-kill-now"
+            )
+
+    async def aclose(self) -> None:
+        """Wait for the kill, if one was asked (it ends with the agent's run)."""
+        if self._kill is not None:
+            await self._kill
+
+
+def _run_log_dir(logs_specs: LogsSpecs) -> str | None:
+    return logs_specs.run_log_dir or None
+
+
+def _where_the_logs_are(
+    logs_specs: LogsSpecs, attempt: int, rank: int, local_rank: int, summary: str
+) -> list[str]:
+    """Lines naming the root cause's log files and the run's log dir, if not in ``summary``."""
+    run_dir = _run_log_dir(logs_specs)
+    if run_dir is None or not os.path.isdir(run_dir):
+        return []
+    rank_dir = os.path.join(run_dir, f"attempt_{attempt}", str(local_rank))
+    files = []
+    for name in ("stderr.log", "stdout.log"):
+        path = os.path.join(rank_dir, name)
+        if not _named(path, summary) and os.path.isfile(path):
+            files.append(path)
+    lines = []
+    if files:
+        lines.append(f"output of rank {rank}: {', '.join(files)}")
+    if not _named(run_dir, summary):
+        lines.append(f"logs of this run: {run_dir}")
+    return lines
+
+
+def _named(path: str, text: str) -> bool:
+    """Whether ``text`` names ``path`` itself (not a file under it)."""
+    return re.search(re.escape(path) + r"/?(?:[\s,;)]|$)", text, re.MULTILINE) is not None
 
 
 def _describe_event(event: AgentEvent) -> tuple[int, str] | None:

@@ -40,7 +40,7 @@ from ._outcomes import Outcomes
 from ._ranks import RankLauncher, SinkLike
 from ._ranks import make_sinks as _make_sinks
 from ._shield import shielded
-from ._shutdown import stop_groups, warn_forced
+from ._shutdown import Deadline, stop_groups, warn_forced
 from ._spawn import Child
 from ._validate import START_METHODS as START_METHODS
 from ._validate import check_duration, check_preload, check_start
@@ -153,6 +153,7 @@ class PContext:
         self._launch_done: asyncio.Event | None = None
         self._launch_scope: anyio.CancelScope | None = None
         self._close_request: asyncio.Future[tuple[int, float]] | None = None
+        self._grace_end = Deadline()  # a later close() can bring it forward
         self._watching: dict[int, anyio.CancelScope] = {}
         self._watched: dict[int, asyncio.Event] = {}
         self._auto_stop: anyio.CancelScope | None = None
@@ -492,7 +493,9 @@ class PContext:
         still alive (warning with ``ForcedKillWarning``) and reaps them with a
         bounded wait.  Output up to EOF reaches its sinks.  During ``start()``
         it stops the launch first.  Idempotent: a second ``close()`` (also
-        from another task) waits for the first to finish.
+        from another task) waits for the first to finish; its ``timeout``
+        can only cut the grace period short (``death_sig=SIGKILL``: kill
+        now), as a second Ctrl-C does in ``aioproc run``.
 
         Args:
             death_sig: the graceful signal (default SIGTERM).
@@ -513,6 +516,10 @@ class PContext:
         assert self._close_request is not None
         if not self._close_request.done():
             self._close_request.set_result((sig, timeout))
+        else:
+            # the stop under way keeps its signal; its grace period may end sooner
+            grace = 0.0 if sig == signal.SIGKILL else timeout
+            self._grace_end.bring_forward(time.monotonic() + grace)
         if self._launch_scope is not None:
             self._launch_scope.cancel()
 
@@ -546,8 +553,10 @@ class PContext:
             await self._auto_stopped.wait()
         children = list(self._children.values())
         forced: list[Child] = []
+        began = time.monotonic()
         if children:
-            forced = await stop_groups(children, sig, timeout)
+            forced = await stop_groups(children, sig, timeout, deadline=self._grace_end)
+        granted = max(0.0, min(timeout, self._grace_end.at - began))
         watched = [e.wait() for e in self._watched.values() if not e.is_set()]
         if watched:
             with anyio.move_on_after(_DRAIN_TIMEOUT + 1):
@@ -582,7 +591,7 @@ class PContext:
         done = self._finished is not None and self._finished.done()
         succeeded = done and not self._outcomes.failures
         await run_blocking(functools.partial(self.logs_specs.prune, succeeded=succeeded))
-        warn_forced(forced, sig, timeout)
+        warn_forced(forced, sig, granted)
 
 
 async def close_on_exit(pc: PContext, exc: BaseException | None) -> None:

@@ -46,9 +46,10 @@ deliver signals, it warns and changes nothing.
 # bytecodes of whatever happens to be running, often the event loop's own
 # bookkeeping; asyncio must not be touched from there.  So, as asyncio.Runner
 # does for SIGINT, ``_Slot.python_handler`` (installed with ``signal.signal``)
-# only sets ``arrived`` and schedules ``_Slot.deliver_arrival`` with
-# ``loop.call_soon_threadsafe``, whose self-pipe write wakes the loop; the
-# loop runs it as an ordinary callback, where cancelling a task is safe.  The
+# only counts the arrival in ``arrived`` and schedules
+# ``_Slot.deliver_arrival`` with ``loop.call_soon_threadsafe``, whose
+# self-pipe write wakes the loop; the loop runs it as an ordinary callback,
+# where cancelling a task is safe.  The
 # loop's own registry is never touched: the C-level handler writes each
 # signal to the wakeup fd of a loop that has one (asyncio once a loop handler
 # was added, uvloop always in the main thread), so the host's loop handlers
@@ -70,8 +71,9 @@ deliver signals, it warns and changes nothing.
 # lines has its delivery still queued when the body ends.  ``__aexit__``
 # takes an arrival that the loop has not delivered yet, and
 # ``deliver_arrival`` ignores a slot whose arrival was taken, so each arrival
-# is delivered once (arrivals before one delivery are one signal: the first
-# signal wins anyway).
+# is delivered once.  Arrivals are counted, so that ``on_signal`` hears of two
+# quick Ctrl-Cs even when the loop delivers them together (the first signal
+# wins the translation anyway).
 #
 # Signal dispositions are process-wide, so each signal has one ``_Slot``
 # shared by every active ``translate_signals`` (nested, or in concurrent
@@ -158,7 +160,7 @@ class _Slot:
         self.previous = previous
         self.chain = None if _is_default(previous) else previous
         self.receivers: list[translate_signals] = []
-        self.arrived = False
+        self.arrived = 0  # arrivals not delivered yet
         # One bound method, so that signal.getsignal() returns this very
         # object while it is installed.
         self.handler: Callable[[int, FrameType | None], None] = self.python_handler
@@ -177,18 +179,17 @@ class _Slot:
             self.restore(sig)
             signal.raise_signal(sig)
             return
-        self.arrived = True
+        self.arrived += 1
         self.loop.call_soon_threadsafe(self.deliver_arrival, sig)
         chain: Any = self.chain
         if chain is not None:
             chain(signum, frame)
 
     def deliver_arrival(self, sig: signal.Signals) -> None:
-        if not self.arrived:
-            return
-        self.arrived = False
-        for receiver in reversed(tuple(self.receivers)):
-            receiver._deliver(sig)
+        arrivals, self.arrived = self.arrived, 0
+        for _ in range(arrivals):
+            for receiver in reversed(tuple(self.receivers)):
+                receiver._deliver(sig)
 
     def install(self, sig: signal.Signals) -> None:
         signal.signal(sig, self.handler)
@@ -335,9 +336,10 @@ class translate_signals:
     cleanup that was interrupted, that exception propagates unchanged.
 
     The first signal wins: later ones, while its cancellation is in flight,
-    are ignored, so they cannot interrupt the cleanup the first one started.
-    The same goes for nested contexts in one task; contexts in concurrent
-    tasks each get the signal.
+    do not interrupt the task again, so they cannot interrupt the cleanup
+    the first one started (``on_signal`` still hears of them).  The same
+    goes for nested contexts in one task; contexts in concurrent tasks each
+    get the signal.
 
     The host application's handlers are left in place: one set with
     ``loop.add_signal_handler`` or ``signal.signal`` runs too, for each
@@ -354,6 +356,12 @@ class translate_signals:
     Args:
         signals: The signals to translate.  Defaults to SIGTERM, SIGINT,
             SIGHUP and SIGQUIT.
+        on_signal: Called with each of ``signals`` this context receives,
+            the first one and every later one, as a plain callback on the
+            event loop (never inside the signal handler; an exception it
+            raises goes to the loop's exception handler).  A supervisor
+            stops its workers gracefully on the first signal and can, say,
+            kill them at once on the second.
 
     Raises:
         TypeError: ``signals`` is a single number, or holds a non-integer.
@@ -373,8 +381,16 @@ class translate_signals:
             sys.exit(128 + e.sigval)
     """
 
-    def __init__(self, signals: Iterable[int] = _DEFAULT_SIGNALS) -> None:
+    def __init__(
+        self,
+        signals: Iterable[int] = _DEFAULT_SIGNALS,
+        *,
+        on_signal: Callable[[signal.Signals], object] | None = None,
+    ) -> None:
+        if on_signal is not None and not callable(on_signal):
+            raise TypeError(f"on_signal must be callable, got {on_signal!r}")
         self._signals = _validate(signals)
+        self._on_signal = on_signal
         self._task: asyncio.Task[Any] | None = None
         self._state = "new"  # -> "active" or "inert" (off the main thread) -> "exited"
         self._received: signal.Signals | None = None
@@ -445,9 +461,14 @@ class translate_signals:
         raise error.with_traceback(tb) from None
 
     def _deliver(self, sig: signal.Signals) -> None:
-        """Take ``sig`` unless this task already has one in flight."""
+        """Take ``sig`` unless this task already has one in flight; tell ``on_signal``."""
         task = self._task
-        if task is None or task.done() or task in _pending:
+        if task is None or task.done():
+            return
+        if self._on_signal is not None:
+            # after the cancellation below, whatever the order of the calls
+            task.get_loop().call_soon(self._on_signal, sig)
+        if task in _pending:
             return
         _pending[task] = sig
         self._received = sig

@@ -313,6 +313,45 @@ async def test_stop_ends_the_run_with_the_given_signal_and_no_restart(
     await agent.stop()  # no run going on: returns at once
 
 
+async def test_a_second_stop_cuts_the_grace_period_short(tmp_path: Path, fifo: Fifo) -> None:
+    """Workers ignoring SIGTERM, a 600 s grace period: stop(SIGKILL) ends it now."""
+    # says its pid, then "term" on each SIGTERM, which it survives
+    stubborn = (
+        "import os, signal, sys, time\n"
+        "fd = os.open(sys.argv[1], os.O_WRONLY)\n"
+        "signal.signal(signal.SIGTERM, lambda *_: os.write(fd, b'term\\n'))\n"
+        "os.write(fd, f'{os.getpid()}\\n'.encode())\n"
+        "time.sleep(600)\n"
+    )
+    spec = WorkerSpec(
+        role="st", local_world_size=2, entrypoint=sys.executable, args=("-c", stubborn, fifo.path)
+    )
+    events: list[AgentEvent] = []
+    agent = LocalElasticAgent(
+        spec, log_dir=str(tmp_path / "logs"), grace_period=600, on_event=events.append
+    )
+    running = asyncio.ensure_future(agent.run())
+    graceful: asyncio.Future[None] | None = None
+    try:
+        pids = [int(line) for line in await fifo.lines(2)]
+        graceful = asyncio.ensure_future(agent.stop())  # SIGTERM, survived; 600 s to go
+        assert await fifo.lines(2) == ["term", "term"]
+        assert not running.done() and all(not pid_gone(p) for p in pids)
+        with pytest.warns(aioproc.ForcedKillWarning, match=r"2 worker\(s\) did not exit"):
+            # bounded far below the grace period: only the second stop can end it
+            await asyncio.wait_for(agent.stop(signal.SIGKILL, 0), 20)
+            result = await running
+        await graceful
+    finally:
+        await agent.stop(signal.SIGKILL, 0)
+        await asyncio.gather(running, *([graceful] if graceful else []), return_exceptions=True)
+    assert result.state == WorkerState.STOPPED
+    # the stop under way kept its signal; SIGKILL came early
+    assert {f.exitcode for f in result.failures.values()} == {-signal.SIGKILL}
+    assert events[-1].message == "stopped by stop() with SIGTERM, grace 600 s"
+    assert all(pid_gone(p) for p in pids)
+
+
 async def test_stop_during_the_restart_backoff_starts_no_new_attempt(tmp_path: Path) -> None:
     backoff = asyncio.Event()
     events: list[AgentEvent] = []

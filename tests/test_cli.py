@@ -23,8 +23,7 @@ from pathlib import Path
 
 import pytest
 from helpers import pid_gone
-from terminal import Terminal
-from terminal import run_on_pty as pty_run
+from terminal import Action, Terminal, run_steps_on_pty
 
 from aioproc.agent import RestartPolicy
 from aioproc.cli import parse_backoff, parse_nproc
@@ -177,6 +176,45 @@ async def test_torchrun_spellings_and_rendezvous_flags() -> None:
         assert rep["ROLE_NAME"] == "trainer"
 
 
+@pytest.mark.parametrize(
+    "rdzv",
+    [
+        ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--nnodes", "1"],
+        ["--rdzv_backend=c10d", "--rdzv_endpoint=localhost:29400", "--nnodes=1:1",
+         "--node_rank=0", "--rdzv_id=job9", "--rdzv_conf=join_timeout=900,is_host=1"],
+        ["--rdzv-backend=static", "--rdzv-endpoint=[::1]:0", "--node-rank", "0"],
+    ],
+    ids=["dashes", "underscores", "static-ipv6"],
+)  # fmt: skip
+async def test_single_node_rendezvous_flags_run_standalone(rdzv: list[str]) -> None:
+    """Scripts that name a rendezvous on one node get what --standalone gives."""
+    standalone = await aioproc_run(
+        "--standalone", "--nproc-per-node", "2", "--tee", "1", ENV_SCRIPT
+    )
+    named = await aioproc_run(*rdzv, "--nproc-per-node", "2", "--tee", "1", ENV_SCRIPT)
+    assert standalone.code == named.code == 0, named.err
+
+    def comparable(out: str) -> dict[int, dict[str, object]]:
+        # what differs between any two runs: ports, run ids, pids, log paths
+        varying = ("MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "PID")
+        return {
+            rank: {k: v for k, v in rep.items() if k not in varying}
+            for rank, rep in env_reports(out).items()
+        }
+
+    assert sorted(comparable(named.out)) == [0, 1], named.out
+    assert comparable(named.out) == comparable(standalone.out)
+    if "--rdzv_id=job9" in rdzv:
+        assert {r["TORCHELASTIC_RUN_ID"] for r in env_reports(named.out).values()} == {"job9"}
+
+
+async def test_log_dir_is_named_at_start(tmp_path: Path) -> None:
+    r = await aioproc_run("--log-dir", str(tmp_path), "--run-id", "job", ENV_SCRIPT)
+    assert r.code == 0, r.err
+    (run_dir,) = glob.glob(str(tmp_path / "job_*"))
+    assert r.err.splitlines()[0] == f"aioproc run: logs in {run_dir}", r.err
+
+
 async def test_module_flag_runs_python_dash_m() -> None:
     r = await aioproc_run("--nproc-per-node", "2", "--tee", "3", "-m", "cli_env", cwd=str(CHILDREN))
     assert r.code == 0, r.err
@@ -220,6 +258,22 @@ async def test_failure_prints_torchrun_summary_with_the_traceback() -> None:
     assert "exitcode  : -15" in others and "(stopped by aioproc)" in others
     # the worker's own stderr was tee'd too
     assert "[default1]:ValueError: boom from rank 1" in r.err
+
+
+async def test_failure_names_the_failing_ranks_log_files(tmp_path: Path) -> None:
+    r = await aioproc_run(
+        "--nproc-per-node", "2", "--redirects", "3", "--log-dir", str(tmp_path),
+        "--run-id", "job", FAIL_SCRIPT,
+    )  # fmt: skip
+    assert r.code == 1, r.err
+    (run_dir,) = glob.glob(str(tmp_path / "job_*"))
+    rank_dir = os.path.join(run_dir, "attempt_0", "1")
+    after = r.err.split(f"{FAIL_SCRIPT} FAILED", 1)[1]
+    # named once, by the summary or after it
+    for path in (os.path.join(rank_dir, "stderr.log"), os.path.join(rank_dir, "stdout.log")):
+        assert re.search(re.escape(path) + r"(,|\s|$)", after), r.err
+    assert "ValueError: boom from rank 1" in Path(rank_dir, "stderr.log").read_text()
+    assert re.search(re.escape(run_dir) + r"/?$", after, re.MULTILINE), r.err
 
 
 async def test_restarts_until_success_with_an_attempt_dir_each(tmp_path: Path) -> None:
@@ -343,12 +397,55 @@ async def test_workers_ignoring_sigterm_are_killed_after_the_grace_period(
     assert [pid for pid in pids if not pid_gone(pid)] == []
 
 
+async def test_second_sigint_kills_the_workers_at_once(tmp_path: Path) -> None:
+    """Ctrl-C twice: the workers ignore the first, the second SIGKILLs them now."""
+    proc, pids = await start_sleepers(
+        tmp_path, "--tee", "3", "--grace-period", "600", SLEEP_SCRIPT, "stubborn"
+    )
+    assert proc.stderr is not None
+    proc.send_signal(signal.SIGINT)
+    said = []
+    while True:  # the first is being handled: the grace period runs
+        line = (await asyncio.wait_for(proc.stderr.readline(), LIMIT)).decode()
+        assert line, said
+        said.append(line)
+        if "stopping the workers" in line:
+            break
+    assert said[-1] == (
+        "aioproc run: got SIGINT: stopping the workers (SIGKILL in 600 s; "
+        "Ctrl-C again kills them now)\n"
+    )
+    assert all(not pid_gone(pid) for pid in pids)
+    proc.send_signal(signal.SIGINT)
+    # within the test's time limit, far below the 600 s grace period
+    _, rest = await asyncio.wait_for(proc.communicate(), LIMIT)
+    err = rest.decode()
+    assert proc.returncode == 128 + signal.SIGINT, err
+    lines = err.splitlines()
+    assert lines[0] == (
+        "aioproc run: got SIGINT again: killing the workers now with SIGKILL, "
+        "without waiting out the 600 s grace period"
+    ), err
+    assert re.search(
+        r"aioproc: ForcedKillWarning: 2 worker\(s\) did not exit within [\d.]+ s of SIGINT "
+        r"and were killed with SIGKILL: default/0 \(pid \d+\), default/1 \(pid \d+\)$",
+        err,
+        re.MULTILINE,
+    ), err
+    assert lines[-1] == "aioproc run: got SIGINT: the workers were stopped"
+    assert [pid for pid in pids if not pid_gone(pid)] == []
+
+
 # ---------------------------------------------------------- command line
 
 RUN_FLAGS = [
     "--nproc-per-node",
     "--nnodes",
+    "--node-rank",
     "--standalone",
+    "--rdzv-backend",
+    "--rdzv-endpoint",
+    "--rdzv-conf",
     "--max-restarts",
     "--backoff",
     "--monitor-interval",
@@ -424,7 +521,17 @@ def test_version() -> None:
         (["--backoff", "1,0.5,10"], "factor must be >= 1"),
         (["--start-method", "fork"], "invalid choice"),
         (["--no-python", "-m"], "cannot be used together"),
-        (["--nnodes", "2"], "--nnodes must be 1"),
+        (["--nnodes", "2"], "multi-node runs are not supported yet"),
+        (["--nnodes", "2"], "--nnodes must be 1 (or 1:1), got '2'"),
+        (["--nnodes=1:4"], "argument --nnodes: multi-node runs are not supported yet"),
+        (["--nnodes", "two"], "expected a number of nodes, 1 or MIN:MAX such as 1:1, got 'two'"),
+        (["--nnodes", "2:1"], "got '2:1'"),
+        (["--node-rank", "1"], "--node-rank must be 0, got '1'"),
+        (["--node_rank=3", "--nnodes=1"], "multi-node runs are not supported yet"),
+        (["--rdzv-endpoint", "localhost:99999"], "expected HOST[:PORT]"),
+        (["--rdzv-endpoint", ":29400"], "got ':29400'"),
+        (["--rdzv-conf", "join_timeout"], "expected KEY=VALUE pairs"),
+        (["--rdzv-backend", ""], "expected a rendezvous backend name"),
         (["--local-ranks-filter", "a"], "comma-separated local ranks"),
         (["--master-port", "70000"], "TCP port"),
         (["--grace-period", "-1"], ">= 0"),
@@ -569,33 +676,46 @@ def run_on_pty(
 ) -> tuple[int, list[str], bytes]:
     """Run ``aioproc run args`` on a pseudo-terminal: exit code, final screen, raw bytes.
 
-    ``signal_when=(pattern, n, sig)`` sends ``sig`` to the command once
-    ``pattern`` has appeared ``n`` times in what it drew.
+    The screen is every line drawn, scrollback included, on a terminal of
+    that size.  ``signal_when=(pattern, n, sig)`` sends ``sig`` to the
+    command once ``pattern`` has appeared ``n`` times in what it drew.
     """
-    with tempfile.TemporaryDirectory(prefix="test_cli_") as logs:
-        return _run_on_pty(["--log-dir", logs, *args], columns, lines, signal_when)
+    steps = [signal_when] if signal_when is not None else []
+    code, term, raw, _ = run_steps(args, columns, lines, steps)
+    return code, term.screen(), raw
 
 
-def _run_on_pty(
+def run_steps(
     args: list[str],
     columns: int,
     lines: int,
-    signal_when: tuple[bytes, int, signal.Signals] | None,
-) -> tuple[int, list[str], bytes]:
+    steps: list[tuple[bytes, int, Action]],
+) -> tuple[int, Terminal, bytes, list[int]]:
+    """``aioproc run args`` on a pty, with ``run_steps_on_pty``'s steps.
+
+    Returns the exit code, the terminal at the end, all that was drawn,
+    and the offsets in it where the steps were taken.
+    """
     env = cli_env(TERM="xterm-256color")
     for key in ("NO_COLOR", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
         env.pop(key, None)
-    code, raw = pty_run(
-        [*CLI, "run", *args],
-        columns=columns,
-        lines=lines,
-        timeout=LIMIT,
-        env=env,
-        signal_when=signal_when,
-    )
-    term = Terminal()
+    with tempfile.TemporaryDirectory(prefix="test_cli_") as logs:
+        code, raw, marks = run_steps_on_pty(
+            [*CLI, "run", "--log-dir", logs, *args],
+            columns=columns,
+            lines=lines,
+            timeout=LIMIT,
+            env=env,
+            steps=steps,
+        )
+    return code, seen(raw, columns, lines), raw, marks
+
+
+def seen(raw: bytes, columns: int, lines: int) -> Terminal:
+    """A terminal of that size after ``raw`` was drawn on it."""
+    term = Terminal(columns, lines)
     term.feed(raw.decode("utf-8", "replace"))
-    return code, term.screen(), raw
+    return term
 
 
 def table_rows(screen: list[str], rank: int) -> list[str]:
@@ -629,7 +749,8 @@ def test_live_view_shows_one_clean_row_per_rank() -> None:
     assert len(headers) == 1, text
     titles = [line for line in screen if "[default x3]" in line]
     assert len(titles) == 1 and "succeeded" in titles[0], text
-    assert len(screen) == 3 * 6 + 2 + 3, text
+    assert re.fullmatch(r"aioproc run: logs in /\S+/[0-9a-f]+_\w+", screen[0]), text
+    assert len(screen) == 1 + 3 * 6 + 2 + 3, text
 
 
 @pytest.mark.usefixtures("rich_installed")
@@ -653,10 +774,13 @@ def test_live_view_restarts_then_prints_the_summary_below_the_table() -> None:
 
 @pytest.mark.usefixtures("rich_installed")
 def test_no_live_gives_plain_lines_on_a_terminal() -> None:
-    code, screen, _ = run_on_pty(["--no-live", "--nproc-per-node", "2", "--tee", "3", ENV_SCRIPT])
+    code, screen, _ = run_on_pty(
+        ["--no-live", "--nproc-per-node", "2", "--tee", "3", ENV_SCRIPT], columns=1000
+    )
     assert code == 0, screen
-    assert all(line.startswith(("[default0]:ENV ", "[default1]:ENV ")) for line in screen), screen
-    assert len(screen) == 2
+    assert screen[0].startswith("aioproc run: logs in "), screen
+    assert all(line.startswith(("[default0]:ENV ", "[default1]:ENV ")) for line in screen[1:])
+    assert len(screen) == 3
 
 
 @pytest.mark.usefixtures("rich_installed")
@@ -675,4 +799,95 @@ def test_live_view_ends_cleanly_on_sigterm() -> None:
         pids.append(int(rows[0].split()[1]))
     assert screen[-1] == "aioproc run: got SIGTERM: the workers were stopped"
     assert raw.rindex(b"\x1b[?25h") > raw.rindex(b"\x1b[?25l")  # the cursor is back
+    assert [pid for pid in pids if not pid_gone(pid)] == []
+
+
+def header_lines(screen: list[str], title: str) -> list[str]:
+    """The live view's header lines ("script [role xN] phase  restarts a/b")."""
+    return [line for line in screen if title in line and "restarts " in line]
+
+
+def ready_lines(screen: list[str]) -> list[str]:
+    return [line for line in screen if re.fullmatch(r"\[default\d+\]:ready \d+", line)]
+
+
+@pytest.mark.usefixtures("rich_installed")
+def test_live_view_with_many_ranks_keeps_log_lines_visible() -> None:
+    """24 ranks on a 20-line terminal: one row per state, the workers' lines above."""
+    n, lines = 24, 20
+    code, term, raw, marks = run_steps(
+        ["--nproc-per-node", str(n), SLEEP_SCRIPT],
+        columns=100,
+        lines=lines,
+        steps=[
+            (rb"\]:(?:\x1b\[[0-9;]*m)*ready \d+", n, None),
+            # the redraw after the last line: every rank running, in one row
+            (rb"24 ranks 0-23", 1, b"\x03"),  # Ctrl-C, typed
+        ],
+    )
+    screen = term.screen()
+    text = "\n".join(screen)
+    assert code == 128 + signal.SIGINT, text
+    # what the user saw when they pressed Ctrl-C: the view in the bottom half,
+    # the workers' lines in the top half
+    then = seen(raw[: marks[1]], 100, lines).visible()
+    shown = "\n".join(then)
+    assert len(then) == lines - 1, shown  # and the empty line the cursor waits on
+    view = then[then.index(header_lines(then, "[default x24]")[0]) :]
+    assert "[default x24] running" in view[0], shown
+    assert len(view) + 1 <= lines // 2, shown
+    assert re.match(r"running\s+24 ranks 0-23\s+\[\d+\] ready \d+$", view[1]), shown
+    above = then[: len(then) - len(view)]
+    assert len(above) >= lines // 2 and ready_lines(above) == above[-len(ready_lines(above)) :]
+    assert len(ready_lines(above)) >= lines // 2 - 1, shown
+    # at the end: every line once, one header, the full table, no "^C" left
+    assert len(ready_lines(screen)) == n, text
+    headers = header_lines(screen, "[default x24]")
+    assert len(headers) == 1 and "stopping (SIGINT)" in headers[0], text
+    assert "^C" not in text
+    pids = []
+    for rank in range(n):
+        rows = table_rows(screen, rank)
+        assert len(rows) == 1, f"rank {rank} rows {rows}:\n{text}"
+        assert re.match(rf"\s*{rank}\s+\d+\s+killed by SIGINT\s", rows[0]), rows[0]
+        pids.append(int(rows[0].split()[1]))
+    assert screen[-1] == "aioproc run: got SIGINT: the workers were stopped"
+    assert [pid for pid in pids if not pid_gone(pid)] == []
+
+
+@pytest.mark.usefixtures("rich_installed")
+def test_ctrl_c_twice_on_a_terminal_kills_at_once_and_leaves_a_clean_screen() -> None:
+    code, term, _, _ = run_steps(
+        ["--nproc-per-node", "2", "--grace-period", "600", SLEEP_SCRIPT, "stubborn"],
+        columns=150,
+        lines=20,
+        steps=[
+            (rb"\]:(?:\x1b\[[0-9;]*m)*ready \d+", 2, b"\x03"),
+            (rb"Ctrl-C again kills them now", 1, b"\x03"),
+        ],
+    )
+    screen = term.screen()
+    text = "\n".join(screen)
+    assert code == 128 + signal.SIGINT, text
+    script = os.path.basename(SLEEP_SCRIPT)
+    assert screen[0].startswith("aioproc run: logs in "), text
+    assert sorted(ready_lines(screen)) == sorted(ready_lines(screen[1:3])), text
+    # the notes, in order, and one header: no stale copy of the view anywhere
+    notes = [line for line in screen if line.startswith("aioproc")]
+    assert notes[1] == (
+        "aioproc run: got SIGINT: stopping the workers (SIGKILL in 600 s; "
+        "Ctrl-C again kills them now)"
+    )
+    assert notes[2].startswith("aioproc run: got SIGINT again: killing the workers now"), text
+    assert notes[3].startswith("aioproc: ForcedKillWarning: 2 worker(s) did not exit"), text
+    assert len(header_lines(screen, "[default x2]")) == 1, text
+    assert "^C" not in text
+    pids = []
+    for rank in range(2):
+        rows = table_rows(screen, rank)
+        assert len(rows) == 1, f"rank {rank} rows {rows}:\n{text}"
+        assert re.match(rf"\s*{rank}\s+\d+\s+killed by SIGKILL\s", rows[0]), rows[0]
+        pids.append(int(rows[0].split()[1]))
+    assert script in header_lines(screen, "[default x2]")[0]
+    assert screen[-1] == "aioproc run: got SIGINT: the workers were stopped"
     assert [pid for pid in pids if not pid_gone(pid)] == []

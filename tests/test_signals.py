@@ -167,6 +167,41 @@ async def test_cancellation_names_the_signal_and_pending_signal() -> None:
     assert "got SIGUSR1" in repr(ts)
 
 
+async def test_on_signal_hears_every_signal_and_the_task_is_cancelled_once() -> None:
+    heard: list[tuple[signal.Signals, int]] = []
+    second = asyncio.Event()
+    cancels: list[str] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        heard.append((sig, threading.get_ident()))
+        if len(heard) == 2:
+            second.set()
+
+    async def body() -> None:
+        async with translate_signals((signal.SIGUSR1, signal.SIGUSR2), on_signal=on_signal):
+            kill_self(signal.SIGUSR1)
+            try:
+                await forever()
+            except asyncio.CancelledError as exc:
+                cancels.append(str(exc.args[0]))
+                # cleanup the first signal started; a second one does not interrupt it
+                kill_self(signal.SIGUSR2)
+                await asyncio.wait_for(second.wait(), LIMIT)
+                raise
+
+    with pytest.raises(SignalException) as info:
+        await body()
+    assert info.value.sigval is signal.SIGUSR1
+    assert cancels == ["got signal SIGUSR1"]
+    main = threading.get_ident()  # a plain callback on the loop, not the signal handler
+    assert heard == [(signal.SIGUSR1, main), (signal.SIGUSR2, main)]
+
+
+async def test_on_signal_must_be_callable() -> None:
+    with pytest.raises(TypeError, match="on_signal must be callable, got 'nope'"):
+        translate_signals(on_signal="nope")  # type: ignore[arg-type]
+
+
 async def test_pending_signal_is_per_task() -> None:
     other_saw: list[Any] = []
     main_task = asyncio.current_task()

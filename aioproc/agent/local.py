@@ -10,11 +10,15 @@ remain.  Everything that happens is published as an ``AgentEvent``.
 ``stop()`` ends the run, as torchelastic's agent treats a stop: it never
 restarts.  The run's own task does the stopping (one close per attempt,
 with the signal and grace period ``stop()`` was given); ``stop()`` asks and
-waits for the run to end.
+waits for the run to end.  A ``stop()`` while the workers are already
+being stopped (by an earlier ``stop()`` or a signal) can only cut that
+stop's grace period short: it closes the attempt's group again, which
+brings the SIGKILL forward.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import os
@@ -36,7 +40,6 @@ from .._validate import check_duration, check_path_name, check_preload, check_st
 from ..context import PContext, RunProcsResult, WorkerEvent
 from ..errors import ChildFailedError
 from ..logs import DefaultLogsSpecs, LogsSpecs
-from ..runner import start_processes
 from ..signals import pending_signal
 from ..sinks import close_sinks
 from . import events as ev
@@ -142,6 +145,8 @@ class LocalElasticAgent:
         self._stop_request: tuple[int, float] | None = None
         self._stop_requested: anyio.Event | None = None
         self._run_ended: anyio.Event | None = None
+        self._run_task: asyncio.Task[Any] | None = None
+        self._pc: PContext | None = None  # the current attempt's group
 
     def __repr__(self) -> str:
         return (
@@ -212,6 +217,8 @@ class LocalElasticAgent:
         if self._running:
             raise RuntimeError(f"{self!r} is already running")
         self._running = True
+        self._run_task = asyncio.current_task()
+        self._signalled = False
         self._stop_request = None
         self._stop_requested = anyio.Event()
         self._run_ended = anyio.Event()
@@ -322,7 +329,7 @@ class LocalElasticAgent:
         self._state = WorkerState.HEALTHY
         self._publish(ev.ATTEMPT_STARTED, message=f"attempt {attempt}")
         template = os.environ.get(LOG_LINE_PREFIX_TEMPLATE_ENV)
-        async with start_processes(
+        pc = PContext(
             spec.role,
             spec.entrypoint,
             args,
@@ -338,7 +345,24 @@ class LocalElasticAgent:
             on_event=self._on_worker_event,
             close_sinks=False,  # they live across attempts; closed when run() ends
             preload=self._preload,
-        ) as pc:
+        )
+        # known to stop() from here: start() has begun by its first await
+        self._pc = pc
+        try:
+            result = await self._supervise_attempt(pc, watchdog)
+        finally:
+            self._pc = None
+        for rank, scope in self._watchdog_expired.items():
+            if rank in result.failures:
+                result.failures[rank].message = scope
+        state = WorkerState.FAILED if result.is_failed() else WorkerState.SUCCEEDED
+        return RunResult(state, dict(result.return_values), dict(result.failures))
+
+    async def _supervise_attempt(
+        self, pc: PContext, watchdog: WatchdogServer | None
+    ) -> RunProcsResult:
+        """Start the group, wait for it (or for ``stop()``), close it."""
+        async with pc:
             if watchdog is not None:
                 watchdog.set_workers(pc.pids())
             try:
@@ -350,11 +374,7 @@ class LocalElasticAgent:
                     self._signalled = True
                     self._publish(ev.SIGNAL_RECEIVED, signal=signal.Signals(sigval).name)
                 raise
-        for rank, scope in self._watchdog_expired.items():
-            if rank in result.failures:
-                result.failures[rank].message = scope
-        state = WorkerState.FAILED if result.is_failed() else WorkerState.SUCCEEDED
-        return RunResult(state, dict(result.return_values), dict(result.failures))
+        return result
 
     async def _wait_or_stop(self, pc: PContext) -> RunProcsResult:
         """The group's result; if ``stop()`` asks first, stop the group as asked.
@@ -495,8 +515,13 @@ class LocalElasticAgent:
         if every worker had already succeeded): a stop is the end of the
         run, never a failure to restart from, as in torchelastic.  Asked
         while the group starts, the group is stopped once started; asked
-        during a restart's backoff, no new attempt starts.  Later calls
-        (and calls when no run is going on) only wait for the run to end.
+        during a restart's backoff, no new attempt starts.  A call while
+        the workers are already being stopped (by an earlier ``stop()``, or
+        by a signal under ``translate_signals``) keeps that stop's signal
+        but can cut its grace period short: the workers still running are
+        killed ``timeout`` seconds from now if that is sooner (at once with
+        ``death_sig=SIGKILL``), as a second Ctrl-C does in ``aioproc run``.
+        Calls when no run is going on return at once.
 
         Args:
             death_sig: the graceful signal sent to every worker's group.
@@ -525,10 +550,17 @@ class LocalElasticAgent:
             raise ValueError(f"timeout must be a number >= 0, got {timeout!r}")
         if not self._running or self._run_ended is None:
             return
+        stopping = self._stop_request is not None or self._signalled
+        if self._run_task is not None and pending_signal(self._run_task) is not None:
+            stopping = True  # a signal's stop is on its way to the group
         if self._stop_request is None:
             self._stop_request = (int(sig), float(grace))
             assert self._stop_requested is not None
             self._stop_requested.set()
+        pc = self._pc
+        if stopping and pc is not None:
+            # a second close of the group: it only brings the SIGKILL forward
+            await pc.close(sig, grace)
         await self._run_ended.wait()
 
     async def __aenter__(self) -> LocalElasticAgent:
