@@ -37,7 +37,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--only",
         default="",
         help="comma-separated subset: p1,p2,p1b,memory,p3,p5,p6,p4,worker,leak,rss,stall,"
-        "p7,torch (default: all)",
+        "p7,mem1024,torch (default: all)",
     )
     p.add_argument("--no-torch", action="store_true", help="skip the torch comparison")
     args = p.parse_args(argv)
@@ -130,6 +130,7 @@ def main(argv: list[str]) -> int:
     import bench_output
     import bench_p7
     import bench_rss
+    import bench_rss_workers
     import bench_stall
     import bench_threads
     import bench_torch
@@ -149,6 +150,7 @@ def main(argv: list[str]) -> int:
         "rss": bench_rss.rss,
         "stall": bench_stall.stall,
         "p7": bench_p7.p7,
+        "mem1024": bench_rss_workers.rss_workers,
         # last: torch's spawn context starts a resource-tracker child and
         # installs signal handlers; nothing measured after it
         "torch": bench_torch.torch_rows,
