@@ -77,6 +77,6 @@ def p6(cfg: Config) -> list[Row]:
     return rows_from(
         f"P6 close() of {n} running function workers",
         series,
-        Target("max", 0.050, "ms"),
+        Target("ratio", 1.1),  # raised from "<= 50 ms" (issue 12)
         note="baseline: raw subprocesses, SIGTERM each -> all awaited",
     )
