@@ -44,6 +44,9 @@ def report_sink_error(sink: object, what: str) -> None:
 
 T = TypeVar("T")
 
+FAIR_SLICE = 0.002
+"""Seconds a consumer of a ``LineQueue`` may run without letting the loop in."""
+
 
 class LineQueue(Generic[T]):
     """A FIFO of records, bounded by their size in bytes, with backpressure.
@@ -61,6 +64,7 @@ class LineQueue(Generic[T]):
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self.flow = Flow()
         self.dropped = 0
+        self._resumed = 0.0  # loop time a get() last suspended (see get())
 
     def __len__(self) -> int:
         return len(self._items)
@@ -90,7 +94,16 @@ class LineQueue(Generic[T]):
                 return
 
     async def get(self) -> T | None:
-        """The next record; None for the end marker."""
+        """The next record; None for the end marker.
+
+        A consumer that keeps up never waits, and would then never let the
+        loop run while a flood of lines is queued: after ``FAIR_SLICE``
+        seconds without suspending, ``get`` yields once.
+        """
+        loop = asyncio.get_running_loop()
+        if self._items and loop.time() - self._resumed > FAIR_SLICE:
+            await asyncio.sleep(0)
+            self._resumed = loop.time()
         while not self._items:
             fut = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
@@ -100,6 +113,7 @@ class LineQueue(Generic[T]):
                 if fut.done() and not fut.cancelled():
                     self._wake()  # pass the wake-up on to another getter
                 raise
+            self._resumed = loop.time()
         item, cost = self._items.popleft()
         self._cost -= cost
         if self._cost < LOW_WATER:

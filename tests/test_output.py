@@ -1090,3 +1090,29 @@ def test_logging_sink_rejects_what_is_not_a_logger() -> None:
         aioproc.LoggingSink(42)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="level must be a logging level"):
         aioproc.LoggingSink(level="INFO")  # type: ignore[arg-type]
+
+
+async def test_output_stream_consumer_lets_the_loop_run_under_a_flood() -> None:
+    """A consumer that keeps up never waits on the queue; it must still let the
+    loop in while a flood is buffered (exit detection, timers, other requests)."""
+    stream = OutputStream()
+    n = 50_000  # well over the 2 ms fair slice to consume, on any machine
+    for i in range(0, n, 1000):
+        stream.lines(0, "stdout", "[w0]:", [f"line {j}" for j in range(i, i + 1000)])
+    await stream.aclose()
+    seen: list[int] = []  # how many records the consumer had when the loop got in
+
+    async def probe() -> None:
+        while True:
+            seen.append(len(got))
+            await asyncio.sleep(0)
+
+    got: list[OutputLine] = []
+    prober = asyncio.ensure_future(probe())
+    try:
+        async for rec in stream:
+            got.append(rec)
+    finally:
+        prober.cancel()
+    assert [rec.line for rec in got] == [f"line {j}" for j in range(n)]
+    assert any(0 < k < n for k in seen), "the loop never ran while records were queued"
