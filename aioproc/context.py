@@ -206,9 +206,13 @@ class PContext:
         # everything that can reject the input runs before anything is created
         check_start(self.entrypoint, self.args, self.envs, self.logs_specs)
         payloads = self._ranks.payloads()
-        if not self.is_function:
-            _check_executable(str(self.entrypoint), self.envs)
-        dest = self.logs_specs.reify(self.envs)
+        try:
+            if not self.is_function:
+                _check_executable(str(self.entrypoint), self.envs)
+            dest = self.logs_specs.reify(self.envs)
+        except BaseException:
+            self._ranks.discard_segments()  # large args in shared memory
+            raise
         self._state = _State.RUNNING
         loop = asyncio.get_running_loop()
         self._outcomes.start()
@@ -255,6 +259,7 @@ class PContext:
                 self._launch_scope = None
                 self._launching = False
                 self._launch_done.set()
+                self._ranks.discard_segments()  # of ranks never launched
                 self._mark_never_started()
                 if launch_error is None and not self._launched.done():
                     self._launched.set_result(None)
