@@ -36,7 +36,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--only",
         default="",
-        help="comma-separated subset: p1,p2,p3,p5,p6,p4,worker,leak,rss,stall,torch (default: all)",
+        help="comma-separated subset: p1,p2,p3,p5,p6,p4,worker,p9,leak,rss,stall,torch "
+        "(default: all)",
     )
     p.add_argument("--no-torch", action="store_true", help="skip the torch comparison")
     args = p.parse_args(argv)
@@ -125,6 +126,7 @@ def main(argv: list[str]) -> int:
     import bench_core
     import bench_failure
     import bench_leak
+    import bench_oob
     import bench_output
     import bench_rss
     import bench_stall
@@ -140,6 +142,7 @@ def main(argv: list[str]) -> int:
         "p6": bench_close.p6,
         "p4": bench_output.p4,
         "worker": bench_worker.worker_rows,
+        "p9": bench_oob.oob_rows,
         "leak": bench_leak.leak,
         "rss": bench_rss.rss,
         "stall": bench_stall.stall,

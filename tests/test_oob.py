@@ -310,3 +310,14 @@ async def test_shm_result_over_a_channel_decodes_from_the_mapping() -> None:
         await channel.aclose()
         child.close()
         fd_child.close()
+
+
+async def test_shared_memory_values_are_not_held_to_the_frame_cap(
+    of: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the cap guards what the supervisor allocates from a header; a memfd
+    # was allocated (and paid for) by its sender and is only mapped here
+    monkeypatch.setattr(_wire, "MAX_FRAME_SIZE", MiB)
+    async with open_worker(name="capped") as w:
+        assert await w.call(of.make_bytes, "bytes", 4 * MiB) == _payload("bytes", 4 * MiB)
+        assert bytes(await w.call(of.identity, memoryview(bytes(4 * MiB)))) == bytes(4 * MiB)
