@@ -23,7 +23,7 @@ from typing import Any
 
 import cloudpickle
 
-from . import _wire
+from . import _shm, _wire
 from .errors import RemoteTraceback
 
 BOOT_CODE = """\
@@ -128,7 +128,18 @@ class CallEncoder:
         self._ref = function_ref(fn)
         self._pickled: bytes | None = None
 
-    def encode(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[bytes]:
+    def encode(
+        self,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        segments: list[_shm.Segment] | None = None,
+    ) -> list[bytes]:
+        """CALL body parts; with ``segments``, large arguments go to shared memory.
+
+        A memfd made for large arguments is appended to ``segments`` (see
+        ``_wire.pickle_parts``): the caller passes it with the frame or
+        closes it.
+        """
         args, kwargs = tuple(args), dict(kwargs)
         if self._ref is not None and _wire._marshallable((args, kwargs)):
             return [_wire.MARSHAL, marshal.dumps((*self._ref, args, kwargs))]
@@ -138,11 +149,13 @@ class CallEncoder:
             except Exception as e:
                 raise TypeError(f"function {self._fn!r} cannot be pickled: {e}") from e
         try:
-            pickled_args = cloudpickle.dumps((args, kwargs), protocol=5)
+            codec, *pickled_args = _wire.pickle_parts(
+                (args, kwargs), _wire._pickler(cloudpickle.Pickler), segments
+            )
         except Exception as e:
             raise TypeError(f"arguments for {self._fn!r} cannot be pickled: {e}") from e
         fn = self._pickled
-        return [_wire.PICKLE, len(fn).to_bytes(8, "big"), fn, pickled_args]
+        return [codec, len(fn).to_bytes(8, "big"), fn, *pickled_args]
 
 
 def rebuild_exception(body: bytes | bytearray) -> BaseException | None:

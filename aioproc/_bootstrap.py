@@ -83,10 +83,42 @@ def _load_call(body: bytearray) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
         return fn, args, kwargs
     import _pickle
 
+    codec = view[:1]
     fn_len = int.from_bytes(view[1:9], "big")
     fn = _pickle.loads(view[9 : 9 + fn_len])
-    args, kwargs = _pickle.loads(view[9 + fn_len :])
+    rest = view[9 + fn_len :]
+    if codec == _wire.PICKLE:
+        args, kwargs = _pickle.loads(rest)
+    else:
+        mapping = None
+        if codec == _wire.SHM:
+            if _FD_SOCKET is None:
+                raise RuntimeError("shared-memory arguments, but this worker has no fd socket")
+            from aioproc import _shm
+
+            mapping = _shm.worker_map(rest, _FD_SOCKET)
+        args, kwargs = _wire.loads_oob(codec, rest, mapping)
     return fn, args, kwargs
+
+
+_FD_SOCKET: int | None = None
+"""This worker's end of its fd socket (see ``aioproc._shm``), from FD_SOCKET."""
+
+
+def _encode(value: Any) -> tuple[list[bytes], list[Any] | None]:
+    """``_wire.encode_value`` and the memfds it made (sent by ``_send_result``)."""
+    segments: list[Any] | None = [] if _FD_SOCKET is not None else None
+    return _wire.encode_value(value, segments), segments
+
+
+def _send_result(fd: int, parts: list[bytes], segments: list[Any] | None) -> None:
+    """Write a RESULT frame, its memfds (if any) first on the fd socket."""
+    if segments:
+        from aioproc import _shm
+
+        assert _FD_SOCKET is not None
+        _shm.send(_shm.worker_socket(_FD_SOCKET), segments)
+    _wire.write_frame(fd, _wire.RESULT, *parts)
 
 
 _MAX_FRAME = _wire.MAX_FRAME_SIZE  # the parent's cap, from INIT
@@ -249,7 +281,7 @@ def _serve(fd: int, has_init: bool) -> None:
             value = fn(*args, **kwargs)
             if first:
                 STATE, value = value, None
-            parts = _wire.encode_value(value)
+            parts, segments = _encode(value)
             _check_size(parts, f"return value of type {type(value).__qualname__}")
         except (SystemExit, KeyboardInterrupt):
             raise
@@ -263,12 +295,17 @@ def _serve(fd: int, has_init: bool) -> None:
         finally:
             first = False
         del value
-        _wire.write_frame(fd, _wire.RESULT, *parts)
+        _send_result(fd, parts, segments)
 
 
 def main(fd: int) -> None:
+    global _FD_SOCKET
     os.set_inheritable(fd, False)  # descendants must not hold the lifeline open
     kind, body = _wire.read_frame(fd)
+    if kind == _wire.FD_SOCKET:
+        _FD_SOCKET = int(body)
+        os.set_inheritable(_FD_SOCKET, False)
+        kind, body = _wire.read_frame(fd)
     if kind != _wire.INIT:
         raise RuntimeError(f"aioproc worker: expected INIT frame, got kind {kind}")
     init = marshal.loads(body)
@@ -315,7 +352,7 @@ def main(fd: int) -> None:
         _fail(fd, e.with_traceback(e.__traceback__.tb_next if e.__traceback__ else None))
 
     try:
-        payload = _wire.encode_value(value)
+        payload, segments = _encode(value)
     except BaseException as e:
         _fail(
             fd,
@@ -329,7 +366,7 @@ def main(fd: int) -> None:
         _fail(fd, e)
     del value
     try:
-        _wire.write_frame(fd, _wire.RESULT, *payload)
+        _send_result(fd, payload, segments)
     except OSError:
         raise SystemExit(1) from None  # supervisor gone mid-answer
     # Exit the normal way so atexit handlers and non-daemon threads behave as in a script.

@@ -14,16 +14,23 @@ connection is aborted, so nothing more is read from a worker that broke the
 protocol.  A function worker's lifeline then sees EOF and ends its group; a
 persistent worker busy in a call does not read the channel, so its owner
 must stop waiting and kill it (see ``worker``).
+
+Large values travel in shared memory (see ``_shm``): their memfds come on a
+second socket, the fd socket, which the channel owns and closes with the
+connection (the kernel then drops any fd still queued on it).  When a RESULT
+frame whose body is SHM completes, its memfd is mapped before the frame is
+delivered; a missing or unusable memfd fails the channel like a bad header.
+The fast path (every other frame) is unchanged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
-from . import _wire
+from . import _shm, _wire
 from ._drain import ReadProgress
 from .errors import BrokenWorkerError
 
@@ -40,8 +47,10 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
         max_frame_size: int = _wire.MAX_FRAME_SIZE,
         kinds: frozenset[int] = _wire.CHILD_KINDS,
         on_error: ErrorHandler | None = None,
+        fd_socket: socket.socket | None = None,
     ) -> None:
         self._on_frame = on_frame
+        self._fd_socket = fd_socket
         self._on_error = on_error
         self._progress = progress
         self._max = max_frame_size
@@ -114,6 +123,14 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
     def _complete(self) -> None:
         body, self._body, self._pos = self._body, None, 0
         assert body is not None
+        if self._kind == _wire.RESULT and body[:1] == _wire.SHM:
+            try:
+                if self._fd_socket is None:
+                    raise ValueError("this channel passes no file descriptors")
+                body = _shm.attach(body, self._fd_socket)
+            except (OSError, ValueError) as e:
+                self._fail(f"worker sent a shared-memory RESULT frame, but {e}")
+                return
         self._on_frame(self._kind, body)
 
     def eof_received(self) -> bool:
@@ -121,6 +138,8 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
+        if self._fd_socket is not None:
+            self._fd_socket.close()  # queued fds (and their memory) go with it
         self._progress.finish()
         if not self.closed.done():
             self.closed.set_result(None)
@@ -143,6 +162,7 @@ class Channel:
         self._transport = transport
         self._protocol = protocol
         self._fd = sock.fileno()
+        self.fd_socket = protocol._fd_socket
         self.progress = protocol._progress
         self.failed = protocol.failed
 
@@ -159,6 +179,7 @@ class Channel:
         *,
         on_error: ErrorHandler | None = None,
         max_frame_size: int | None = None,
+        fd_socket: socket.socket | None = None,
     ) -> Channel:
         """Wrap the parent's end of a connected socketpair.
 
@@ -170,6 +191,9 @@ class Channel:
             max_frame_size: largest body accepted, in bytes; checked before
                 allocating.  Default: ``_wire.MAX_FRAME_SIZE`` (1 GiB), read
                 at each call, as ``_boot.init_frame`` does for the worker.
+            fd_socket: the parent's end of the worker's fd socket (see
+                ``_shm``); the channel owns it from now on.  None: large
+                values travel in the frames.
 
         Raises:
             ValueError: ``max_frame_size`` is not a positive int.
@@ -181,27 +205,48 @@ class Channel:
             or not isinstance(max_frame_size, int)
             or max_frame_size <= 0
         ):
+            if fd_socket is not None:
+                fd_socket.close()
             raise ValueError(
                 f"max_frame_size must be a positive number of bytes, got {max_frame_size!r}"
             )
+        if fd_socket is not None:
+            fd_socket.setblocking(False)
         loop = asyncio.get_running_loop()
         progress = ReadProgress()
         sock.setblocking(False)
         transport, protocol = await loop.connect_accepted_socket(
             lambda: _ChannelProtocol(
-                on_frame, progress, max_frame_size=max_frame_size, on_error=on_error
+                on_frame,
+                progress,
+                max_frame_size=max_frame_size,
+                on_error=on_error,
+                fd_socket=fd_socket,
             ),
             sock,
         )
         return cls(transport, protocol, sock)
 
-    def send(self, kind: int, *parts: bytes) -> None:
+    def send(self, kind: int, *parts: bytes, segments: Sequence[_shm.Segment] = ()) -> None:
         """Queue one frame whose body is ``parts`` concatenated (not copied).
 
-        The transport writes it as the child reads it.
+        The transport writes it as the child reads it.  ``segments`` (the
+        memfds of a SHM body) go first, on the fd socket, and are closed
+        here whatever happens; if they cannot be passed, the channel is
+        aborted, so the worker sees EOF instead of waiting for them.
         """
         if self._transport.is_closing():
+            for segment in segments:
+                segment.close()
             return  # the worker is gone; its exit is reported elsewhere
+        if segments:
+            try:
+                if self.fd_socket is None:
+                    raise OSError("this channel passes no file descriptors")
+                _shm.send(self.fd_socket, segments)
+            except OSError:
+                self._transport.abort()
+                return
         self._transport.write(_wire.header(kind, sum(len(p) for p in parts)))
         for part in parts:
             if part:

@@ -6,6 +6,10 @@ socketpair: the child end is inherited, the parent end becomes the worker's
 boot code and the given frames are queued; the worker runs no user code
 before they arrive.  Callers supply what differs (streams, tees, the frame
 handler and frames); this module never reaches back into them.
+
+Where memfds exist, each worker also gets an fd socket (see ``_shm``) for
+values in shared memory; its number reaches the worker in a FD_SOCKET frame
+sent before the caller's frames.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
+from . import _shm, _wire
 from ._boot import boot_argv, boot_blob
 from ._channel import Channel
 from ._output import TeeProtocol
@@ -41,6 +46,7 @@ async def launch_function(
     tee_out: TeeProtocol | None = None,
     tee_err: TeeProtocol | None = None,
     template: Template | None = None,
+    segments: Sequence[_shm.Segment] = (),
 ) -> Child:
     """Start one function worker and queue its boot code and ``frames``.
 
@@ -49,15 +55,25 @@ async def launch_function(
 
     Returns the ``Child``, whose ``channel`` delivers the worker's frames to
     ``on_frame``.  Raises what ``spawn`` raises, with nothing left running
-    and the channel closed.
+    and the channel closed.  ``segments``: the memfds of the SHM bodies
+    among ``frames``, in order; the caller keeps them and closes them after
+    this returns or raises (sent ones are closed already).
 
     Cancellation: a cancelled launch kills the half-started worker's group
     (see ``spawn``) and closes the channel before re-raising.
     """
     parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        fd_pair = _shm.fd_socketpair()
+    except BaseException:
+        parent_sock.close()
+        child_sock.close()
+        raise
+    fd_socket, child_fd_socket = fd_pair if fd_pair is not None else (None, None)
+    extra_fds = () if child_fd_socket is None else (child_fd_socket.fileno(),)
     channel: Channel | None = None
     # shielded: a cancelled connect could orphan a registered transport
-    opening = asyncio.ensure_future(Channel.open(parent_sock, on_frame))
+    opening = asyncio.ensure_future(Channel.open(parent_sock, on_frame, fd_socket=fd_socket))
     try:
         channel = await shielded(opening)
         if template is not None:
@@ -69,7 +85,7 @@ async def launch_function(
                 env,
                 stdout=stdout,
                 stderr=stderr,
-                pass_fds=(child_sock.fileno(), *pass_fds),
+                pass_fds=(child_sock.fileno(), *extra_fds, *pass_fds),
                 channel_fd=child_sock.fileno(),
                 channel=channel,
                 tee_out=tee_out,
@@ -83,7 +99,7 @@ async def launch_function(
                 stdout=stdout,
                 stderr=stderr,
                 stdin=subprocess.DEVNULL,
-                pass_fds=(child_sock.fileno(), *pass_fds),
+                pass_fds=(child_sock.fileno(), *extra_fds, *pass_fds),
                 channel=channel,
                 tee_out=tee_out,
                 tee_err=tee_err,
@@ -96,10 +112,17 @@ async def launch_function(
             channel.abort()
         else:
             parent_sock.close()
+            if fd_socket is not None:
+                fd_socket.close()
         raise
     finally:
         child_sock.close()
+        if child_fd_socket is not None:
+            child_fd_socket.close()
     channel.send_raw(boot_blob())
-    for kind, parts in frames:
-        channel.send(kind, *parts)
+    if extra_fds:
+        channel.send(_wire.FD_SOCKET, str(extra_fds[0]).encode())
+    for i, (kind, parts) in enumerate(frames):
+        # fds queue in order and each SHM frame takes the next: all go first
+        channel.send(kind, *parts, segments=() if i else segments)
     return child

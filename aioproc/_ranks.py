@@ -16,7 +16,7 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any, TypeAlias
 
-from . import _wire
+from . import _shm, _wire
 from ._boot import CallEncoder, init_frame
 from ._launch import launch_function
 from ._output import TeeProtocol
@@ -54,6 +54,7 @@ class RankLauncher:
         self._template = prefixes if isinstance(prefixes, str) else None
         self._prefixes = dict(prefixes) if isinstance(prefixes, Mapping) else {}
         self.pass_fds = pass_fds
+        self._segments: dict[int, list[_shm.Segment]] = {}
 
     def add_filters(self, dest: LogsDest, filters: Mapping[str, tuple[str, ...]]) -> None:
         """torch's duplicate filters: matching lines also go to the attempt's files."""
@@ -62,20 +63,39 @@ class RankLauncher:
                 self.filter_sinks[stream] = _FilteredFileSink(path, filters[stream])
 
     def payloads(self) -> dict[int, list[bytes]]:
-        """Encode the INIT and CALL frames of every rank, before anything starts."""
+        """Encode the INIT and CALL frames of every rank, before anything starts.
+
+        Large arguments are written to shared memory now (see ``_shm``); the
+        launcher keeps those memfds until the rank is launched, or until
+        ``discard_segments`` for ranks that never are.
+        """
         if isinstance(self.entrypoint, str):
             return {}
         init = init_frame()
         encoder = CallEncoder(self.entrypoint)
         out: dict[int, list[bytes]] = {}
-        for rank in range(len(self.args)):
-            try:
-                out[rank] = [init, *encoder.encode(self.args[rank], {})]
-            except TypeError as e:
-                if "arguments for" not in str(e):
-                    raise
-                raise TypeError(f"args for local rank {rank} cannot be pickled: {e}") from e
+        try:
+            for rank in range(len(self.args)):
+                segments: list[_shm.Segment] | None = [] if _shm.AVAILABLE else None
+                try:
+                    out[rank] = [init, *encoder.encode(self.args[rank], {}, segments)]
+                except TypeError as e:
+                    if "arguments for" not in str(e):
+                        raise
+                    raise TypeError(f"args for local rank {rank} cannot be pickled: {e}") from e
+                if segments:
+                    self._segments[rank] = segments
+        except BaseException:
+            self.discard_segments()
+            raise
         return out
+
+    def discard_segments(self) -> None:
+        """Close the memfds of ranks not launched (the group is closing)."""
+        segments, self._segments = self._segments, {}
+        for held in segments.values():
+            for segment in held:
+                segment.close()
 
     def prefix(self, rank: int) -> str:
         """torch's default ``[{name}{rank}]:``, a per-rank override or a template."""
@@ -129,18 +149,24 @@ class RankLauncher:
                     files.append(f)
             if payload is not None:
                 init, *call = payload
-                return await launch_function(
-                    label,
-                    env,
-                    on_frame=on_frame,
-                    frames=[(_wire.INIT, [init]), (_wire.CALL, call)],
-                    stdout=streams["stdout"],
-                    stderr=streams["stderr"],
-                    pass_fds=self.pass_fds,
-                    tee_out=tees.get("stdout"),
-                    tee_err=tees.get("stderr"),
-                    template=template,
-                )
+                segments = self._segments.pop(rank, [])
+                try:
+                    return await launch_function(
+                        label,
+                        env,
+                        on_frame=on_frame,
+                        frames=[(_wire.INIT, [init]), (_wire.CALL, call)],
+                        stdout=streams["stdout"],
+                        stderr=streams["stderr"],
+                        pass_fds=self.pass_fds,
+                        tee_out=tees.get("stdout"),
+                        tee_err=tees.get("stderr"),
+                        template=template,
+                        segments=segments,
+                    )
+                finally:
+                    for segment in segments:
+                        segment.close()
             return await spawn(
                 label,
                 [str(self.entrypoint), *map(str, self.args[rank])],

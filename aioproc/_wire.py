@@ -8,6 +8,16 @@ them here with plain ``os.read``/``os.write`` on the inherited socket fd.
 Bodies that carry Python values start with a codec byte: MARSHAL for values
 made only of core types (``marshal`` is built in, so a worker that needs
 nothing else never imports ``pickle``), PICKLE for everything else.
+
+Large values (see ``pickle_parts``): the pickler writes into a ``_Sink`` that
+keeps big payloads (bytes, bytearrays) by reference, and contiguous buffers
+of ``OOB_MIN`` bytes or more (numpy arrays, ``PickleBuffer``, memoryviews)
+leave the stream as protocol-5 out-of-band buffers.  A value of ``SHM_MIN``
+bytes or more is written once into a sealed memfd passed beside the frame
+(SHM, see ``_shm``) and the receiver unpickles from a mapping of it, so its
+arrays view that memory; a value with out-of-band buffers that is smaller,
+or that cannot use a memfd, carries them after the stream in the frame
+itself (BUFFERS), where the receiver's arrays view the frame's buffer.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ INIT = 1  # marshal: {"sys_path": [...], "serve": bool}
 CALL = 2  # codec byte + (MARSHAL: (module, qualname, args, kwargs) | PICKLE: see bootstrap)
 PING = 3  # persistent workers: answered with PONG
 TERMINATE = 4  # persistent workers: exit 0 now
+FD_SOCKET = 5  # the fd number (ascii) of the worker's end of the fd-passing socket
 # child -> parent
 PONG = 12
 RESULT = 10  # codec byte + the return value
@@ -33,12 +44,26 @@ ERROR = 11  # pickled dict describing the exception (see _bootstrap.error_report
 
 MARSHAL = b"M"
 PICKLE = b"P"
+BUFFERS = b"B"  # descriptor, then the stream and its out-of-band buffers, in the frame
+SHM = b"S"  # descriptor; the stream and buffers lie in a memfd sent on the fd socket
+
+OOB_MIN = 1 << 16
+"""A contiguous buffer this large leaves the pickle stream (protocol-5
+out-of-band), and bytes this large are pickled rather than marshalled, so
+that the pickler can hand them over without copying."""
+
+SHM_MIN = 1 << 20
+"""A pickled value (stream plus buffers) this large travels in shared memory
+when the channel can pass file descriptors."""
+
+_ALIGN = 64  # out-of-band buffers start on a cache line (numpy needs <= 16)
 
 KIND_NAMES = {
     INIT: "INIT",
     CALL: "CALL",
     PING: "PING",
     TERMINATE: "TERMINATE",
+    FD_SOCKET: "FD_SOCKET",
     PONG: "PONG",
     RESULT: "RESULT",
     ERROR: "ERROR",
@@ -96,25 +121,202 @@ def dumps(obj: Any) -> bytes:
         return cloudpickle.dumps(obj, protocol=5)  # type: ignore[no-any-return]
 
 
-def encode_value(value: Any) -> list[bytes]:
-    """Codec byte + body: marshal for core types, pickle otherwise."""
+def encode_value(value: Any, segments: list[Any] | None = None) -> list[bytes]:
+    """Codec byte + body: marshal for core types, pickle otherwise.
+
+    With ``segments`` (a list: the channel can pass file descriptors), a
+    large value goes into a memfd appended to it as a ``_shm.Segment``,
+    which the caller sends beside the frame and closes.
+    """
     if _marshallable(value):
         try:
             return [MARSHAL, marshal.dumps(value)]
         except ValueError:
             pass
-    return [PICKLE, dumps(value)]
+    import _pickle
+
+    try:
+        return pickle_parts(value, _pickler(_pickle.Pickler), segments)
+    except Exception:
+        # values defined in __main__ or dynamically need pickling by value
+        import cloudpickle
+
+        return pickle_parts(value, _pickler(cloudpickle.Pickler), segments)
+
+
+class _Sink:
+    """The pickler's output file: keeps what it is given, big payloads by reference.
+
+    The C pickler hands a payload of 64 KiB or more (a bytes or bytearray
+    object, an in-band ``PickleBuffer``) to ``write`` as the object itself
+    rather than copying it into its buffer.
+    """
+
+    __slots__ = ("parts", "size")
+
+    def __init__(self) -> None:
+        self.parts: list[Any] = []
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        n = _raw(data).nbytes
+        self.parts.append(data)
+        self.size += n
+        return n
+
+
+def _raw(buf: Any) -> memoryview:
+    """A buffer's bytes as a flat view (``PickleBuffer.raw`` handles Fortran order)."""
+    raw = getattr(buf, "raw", None)
+    return raw() if raw is not None else memoryview(buf).cast("B")
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def pickle_parts(obj: Any, pickler: Any, segments: list[Any] | None) -> list[bytes]:
+    """Pickle ``obj`` (protocol 5) with ``pickler``: ``[codec, body parts...]``.
+
+    PICKLE (a plain stream, as ``dumps`` gives) unless the value carries
+    out-of-band buffers or is ``SHM_MIN`` bytes or more; then SHM when
+    ``segments`` is a list (the value is written once into a memfd appended
+    to it), else BUFFERS (descriptor, stream and buffers in the frame).
+    """
+    sink = _Sink()
+    buffers: list[Any] = []
+
+    def keep(buf: Any) -> bool:
+        if _raw(buf).nbytes < OOB_MIN:
+            return True  # in-band
+        buffers.append(buf)
+        return False
+
+    pickler(sink, protocol=5, buffer_callback=keep).dump(obj)
+    raws = [_raw(b) for b in buffers]
+    size = sink.size + sum(r.nbytes for r in raws)
+    if not raws and size < SHM_MIN:
+        parts = sink.parts
+        return [PICKLE, parts[0] if len(parts) == 1 else b"".join(parts)]
+    offsets = []
+    end = sink.size
+    for r in raws:
+        end = _align(end)
+        offsets.append(end)
+        end += r.nbytes
+    entries = tuple((o, r.nbytes, r.readonly) for o, r in zip(offsets, raws, strict=True))
+    desc = marshal.dumps((end, sink.size, entries))
+    head = len(desc).to_bytes(4, "big") + desc
+    if segments is not None and size >= SHM_MIN:
+        from aioproc import _shm
+
+        if _shm.AVAILABLE:
+            try:
+                segments.append(
+                    _shm.Segment.create(end, sink.parts, zip(offsets, raws, strict=True))
+                )
+                return [SHM, head]
+            except OSError:
+                pass  # out of memfds or memory for one: the frame carries it instead
+    # in the frame: joined once, so the caller's objects may change after this returns
+    start = _align(len(head))
+    data = bytearray(start + end)
+    data[: len(head)] = head
+    pos = start
+    for part in sink.parts:
+        view = _raw(part)
+        data[pos : pos + view.nbytes] = view
+        pos += view.nbytes
+    for o, r in zip(offsets, raws, strict=True):
+        data[start + o : start + o + r.nbytes] = r
+    return [BUFFERS, data]  # type: ignore[list-item]
+
+
+def loads_oob(codec: bytes | memoryview, view: memoryview, mapping: Any = None) -> Any:
+    """Unpickle the body of a BUFFERS or SHM value (``view``: after the codec byte).
+
+    The out-of-band buffers are slices of the frame (BUFFERS) or of
+    ``mapping``, the memfd's mapping (SHM): arrays in the value view them,
+    read-only where the sender's buffer was.
+    """
+    n = int.from_bytes(view[:4], "big")
+    size, stream_size, entries = marshal.loads(view[4 : 4 + n])
+    if codec == SHM:
+        if mapping is None:
+            raise ValueError("shared-memory value arrived without its memory")
+        data = memoryview(mapping)
+    elif codec == BUFFERS:
+        start = _align(4 + n)
+        data = view[start : start + size]
+    else:
+        raise ValueError(f"unknown value codec {bytes(codec)!r}")
+    if data.nbytes < size or stream_size > size or any(o + k > size for o, k, _ in entries):
+        raise ValueError(f"malformed out-of-band value: {data.nbytes} bytes, layout {entries!r}")
+    buffers = [data[o : o + k].toreadonly() if ro else data[o : o + k] for o, k, ro in entries]
+    import pickle
+
+    return pickle.loads(data[:stream_size], buffers=buffers)
+
+
+_picklers: dict[Any, Any] = {}
+
+
+def _pickler(base: Any) -> Any:
+    """``base`` with memoryviews picklable (see ``_reduce_memoryview``)."""
+    cls = _picklers.get(base)
+    if cls is None:
+        import copyreg
+
+        base_table = getattr(base, "dispatch_table", None)
+        if not hasattr(base_table, "keys"):
+            base_table = None  # the C pickler's slot: copyreg's table applies
+
+        class Pickler(base):  # type: ignore[misc]
+            @property
+            def dispatch_table(self) -> Any:
+                # read once by the C pickler as it is created: copyreg now
+                table = dict(base_table if base_table is not None else copyreg.dispatch_table)
+                table[memoryview] = _reduce_memoryview
+                return table
+
+        cls = _picklers[base] = Pickler
+    return cls
+
+
+def _reduce_memoryview(view: Any) -> Any:
+    import _pickle
+
+    probe: Any = memoryview(bytes(view.itemsize))
+    try:
+        probe.cast(view.format)
+    except (TypeError, ValueError):
+        raise TypeError(f"cannot pickle a memoryview of format {view.format!r}") from None
+    if not view.contiguous:
+        view = memoryview(view.tobytes()).cast(view.format, view.shape)
+    return _rebuild_memoryview, (_pickle.PickleBuffer(view), view.format, view.shape)
+
+
+def _rebuild_memoryview(buf: Any, fmt: str, shape: tuple[int, ...]) -> memoryview:
+    view: Any = memoryview(buf)
+    if view.format != fmt or view.shape != shape:
+        view = view.cast("B").cast(fmt, shape)
+    return view  # type: ignore[no-any-return]
 
 
 _MARSHAL_WALK_LIMIT = 10_000
-_CORE = (type(None), bool, int, float, complex, str, bytes)
+_CORE = (type(None), bool, int, float, complex, str)
 
 
 def _marshallable(value: Any, depth: int = 0) -> bool:
-    """True if marshal round-trips ``value`` exactly (exact core types only)."""
+    """True if marshal round-trips ``value`` exactly (exact core types only).
+
+    Big bytes are left to the pickler, which passes them on without a copy.
+    """
     t = type(value)
     if t in _CORE:
         return True
+    if t is bytes:
+        return len(value) < OOB_MIN
     if depth > 8:
         return False
     if (t is tuple or t is list or t is set or t is frozenset or t is dict) and len(
@@ -131,13 +333,19 @@ def _marshallable(value: Any, depth: int = 0) -> bool:
 
 
 def decode_value(body: bytes | bytearray | memoryview) -> Any:
-    """Inverse of ``encode_value`` (pickle is imported only when needed)."""
-    view = memoryview(body)
-    if view[:1] == MARSHAL:
-        return marshal.loads(view[1:])
-    import pickle
+    """Inverse of ``encode_value`` (pickle is imported only when needed).
 
-    return pickle.loads(view[1:])
+    An SHM body carries its mapping as ``body.mapping`` (see ``_shm.attach``).
+    """
+    view = memoryview(body)
+    codec = view[:1]
+    if codec == MARSHAL:
+        return marshal.loads(view[1:])
+    if codec == PICKLE:
+        import pickle
+
+        return pickle.loads(view[1:])
+    return loads_oob(codec, view[1:], getattr(body, "mapping", None))
 
 
 class ChannelClosed(EOFError):

@@ -215,8 +215,12 @@ class PContext:
         # everything that can reject the input runs before anything is created
         check_start(self.entrypoint, self.args, self.envs, self.logs_specs)
         payloads = self._ranks.payloads()
-        if not self.is_function:
-            _check_executable(str(self.entrypoint), self.envs)
+        try:
+            if not self.is_function:
+                _check_executable(str(self.entrypoint), self.envs)
+        except BaseException:
+            self._ranks.discard_segments()  # large args in shared memory
+            raise
         # the helper thread (see _offloop) is held until the launch is over
         with helper():
             await self._start(payloads)
@@ -225,8 +229,10 @@ class PContext:
         try:
             # a directory per rank: off the loop (see _offloop)
             dest = await run_blocking(self.logs_specs.reify, self.envs)
-        except asyncio.CancelledError:
-            self.logs_specs.prune()  # nothing was started: take the empty tree back
+        except BaseException as e:
+            self._ranks.discard_segments()  # large args in shared memory
+            if isinstance(e, asyncio.CancelledError):
+                self.logs_specs.prune()  # nothing was started: take the empty tree back
             raise
         self._state = _State.RUNNING
         loop = asyncio.get_running_loop()
@@ -274,6 +280,7 @@ class PContext:
                 self._launch_scope = None
                 self._launching = False
                 self._launch_done.set()
+                self._ranks.discard_segments()  # of ranks never launched
                 self._mark_never_started()
                 if launch_error is None and not self._launched.done():
                     self._launched.set_result(None)

@@ -22,7 +22,7 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import _lifeline, _template, _wire
+from . import _lifeline, _shm, _template, _wire
 from ._boot import CallEncoder, init_frame, rebuild_exception
 from ._channel import Channel
 from ._cm import OpenResource
@@ -142,7 +142,9 @@ class WorkerProcess:
         tail = f"; last lines of its stderr:\n{tail}" if tail else "; its stderr was empty"
         return BrokenWorkerError(f"worker {self.name} (pid {self.pid}) {how} {when}{tail}")
 
-    async def _request(self, kind: int, parts: list[bytes]) -> tuple[int, bytearray]:
+    async def _request(
+        self, kind: int, parts: list[bytes], segments: list[_shm.Segment] | None = None
+    ) -> tuple[int, bytearray]:
         if self._child.returncode is not None:
             raise self._broken(self._child.returncode, "before this request (while idle)")
         if self._closed:
@@ -151,7 +153,7 @@ class WorkerProcess:
             raise BrokenWorkerError(f"worker {self.name} (pid {self.pid}): {self._channel.error}")
         reply: asyncio.Future[tuple[int, bytearray]] = asyncio.get_running_loop().create_future()
         self._reply = reply
-        self._channel.send(kind, *parts)
+        self._channel.send(kind, *parts, segments=segments or ())
         try:
             return await reply
         except asyncio.CancelledError:
@@ -187,10 +189,16 @@ class WorkerProcess:
         ``BrokenWorkerError`` (a pool replaces the worker).
         """
         check_loop(self._child.watcher.loop, self)
-        parts = CallEncoder(fn).encode(args, kwargs)
-        async with self._lock:
-            kind, body = await self._request(_wire.CALL, parts)
-            self.calls += 1
+        # large arguments go to shared memory, closed however the call ends
+        segments: list[_shm.Segment] | None = [] if self._channel.fd_socket is not None else None
+        parts = CallEncoder(fn).encode(args, kwargs, segments)
+        try:
+            async with self._lock:
+                kind, body = await self._request(_wire.CALL, parts, segments)
+                self.calls += 1
+        finally:
+            for segment in segments or ():
+                segment.close()
         if kind == _wire.ERROR:
             exc = rebuild_exception(body)
             if exc is None:
@@ -255,7 +263,8 @@ async def _start_worker(
         for key, val in env.items():
             if not isinstance(key, str) or not isinstance(val, str):
                 raise TypeError(f"env must map str to str; got {key!r}: {val!r}")
-    init_parts = CallEncoder(init).encode(init_args, {}) if init is not None else None
+    segments: list[_shm.Segment] | None = [] if _shm.AVAILABLE else None
+    init_parts = CallEncoder(init).encode(init_args, {}, segments) if init is not None else None
     full_env = {**os.environ, **(env or {})}
     tail = _TailSink(STDERR_TAIL)
     console = ConsoleSink()
@@ -284,7 +293,10 @@ async def _start_worker(
             stderr=subprocess.PIPE,
             tee_err=stderr_tee,
             template=template,
+            segments=segments or (),
         )
+        for segment in segments or ():
+            segment.close()
         assert child.channel is not None
         if pending_init is not None:
             exited = child.watcher.future
@@ -321,6 +333,8 @@ async def _start_worker(
         worker = WorkerProcess(name, child, child.channel, shutdown_timeout, tail, console)
         return worker
     except BaseException:
+        for segment in segments or ():
+            segment.close()
         await shielded(_abandon(child))
         raise
 

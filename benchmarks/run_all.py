@@ -36,7 +36,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--only",
         default="",
-        help="comma-separated subset: p1,p2,p1b,memory,p3,p5,p6,p4,worker,leak,rss,stall,"
+        help="comma-separated subset: p1,p2,p1b,memory,p3,p5,p6,p4,worker,p9,leak,rss,stall,"
         "p7,mem1024,torch (default: all)",
     )
     p.add_argument("--no-torch", action="store_true", help="skip the torch comparison")
@@ -127,6 +127,7 @@ def main(argv: list[str]) -> int:
     import bench_failure
     import bench_forkserver
     import bench_leak
+    import bench_oob
     import bench_output
     import bench_p7
     import bench_rss
@@ -146,6 +147,7 @@ def main(argv: list[str]) -> int:
         "p6": bench_close.p6,
         "p4": bench_output.p4,
         "worker": bench_worker.worker_rows,
+        "p9": bench_oob.oob_rows,
         "leak": bench_leak.leak,
         "rss": bench_rss.rss,
         "stall": bench_stall.stall,

@@ -26,7 +26,7 @@ import pytest
 from helpers import CHILDREN_DIR, pid_gone
 
 import aioproc
-from aioproc import BrokenWorkerError, ChildFailedError, _wire, open_worker
+from aioproc import BrokenWorkerError, ChildFailedError, _shm, _wire, open_worker
 from aioproc._channel import Channel
 
 GiB = 1 << 30
@@ -243,12 +243,14 @@ async def test_value_over_the_cap_fails_in_the_worker_with_a_clear_error(
     cf: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_wire, "MAX_FRAME_SIZE", MiB)  # read at each start
+    # in the frame: a value in shared memory is not capped (see test_oob)
+    monkeypatch.setattr(_shm, "AVAILABLE", False)
     with pytest.raises(ChildFailedError) as info:
         await asyncio.wait_for(aioproc.run(cf.make_bytes, 1, args=(2 * MiB,)), 30)
     cause = info.value.__cause__
     assert isinstance(cause, ValueError)
     assert str(cause) == (
-        "worker return value of type bytes encodes to 2097158 bytes (2 MiB), over the "
+        "worker return value of type bytes encodes to 2097226 bytes (2 MiB), over the "
         "1 MiB limit of aioproc's control channel; pass data that large through a file "
         "or shared memory"
     )
@@ -264,8 +266,9 @@ async def test_persistent_worker_value_over_the_cap_raises_and_the_worker_stays_
     cf: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_wire, "MAX_FRAME_SIZE", MiB)
+    monkeypatch.setattr(_shm, "AVAILABLE", False)  # in the frame, as without memfds
     async with open_worker(name="big") as w:
-        with pytest.raises(ValueError, match=r"return value of type bytes encodes to 2097158"):
+        with pytest.raises(ValueError, match=r"return value of type bytes encodes to 2097226"):
             await asyncio.wait_for(w.call(cf.make_bytes, 2 * MiB), 20)
         assert await asyncio.wait_for(w.call(cf.make_bytes, 3), 20) == b"xxx"
 

@@ -2,13 +2,15 @@
 
 Standard library only; the tests put this directory on ``sys.path`` so the
 functions travel by reference.  A worker's control channel is the only
-socket it has (stdin is /dev/null, stdout and stderr are pipes or files), so
+stream socket it has (stdin is /dev/null, stdout and stderr are pipes or
+files; the fd socket for shared memory is a SOCK_SEQPACKET one), so
 :func:`channel_fd` finds it without any help from aioproc.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import stat
 from typing import Any
 
@@ -19,10 +21,12 @@ def channel_fd() -> int:
     for name in os.listdir("/proc/self/fd"):
         try:
             if stat.S_ISSOCK(os.fstat(int(name)).st_mode):
-                socks.append(int(name))
+                with socket.socket(fileno=os.dup(int(name))) as sock:
+                    if sock.type == socket.SOCK_STREAM:
+                        socks.append(int(name))
         except OSError:
             continue  # the fd listdir itself used, closed by now
-    assert len(socks) == 1, f"expected one socket, found fds {socks}"
+    assert len(socks) == 1, f"expected one stream socket, found fds {socks}"
     return socks[0]
 
 
