@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from .logs import LogsSpecs as LogsSpecs
     from .logs import Std as Std
     from .logs import to_map as to_map
+    from .pool import PoolStats as PoolStats
     from .pool import WorkerPool as WorkerPool
     from .pool import open_pool as open_pool
     from .results import RunProcsResult as RunProcsResult
@@ -89,6 +90,7 @@ _EXPORTS: dict[str, str] = {
     "Sink": "sinks",
     "TailLog": "tail",
     "BrokenWorkerError": "errors",
+    "PoolStats": "pool",
     "WorkerPool": "pool",
     "open_pool": "pool",
     "WorkerProcess": "worker",

@@ -26,6 +26,7 @@ The fast path (every other frame) is unchanged.
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 from collections.abc import Callable, Sequence
 from typing import cast
@@ -60,6 +61,7 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
         self._kind = 0
         self._pos = 0
         self._transport: asyncio.Transport | None = None
+        self.lost_error: Exception | None = None  # what ended the connection (None: EOF)
         loop = asyncio.get_running_loop()
         self.closed: asyncio.Future[None] = loop.create_future()
         # resolved with (not raised as) the error: nobody has to retrieve it
@@ -140,6 +142,7 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
         self._transport = None
         if self._fd_socket is not None:
             self._fd_socket.close()  # queued fds (and their memory) go with it
+        self.lost_error = exc
         self._progress.finish()
         if not self.closed.done():
             self.closed.set_result(None)
@@ -161,8 +164,10 @@ class Channel:
     ) -> None:
         self._transport = transport
         self._protocol = protocol
+        self._sock = sock
         self._fd = sock.fileno()
         self.fd_socket = protocol._fd_socket
+        self._dropped = False  # the worker's end closed with bytes of ours unread or unsent
         self.progress = protocol._progress
         self.failed = protocol.failed
 
@@ -233,12 +238,14 @@ class Channel:
         The transport writes it as the child reads it.  ``segments`` (the
         memfds of a SHM body) go first, on the fd socket, and are closed
         here whatever happens; if they cannot be passed, the channel is
-        aborted, so the worker sees EOF instead of waiting for them.
+        aborted, so the worker sees EOF instead of waiting for them.  On a
+        channel already closing nothing is written (see ``dropped_by_peer``).
         """
         if self._transport.is_closing():
             for segment in segments:
                 segment.close()
-            return  # the worker is gone; its exit is reported elsewhere
+            self._dropped = True  # the worker is gone; its exit is reported elsewhere
+            return
         if segments:
             try:
                 if self.fd_socket is None:
@@ -251,6 +258,33 @@ class Channel:
         for part in parts:
             if part:
                 self._transport.write(part)
+
+    async def dropped_by_peer(self) -> bool:
+        """Whether the worker's end closed before it read everything sent to it.
+
+        Asked once the worker has exited, to tell a request the worker never
+        read (it died idle, or dying) from one it read and then died in.  The
+        kernel says so: a Unix stream socket released with unread bytes in
+        its queue gives its peer ``ECONNRESET`` instead of EOF, and a write
+        after the release fails with ``EPIPE`` (or, once the EOF was read,
+        ``send`` wrote nothing).  A worker reads a frame whole before acting
+        on it, so a frame still (partly) unread never ran.  False when in
+        doubt, e.g. a descendant inherited the socket and keeps it open.
+        """
+        if self._dropped:
+            return True
+        if self._transport.is_closing():
+            # the error (if any) reaches connection_lost in a moment
+            await asyncio.wait({self._protocol.closed}, timeout=1.0)
+            error = self._protocol.lost_error
+            self._dropped = isinstance(error, (ConnectionResetError, BrokenPipeError))
+            return self._dropped
+        try:  # not read yet: the pending socket error says it (and is consumed)
+            code = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        except OSError:
+            return False
+        self._dropped = code in (errno.ECONNRESET, errno.EPIPE)
+        return self._dropped
 
     def send_raw(self, data: bytes) -> None:
         """Queue bytes outside the frame format (the worker's boot code)."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import functools
 import logging
 import signal
 import time
@@ -595,9 +594,7 @@ class PContext:
         await _lifeline.settle()
         self._outcomes.check_finished()
         self._state = _State.CLOSED
-        done = self._finished is not None and self._finished.done()
-        succeeded = done and not self._outcomes.failures
-        await run_blocking(functools.partial(self.logs_specs.prune, succeeded=succeeded))
+        await run_blocking(self.logs_specs.prune)
         warn_forced(forced, sig, granted)
 
 

@@ -222,15 +222,11 @@ class LogsSpecs(ABC):
         """
         return ""
 
-    def prune(self, *, succeeded: bool = False) -> None:  # noqa: B027 (optional hook)
+    def prune(self) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Tidy what this spec created; called when a process group is closed.
 
         The supervisor calls it after the group's workers are gone and their
         output is flushed.  The default does nothing.
-
-        Args:
-            succeeded: every worker of the group succeeded, so copies of
-                output that was also shown on the console are not needed.
         """
 
 
@@ -270,7 +266,6 @@ class DefaultLogsSpecs(LogsSpecs):
         )
         self._ephemeral_root: str | None = None
         self._run_log_dir: str | None = None
-        self._tee_copies: set[str] = set()  # the last reify's tee'd log files
 
     @property
     def root_log_dir(self) -> str:
@@ -317,7 +312,6 @@ class DefaultLogsSpecs(LogsSpecs):
         shutil.rmtree(attempt_dir, ignore_errors=True)
         os.makedirs(attempt_dir)
 
-        self._tee_copies = set()
         dest = LogsDest(
             filtered_stdout=os.path.join(attempt_dir, "filtered_stdout.log"),
             filtered_stderr=os.path.join(attempt_dir, "filtered_stderr.log"),
@@ -332,12 +326,8 @@ class DefaultLogsSpecs(LogsSpecs):
             if self._on_console(rank):
                 if tee[rank] & Std.OUT:
                     dest.tee_stdouts[rank] = stdout
-                    if not redirects[rank] & Std.OUT:
-                        self._tee_copies.add(stdout)
                 if tee[rank] & Std.ERR:
                     dest.tee_stderrs[rank] = stderr
-                    if not redirects[rank] & Std.ERR:
-                        self._tee_copies.add(stderr)
             else:
                 # Filtered out: tee'd streams still reach their files, the rest is dropped.
                 stdout = stdout or os.devnull
@@ -368,27 +358,18 @@ class DefaultLogsSpecs(LogsSpecs):
         check_path_name(f"run id ({RUN_ID_ENV})", env0.get(RUN_ID_ENV, DEFAULT_RUN_ID))
         check_path_name(f"restart count ({RESTART_COUNT_ENV})", env0.get(RESTART_COUNT_ENV, "0"))
 
-    def prune(self, *, succeeded: bool = False) -> None:
-        """Remove what nobody needs from the temp dir this spec made.
+    def prune(self) -> None:
+        """Remove empty files and dirs from the temp dir this spec made.
 
-        Does nothing for a ``log_dir`` the user gave.  Empty files and dirs
-        go; after a successful group so do the files of its tee'd streams
-        (the console showed them).  What is left (redirected output, a
-        failed group's logs and error files) is kept and the dirs holding
-        it; if nothing is left, the temp dir goes too and the next ``reify``
-        makes a fresh one.
+        Does nothing for a ``log_dir`` the user gave.  Files with content (and
+        the dirs holding them) are kept, and named by the group's result
+        (``log_dir``, ``stdouts``, ``stderrs``) and failure summary; if
+        nothing is left, the temp dir goes too and the next ``reify`` makes a
+        fresh one.
         """
         root = self._ephemeral_root
-        tee_copies, self._tee_copies = self._tee_copies, set()
         if root is None:
             return
-        if succeeded:
-            for path in tee_copies:
-                try:
-                    if stat.S_ISREG(os.lstat(path).st_mode):
-                        os.unlink(path)
-                except OSError:
-                    pass  # never written, or vanished meanwhile
         for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
             for name in filenames:
                 path = os.path.join(dirpath, name)

@@ -1,11 +1,13 @@
 """Pools of persistent workers (TensorFlow's ``MultiProcessPoolRunner``, async).
 
 ``pool.run(fn)`` broadcasts: ``fn`` runs on every worker and the values come
-back ordered by worker.  ``pool.submit(fn, *args)`` runs on one idle worker.
-Workers keep their pids across calls; a worker that dies is replaced (only
-its in-flight call fails, with ``BrokenWorkerError``), and workers can be
-recycled after ``max_calls_per_worker`` calls or retired after
-``idle_timeout`` seconds without work (then restarted on demand).
+back ordered by worker.  ``pool.submit(fn, *args)`` runs on one idle worker,
+optionally within ``timeout=`` seconds.  Workers keep their pids across
+calls; a worker that dies is replaced (only its in-flight call fails, with
+``BrokenWorkerError``; a call it died before reading runs on the
+replacement), and workers can be recycled after ``max_calls_per_worker``
+calls or retired after ``idle_timeout`` seconds without work (then
+restarted on demand).  ``pool.stats()`` counts what the pool is doing.
 """
 
 # Ownership
@@ -32,10 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import math
-import socket
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -45,43 +45,16 @@ import anyio.abc
 from . import _template
 from ._cm import OpenResource
 from ._loops import check_loop
+from ._poolrecords import PoolCall, PoolStart, PoolStats
 from ._shield import shielded
 from ._template import Template
+from ._tfconfig import ClusterSpec, worker_slots
 from ._validate import check_duration, check_env, check_preload, check_start_method
-from .worker import WorkerProcess, _start_worker
+from .worker import WorkerProcess, _start_worker, _Undelivered
 
-__all__ = ["WorkerPool", "open_pool"]
+__all__ = ["PoolStats", "WorkerPool", "open_pool"]
 
 logger = logging.getLogger("aioproc")
-
-ClusterSpec = Mapping[str, Sequence[str] | int]
-
-
-class _Start:
-    """One start of a worker at one position, run by the pool's owner task.
-
-    Any number of callers wait for ``finished`` (never cancelled by a
-    waiter's cancellation: waiters use ``asyncio.wait``), then read
-    ``worker`` or ``error``.
-    """
-
-    def __init__(self) -> None:
-        self.scope = anyio.CancelScope()  # cancelled when the pool closes
-        self.finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.worker: WorkerProcess | None = None
-        self.error: BaseException | None = None
-
-    async def outcome(self) -> WorkerProcess:
-        """Wait for the start to end; its worker, or what made it fail.
-
-        Cancellation: cancelling the waiter leaves the start running (the
-        pool keeps the worker).
-        """
-        await asyncio.wait({self.finished})
-        if self.error is not None:
-            raise self.error
-        assert self.worker is not None
-        return self.worker
 
 
 class WorkerPool:
@@ -108,13 +81,16 @@ class WorkerPool:
         self._max_calls = max_calls_per_worker
         self._idle_timeout = idle_timeout
         self._workers: list[WorkerProcess | None] = [None] * len(slots)
-        self._starts: dict[int, _Start] = {}  # position -> its start in flight
+        self._starts: dict[int, PoolStart] = {}  # position -> its start in flight
         self._idle: collections.deque[int] = collections.deque()
         self._idle_timers: dict[int, asyncio.TimerHandle] = {}
         # positions whose idle timer fired (at most one entry per worker)
         self._idle_expired_q: asyncio.Queue[int] = asyncio.Queue()
         self._waiters: collections.deque[asyncio.Future[int]] = collections.deque()
         self._busy: set[int] = set()
+        self._restarts = 0
+        self._completed = 0
+        self._failed = 0
         # the owner task and its task group: set by _open, for the pool's lifetime
         self._owner: asyncio.Task[None] | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -134,6 +110,27 @@ class WorkerPool:
     def pids(self) -> list[int | None]:
         """Pid of the worker at each position (``None`` where none is running)."""
         return [w.pid if w is not None and w.alive else None for w in self._workers]
+
+    def stats(self) -> PoolStats:
+        """Counts of busy, idle and starting workers, queued calls, restarts and outcomes."""
+        busy = idle = 0
+        for i, w in enumerate(self._workers):
+            if i in self._starts:
+                continue
+            if i in self._busy or (w is not None and w.busy):
+                busy += 1
+            elif w is not None and w.alive:
+                idle += 1
+        return PoolStats(
+            size=self.size,
+            busy=busy,
+            idle=idle,
+            starting=len(self._starts),
+            queued=sum(not fut.done() for fut in self._waiters),
+            restarts=self._restarts,
+            completed=self._completed,
+            failed=self._failed,
+        )
 
     # ------------------------------------------------------------ lifecycle
 
@@ -218,14 +215,16 @@ class WorkerPool:
                 self._workers[i] = None
                 tg.start_soon(self._stop_worker, w)
 
-    def _new_start(self, i: int) -> _Start:
-        start = _Start()
+    def _new_start(self, i: int) -> PoolStart:
+        start = PoolStart()
+        if self._owner is not None:  # else: one of the first starts, made by _open
+            self._restarts += 1
         self._starts[i] = start
         if self._tg is not None:  # else: the owner starts it when it begins
             self._tg.start_soon(self._run_start, i, start)
         return start
 
-    async def _run_start(self, i: int, start: _Start) -> None:
+    async def _run_start(self, i: int, start: PoolStart) -> None:
         """Start the worker at ``i``; it belongs to the pool the moment it exists."""
         name, env = self._slots[i]
         try:
@@ -338,27 +337,95 @@ class WorkerPool:
         self._idle.append(i)
         self._arm_idle(i)
 
-    async def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    async def submit(
+        self, fn: Callable[..., Any], /, *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> Any:
         """Run ``fn(*args, **kwargs)`` on one idle worker and return its value.
+
+        ``timeout`` belongs to the pool, not to ``fn``: like the options of
+        ``concurrent.futures``' ``Executor.map(..., timeout=)`` or dask's
+        ``Client.submit(..., retries=)``, it is keyword-only and every other
+        keyword goes to ``fn``.  To give ``fn`` a keyword named ``timeout``,
+        bind it: ``pool.submit(functools.partial(fn, timeout=5), x)``.
+
+        A call whose worker turns out to have died while idle, before it
+        read the request, runs on a fresh worker instead (once); a worker
+        that read the request and died fails the call: it never runs twice.
+
+        Args:
+            fn: a picklable callable (lambdas and closures too).
+            *args: positional arguments for ``fn``.
+            timeout: seconds from this call until the value is back, all
+                included: waiting for a free worker, (re)starting it and the
+                call itself.  ``None`` (the default): no limit.
+            **kwargs: keyword arguments for ``fn``.
 
         Raises:
             Exception: what ``fn`` raised (with the worker's traceback).
             BrokenWorkerError: the worker died during the call; it is
                 replaced for later calls.
+            TimeoutError: ``timeout`` passed.  A call still waiting for a
+                worker (or for its worker to start) never runs; a running
+                one cannot be withdrawn, so its worker is killed (its whole
+                process group) and replaced.  The message names ``fn``, the
+                timeout and what happened.
+            TypeError, ValueError: ``fn``, its arguments or ``timeout`` are
+                unusable; raised before a worker is involved.
             RuntimeError: the pool is closed, or was closed before the call
                 got a worker.
 
         Cancellation: cancelling kills the worker running the call; the pool
-        replaces it.  Cancelled while its worker is (re)starting, the start
-        goes on and the pool keeps the worker.
+        replaces it.  Cancelled while waiting for a worker, the call never
+        runs; cancelled while its worker is (re)starting, the start goes on
+        and the pool keeps the worker.
         """
         check_loop(self._owner.get_loop() if self._owner is not None else None, self)
-        i = await self._acquire()
+        limit = check_duration("submit(timeout=...)", timeout, allow_none=True, allow_negative=True)
+        if limit is not None and limit <= 0:
+            raise ValueError(f"submit(timeout=...) must be > 0 seconds, got {timeout!r}")
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
+        call = PoolCall(fn, args, kwargs)
         try:
-            w = await self._ensure(i)
-            return await w.call(fn, *args, **kwargs)
+            if limit is None:
+                value = await self._submit(call)
+            else:
+                with anyio.move_on_after(limit) as scope:
+                    value = await self._submit(call)
+                if scope.cancelled_caught:
+                    raise TimeoutError(call.timed_out(limit, self._slots, self.size))
+        except Exception:
+            self._failed += 1
+            raise
+        self._completed += 1
+        return value
+
+    async def _submit(self, call: PoolCall) -> Any:
+        i = await self._acquire()
+        call.position = i
+        try:
+            return await self._call_at(i, call)
         finally:
             self._release(i)
+
+    async def _call_at(self, i: int, call: PoolCall) -> Any:
+        """Make ``call`` on the worker at ``i``; again on a fresh one if it never ran there.
+
+        A worker that died while idle may not be noticed before the request
+        is written to it; it reports ``_Undelivered`` once its exit is seen
+        (see ``Channel.dropped_by_peer``), and its replacement gets the
+        request.  Only once: a second worker dying unread fails the call.
+
+        Cancellation: as ``submit``.
+        """
+        for attempt in (1, 2):
+            call.worker = w = await self._ensure(i)
+            try:
+                return await w._call(call.fn, call.args, call.kwargs)
+            except _Undelivered:
+                if attempt == 2 or self._closed:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def run(
         self,
@@ -367,6 +434,9 @@ class WorkerPool:
         kwargs: Mapping[str, Any] | None = None,
     ) -> list[Any]:
         """Run ``fn`` on every worker; return the values ordered by worker.
+
+        A worker found dead before it read the request is replaced and the
+        request goes to the new one, as for ``submit``.
 
         Raises:
             Exception: the first error in worker order (after every worker
@@ -377,11 +447,16 @@ class WorkerPool:
         check_loop(self._owner.get_loop() if self._owner is not None else None, self)
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
-        kwargs = dict(kwargs or {})
+        call_args, call_kwargs = tuple(args), dict(kwargs or {})
 
         async def one(i: int) -> Any:
-            w = await self._ensure(i)
-            return await w.call(fn, *args, **kwargs)
+            try:
+                value = await self._call_at(i, PoolCall(fn, call_args, call_kwargs))
+            except Exception:
+                self._failed += 1
+                raise
+            self._completed += 1
+            return value
 
         results = await asyncio.gather(*(one(i) for i in range(self.size)), return_exceptions=True)
         for i in range(self.size):
@@ -499,7 +574,7 @@ def open_pool(
         check_env("env", env)
     check_start_method(start_method)
     names = check_preload(start_method, preload)
-    slots = _slots(n_or_cluster_spec, name, dict(env or {}))
+    slots = worker_slots(n_or_cluster_spec, name, dict(env or {}))
     if max_calls_per_worker is not None and (
         isinstance(max_calls_per_worker, bool)
         or not isinstance(max_calls_per_worker, int)
@@ -531,47 +606,3 @@ def open_pool(
 def _is_number(value: object) -> bool:
     """A real, finite number (NaN and infinity are no durations)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free right now (all held until all are chosen)."""
-    socks = []
-    try:
-        for _ in range(n):
-            sock = socket.socket()
-            socks.append(sock)
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
-def _slots(
-    spec: int | ClusterSpec, name: str, env: dict[str, str]
-) -> list[tuple[str, dict[str, str]]]:
-    if isinstance(spec, bool):
-        raise TypeError(f"pool size must be an int or a cluster spec, got {spec!r}")
-    if isinstance(spec, int):
-        if spec <= 0:
-            raise ValueError(f"pool size must be positive, got {spec}")
-        return [(f"{name}/{i}", env) for i in range(spec)]
-    if not isinstance(spec, Mapping) or not spec:
-        raise TypeError(f"pool size must be an int or a cluster spec dict, got {spec!r}")
-    cluster: dict[str, list[str]] = {}
-    for task_type, tasks in spec.items():
-        if isinstance(tasks, int) and not isinstance(tasks, bool) and tasks > 0:
-            # like TF's create_cluster_spec: a distinct free port per task
-            cluster[task_type] = [f"localhost:{port}" for port in _free_ports(tasks)]
-        elif isinstance(tasks, Sequence) and not isinstance(tasks, str) and tasks:
-            cluster[task_type] = [str(t) for t in tasks]
-        else:
-            raise ValueError(f"cluster spec entry {task_type!r} must be a count or addresses")
-    slots = []
-    for task_type, tasks in cluster.items():
-        for index in range(len(tasks)):
-            tf_config = json.dumps(
-                {"cluster": cluster, "task": {"type": task_type, "index": index}}
-            )
-            slots.append((f"{task_type}:{index}", {**env, "TF_CONFIG": tf_config}))
-    return slots

@@ -43,6 +43,14 @@ STDERR_TAIL = 20
 """Lines of a worker's stderr kept for ``BrokenWorkerError`` messages."""
 
 
+class _Undelivered(BrokenWorkerError):
+    """The worker died before it read the request: the call never ran.
+
+    Raised by ``WorkerProcess`` calls as the ``BrokenWorkerError`` it is; a
+    pool catches it to run the call on a fresh worker instead.
+    """
+
+
 class _TailSink(Sink):
     """Keeps the last lines of a stream (for error messages)."""
 
@@ -100,6 +108,11 @@ class WorkerProcess:
         return self._child.returncode
 
     @property
+    def busy(self) -> bool:
+        """A call or ping is in flight (or waiting for the one before it)."""
+        return self._lock.locked()
+
+    @property
     def alive(self) -> bool:
         """Running and usable (False once killed, even before its exit is noticed)."""
         return self._child.returncode is None and not self._closed and not self._killed
@@ -127,10 +140,21 @@ class WorkerProcess:
             await asyncio.wait(settled, timeout=1.0)
         # a reply written just before exiting has been delivered by now
         reply = self._reply
-        if reply is not None and not reply.done():
+        if reply is None or reply.done():
+            return
+        # a request the worker never read did not run (TERMINATE, sent by
+        # aclose, may be the unread bytes instead: then say nothing)
+        unread = not self._closed and await self._channel.dropped_by_peer()
+        if reply.done():
+            return
+        if unread:
+            reply.set_exception(self._broken(code, "before it read this request", _Undelivered))
+        else:
             reply.set_exception(self._broken(code, "during a call"))
 
-    def _broken(self, code: int, when: str) -> BrokenWorkerError:
+    def _broken(
+        self, code: int, when: str, error: type[BrokenWorkerError] = BrokenWorkerError
+    ) -> BrokenWorkerError:
         if code < 0:
             try:
                 how = f"was killed by {signal.Signals(-code).name}"
@@ -140,13 +164,14 @@ class WorkerProcess:
             how = f"exited with code {code}"
         tail = "\n".join(f"    {line}" for line in self._tail.lines_seen)
         tail = f"; last lines of its stderr:\n{tail}" if tail else "; its stderr was empty"
-        return BrokenWorkerError(f"worker {self.name} (pid {self.pid}) {how} {when}{tail}")
+        return error(f"worker {self.name} (pid {self.pid}) {how} {when}{tail}")
 
     async def _request(
         self, kind: int, parts: list[bytes], segments: list[_shm.Segment] | None = None
     ) -> tuple[int, bytearray]:
         if self._child.returncode is not None:
-            raise self._broken(self._child.returncode, "before this request (while idle)")
+            code = self._child.returncode
+            raise self._broken(code, "before this request (while idle)", _Undelivered)
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
         if self._channel.error is not None:
@@ -181,7 +206,9 @@ class WorkerProcess:
             Exception: whatever ``fn`` raised, rebuilt in the caller; its
                 ``__cause__`` holds the worker's traceback.  The worker stays
                 usable.
-            BrokenWorkerError: the worker died during the call.
+            BrokenWorkerError: the worker died during the call, or before
+                it read the request (then ``fn`` did not run; the message
+                says which).
             TypeError: ``fn`` or its arguments cannot be pickled.
 
         Cancellation: cancelling a call kills the worker (its process group),
@@ -189,6 +216,13 @@ class WorkerProcess:
         ``BrokenWorkerError`` (a pool replaces the worker).
         """
         check_loop(self._child.watcher.loop, self)
+        return await self._call(fn, args, kwargs)
+
+    async def _call(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """``call``; encoded here at each attempt (a pool may send a call twice,
+        and shared-memory segments are closed once sent)."""
         # large arguments go to shared memory, closed however the call ends
         segments: list[_shm.Segment] | None = [] if self._channel.fd_socket is not None else None
         parts = CallEncoder(fn).encode(args, kwargs, segments)

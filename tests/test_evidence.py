@@ -95,14 +95,29 @@ async def test_failed_run_without_log_dir_keeps_its_temp_dir_and_names_it() -> N
             shutil.rmtree(os.path.join(tempfile.gettempdir(), name))
 
 
-async def test_successful_tee_run_without_log_dir_leaves_nothing() -> None:
+async def test_successful_run_without_log_dir_leaves_nothing() -> None:
+    # the error files it was given stayed empty: nothing worth keeping
+    before = temp_entries()
+    result = await aioproc.run(shout_or_fail, nprocs=2, args={0: (0,), 1: (2,)})
+    assert result.return_values == {0: 0, 1: 2}
+    assert result.log_dir == ""
+    assert temp_entries() == before
+
+
+async def test_teed_output_without_log_dir_is_kept_and_named() -> None:
+    # the console showed it, but the files are what the result points at
     before = temp_entries()
     result = await aioproc.run(
         shout_or_fail, nprocs=1, args=args(1), logs_specs=DefaultLogsSpecs(tee=Std.ALL)
     )
-    assert result.return_values == {0: 0}
-    assert result.log_dir == ""
-    assert temp_entries() == before
+    try:
+        assert result.return_values == {0: 0}
+        assert result.log_dir and os.path.isdir(result.log_dir)
+        assert Path(result.stdouts[0]).read_text() == "out of rank 0\n"
+        assert Path(result.stderrs[0]).read_text() == "err of rank 0\n"
+    finally:
+        for name in temp_entries() - before:
+            shutil.rmtree(os.path.join(tempfile.gettempdir(), name))
 
 
 async def test_redirected_output_without_log_dir_is_kept_and_named() -> None:

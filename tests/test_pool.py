@@ -10,13 +10,17 @@ their pid on a FIFO the test reads first.  Nothing synchronises on a sleep.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import functools
 import json
 import os
 import random
+import re
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -25,6 +29,7 @@ import pytest
 from helpers import child_pids, open_fds, pid_gone, release_fifo
 from proc_utils import Fifo, still_alive_after
 
+import aioproc
 from aioproc import BrokenWorkerError, ForcedKillWarning, WorkerPool, WorkerProcess, open_pool
 from aioproc.errors import RemoteTraceback
 
@@ -439,9 +444,9 @@ async def test_counted_cluster_spec_has_distinct_task_addresses(pw: ModuleType) 
 
 
 def test_tf_config_json_is_valid_for_every_slot() -> None:
-    from aioproc.pool import _slots
+    from aioproc._tfconfig import worker_slots
 
-    for name, env in _slots({"worker": 2}, "p", {}):
+    for name, env in worker_slots({"worker": 2}, "p", {}):
         assert json.loads(env["TF_CONFIG"])["task"]["type"] == "worker"
         assert name.startswith("worker:")
 
@@ -629,3 +634,330 @@ async def test_close_racing_a_stream_of_submits_and_restarts_leaves_nothing(
     with pytest.raises(RuntimeError, match="closed"):
         await pool.submit(os.getpid)
     assert repr(pool) == "<WorkerPool size=2 live=0 busy=0 closed>"
+
+
+# ------------------------------------------- services: timeouts, idle deaths, stats
+#
+# ``submit(..., timeout=)`` kills a call that overruns (its worker is replaced)
+# and drops one still waiting; a worker found dead before it read a request
+# hands the request to a fresh worker, once; ``stats()`` counts all of it.
+# Calls that must be running announce their pid on a FIFO; calls that must
+# wait block on a release FIFO: no test synchronises on a sleep.
+
+
+def recorded(path: Path) -> list[int]:
+    """The pids that ran ``pw.record_*`` with this path, one per run."""
+    return [int(line) for line in path.read_text().split()] if path.exists() else []
+
+
+@pytest.fixture
+async def gates(tmp_path: Path) -> AsyncIterator[tuple[Fifo, str, Callable[[int], None]]]:
+    """A FIFO running calls announce on, and a release FIFO they wait on."""
+    release = str(tmp_path / "go")
+    async with Fifo(tmp_path / "running") as announce:
+        with release_fifo(release) as let_go:
+            yield announce, release, let_go
+
+
+async def test_a_timed_out_call_kills_its_worker_and_the_pool_keeps_serving(
+    pw: ModuleType, fifo: Fifo, dropped: Dropped
+) -> None:
+    async with open_pool(2, name="svc") as pool:
+        dropped.keep(pool)
+        pids = live_pids(pool)
+        with pytest.raises(TimeoutError) as info:
+            await pool.submit(pw.announce_pid_then_block, fifo.path, timeout=0.5)
+        # the first idle position takes the call
+        assert str(info.value) == (
+            "pool call pw_funcs.announce_pid_then_block timed out after timeout=0.5 s; "
+            f"worker svc/0 (pid {pids[0]}) running it was killed and is replaced"
+        )
+        assert await still_alive_after([pids[0]], 5) == set()
+        assert await pool.submit(pw.add, 1, 2, timeout=10) == 3
+        after = await pool.run(os.getpid)
+        assert after[0] not in (None, pids[0]) and after[1] == pids[1]
+        stats = pool.stats()
+        assert (stats.restarts, stats.failed, stats.completed) == (1, 1, 1 + 2)
+        assert pool.stats() == aioproc.PoolStats(
+            size=2, busy=0, idle=2, starting=0, queued=0, restarts=1, completed=3, failed=1
+        )
+    assert pid_gone(pids[0]) and pid_gone(pids[1])
+
+
+async def test_a_call_still_queued_when_its_timeout_passes_never_runs(
+    pw: ModuleType, tmp_path: Path, gates: tuple[Fifo, str, Callable[[int], None]]
+) -> None:
+    announce, release, let_go = gates
+    ran = tmp_path / "ran"
+    async with open_pool(1, name="q") as pool:
+        (pid,) = live_pids(pool)
+        running = asyncio.ensure_future(
+            pool.submit(pw.announce_then_wait, announce.path, release, "a")
+        )
+        assert await announce.lines(1) == [str(pid)]
+        with pytest.raises(TimeoutError) as info:
+            await pool.submit(pw.record_call, str(ran), timeout=0.3)
+        assert str(info.value) == (
+            "pool call pw_funcs.record_call timed out after timeout=0.3 s "
+            "waiting for a free worker (all 1 busy); it never ran"
+        )
+        assert pool.stats().queued == 0  # the expired call left the queue
+        let_go(1)
+        assert await running == "a"
+        # had the expired call been handed the worker, it would have run before this one
+        assert await pool.submit(pw.record_call, str(tmp_path / "later")) == pid
+        assert recorded(ran) == []
+        assert pool.pids() == [pid]  # nobody was killed
+        assert pool.stats().failed == 1 and pool.stats().restarts == 0
+
+
+async def test_a_call_whose_worker_is_starting_times_out_and_the_start_goes_on(
+    gate: tuple[tuple[str, str, str], Fifo],
+) -> None:
+    import pool_gate
+
+    (marker, announce_path, release), announce = gate
+    async with open_pool(
+        1,
+        initializer=pool_gate.hold_replacements,
+        initargs=(marker, announce_path, release),
+        max_calls_per_worker=1,
+    ) as pool:
+        first = await pool.submit(os.getpid)  # recycled after this call
+        late = asyncio.ensure_future(pool.submit(os.getpid, timeout=0.5))
+        (line,) = await announce.lines(1)  # the replacement is inside its initializer
+        replacement = int(line)
+        assert pool.stats() == aioproc.PoolStats(
+            size=1, busy=0, idle=0, starting=1, queued=0, restarts=1, completed=1, failed=0
+        )
+        with pytest.raises(TimeoutError) as info:
+            await late
+        assert str(info.value) == (
+            "pool call posix.getpid timed out after timeout=0.5 s "
+            "while worker pool/0 was starting; it never ran"
+        )
+        after = asyncio.ensure_future(pool.submit(os.getpid))
+        fd = os.open(release, os.O_WRONLY)
+        try:
+            os.write(fd, b"x")  # let the replacement's initializer finish
+        finally:
+            os.close(fd)
+        assert await asyncio.wait_for(after, 10) == replacement != first
+        assert pool.stats().restarts == 1  # the timed-out call cost no extra start
+
+
+async def test_timeout_is_the_pools_and_partial_passes_one_to_fn(pw: ModuleType) -> None:
+    async with open_pool(1) as pool:
+        assert await pool.submit(pw.takes_timeout, 1, timeout=5) == (1, None)
+        bound = functools.partial(pw.takes_timeout, timeout=7)
+        assert await pool.submit(bound, 2) == (2, 7)
+        assert await pool.submit(bound, 3, timeout=5) == (3, 7)
+        for bad, error, message in [
+            (0, ValueError, r"submit\(timeout=\.\.\.\) must be > 0 seconds, got 0$"),
+            (-1, ValueError, r"submit\(timeout=\.\.\.\) must be > 0 seconds, got -1$"),
+            (float("nan"), ValueError, r"submit\(timeout=\.\.\.\).* got nan"),
+            ("5", TypeError, r"submit\(timeout=\.\.\.\).* got '5'"),
+        ]:
+            with pytest.raises(error, match=message):
+                await pool.submit(os.getpid, timeout=bad)
+        assert pool.stats().completed == 3 and pool.stats().failed == 0  # nothing ran
+
+
+async def test_a_timeout_on_a_stuck_partial_names_the_function(
+    pw: ModuleType, fifo: Fifo, dropped: Dropped
+) -> None:
+    async with open_pool(1, name="p") as pool:
+        dropped.keep(pool)
+        (pid,) = live_pids(pool)
+        stuck = functools.partial(pw.announce_pid_then_block, fifo.path)
+        with pytest.raises(TimeoutError, match=r"^pool call functools\.partial\(pw_funcs\."):
+            await pool.submit(stuck, timeout=0.3)
+        assert await still_alive_after([pid], 5) == set()
+
+
+@pytest.mark.parametrize("wait_for_death", [False, True], ids=["submit-at-once", "after-exit"])
+async def test_a_worker_that_died_idle_runs_the_call_on_a_fresh_worker_once(
+    pw: ModuleType, tmp_path: Path, dropped: Dropped, wait_for_death: bool
+) -> None:
+    """SIGKILL an idle worker, then submit: the call runs once, on a new worker.
+
+    At once, the request usually reaches the dying worker's socket before it
+    is gone (the kernel reports it unread); after its exit, the request finds
+    the socket closed, or the pool has already noticed the death.  Either way
+    the call is not failed with "died during a call".
+    """
+    async with open_pool(1, name="idle") as pool:
+        for round_ in range(1, 4):
+            dropped.keep(pool)
+            (victim,) = live_pids(pool)
+            log = tmp_path / f"calls{round_}"
+            os.kill(victim, signal.SIGKILL)
+            if wait_for_death:
+                assert await still_alive_after([victim], 5) == set()
+            fresh = await asyncio.wait_for(pool.submit(pw.record_call, str(log)), 10)
+            assert fresh != victim
+            assert recorded(log) == [fresh]  # exactly one run
+            assert pool.pids() == [fresh]
+            assert pool.stats().restarts == round_  # one replacement per death
+            assert await still_alive_after([victim], 5) == set()
+        assert pool.stats().failed == 0 and pool.stats().completed == 3
+
+
+async def test_a_worker_that_died_idle_is_replaced_for_run(
+    pw: ModuleType, tmp_path: Path, dropped: Dropped
+) -> None:
+    log = tmp_path / "calls"
+    async with open_pool(3) as pool:
+        dropped.keep(pool)
+        pids = live_pids(pool)
+        os.kill(pids[1], signal.SIGKILL)
+        after = await asyncio.wait_for(pool.run(pw.record_call, (str(log),)), 10)
+        assert after[0] == pids[0] and after[2] == pids[2]
+        assert after[1] not in pids
+        assert sorted(recorded(log)) == sorted(after)
+        assert pool.stats().restarts == 1
+
+
+async def test_a_single_worker_that_died_idle_says_so(pw: ModuleType) -> None:
+    async with aioproc.open_worker(name="lone") as w:
+        await w.ping()
+        os.kill(w.pid, signal.SIGKILL)
+        with pytest.raises(BrokenWorkerError) as info:
+            await asyncio.wait_for(w.call(os.getpid), 10)
+        assert re.match(
+            rf"worker lone \(pid {w.pid}\) was killed by SIGKILL "
+            r"before (it read this request|this request \(while idle\)); its stderr was empty$",
+            str(info.value),
+        ), str(info.value)
+
+
+async def test_a_worker_dying_after_it_read_the_request_fails_the_call_once(
+    pw: ModuleType, tmp_path: Path, dropped: Dropped
+) -> None:
+    log = tmp_path / "calls"
+    async with open_pool(1, name="mid") as pool:
+        dropped.keep(pool)
+        (victim,) = live_pids(pool)
+        for _ in range(3):  # never retried, whatever the timing
+            with pytest.raises(BrokenWorkerError, match=r"was killed by SIGKILL during a call"):
+                await asyncio.wait_for(pool.submit(pw.record_then_die, str(log)), 10)
+            dropped.keep(pool)
+        runs = recorded(log)
+        assert len(runs) == 3 and runs[0] == victim and len(set(runs)) == 3
+        assert pool.stats().failed == 3 and pool.stats().restarts == 2
+        assert await pool.submit(os.getpid) not in runs
+
+
+async def test_stats_under_load(
+    pw: ModuleType, tmp_path: Path, gates: tuple[Fifo, str, Callable[[int], None]]
+) -> None:
+    announce, release, let_go = gates
+    with contextlib.ExitStack() as stack:
+        # one release FIFO per call: a byte meant for one call is never taken by another
+        paths = [str(tmp_path / f"go{i}") for i in range(5)]
+        releases = [stack.enter_context(release_fifo(p)) for p in paths]
+        async with open_pool(3) as pool:
+            assert pool.stats() == aioproc.PoolStats(
+                size=3, busy=0, idle=3, starting=0, queued=0, restarts=0, completed=0, failed=0
+            )
+            calls = [
+                asyncio.ensure_future(pool.submit(pw.announce_then_wait, announce.path, p, i))
+                for i, p in enumerate(paths)
+            ]
+            assert sorted(int(p) for p in await announce.lines(3)) == sorted(live_pids(pool))
+            assert pool.stats() == aioproc.PoolStats(
+                size=3, busy=3, idle=0, starting=0, queued=2, restarts=0, completed=0, failed=0
+            )
+            for i in range(3):
+                releases[i](1)
+            assert await asyncio.gather(*calls[:3]) == [0, 1, 2]
+            await announce.lines(2)  # the two queued calls got the first two free workers
+            assert pool.stats() == aioproc.PoolStats(
+                size=3, busy=2, idle=1, starting=0, queued=0, restarts=0, completed=3, failed=0
+            )
+            with pytest.raises(pw.CallFailed):
+                await pool.submit(pw.raise_call_failed, "no")  # on the idle one
+            releases[3](1)
+            releases[4](1)
+            assert await asyncio.gather(*calls) == [0, 1, 2, 3, 4]
+            assert pool.stats() == aioproc.PoolStats(
+                size=3, busy=0, idle=3, starting=0, queued=0, restarts=0, completed=5, failed=1
+            )
+            # run() holds every position: each worker waits on the shared release FIFO
+            running = asyncio.ensure_future(
+                pool.run(pw.announce_then_wait, (announce.path, release, 9))
+            )
+            await announce.lines(3)
+            assert pool.stats() == aioproc.PoolStats(
+                size=3, busy=3, idle=0, starting=0, queued=0, restarts=0, completed=5, failed=1
+            )
+            let_go(3)
+            assert await running == [9, 9, 9]
+            assert pool.stats().completed == 8
+
+
+async def test_stats_of_an_idle_retired_worker(pw: ModuleType) -> None:
+    async with open_pool(1, idle_timeout=0.2) as pool:
+        first = await pool.submit(os.getpid)
+        assert await still_alive_after([first], 10) == set()  # retired when idle
+        # a position with no worker: neither busy, idle nor starting
+        assert pool.stats() == aioproc.PoolStats(
+            size=1, busy=0, idle=0, starting=0, queued=0, restarts=0, completed=1, failed=0
+        )
+        await pool.submit(os.getpid)
+        assert pool.stats().restarts == 1
+
+
+TIMEOUT_ROUNDS = 24
+
+
+async def test_cancelling_or_timing_out_submits_at_random_points_leaves_nothing_running(
+    pw: ModuleType, tmp_path: Path
+) -> None:
+    """Cancel (or time out) a submit with a timeout anywhere: queued, starting, running.
+
+    A pool of one whose worker is killed by every call that got to run, so
+    later rounds also land while its replacement starts; a second call is
+    queued behind each.  After each round, every worker that began the call
+    is gone, the queued call never ran, and the pool serves the next call.
+    """
+    before = child_pids()
+    span = 1.5 * await start_time_of_a_pool(1)
+    rng = random.Random(14)
+    outcomes: collections.Counter[str] = collections.Counter()
+    pool = await open_pool(1, name="rnd")
+    try:
+        for k in range(TIMEOUT_ROUNDS):
+            log, queued_log = tmp_path / f"r{k}", tmp_path / f"q{k}"
+            delay = span * (k + rng.random()) / TIMEOUT_ROUNDS
+            by_timeout = k % 2 == 1
+            limit = delay if by_timeout else 60
+            call = asyncio.ensure_future(
+                pool.submit(pw.record_then_sleep, str(log), 60, timeout=limit)
+            )
+            queued = asyncio.ensure_future(
+                pool.submit(pw.record_call, str(queued_log), timeout=limit)
+            )
+            if by_timeout:
+                results = await asyncio.gather(call, queued, return_exceptions=True)
+            else:
+                await asyncio.sleep(delay)
+                call.cancel()
+                queued.cancel()
+                results = await asyncio.gather(call, queued, return_exceptions=True)
+            started = recorded(log)
+            assert len(started) <= 1
+            assert await still_alive_after(started, 5) == set(), f"round {k}: still running"
+            for r in results:
+                if by_timeout:
+                    assert isinstance(r, (TimeoutError, int)), repr(r)
+                else:
+                    assert isinstance(r, (asyncio.CancelledError, int)), repr(r)
+            if not isinstance(results[1], int):
+                assert recorded(queued_log) == []  # timed out or cancelled: never ran
+            outcomes["ran" if started else "never ran"] += 1
+            assert await asyncio.wait_for(pool.submit(pw.add, k, 1, timeout=20), 20) == k + 1
+    finally:
+        await pool.aclose()
+    assert child_pids() == before
+    assert outcomes["ran"] and outcomes["never ran"], outcomes

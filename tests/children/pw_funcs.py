@@ -229,3 +229,48 @@ def digest_and_reverse(data: bytes) -> tuple[int, str, bytes]:
     import hashlib
 
     return len(data), hashlib.sha256(data).hexdigest(), data[::-1]
+
+
+# ---------------------------------------------------- pools for services
+
+
+def _append_pid(path: str) -> int:
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    return os.getpid()
+
+
+def record_call(path: str) -> int:
+    """Append this worker's pid to ``path`` (one line per run) and return it."""
+    return _append_pid(path)
+
+
+def record_then_die(path: str) -> None:
+    """Record the run, then die by SIGKILL in the middle of the call."""
+    _append_pid(path)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def record_then_sleep(path: str, seconds: float) -> None:
+    """Record the run, then block (until killed, in the tests)."""
+    _append_pid(path)
+    time.sleep(seconds)
+
+
+def announce_then_wait(announce: str, release: str, value: Any) -> Any:
+    """Write this pid and a newline to the FIFO ``announce``, wait for a byte on ``release``.
+
+    The test holds both FIFOs open read-write, so neither ``open`` blocks:
+    the line says the call is running, the byte lets it return ``value``.
+    """
+    fd = os.open(announce, os.O_WRONLY)
+    try:
+        os.write(fd, f"{os.getpid()}\n".encode())  # one small write: atomic on a pipe
+    finally:
+        os.close(fd)
+    return wait_fifo(release, value)
+
+
+def takes_timeout(x: Any, timeout: Any = None) -> tuple[Any, Any]:
+    """A function with a ``timeout`` keyword of its own."""
+    return x, timeout
