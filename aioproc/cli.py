@@ -695,6 +695,9 @@ async def _supervise(run: _Run) -> int:
         _error(str(e))
         return 1
     if not result.is_failed():
+        if result.log_dir and not run.show_log_dir:
+            # a private temp dir that holds output: say where, or it is litter
+            _error(f"logs of this run kept in {result.log_dir}")
         return 0
     if result.failures:
         failure = ChildFailedError(run.name, result.failures, result.log_dir)

@@ -891,3 +891,32 @@ def test_ctrl_c_twice_on_a_terminal_kills_at_once_and_leaves_a_clean_screen() ->
     assert script in header_lines(screen, "[default x2]")[0]
     assert screen[-1] == "aioproc run: got SIGINT: the workers were stopped"
     assert [pid for pid in pids if not pid_gone(pid)] == []
+
+
+@pytest.mark.parametrize("tee", [True, False])
+async def test_without_log_dir_kept_logs_are_named_and_nothing_else_is_left(
+    tmp_path: Path, tee: bool
+) -> None:
+    """A private temp dir that holds output is named at the end; else it is gone."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    flags = ["--tee", "3"] if tee else []
+    proc = await asyncio.create_subprocess_exec(
+        *CLI, "run", "--nproc-per-node", "2", *flags, ENV_SCRIPT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(TMPDIR=str(tmp)),
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), LIMIT)
+    assert proc.returncode == 0, err.decode()
+    kept = [line for line in err.decode().splitlines() if "logs of this run kept in" in line]
+    if tee:
+        (line,) = kept
+        run_dir = line.rsplit(" ", 1)[1]
+        assert run_dir.startswith(str(tmp) + os.sep)
+        logs = sorted(glob.glob(os.path.join(run_dir, "attempt_0", "*", "stdout.log")))
+        assert len(logs) == 2
+        assert all(Path(p).read_text() for p in logs)
+    else:
+        assert kept == []
+        assert os.listdir(tmp) == []
