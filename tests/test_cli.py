@@ -907,7 +907,7 @@ async def test_without_log_dir_kept_logs_are_named_and_nothing_else_is_left(
         stderr=subprocess.PIPE,
         env=cli_env(TMPDIR=str(tmp)),
     )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), LIMIT)
+    _out, err = await asyncio.wait_for(proc.communicate(), LIMIT)
     assert proc.returncode == 0, err.decode()
     kept = [line for line in err.decode().splitlines() if "logs of this run kept in" in line]
     if tee:
