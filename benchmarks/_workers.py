@@ -1,4 +1,5 @@
-"""Worker-side code of the benchmarks: module-level functions, stdlib only.
+"""Worker-side code of the benchmarks: module-level functions, stdlib only
+(``import_torch`` imports torch when it is called, never at import).
 
 aioproc ships a function importable by name as ``(module, qualname)`` and the
 worker imports this module; torch's spawn workers unpickle it by reference;
@@ -18,6 +19,19 @@ import time
 def ret_rank(rank: int) -> int:
     """P1: return at once; the parent checks it gets every rank back."""
     return rank
+
+
+def import_torch(rank: int) -> int:
+    """P1t: what a training worker does first, ``import torch``; returns ``rank``
+    through a tensor, so the worker has really used it.
+
+    The import stays inside the function: no other benchmark's worker pays it.
+    Under a forkserver whose template preloaded torch it finds the module
+    already in ``sys.modules``.
+    """
+    import torch
+
+    return int(torch.tensor([rank]).sum())
 
 
 def fail_first(rank: int, delay: float, path: str) -> None:

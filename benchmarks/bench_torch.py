@@ -79,7 +79,12 @@ def torch_call() -> Iterator[str]:
 
 
 def _start(
-    tmp: Any, name: str, entrypoint: Any, args: dict[int, tuple[Any, ...]], log_dir: str
+    tmp: Any,
+    name: str,
+    entrypoint: Any,
+    args: dict[int, tuple[Any, ...]],
+    log_dir: str,
+    start_method: str = "spawn",
 ) -> Any:
     old = os.environ.get("PYTHONWARNINGS")
     os.environ["PYTHONWARNINGS"] = "ignore"
@@ -90,6 +95,7 @@ def _start(
             args=args,
             envs={r: {} for r in args},
             logs_specs=tmp.DefaultLogsSpecs(log_dir=log_dir),
+            start_method=start_method,
         )
     finally:
         if old is None:
@@ -98,16 +104,18 @@ def _start(
             os.environ["PYTHONWARNINGS"] = old
 
 
-def torch_run(tmp: Any, entrypoint: Any, n: int) -> float:
+def torch_run(tmp: Any, entrypoint: Any, n: int, start_method: str = "spawn") -> float:
     """Start -> wait() (which closes) for ``n`` workers that all succeed."""
     args: dict[int, tuple[Any, ...]] = {r: ((r,) if callable(entrypoint) else ()) for r in range(n)}
     with torch_call() as log_dir:
         t0 = time.perf_counter()
-        pc = _start(tmp, "tp", entrypoint, args, log_dir)
+        pc = _start(tmp, "tp", entrypoint, args, log_dir, start_method)
         result = pc.wait(period=TORCH_POLL_PERIOD)
         dt = time.perf_counter() - t0
     if result is None or result.is_failed():
         raise AssertionError(f"torch: group failed: {result}")
+    if callable(entrypoint) and result.return_values != {r: r for r in range(n)}:
+        raise AssertionError(f"torch: wrong return values: {result.return_values}")
     return dt
 
 

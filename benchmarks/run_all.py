@@ -37,9 +37,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--only",
         default="",
         help="comma-separated subset: p1,p2,p1b,memory,p3,p5,p6,p4,worker,p9,leak,rss,stall,"
-        "p7,mem1024,torch (default: all)",
+        "p7,mem1024,p1t,torch (default: all)",
     )
-    p.add_argument("--no-torch", action="store_true", help="skip the torch comparison")
+    p.add_argument("--no-torch", action="store_true", help="skip the torch comparison and P1t")
     args = p.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
         p.error("--rounds must be >= 1")
@@ -129,6 +129,7 @@ def main(argv: list[str]) -> int:
     import bench_leak
     import bench_oob
     import bench_output
+    import bench_p1t
     import bench_p7
     import bench_rss
     import bench_rss_workers
@@ -153,6 +154,9 @@ def main(argv: list[str]) -> int:
         "stall": bench_stall.stall,
         "p7": bench_p7.p7,
         "mem1024": bench_rss_workers.rss_workers,
+        # P1t and torch start torch's launchers: its stdlib forkserver (stopped
+        # again by P1t), its resource tracker and signal handlers
+        "p1t": bench_p1t.p1t,
         # last: torch's spawn context starts a resource-tracker child and
         # installs signal handlers; nothing measured after it
         "torch": bench_torch.torch_rows,
@@ -162,9 +166,9 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"unknown benchmark(s): {sorted(unknown)}", file=sys.stderr)
         return 2
-    if args.no_torch and "torch" in only:
-        only.remove("torch")
-        notes.append("torch comparison skipped (--no-torch)")
+    if args.no_torch and {"p1t", "torch"} & set(only):
+        only = [k for k in only if k not in ("p1t", "torch")]
+        notes.append("torch comparison and P1t skipped (--no-torch)")
 
     rows: list[_util.Row] = []
     errors = 0
