@@ -124,13 +124,13 @@ async def test_log_files_and_error_file_as_with_spawn(method: str, tmp_path: Pat
     assert os.path.isfile(failure.error_file)
 
 
-async def test_tee_to_sinks_from_forked_workers() -> None:
+async def test_tee_to_sinks_from_forked_workers(tmp_path: Path) -> None:
     lines: list[str] = []
     result = await run(
         fork_funcs.talk,
         2,
         (2,),
-        logs_specs=DefaultLogsSpecs(tee=Std.ALL),
+        logs_specs=DefaultLogsSpecs(log_dir=tmp_path, tee=Std.ALL),
         sinks=[lambda line: lines.append(f"{line.rank} {line.stream} {line.line}")],
         start_method="forkserver",
     )
@@ -345,3 +345,29 @@ async def test_supervisor_sigkilled_leaves_no_worker_nor_template(tmp_path: Path
             problems.append(f"#{i}: " + ", ".join(describe(p) for p in sorted(alive)))
             await clean_up(mark, alive)
     assert problems == [], f"seed {SEED}:\n" + "\n".join(problems)
+
+
+async def test_forked_workers_run_their_own_exit_hooks_not_the_templates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The template's atexit handlers and finalizers stay the template's (a
+    spawned worker would not have them either); the worker's own run, and
+    logging still flushes at exit."""
+    exits = tmp_path / "exits"
+    logged = tmp_path / "logged"
+    monkeypatch.setenv("AIOPROC_TEST_EXIT_LOG", str(exits))
+    async with open_forkserver(["fork_exit_hooks_mod"]) as server:
+        result = await run(
+            fork_funcs.register_exit_hooks,
+            2,
+            (str(logged),),
+            start_method="forkserver",
+            preload=["fork_exit_hooks_mod"],
+        )
+        pids = sorted(result.return_values.values())
+        lines = sorted(exits.read_text().splitlines())
+        assert lines == sorted(
+            f"{what} {pid}" for pid in pids for what in ("worker-atexit", "worker-finalize")
+        )
+        assert sorted(logged.read_text().splitlines()) == [f"logged by {pid}" for pid in pids]
+        assert server.pid not in pids

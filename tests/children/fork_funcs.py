@@ -77,3 +77,21 @@ def flaky(path: str) -> int:
         if len(f.read().split()) < 2:
             raise RuntimeError("first attempt fails")
     return fork_preload_mod.IMPORT_PID
+
+
+def register_exit_hooks(log_file: str) -> int:
+    """Register this worker's own exit hooks and log through a file handler."""
+    import atexit
+    import logging
+    import weakref
+
+    import fork_exit_hooks_mod
+
+    atexit.register(fork_exit_hooks_mod.note, "worker-atexit")
+    obj = fork_exit_hooks_mod._Held()
+    weakref.finalize(obj, fork_exit_hooks_mod.note, "worker-finalize")
+    globals()["_kept"] = obj  # alive at exit: only the atexit pass runs it
+    logger = logging.getLogger("fork-exit-hooks")
+    logger.addHandler(logging.FileHandler(log_file, delay=False))
+    logger.warning("logged by %d", os.getpid())  # flushed by logging.shutdown at exit
+    return os.getpid()
