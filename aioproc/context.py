@@ -87,8 +87,8 @@ class PContext:
     error_files``, and ``filtered_stdout`` / ``filtered_stderr``: once
     started, the path of the file that collects the lines matching
     ``duplicate_stdout_filters`` / ``duplicate_stderr_filters`` (None without
-    such filters; torch holds the open file there).  A started ``PContext`` also works as ``async with pc:``
-    (closed when the block exits).
+    such filters; torch holds the open file there).  A started ``PContext``
+    also works as ``async with pc:`` (closed when the block exits).
     """
 
     def __init__(

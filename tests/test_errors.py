@@ -619,7 +619,7 @@ def test_get_error_handler_is_what_record_uses(
     def main() -> None:
         raise ValueError("x")
 
-    with pytest.raises(ValueError, match="^x$"):
+    with pytest.raises(ValueError, match=r"^x$"):
         main()
     assert [type(h) for h in made] == [Spy]
 
