@@ -67,7 +67,9 @@ logger = logging.getLogger(__name__)
 
 _NOT_AVAILABLE = "<N/A>"
 
-NO_ERROR_FILE_MESSAGE = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+NO_ERROR_FILE_MESSAGE = (
+    "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+)
 """``ProcessFailure.message`` of a worker that exited with a code (not a
 signal) and wrote no error file: torch's exact text, so code that matches
 on it keeps working.  ``ChildFailedError``'s summary adds a hint."""
@@ -76,6 +78,7 @@ on it keeps working.  ``ChildFailedError``'s summary adds a hint."""
 def _no_error_file_data() -> dict[str, Any]:
     # torch's placeholder for "no error file"; a fresh dict for every failure
     return {"message": "<NONE>"}
+
 
 # Breaks ties between failures noticed at the same time.time() value, which
 # a coarse clock can return twice in a row.

@@ -132,7 +132,9 @@ def test_failure_without_error_file(tmp_path: Path) -> None:
         "message": "<NONE>",
         "errorTraits": {"category": "system_terminated_error", "retryability": "False"},
     }
-    assert pf.message == "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+    assert (
+        pf.message == "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+    )
     assert pf.message == errors.NO_ERROR_FILE_MESSAGE
     assert before <= pf.timestamp <= int(time.time())
     assert pf.signal_name() == "<N/A>"
