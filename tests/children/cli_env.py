@@ -24,6 +24,8 @@ KEYS = (
     "TORCHELASTIC_MAX_RESTARTS",
     "TORCHELASTIC_RUN_ID",
     "TORCHELASTIC_ERROR_FILE",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
 )
 
 report = {key: os.environ.get(key) for key in KEYS}
