@@ -639,6 +639,9 @@ def _make_run(ns: argparse.Namespace) -> _Run:
         logs_specs = LiveLogsSpecs(ns.log_dir, redirects, tee, ns.local_ranks_filter)
     else:
         logs_specs = DefaultLogsSpecs(ns.log_dir, redirects, tee, ns.local_ranks_filter)
+    sigs = list(_handled_signals(ns))
+    if ns.forward_sighup and signal.SIGHUP not in sigs:
+        sigs.append(signal.SIGHUP)
     spec = WorkerSpec(
         role=ns.role,
         local_world_size=ns.nproc_per_node,
@@ -653,10 +656,9 @@ def _make_run(ns: argparse.Namespace) -> _Run:
         master_port=ns.master_port,
         restart_policy=ns.backoff or RestartPolicy(),
         watchdog=ns.watchdog,
+        # torchrun exports the list it handles; workers see the same variable
+        env={SIGNALS_ENV: ",".join(sig.name for sig in sigs)},
     )
-    sigs = list(_handled_signals(ns))
-    if ns.forward_sighup and signal.SIGHUP not in sigs:
-        sigs.append(signal.SIGHUP)
     template = ns.log_line_prefix_template
     if template is None:
         template = os.environ.get(PREFIX_TEMPLATE_ENV)  # as torchrun reads it

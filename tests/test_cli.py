@@ -145,6 +145,7 @@ async def test_success_gives_torchrun_env_and_prefixed_lines() -> None:
         # torchrun sets these two; aioproc hosts no agent store, hence False
         assert rep["TORCHELASTIC_USE_AGENT_STORE"] == "False"
         assert rep["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+        assert rep["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGQUIT"  # as handled
 
 
 async def test_without_tee_output_is_inherited_unprefixed() -> None:

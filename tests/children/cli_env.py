@@ -26,6 +26,7 @@ KEYS = (
     "TORCHELASTIC_ERROR_FILE",
     "TORCHELASTIC_USE_AGENT_STORE",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE",
 )
 
 report = {key: os.environ.get(key) for key in KEYS}
