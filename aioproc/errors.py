@@ -555,6 +555,31 @@ class ErrorHandler:
     :meth:`initialize` and :meth:`record_exception` to report elsewhere.
     """
 
+    _entrypoint_fn_name: str | None = None
+
+    def set_entrypoint_fn_name(self, fn_name: str) -> None:
+        """Name the entrypoint this handler reports for (newer torch's method).
+
+        ``@record`` calls it with the decorated function's name. The base
+        handler only logs the name (at DEBUG, with a success or an
+        exception); it is never written into the error file, whose
+        ``extraInfo`` holds strings that downstream readers know.
+
+        Args:
+            fn_name: the entrypoint's name.
+        """
+        self._entrypoint_fn_name = fn_name
+
+    def record_success(self) -> None:
+        """Note that the entrypoint returned normally (newer torch's method).
+
+        Writes no error file. The base handler logs the entrypoint's name at
+        DEBUG, and does nothing when no name was set; subclasses report
+        successes elsewhere.
+        """
+        if self._entrypoint_fn_name is not None:
+            logger.debug("entrypoint %s succeeded", self._entrypoint_fn_name)
+
     def _get_error_file_path(self) -> str | None:
         """Return where this process's error.json goes, or None for nowhere."""
         return os.environ.get(_errorfile.ERROR_FILE_ENV) or None
@@ -589,6 +614,8 @@ class ErrorHandler:
         Args:
             e: The exception to record.
         """
+        if self._entrypoint_fn_name is not None:
+            logger.debug("entrypoint %s raised %s", self._entrypoint_fn_name, type(e).__name__)
         path = self._get_error_file_path()
         if not path:
             logger.warning(
@@ -721,7 +748,9 @@ def record(
     or ``@record(error_handler=...)``. Coroutine functions are supported.
     The call:
 
-    - initializes the handler (faulthandler on);
+    - names the entrypoint to the handler (``set_entrypoint_fn_name``) and
+      initializes it (faulthandler on);
+    - on a normal return, calls the handler's ``record_success()``;
     - on :class:`ChildFailedError`, copies the root cause's error file into
       this process's, with its exit code, so the child's traceback is what
       reaches the scheduler;
@@ -748,11 +777,13 @@ def record(
 
             @functools.wraps(f)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                _name_entrypoint(handler, f)
                 handler.initialize()
                 try:
-                    return await f(*args, **kwargs)
+                    value = await f(*args, **kwargs)
                 except SystemExit as e:
                     if e.code == 0:  # torch's test, so False counts and None does not
+                        _record_success(handler)
                         return None
                     raise
                 except ChildFailedError as e:
@@ -761,16 +792,20 @@ def record(
                 except Exception as e:
                     handler.record_exception(e)
                     raise
+                _record_success(handler)
+                return value
 
             return async_wrapper  # type: ignore[return-value]
 
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            _name_entrypoint(handler, f)
             handler.initialize()
             try:
-                return f(*args, **kwargs)
+                value = f(*args, **kwargs)
             except SystemExit as e:
                 if e.code == 0:  # torch's test, so False counts and None does not
+                    _record_success(handler)
                     return None
                 raise
             except ChildFailedError as e:
@@ -779,12 +814,27 @@ def record(
             except Exception as e:
                 handler.record_exception(e)
                 raise
+            _record_success(handler)
+            return value
 
         return wrapper  # type: ignore[return-value]
 
     if fn is None:
         return decorate
     return decorate(fn)
+
+
+def _name_entrypoint(handler: ErrorHandler, f: Callable[..., Any]) -> None:
+    # torch 2.13's handlers (which record also accepts) have no such method
+    setter = getattr(handler, "set_entrypoint_fn_name", None)
+    if setter is not None:
+        setter(getattr(f, "__name__", repr(f)))
+
+
+def _record_success(handler: ErrorHandler) -> None:
+    success = getattr(handler, "record_success", None)
+    if success is not None:
+        success()
 
 
 def _dump_root_cause(handler: ErrorHandler, error: ChildFailedError) -> None:

@@ -920,3 +920,80 @@ def test_summary_hints_at_record_where_torch_only_links_its_docs(tmp_path: Path)
     text = ChildFailedError("train", {0: killed}).format_msg()
     assert "  exitcode  : -9 (pid: 7) (SIGKILL)" in text.split("\n")
     assert "hint" not in text
+
+
+def test_entrypoint_fn_name_is_logged_never_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # newer torch's error_handler_test: the name goes to the log, not the file
+    path = tmp_path / "error.json"
+    monkeypatch.setenv(ENV, str(path))
+    caplog.set_level(logging.DEBUG, logger="aioproc.errors")
+    handler = ErrorHandler()
+    handler.set_entrypoint_fn_name("raise_exception_fn")
+    handler.record_exception(RuntimeError("foobar"))
+
+    assert "entrypoint raise_exception_fn raised RuntimeError" in caplog.messages
+    data = json.loads(path.read_text())
+    assert sorted(data["message"]["extraInfo"]) == ["py_callstack", "timestamp"]
+
+
+def test_record_success_logs_the_name_and_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "error.json"
+    monkeypatch.setenv(ENV, str(path))
+    caplog.set_level(logging.DEBUG, logger="aioproc.errors")
+    ErrorHandler().record_success()  # no name: nothing logged
+    assert caplog.messages == []
+    handler = ErrorHandler()
+    handler.set_entrypoint_fn_name("good_fn")
+    handler.record_success()
+    assert caplog.messages == ["entrypoint good_fn succeeded"]
+    assert not path.exists()
+
+
+async def test_record_names_the_entrypoint_and_reports_success(tmp_path: Path) -> None:
+    calls: list[tuple[str, object]] = []
+
+    class Spy(ErrorHandler):
+        def set_entrypoint_fn_name(self, fn_name: str) -> None:
+            calls.append(("name", fn_name))
+
+        def record_success(self) -> None:
+            calls.append(("success", None))
+
+        def record_exception(self, e: BaseException) -> None:
+            calls.append(("exception", type(e).__name__))
+
+    @record(error_handler=Spy())
+    def good() -> int:
+        return 1
+
+    @record(error_handler=Spy())
+    async def agood() -> int:
+        return 2
+
+    @record(error_handler=Spy())
+    def bad() -> None:
+        raise KeyError("x")
+
+    @record(error_handler=Spy())
+    def quits() -> None:
+        raise SystemExit(0)
+
+    assert good() == 1
+    assert await agood() == 2
+    with pytest.raises(KeyError):
+        bad()
+    assert quits() is None
+    assert calls == [
+        ("name", "good"),
+        ("success", None),
+        ("name", "agood"),
+        ("success", None),
+        ("name", "bad"),
+        ("exception", "KeyError"),
+        ("name", "quits"),
+        ("success", None),
+    ]
