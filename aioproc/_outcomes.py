@@ -118,7 +118,8 @@ class Outcomes:
         remote = rebuild_exception(body) if body is not None else None
         if remote is not None:
             self.remote[rank] = remote
-            if not problem and not failure.error_file_data and failure.exitcode >= 0:
+            no_file = failure.error_file_data.get("message", "<NONE>") == "<NONE>"
+            if not problem and no_file and failure.exitcode >= 0:
                 # no error file (none asked for, e.g. log_dir=os.devnull, or the
                 # worker could not write it): the channel told us what happened
                 failure.message = _remote_message(remote, failure.timestamp)

@@ -77,7 +77,9 @@ signals:
   ignored by this command (its workers run in sessions of their own), so a
   job survives a terminal hang-up; torchrun instead stops its workers on
   SIGHUP.  With --forward-sighup, SIGHUP stops the workers like SIGTERM and
-  the command exits 129.
+  the command exits 129.  --signals-to-handle (or torchrun's
+  TORCHELASTIC_SIGNALS_TO_HANDLE) replaces the list, e.g. SIGTERM,SIGUSR1 for
+  SLURM; SIGHUP is still ignored unless it is in the list.
 
 exit status:
   0 when the workers succeed, 1 when they fail (after the restarts; torchrun's
@@ -89,6 +91,9 @@ environment:
   LOGLEVEL sets this command's log level (default: WARNING), as in torchrun.
   OMP_NUM_THREADS is set to 1 in the workers when there are several and it is
   not set already (torchrun's behaviour).
+  TORCHELASTIC_SIGNALS_TO_HANDLE: the default of --signals-to-handle.
+  TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE: the default of
+  --log-line-prefix-template (as torchrun reads it).
 """
 
 
@@ -178,6 +183,28 @@ def _parse_std(value: str) -> Std | dict[int, Std]:
         return Std.from_str(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+
+_UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
+
+
+def _parse_signals(value: str) -> tuple[signal.Signals, ...]:
+    """torchrun's ``--signals-to-handle``: comma-separated names, e.g. ``SIGTERM,SIGUSR1``."""
+    sigs: list[signal.Signals] = []
+    for item in value.split(","):
+        name = item.strip()
+        sig = getattr(signal.Signals, name, None) if name.startswith("SIG") else None
+        if sig is None or sig in _UNCATCHABLE:
+            what = "cannot be caught" if sig is not None else "is not a signal name"
+            raise argparse.ArgumentTypeError(
+                f"{name!r} {what}: expected comma-separated signal names "
+                f"(e.g. 'SIGTERM,SIGINT,SIGUSR1'), got {value!r}"
+            )
+        if sig not in sigs:
+            sigs.append(sig)
+    return tuple(sigs)
 
 
 def _parse_ranks(value: str) -> set[int] | None:
@@ -543,6 +570,17 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="stop the workers on SIGHUP and exit 129 (default: SIGHUP is ignored, "
         "so the job survives a terminal hang-up)",
     )
+    add(
+        "--signals-to-handle",
+        "--signals_to_handle",
+        dest="signals_to_handle",
+        type=_parse_signals,
+        default=None,
+        metavar="SIGNALS",
+        help=f"comma-separated signals that stop the workers with that signal, e.g. "
+        f"'SIGTERM,SIGINT,SIGUSR1' (default: ${SIGNALS_ENV}, else SIGTERM,SIGINT,SIGQUIT; "
+        "SIGHUP is ignored unless listed or --forward-sighup)",
+    )
     add("script", help="the Python script (module with -m, program with --no-python)")
     add("script_args", nargs=argparse.REMAINDER, metavar="args", help="the script's arguments")
     return parser, run
@@ -563,7 +601,21 @@ class _Run:
     start_method: str
     live: bool
     signals: tuple[signal.Signals, ...]
+    log_line_prefix_template: str | None
     show_log_dir: bool  # --log-dir was given: say where this run's logs are
+
+
+def _handled_signals(ns: argparse.Namespace) -> tuple[signal.Signals, ...]:
+    """The flag, else torchrun's environment variable, else aioproc's default."""
+    if ns.signals_to_handle is not None:
+        return tuple(ns.signals_to_handle)
+    from_env = os.environ.get(SIGNALS_ENV, "").strip()
+    if from_env:
+        try:
+            return _parse_signals(from_env)
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"{SIGNALS_ENV}: {e}") from None
+    return (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
 
 
 def _make_run(ns: argparse.Namespace) -> _Run:
@@ -587,6 +639,9 @@ def _make_run(ns: argparse.Namespace) -> _Run:
         logs_specs = LiveLogsSpecs(ns.log_dir, redirects, tee, ns.local_ranks_filter)
     else:
         logs_specs = DefaultLogsSpecs(ns.log_dir, redirects, tee, ns.local_ranks_filter)
+    sigs = list(_handled_signals(ns))
+    if ns.forward_sighup and signal.SIGHUP not in sigs:
+        sigs.append(signal.SIGHUP)
     spec = WorkerSpec(
         role=ns.role,
         local_world_size=ns.nproc_per_node,
@@ -601,10 +656,12 @@ def _make_run(ns: argparse.Namespace) -> _Run:
         master_port=ns.master_port,
         restart_policy=ns.backoff or RestartPolicy(),
         watchdog=ns.watchdog,
+        # torchrun exports the list it handles; workers see the same variable
+        env={SIGNALS_ENV: ",".join(sig.name for sig in sigs)},
     )
-    sigs = [signal.SIGTERM, signal.SIGINT, signal.SIGQUIT]
-    if ns.forward_sighup:
-        sigs.append(signal.SIGHUP)
+    template = ns.log_line_prefix_template
+    if template is None:
+        template = os.environ.get(PREFIX_TEMPLATE_ENV)  # as torchrun reads it
     return _Run(
         name=ns.script,
         spec=spec,
@@ -614,6 +671,7 @@ def _make_run(ns: argparse.Namespace) -> _Run:
         start_method=ns.start_method,
         live=live,
         signals=tuple(sigs),
+        log_line_prefix_template=template,
         show_log_dir=ns.log_dir is not None and ns.log_dir != os.devnull,
     )
 
@@ -669,8 +727,9 @@ async def _supervise(run: _Run) -> int:
 
     agent = LocalElasticAgent(
         run.spec,
+        run.logs_specs,
         run.start_method,
-        logs_specs=run.logs_specs,
+        log_line_prefix_template=run.log_line_prefix_template,
         grace_period=run.grace_period,
         run_id=run.run_id,
         sinks=[view] if view is not None else None,
@@ -932,11 +991,8 @@ def _run_command(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     except (TypeError, ValueError, OSError) as e:
         parser.error(str(e))
     restore_logging = _configure_logging()
-    saved_env = os.environ.get(PREFIX_TEMPLATE_ENV)
-    if ns.log_line_prefix_template is not None:
-        os.environ[PREFIX_TEMPLATE_ENV] = ns.log_line_prefix_template
     previous_hup: Any = None
-    if not ns.forward_sighup:
+    if signal.SIGHUP not in run.signals:
         previous_hup = signal.signal(signal.SIGHUP, _ignore_signal)
     try:
         return _run_loop(_supervise(run), factory)
@@ -950,11 +1006,6 @@ def _run_command(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     finally:
         if previous_hup is not None:
             signal.signal(signal.SIGHUP, previous_hup)
-        if ns.log_line_prefix_template is not None:
-            if saved_env is None:
-                os.environ.pop(PREFIX_TEMPLATE_ENV, None)
-            else:
-                os.environ[PREFIX_TEMPLATE_ENV] = saved_env
         restore_logging()
 
 

@@ -83,8 +83,11 @@ class PContext:
     Built by ``start_processes``; a callable entrypoint gives function
     workers, a ``str`` gives binary workers.  Attributes mirror torch's
     ``PContext``: ``name, entrypoint, args, envs, nprocs, stdouts, stderrs,
-    error_files``.  A started ``PContext`` also works as ``async with pc:``
-    (closed when the block exits).
+    error_files``, and ``filtered_stdout`` / ``filtered_stderr``: once
+    started, the path of the file that collects the lines matching
+    ``duplicate_stdout_filters`` / ``duplicate_stderr_filters`` (None without
+    such filters; torch holds the open file there).  A started ``PContext``
+    also works as ``async with pc:`` (closed when the block exits).
     """
 
     def __init__(
@@ -131,6 +134,8 @@ class PContext:
         self.stdouts: dict[int, str] = {}
         self.stderrs: dict[int, str] = {}
         self.error_files: dict[int, str] = {}
+        self.filtered_stdout: str | None = None
+        self.filtered_stderr: str | None = None
         self._ranks = RankLauncher(
             name,
             entrypoint,
@@ -244,6 +249,10 @@ class PContext:
         self.stderrs = dict(dest.stderrs)
         self.error_files = dict(dest.error_files)
         self._ranks.add_filters(dest, self._filters)
+        if "stdout" in self._ranks.filter_sinks:
+            self.filtered_stdout = dest.filtered_stdout
+        if "stderr" in self._ranks.filter_sinks:
+            self.filtered_stderr = dest.filtered_stderr
         self._supervisor = loop.create_task(
             self._supervise(dest, payloads), name=f"aioproc-supervisor-{self.name}"
         )

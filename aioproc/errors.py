@@ -58,6 +58,7 @@ __all__ = [
     "ForcedKillWarning",
     "ProcessFailure",
     "RemoteTraceback",
+    "get_error_handler",
     "load_error_file",
     "record",
 ]
@@ -65,6 +66,19 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _NOT_AVAILABLE = "<N/A>"
+
+NO_ERROR_FILE_MESSAGE = (
+    "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+)
+"""``ProcessFailure.message`` of a worker that exited with a code (not a
+signal) and wrote no error file: torch's exact text, so code that matches
+on it keeps working.  ``ChildFailedError``'s summary adds a hint."""
+
+
+def _no_error_file_data() -> dict[str, Any]:
+    # torch's placeholder for "no error file"; a fresh dict for every failure
+    return {"message": "<NONE>"}
+
 
 # Breaks ties between failures noticed at the same time.time() value, which
 # a coarse clock can return twice in a row.
@@ -144,11 +158,15 @@ class ProcessFailure:
             failed, or the group was closed), so it is collateral rather than
             a cause. An aioproc extension to torch's fields.
         message: The error message: the error file's ``message`` (a dict for
-            the ``@record`` layout, else a string), or a description of the
-            exit when there is none.
+            the ``@record`` layout, else a string), or, as in torch, ``"Signal
+            N (SIGX) received by PID P"`` for a signal and
+            :data:`NO_ERROR_FILE_MESSAGE` for an exit code without an error
+            file.
         timestamp: Seconds since the epoch: the error file's own timestamp
             when it has one, else when the exit was noticed.
-        error_file_data: The parsed error file, or ``{}``.
+        error_file_data: The parsed error file; torch's ``{"message":
+            "<NONE>"}`` when there is none (plus torch's ``errorTraits`` for
+            an exit code); ``{}`` for a file that is not a JSON object.
         stdout_log, stderr_log: Paths of the worker's ``stdout.log`` and
             ``stderr.log`` (``""`` when the stream was not written to a
             file); set by the supervisor, shown in the summary while the
@@ -190,6 +208,7 @@ class ProcessFailure:
             content = None
         if content is None:
             self.error_file = _NOT_AVAILABLE
+            self.error_file_data = _no_error_file_data()
         elif isinstance(content, OSError):
             logger.warning(
                 "could not read error file %s of local_rank %d (pid %d): %s",
@@ -316,11 +335,12 @@ class ProcessFailure:
             # Signals usually leave no error file; the exact wording is torch's.
             return f"Signal {-self.exitcode} ({self.signal_name()}) received by PID {self.pid}"
         if self.error_file == _NOT_AVAILABLE:
-            return (
-                f"Process {self.pid} exited with code {self.exitcode} and wrote no error "
-                "file; decorate its entrypoint with @aioproc.record (or torch's @record) "
-                "to capture its traceback"
-            )
+            # torch's text and traits; the summary adds how to get a traceback
+            self.error_file_data["errorTraits"] = {
+                "category": "system_terminated_error",
+                "retryability": "False",
+            }
+            return NO_ERROR_FILE_MESSAGE
         return (
             f"Process {self.pid} exited with code {self.exitcode}; its error file "
             f"{self.error_file} holds no message"
@@ -463,6 +483,9 @@ class ChildFailedError(Exception):
 
     def _format_failure(self, idx: int, rank: int, failure: ProcessFailure) -> str:
         stopped = " (stopped by aioproc)" if failure.stopped else ""
+        signal_name = failure.signal_name()
+        if signal_name != _NOT_AVAILABLE:
+            stopped = f" ({signal_name}){stopped}"
         return "\n".join(
             [
                 f"[{idx}]:",
@@ -480,8 +503,20 @@ class ChildFailedError(Exception):
                     if _has_content(path)
                 ),
                 f"  traceback : {_failure_text(failure.message)}",
+                *_hint(failure),
             ]
         )
+
+
+def _hint(failure: ProcessFailure) -> list[str]:
+    # torch's message only links to its docs; say what to do, in place
+    if failure.error_file != _NOT_AVAILABLE or failure.message != NO_ERROR_FILE_MESSAGE:
+        return []
+    return [
+        f"  hint      : exited with code {failure.exitcode} and wrote no error file; "
+        "decorate its entrypoint with @aioproc.record (or torch's @record) to capture "
+        "its traceback"
+    ]
 
 
 def _has_content(path: str) -> bool:
@@ -520,6 +555,31 @@ class ErrorHandler:
     :meth:`initialize` and :meth:`record_exception` to report elsewhere.
     """
 
+    _entrypoint_fn_name: str | None = None
+
+    def set_entrypoint_fn_name(self, fn_name: str) -> None:
+        """Name the entrypoint this handler reports for (newer torch's method).
+
+        ``@record`` calls it with the decorated function's name. The base
+        handler only logs the name (at DEBUG, with a success or an
+        exception); it is never written into the error file, whose
+        ``extraInfo`` holds strings that downstream readers know.
+
+        Args:
+            fn_name: the entrypoint's name.
+        """
+        self._entrypoint_fn_name = fn_name
+
+    def record_success(self) -> None:
+        """Note that the entrypoint returned normally (newer torch's method).
+
+        Writes no error file. The base handler logs the entrypoint's name at
+        DEBUG, and does nothing when no name was set; subclasses report
+        successes elsewhere.
+        """
+        if self._entrypoint_fn_name is not None:
+            logger.debug("entrypoint %s succeeded", self._entrypoint_fn_name)
+
     def _get_error_file_path(self) -> str | None:
         """Return where this process's error.json goes, or None for nowhere."""
         return os.environ.get(_errorfile.ERROR_FILE_ENV) or None
@@ -527,17 +587,21 @@ class ErrorHandler:
     def initialize(self) -> None:
         """Prepare to capture failures: dump Python stacks on fatal signals.
 
-        Enables :mod:`faulthandler` on stderr for all threads, unless it is
-        already enabled (by ``-X faulthandler``, ``PYTHONFAULTHANDLER``, a
-        test runner or the user), whose choice is kept. A failure to enable
-        it is logged, never raised: it must not stop the worker.
+        Enables :mod:`faulthandler` on stderr for all threads, as torch does,
+        also when it is already enabled (it then writes to stderr, for all
+        threads). A failure to enable it is a warning, never an error: it
+        must not stop the worker.
         """
-        if faulthandler.is_enabled():
-            return
         try:
             faulthandler.enable(all_threads=True)
         except Exception as e:  # e.g. sys.stderr is None or has no fd
-            logger.warning("could not enable faulthandler: %s: %s", type(e).__name__, e)
+            import warnings
+
+            warnings.warn(
+                f"could not enable faulthandler: {type(e).__name__}: {e}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def record_exception(self, e: BaseException) -> None:
         """Write ``e`` and its traceback to this process's error file.
@@ -550,6 +614,8 @@ class ErrorHandler:
         Args:
             e: The exception to record.
         """
+        if self._entrypoint_fn_name is not None:
+            logger.debug("entrypoint %s raised %s", self._entrypoint_fn_name, type(e).__name__)
         path = self._get_error_file_path()
         if not path:
             logger.warning(
@@ -653,6 +719,15 @@ class ErrorHandler:
             logger.warning("could not replace existing error file %s: %s", path, e)
 
 
+def get_error_handler() -> ErrorHandler:
+    """Return the handler ``@record`` uses when given none (torch's name).
+
+    Returns:
+        A new :class:`ErrorHandler`.
+    """
+    return ErrorHandler()
+
+
 if TYPE_CHECKING:
 
     @overload
@@ -673,25 +748,28 @@ def record(
     or ``@record(error_handler=...)``. Coroutine functions are supported.
     The call:
 
-    - initializes the handler (faulthandler on);
+    - names the entrypoint to the handler (``set_entrypoint_fn_name``) and
+      initializes it (faulthandler on);
+    - on a normal return, calls the handler's ``record_success()``;
     - on :class:`ChildFailedError`, copies the root cause's error file into
       this process's, with its exit code, so the child's traceback is what
       reaches the scheduler;
     - on any other ``Exception``, records it with
       :meth:`ErrorHandler.record_exception`;
-    - always re-raises. Other ``BaseException`` subclasses (``SystemExit``,
+    - always re-raises, except ``SystemExit`` with code ``0``, which returns
+      None as in torch (so a ``runpy``-run script's ``sys.exit(0)`` does not
+      end its launcher). Other ``BaseException`` subclasses (another
+      ``SystemExit``, including ``sys.exit()`` with no code as in torch,
       ``KeyboardInterrupt``, cancellation) pass through and write nothing.
-      Unlike torch, ``SystemExit(0)`` is not swallowed, so ``sys.exit(0)``
-      exits as it would undecorated.
 
     Args:
         fn: The function to wrap; omit it to get a decorator.
-        error_handler: Handler to use; a new :class:`ErrorHandler` if None.
+        error_handler: Handler to use; :func:`get_error_handler` if None.
 
     Returns:
         The wrapped function, or a decorator when ``fn`` is None.
     """
-    handler = error_handler if error_handler is not None else ErrorHandler()
+    handler = error_handler if error_handler is not None else get_error_handler()
 
     # The ignores below: functools.wraps keeps f's signature, mypy cannot tell.
     def decorate(f: _F) -> _F:
@@ -699,35 +777,64 @@ def record(
 
             @functools.wraps(f)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                _name_entrypoint(handler, f)
                 handler.initialize()
                 try:
-                    return await f(*args, **kwargs)
+                    value = await f(*args, **kwargs)
+                except SystemExit as e:
+                    if e.code == 0:  # torch's test, so False counts and None does not
+                        _record_success(handler)
+                        return None
+                    raise
                 except ChildFailedError as e:
                     _dump_root_cause(handler, e)
                     raise
                 except Exception as e:
                     handler.record_exception(e)
                     raise
+                _record_success(handler)
+                return value
 
             return async_wrapper  # type: ignore[return-value]
 
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            _name_entrypoint(handler, f)
             handler.initialize()
             try:
-                return f(*args, **kwargs)
+                value = f(*args, **kwargs)
+            except SystemExit as e:
+                if e.code == 0:  # torch's test, so False counts and None does not
+                    _record_success(handler)
+                    return None
+                raise
             except ChildFailedError as e:
                 _dump_root_cause(handler, e)
                 raise
             except Exception as e:
                 handler.record_exception(e)
                 raise
+            _record_success(handler)
+            return value
 
         return wrapper  # type: ignore[return-value]
 
     if fn is None:
         return decorate
     return decorate(fn)
+
+
+def _name_entrypoint(handler: ErrorHandler, f: Callable[..., Any]) -> None:
+    # torch 2.13's handlers (which record also accepts) have no such method
+    setter = getattr(handler, "set_entrypoint_fn_name", None)
+    if setter is not None:
+        setter(getattr(f, "__name__", repr(f)))
+
+
+def _record_success(handler: ErrorHandler) -> None:
+    success = getattr(handler, "record_success", None)
+    if success is not None:
+        success()
 
 
 def _dump_root_cause(handler: ErrorHandler, error: ChildFailedError) -> None:

@@ -14,7 +14,8 @@ is watched through ``/proc/self/fd/N``, so the watch follows the very inode
 being read.  Where inotify is not available (another platform, a loop without
 ``add_reader``, the per-user inotify limits reached, or a dangling symlink)
 the tailer falls back to **a backoff delay**: it re-checks after 1 ms,
-doubling up to 100 ms while nothing changes, and back to 1 ms once data flows.
+doubling up to ``interval_sec`` (100 ms by default) while nothing changes,
+and back to 1 ms once data flows.
 inotify does not see writes made through ``mmap`` or from another host on a
 network file system; ``stop()`` still drains such files to their end.
 """
@@ -45,6 +46,7 @@ import ctypes
 import errno
 import functools
 import logging
+import math
 import os
 import stat
 import struct
@@ -267,12 +269,17 @@ class TailLog:
             path (``str`` or ``os.PathLike``) opened for append as UTF-8, or an
             async callable ``sink(rank, line)`` given each line without prefix.
         log_line_prefixes: Rank -> prefix overriding the default for that rank.
+        interval_sec: Accepted for torch's signature, where it is the polling
+            period. Unused while inotify is available (nothing polls); where
+            it is not, it caps the backoff delay between re-checks.
         log_line_filter: As in torch: called with each line, without prefix
             and with its trailing newline; only lines it returns True for are
             written.  ``None`` keeps every line.
 
     Raises:
-        TypeError: ``dst`` is none of the accepted kinds.
+        TypeError: ``dst`` is none of the accepted kinds, or ``interval_sec``
+            is not a number.
+        ValueError: ``interval_sec`` is not positive and finite.
     """
 
     def __init__(
@@ -281,8 +288,15 @@ class TailLog:
         log_files: dict[int, str],
         dst: TextIO | str | os.PathLike[str] | LineSink,
         log_line_prefixes: dict[int, str] | None = None,
+        interval_sec: float = _BACKOFF_MAX,
         log_line_filter: Callable[[str], bool] | None = None,
     ) -> None:
+        if isinstance(interval_sec, bool) or not isinstance(interval_sec, (int, float)):
+            raise TypeError(f"interval_sec must be a number of seconds, not {interval_sec!r}")
+        if not 0 < interval_sec < math.inf:
+            raise ValueError(f"interval_sec must be positive and finite, got {interval_sec!r}")
+        # the cap never falls below the first delay
+        self._backoff_max = max(float(interval_sec), _BACKOFF_MIN)
         self._name = name
         self._log_files = dict(log_files)
         self._dst_path: str | None = None
@@ -459,7 +473,7 @@ class TailLog:
                 # a dangling symlink's target directory is not watched
                 if w is None or os.path.islink(t.path):  # noqa: ASYNC240 - one lstat
                     await self._backoff(t, delay)
-                    delay = min(delay * 2, _BACKOFF_MAX)
+                    delay = min(delay * 2, self._backoff_max)
                 else:
                     await t.wake.wait()
             finally:
@@ -505,7 +519,7 @@ class TailLog:
                 if w is not None:
                     await t.wake.wait()
                 else:
-                    delay = _BACKOFF_MIN if got else min(delay * 2, _BACKOFF_MAX)
+                    delay = _BACKOFF_MIN if got else min(delay * 2, self._backoff_max)
                     await self._backoff(t, delay)
             await self._emit(t, t.framer.flush())
         finally:

@@ -46,6 +46,7 @@ import itertools
 import math
 import os
 import sys
+import time
 import warnings
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs workers
@@ -54,7 +55,17 @@ if TYPE_CHECKING:
     from types import FrameType, TracebackType
     from typing import Any
 
-__all__ = ["FD_ENV", "INODE_ENV", "MAX_PENDING", "MAX_SCOPE_LEN", "expires", "is_enabled"]
+__all__ = [
+    "FD_ENV",
+    "INODE_ENV",
+    "MAX_PENDING",
+    "MAX_SCOPE_LEN",
+    "TimerClient",
+    "WatchdogClient",
+    "configure",
+    "expires",
+    "is_enabled",
+]
 
 FD_ENV = "AIOPROC_WATCHDOG_FD"
 """Environment variable holding the number of the inherited watchdog fd."""
@@ -77,6 +88,98 @@ _fd: int | None = None  # None: not configured yet; -1: disabled
 _disabled_reason = ""
 _warned = False
 _ids = itertools.count(1)  # next() is atomic under the GIL: ids are unique per process
+# (pid, scope) -> the id of that scope's live timer: torch keys timers by
+# worker and scope, so a nested block of the same scope replaces the timer
+# and its release ends it (the pid keeps a forked child's timers its own)
+_scope_ids: dict[tuple[int, str], int] = {}
+
+
+class TimerClient:
+    """What ``expires`` talks to (torch's ``TimerClient`` interface).
+
+    Subclass it to send timers elsewhere; ``configure(client)`` makes a
+    client the default of ``expires``.
+    """
+
+    def acquire(self, scope_id: str, expiration_time: float) -> None:
+        """Start (or replace) this process's timer for ``scope_id``.
+
+        Args:
+            scope_id: the timer's name.
+            expiration_time: when it expires, in ``time.time()`` seconds.
+        """
+        raise NotImplementedError
+
+    def release(self, scope_id: str) -> None:
+        """End this process's timer for ``scope_id`` (none running: nothing)."""
+        raise NotImplementedError
+
+
+class WatchdogClient(TimerClient):
+    """The client of the agent's watchdog (``WorkerSpec(watchdog=True)``).
+
+    The default client of ``expires``. As in torch's servers, a process has
+    one timer per scope: acquiring a scope that is running replaces its
+    deadline, releasing it ends it. Outside an aioproc agent with a
+    watchdog, it warns once and does nothing.
+    """
+
+    def acquire(self, scope_id: str, expiration_time: float) -> None:
+        self._acquire(scope_id, expiration_time - time.time(), stacklevel=4)
+
+    def release(self, scope_id: str) -> None:
+        timer_id = _scope_ids.pop((os.getpid(), scope_id), None)
+        if timer_id is not None and _fd is not None and _fd >= 0:
+            _send(_fd, {"op": "release", "pid": os.getpid(), "id": timer_id})
+
+    def _acquire(self, scope: str, after: float, stacklevel: int) -> bool:
+        # True: the agent got (or will get) the request
+        if not isinstance(scope, str):
+            raise TypeError(f"scope_id must be a str, got {scope!r}")
+        if len(scope) > MAX_SCOPE_LEN:
+            raise ValueError(
+                f"scope_id is {len(scope)} characters long; at most {MAX_SCOPE_LEN} fit"
+            )
+        fd = _channel(warn_stacklevel=stacklevel)
+        if fd < 0:
+            return False
+        key = (os.getpid(), scope)
+        timer_id = _scope_ids.get(key) or next(_ids)
+        request = {
+            "op": "acquire",
+            "pid": key[0],
+            "id": timer_id,
+            "scope": scope,
+            "after": max(0.0, after),
+        }
+        if not _send(fd, request):
+            return False
+        _scope_ids[key] = timer_id
+        return True
+
+
+_default_client = WatchdogClient()
+_client: TimerClient = _default_client
+
+
+def configure(timer_client: TimerClient | None) -> None:
+    """Make ``timer_client`` the client ``expires`` uses by default (torch's ``configure``).
+
+    Args:
+        timer_client: the client; None restores aioproc's ``WatchdogClient``.
+
+    Raises:
+        TypeError: ``timer_client`` has no ``acquire``/``release`` methods.
+    """
+    global _client
+    if timer_client is None:
+        _client = _default_client
+        return
+    if not all(callable(getattr(timer_client, m, None)) for m in ("acquire", "release")):
+        raise TypeError(
+            f"configure() needs a TimerClient (acquire and release methods), got {timer_client!r}"
+        )
+    _client = timer_client
 
 
 def is_enabled() -> bool:
@@ -89,7 +192,7 @@ def is_enabled() -> bool:
     return _channel() >= 0
 
 
-def expires(after: float, scope: str | None = None) -> _Expires:
+def expires(after: float, scope: str | None = None, client: TimerClient | None = None) -> _Expires:
     """A countdown timer over a ``with`` block, like torch's ``expires``.
 
     Usage::
@@ -104,8 +207,11 @@ def expires(after: float, scope: str | None = None) -> _Expires:
     worker eligible to be reaped: the agent dumps this process's stack to its
     stderr and kills the worker's process group, typically within a few
     milliseconds of the deadline (never before it).  Blocks nest and may run
-    concurrently in several threads and in forked children that stay in the
-    worker's process group; each block is its own timer.
+    in several threads and in forked children that stay in the worker's
+    process group.  As in torch, a process has one timer per scope: a
+    nested block with the same scope (the default scope is the call site,
+    so only a recursive call or an explicit scope repeats one) replaces the
+    outer block's deadline, and leaving it ends the timer for both.
 
     Entering and leaving a block never block the worker, even while the
     agent's event loop is busy: requests the agent cannot take yet wait in a
@@ -123,12 +229,15 @@ def expires(after: float, scope: str | None = None) -> _Expires:
             number >= 0.
         scope: name of the timer in the failure message.  Default, as in
             torch: the caller's ``"<file>#<line>"``.
+        client: the ``TimerClient`` to use; default: the one given to
+            ``configure``, else the agent's watchdog.
 
     Returns:
         A single-use context manager.
 
     Raises:
-        TypeError: ``after`` is not a number or ``scope`` not a str.
+        TypeError: ``after`` is not a number, ``scope`` not a str or
+            ``client`` not a ``TimerClient``.
         ValueError: ``after`` is negative or not finite, or ``scope`` is longer
             than ``MAX_SCOPE_LEN`` characters.
     """
@@ -147,41 +256,41 @@ def expires(after: float, scope: str | None = None) -> _Expires:
         raise ValueError(
             f"expires(scope=...) is {len(scope)} characters long; at most {MAX_SCOPE_LEN} fit"
         )
-    return _Expires(float(after), scope)
+    if client is not None and not all(
+        callable(getattr(client, m, None)) for m in ("acquire", "release")
+    ):
+        raise TypeError(f"expires(client=...) must be a TimerClient, got {client!r}")
+    return _Expires(float(after), scope, client)
 
 
 class _Expires:
     """One ``expires(...)`` block: acquire on enter, release on exit."""
 
-    __slots__ = ("_id", "_used", "after", "scope")
+    __slots__ = ("_client", "_entered", "_used", "after", "scope")
 
-    def __init__(self, after: float, scope: str) -> None:
+    def __init__(self, after: float, scope: str, client: TimerClient | None) -> None:
         self.after = after
         self.scope = scope
-        self._id: int | None = None
+        self._client = client
+        self._entered: TimerClient | None = None
         self._used = False
 
     def __repr__(self) -> str:
-        state = "active" if self._id is not None else ("done" if self._used else "new")
+        state = "active" if self._entered is not None else ("done" if self._used else "new")
         return f"<expires {self.scope!r} after={self.after:g} s {state}>"
 
     def __enter__(self) -> None:
         if self._used:
             raise RuntimeError(f"{self!r} was already entered; call expires() for each block")
         self._used = True
-        fd = _channel(warn_stacklevel=3)
-        if fd < 0:
-            return
-        timer_id = next(_ids)
-        request = {
-            "op": "acquire",
-            "pid": os.getpid(),
-            "id": timer_id,
-            "scope": self.scope,
-            "after": self.after,
-        }
-        if _send(fd, request):
-            self._id = timer_id
+        client = self._client if self._client is not None else _client
+        if isinstance(client, WatchdogClient):
+            # no clock round trip; a block the agent never heard of is not active
+            if not client._acquire(self.scope, self.after, stacklevel=4):
+                return
+        else:
+            client.acquire(self.scope, time.time() + self.after)
+        self._entered = client
 
     def __exit__(
         self,
@@ -189,9 +298,9 @@ class _Expires:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        timer_id, self._id = self._id, None
-        if timer_id is not None and _fd is not None and _fd >= 0:
-            _send(_fd, {"op": "release", "pid": os.getpid(), "id": timer_id})
+        client, self._entered = self._entered, None
+        if client is not None:
+            client.release(self.scope)
 
 
 # ------------------------------------------------------------------ channel
@@ -394,6 +503,7 @@ def _after_fork_in_child() -> None:
     _queue_lock = _thread.allocate_lock()
     _pending.clear()
     _flushing = False
+    _scope_ids.clear()  # the parent's timers, not this process's
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -48,6 +48,71 @@ def reports(log_dir: Path, attempt: int, n: int) -> list[dict]:
     return out
 
 
+async def test_torch_positional_order_template_and_worker_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # torch >= 2.2: LocalElasticAgent(spec, logs_specs, start_method,
+    # exit_barrier_timeout, log_line_prefix_template)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")  # a parent value passes
+    monkeypatch.delenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", raising=False)
+    spec = flaky_spec("", n=2, master_port=29541)
+    spec.redirects, spec.tee = Std.NONE, Std.ALL
+    logs = aioproc.DefaultLogsSpecs(log_dir=str(tmp_path), tee=Std.ALL)
+    agent = LocalElasticAgent(spec, logs, "spawn", 30, "<${role_name}:${rank}> ")
+    before = dict(os.environ)
+    group = agent.get_worker_group()
+    assert group.state == WorkerState.INIT and group.spec is spec
+    assert [(w.local_rank, w.global_rank, w.id) for w in group.workers] == [
+        (0, -1, None),
+        (1, -1, None),
+    ]
+    assert (group.group_rank, group.group_world_size, group.master_port) == (None, None, None)
+    seen: list[tuple[WorkerState, list[int | None]]] = []
+
+    def on_event(event: AgentEvent) -> None:
+        if event.kind == "worker_started" and event.local_rank == 1:
+            g = agent.get_worker_group()
+            seen.append((g.state, [w.id for w in g.workers]))
+
+    agent.add_event_handler(on_event)
+    result = await agent.run()
+    assert result.state == WorkerState.SUCCEEDED
+    assert dict(os.environ) == before  # the template never went through os.environ
+    lines = capfd.readouterr().out.splitlines()
+    for rank in (0, 1):
+        (line,) = [x for x in lines if x.startswith(f"<trainer:{rank}> ")]
+        env = json.loads(line.split(" ", 1)[1])["env"]
+        assert env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] is None
+        assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+    assert agent.get_worker_group() is group
+    assert group.state == WorkerState.SUCCEEDED
+    assert (group.group_rank, group.group_world_size) == (0, 1)
+    assert (group.master_addr, group.master_port) == ("127.0.0.1", 29541)
+    assert [
+        (w.local_rank, w.global_rank, w.role_rank, w.world_size, w.role_world_size)
+        for w in group.workers
+    ] == [(0, 0, 0, 2, 2), (1, 1, 1, 2, 2)]
+    ((state, ids),) = seen
+    assert state == WorkerState.HEALTHY
+    assert ids == [agent.pids()[0], agent.pids()[1]] and all(ids)
+
+
+def test_old_positional_order_and_bad_template_are_clear_errors(tmp_path: Path) -> None:
+    spec = flaky_spec("", n=1)
+    with pytest.raises(TypeError) as info:
+        LocalElasticAgent(spec, "spawn")  # type: ignore[arg-type]
+    assert str(info.value) == (
+        "logs_specs must be a LogsSpecs (the second argument, as in torch >= 2.2), got 'spawn'"
+    )
+    with pytest.raises(TypeError, match=r"^log_line_prefix_template must be a str, got 3$"):
+        LocalElasticAgent(spec, None, "spawn", 300, 3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^give log_dir='x' or logs_specs, not both"):
+        LocalElasticAgent(spec, aioproc.DefaultLogsSpecs(log_dir=str(tmp_path)), log_dir="x")
+    with pytest.raises(TypeError):
+        LocalElasticAgent(spec, None, "spawn", 300, None, str(tmp_path))  # type: ignore[misc]
+
+
 async def test_workers_get_torchruns_environment(tmp_path: Path) -> None:
     agent = LocalElasticAgent(
         flaky_spec("", n=3, master_port=29533), log_dir=str(tmp_path), run_id="job7"
@@ -77,6 +142,11 @@ async def test_workers_get_torchruns_environment(tmp_path: Path) -> None:
             "TORCHELASTIC_RUN_ID": "job7",
             "TORCHELASTIC_ERROR_FILE": str(error_file),
             "OMP_NUM_THREADS": expected_omp,
+            "TORCHELASTIC_USE_AGENT_STORE": "False",  # no agent store to connect to
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get(
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"
+            ),
+            "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": None,
         }
         assert rep["argv"] == [f"rank={rank}"]
     assert run_dir(tmp_path).name.startswith("job7_")
@@ -245,7 +315,9 @@ def test_bad_specs_are_rejected() -> None:
     with pytest.raises(ValueError, match="master_port"):
         WorkerSpec(role="r", local_world_size=1, entrypoint="true", master_port=70000)
     with pytest.raises(ValueError, match="start_method"):
-        LocalElasticAgent(WorkerSpec(role="r", local_world_size=1, entrypoint="true"), "fork")
+        LocalElasticAgent(
+            WorkerSpec(role="r", local_world_size=1, entrypoint="true"), start_method="fork"
+        )
 
 
 # ------------------------------------------------------------------ stop()

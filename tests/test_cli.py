@@ -142,6 +142,10 @@ async def test_success_gives_torchrun_env_and_prefixed_lines() -> None:
         assert error_file.endswith(os.path.join("attempt_0", str(rank), "error.json"))
         assert rep["ARGS"] == ["--flag", f"x{rank}"]
         assert rep["SIGHUP"] == "default"  # the agent ignores SIGHUP, its workers do not
+        # torchrun sets these two; aioproc hosts no agent store, hence False
+        assert rep["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+        assert rep["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+        assert rep["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGQUIT"  # as handled
 
 
 async def test_without_tee_output_is_inherited_unprefixed() -> None:
@@ -330,7 +334,7 @@ async def test_watchdog_flag_serves_timers_to_the_workers() -> None:
 
 
 async def start_sleepers(
-    log_dir: Path, *args: str, n: int = 2
+    log_dir: Path, *args: str, n: int = 2, env: dict[str, str] | None = None
 ) -> tuple[asyncio.subprocess.Process, list[int]]:
     """Start the command on cli_sleep.py workers; return it once all said ready."""
     proc = await asyncio.create_subprocess_exec(
@@ -343,7 +347,7 @@ async def start_sleepers(
         *args,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env=cli_env(),
+        env=cli_env(**(env or {})),
     )
     assert proc.stdout is not None
     pids: list[int] = []
@@ -359,21 +363,44 @@ async def start_sleepers(
     return proc, pids
 
 
+SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+
+
 @pytest.mark.parametrize(
-    ("flags", "signals", "code"),
+    ("flags", "env", "signals", "code"),
     [
-        ((), (signal.SIGTERM,), 128 + signal.SIGTERM),
-        ((), (signal.SIGINT,), 128 + signal.SIGINT),
-        ((), (signal.SIGHUP, signal.SIGTERM), 128 + signal.SIGTERM),
-        (("--forward-sighup",), (signal.SIGHUP,), 128 + signal.SIGHUP),
+        ((), {}, (signal.SIGTERM,), 128 + signal.SIGTERM),
+        ((), {}, (signal.SIGINT,), 128 + signal.SIGINT),
+        ((), {}, (signal.SIGHUP, signal.SIGTERM), 128 + signal.SIGTERM),
+        (("--forward-sighup",), {}, (signal.SIGHUP,), 128 + signal.SIGHUP),
+        # torchrun's variable: SIGUSR1 handled (SLURM), SIGHUP still ignored
+        ((), {SIGNALS_ENV: "SIGUSR1, SIGTERM"}, (signal.SIGHUP, signal.SIGUSR1), 128 + 10),
+        # the flag wins over the variable; SIGHUP listed means handled
+        (
+            ("--signals-to-handle", "SIGHUP"),
+            {SIGNALS_ENV: "SIGUSR1"},
+            (signal.SIGHUP,),
+            128 + signal.SIGHUP,
+        ),
     ],
-    ids=["SIGTERM", "SIGINT", "SIGHUP-ignored", "SIGHUP-forwarded"],
+    ids=[
+        "SIGTERM",
+        "SIGINT",
+        "SIGHUP-ignored",
+        "SIGHUP-forwarded",
+        "env-SIGUSR1",
+        "flag-SIGHUP",
+    ],
 )
 async def test_signal_stops_the_workers_and_sets_the_exit_code(
-    flags: tuple[str, ...], signals: tuple[signal.Signals, ...], code: int, tmp_path: Path
+    flags: tuple[str, ...],
+    env: dict[str, str],
+    signals: tuple[signal.Signals, ...],
+    code: int,
+    tmp_path: Path,
 ) -> None:
     proc, pids = await start_sleepers(
-        tmp_path, "--tee", "3", "--grace-period", "20", *flags, SLEEP_SCRIPT
+        tmp_path, "--tee", "3", "--grace-period", "20", *flags, SLEEP_SCRIPT, env=env
     )
     for sig in signals:
         proc.send_signal(sig)
@@ -465,6 +492,7 @@ RUN_FLAGS = [
     "--watchdog",
     "--no-live",
     "--forward-sighup",
+    "--signals-to-handle",
 ]
 
 
@@ -546,6 +574,13 @@ def test_version() -> None:
         (["--run-id", "a/b"], "run id 'a/b' contains a path separator"),
         (["--run-id", ".."], "run id '..' is not a usable directory name"),
         (["--run-id", "."], "run id '.' is not a usable directory name"),
+        (
+            ["--signals-to-handle", "SIGTERM,SIGNOPE"],
+            "'SIGNOPE' is not a signal name: expected comma-separated signal names "
+            "(e.g. 'SIGTERM,SIGINT,SIGUSR1'), got 'SIGTERM,SIGNOPE'",
+        ),
+        (["--signals-to-handle", "SIGKILL"], "'SIGKILL' cannot be caught"),
+        (["--signals-to-handle", "15"], "'15' is not a signal name"),
     ],
 )
 def test_usage_errors_exit_2_with_a_message(args: list[str], message: str) -> None:
@@ -560,6 +595,23 @@ def test_usage_errors_exit_2_with_a_message(args: list[str], message: str) -> No
     assert message in proc.stderr.splitlines()[-1]
     assert proc.stderr.splitlines()[-1].startswith("aioproc run: error: ")
     assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_bad_signals_to_handle_variable_is_a_usage_error() -> None:
+    proc = subprocess.run(
+        [*CLI, "run", ENV_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        env=cli_env(TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGBOGUS"),
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        "aioproc run: error: TORCHELASTIC_SIGNALS_TO_HANDLE: 'SIGBOGUS' is not a signal "
+        "name: expected comma-separated signal names (e.g. 'SIGTERM,SIGINT,SIGUSR1'), got "
+        "'SIGTERM,SIGBOGUS'"
+    )
     assert proc.stdout == ""
 
 

@@ -127,11 +127,15 @@ def test_failure_without_error_file(tmp_path: Path) -> None:
     )
 
     assert pf.error_file == "<N/A>"
-    assert pf.error_file_data == {}
-    assert pf.message == (
-        "Process 4242 exited with code 138 and wrote no error file; decorate its "
-        "entrypoint with @aioproc.record (or torch's @record) to capture its traceback"
+    # torch's placeholder, traits and exact text (errors/api_test.py)
+    assert pf.error_file_data == {
+        "message": "<NONE>",
+        "errorTraits": {"category": "system_terminated_error", "retryability": "False"},
+    }
+    assert (
+        pf.message == "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
     )
+    assert pf.message == errors.NO_ERROR_FILE_MESSAGE
     assert before <= pf.timestamp <= int(time.time())
     assert pf.signal_name() == "<N/A>"
 
@@ -145,6 +149,7 @@ def test_failure_by_signal(sig: signal.Signals, name: str) -> None:
     assert pf.signal_name() == name
     assert pf.message == f"Signal {int(sig)} ({name}) received by PID 4242"
     assert pf.error_file == "<N/A>"
+    assert pf.error_file_data == {"message": "<NONE>"}
 
 
 def test_failure_by_sigterm_exact_message() -> None:
@@ -300,7 +305,7 @@ async def test_load_with_an_oversized_missing_or_unreadable_error_file(
 
     missing = await ProcessFailure.load(0, 7, 3, str(tmp_path / "missing.json"))
     assert missing.error_file == "<N/A>"
-    assert missing.message.startswith("Process 7 exited with code 3 and wrote no error file")
+    assert missing.message == errors.NO_ERROR_FILE_MESSAGE
 
     unreadable = tmp_path / "unreadable.json"
     unreadable.write_text("{}")
@@ -465,7 +470,7 @@ def test_format_msg_layout(tmp_path: Path, clock: list[float]) -> None:
             f"  time      : {t_stopped}",
             f"  host      : {host}",
             "  rank      : 1 (local_rank: 1)",
-            "  exitcode  : -15 (pid: 101) (stopped by aioproc)",
+            "  exitcode  : -15 (pid: 101) (SIGTERM) (stopped by aioproc)",
             "  error_file: <N/A>",
             "  traceback : Signal 15 (SIGTERM) received by PID 101",
             "-" * 60,
@@ -572,19 +577,13 @@ def test_record_exception_unwritable_path(
     )
 
 
-def test_initialize_keeps_an_enabled_faulthandler(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("already", [True, False])
+def test_initialize_enables_faulthandler_like_torch(
+    monkeypatch: pytest.MonkeyPatch, already: bool
+) -> None:
+    # torch enables it whether or not it already is (error_handler_test.py)
     calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(faulthandler, "is_enabled", lambda: True)
-    monkeypatch.setattr(faulthandler, "enable", lambda **kw: calls.append(kw))
-
-    ErrorHandler().initialize()
-
-    assert calls == []
-
-
-def test_initialize_enables_faulthandler(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(faulthandler, "is_enabled", lambda: False)
+    monkeypatch.setattr(faulthandler, "is_enabled", lambda: already)
     monkeypatch.setattr(faulthandler, "enable", lambda **kw: calls.append(kw))
 
     ErrorHandler().initialize()
@@ -592,20 +591,39 @@ def test_initialize_enables_faulthandler(monkeypatch: pytest.MonkeyPatch) -> Non
     assert calls == [{"all_threads": True}]
 
 
-def test_initialize_tolerates_faulthandler_failure(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_initialize_tolerates_faulthandler_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(**kw: Any) -> None:
         raise RuntimeError("sys.stderr is None")
 
-    monkeypatch.setattr(faulthandler, "is_enabled", lambda: False)
     monkeypatch.setattr(faulthandler, "enable", broken)
 
-    ErrorHandler().initialize()
+    with pytest.warns(RuntimeWarning) as caught:
+        ErrorHandler().initialize()
 
-    assert [r.getMessage() for r in caplog.records] == [
+    assert [str(w.message) for w in caught] == [
         "could not enable faulthandler: RuntimeError: sys.stderr is None"
     ]
+
+
+def test_get_error_handler_is_what_record_uses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert type(errors.get_error_handler()) is ErrorHandler
+    made: list[ErrorHandler] = []
+
+    class Spy(ErrorHandler):
+        def record_exception(self, e: BaseException) -> None:
+            made.append(self)
+
+    monkeypatch.setattr(errors, "get_error_handler", Spy)
+
+    @record
+    def main() -> None:
+        raise ValueError("x")
+
+    with pytest.raises(ValueError, match=r"^x$"):
+        main()
+    assert [type(h) for h in made] == [Spy]
 
 
 def test_dump_error_file_without_own_error_file(
@@ -697,11 +715,13 @@ def test_record_success_writes_nothing(tmp_path: Path, monkeypatch: pytest.Monke
     assert not path.exists()
 
 
-@pytest.mark.parametrize("exc", [SystemExit(0), SystemExit(3), KeyboardInterrupt()])
+@pytest.mark.parametrize(
+    "exc", [SystemExit(None), SystemExit(3), SystemExit("bye"), KeyboardInterrupt()]
+)
 def test_record_passes_base_exceptions_through(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exc: BaseException
 ) -> None:
-    # torch returns None on SystemExit(0); we re-raise it like any BaseException.
+    # torch re-raises every SystemExit whose code is not 0 (None included)
     path = tmp_path / "error.json"
     monkeypatch.setenv(ENV, str(path))
 
@@ -713,6 +733,26 @@ def test_record_passes_base_exceptions_through(
         main()
 
     assert info.value is exc
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("code", [0, False])
+async def test_record_swallows_system_exit_zero_like_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    path = tmp_path / "error.json"
+    monkeypatch.setenv(ENV, str(path))
+
+    @record
+    def main() -> int:
+        raise SystemExit(code)
+
+    @record
+    async def amain() -> int:
+        raise SystemExit(code)
+
+    assert main() is None
+    assert await amain() is None
     assert not path.exists()
 
 
@@ -863,3 +903,97 @@ def test_record_in_child_process_stays_light(tmp_path: Path) -> None:
     assert "aioproc.errors" in child["modules"]
     forbidden = {"asyncio", "anyio", "aiofiles", "uvloop"}
     assert [m for m in child["modules"] if m.split(".")[0] in forbidden] == []
+
+
+def test_summary_hints_at_record_where_torch_only_links_its_docs(tmp_path: Path) -> None:
+    pf = ProcessFailure(local_rank=1, pid=4242, exitcode=3, error_file=str(tmp_path / "no.json"))
+    lines = ChildFailedError("train", {5: pf}).format_msg().split("\n")
+
+    at = lines.index(f"  traceback : {errors.NO_ERROR_FILE_MESSAGE}")
+    assert lines[at + 1] == (
+        "  hint      : exited with code 3 and wrote no error file; decorate its entrypoint "
+        "with @aioproc.record (or torch's @record) to capture its traceback"
+    )
+    assert "  exitcode  : 3 (pid: 4242)" in lines
+    # a signal has no error file either, but nothing to decorate: no hint
+    killed = ProcessFailure(local_rank=0, pid=7, exitcode=-9, error_file="")
+    text = ChildFailedError("train", {0: killed}).format_msg()
+    assert "  exitcode  : -9 (pid: 7) (SIGKILL)" in text.split("\n")
+    assert "hint" not in text
+
+
+def test_entrypoint_fn_name_is_logged_never_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # newer torch's error_handler_test: the name goes to the log, not the file
+    path = tmp_path / "error.json"
+    monkeypatch.setenv(ENV, str(path))
+    caplog.set_level(logging.DEBUG, logger="aioproc.errors")
+    handler = ErrorHandler()
+    handler.set_entrypoint_fn_name("raise_exception_fn")
+    handler.record_exception(RuntimeError("foobar"))
+
+    assert "entrypoint raise_exception_fn raised RuntimeError" in caplog.messages
+    data = json.loads(path.read_text())
+    assert sorted(data["message"]["extraInfo"]) == ["py_callstack", "timestamp"]
+
+
+def test_record_success_logs_the_name_and_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "error.json"
+    monkeypatch.setenv(ENV, str(path))
+    caplog.set_level(logging.DEBUG, logger="aioproc.errors")
+    ErrorHandler().record_success()  # no name: nothing logged
+    assert caplog.messages == []
+    handler = ErrorHandler()
+    handler.set_entrypoint_fn_name("good_fn")
+    handler.record_success()
+    assert caplog.messages == ["entrypoint good_fn succeeded"]
+    assert not path.exists()
+
+
+async def test_record_names_the_entrypoint_and_reports_success(tmp_path: Path) -> None:
+    calls: list[tuple[str, object]] = []
+
+    class Spy(ErrorHandler):
+        def set_entrypoint_fn_name(self, fn_name: str) -> None:
+            calls.append(("name", fn_name))
+
+        def record_success(self) -> None:
+            calls.append(("success", None))
+
+        def record_exception(self, e: BaseException) -> None:
+            calls.append(("exception", type(e).__name__))
+
+    @record(error_handler=Spy())
+    def good() -> int:
+        return 1
+
+    @record(error_handler=Spy())
+    async def agood() -> int:
+        return 2
+
+    @record(error_handler=Spy())
+    def bad() -> None:
+        raise KeyError("x")
+
+    @record(error_handler=Spy())
+    def quits() -> None:
+        raise SystemExit(0)
+
+    assert good() == 1
+    assert await agood() == 2
+    with pytest.raises(KeyError):
+        bad()
+    assert quits() is None
+    assert calls == [
+        ("name", "good"),
+        ("success", None),
+        ("name", "agood"),
+        ("success", None),
+        ("name", "bad"),
+        ("exception", "KeyError"),
+        ("name", "quits"),
+        ("success", None),
+    ]

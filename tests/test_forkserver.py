@@ -223,7 +223,7 @@ async def test_fork_is_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match=reason):
         open_worker(start_method="fork")
     with pytest.raises(ValueError, match=reason):
-        LocalElasticAgent(WorkerSpec("r", 1, fork_funcs.ident, (1,)), "fork")
+        LocalElasticAgent(WorkerSpec("r", 1, fork_funcs.ident, (1,)), start_method="fork")
     with pytest.raises(ValueError, match="unknown start_method 'vfork'"):
         await run(fork_funcs.ident, 1, (1,), start_method="vfork")
 
@@ -254,7 +254,7 @@ async def test_agent_restarts_reuse_the_template(tmp_path: Path) -> None:
     events: list[str] = []
     agent = LocalElasticAgent(
         spec,
-        "forkserver",
+        start_method="forkserver",
         on_event=lambda e: events.append(e.name),
         grace_period=2,
         log_dir=str(tmp_path / "logs"),  # the failed attempt's logs are kept

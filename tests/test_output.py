@@ -752,8 +752,11 @@ async def test_duplicate_filters(
         duplicate_stderr_filters=["oops"],
     )
     attempt = attempt_dir(pc)
-    filtered_out = text_lines(Path(attempt, "filtered_stdout.log").read_text())
-    filtered_err = text_lines(Path(attempt, "filtered_stderr.log").read_text())
+    # as torch's api_test reads them: the paths are on the context
+    assert pc.filtered_stdout == str(Path(attempt, "filtered_stdout.log"))
+    assert pc.filtered_stderr == str(Path(attempt, "filtered_stderr.log"))
+    filtered_out = text_lines(Path(pc.filtered_stdout).read_text())
+    filtered_err = text_lines(Path(pc.filtered_stderr).read_text())
     for r in (0, 1):
         assert of_prefix(filtered_out, f"[w{r}]:") == [f"needle {r} one", f"hay needle {r}"]
         assert of_prefix(filtered_err, f"[w{r}]:") == [f"oops {r}"]
@@ -818,6 +821,7 @@ async def test_local_ranks_filter_hides_console_not_files(
     captured = capfd.readouterr()
     assert text_lines(captured.out) == ["[w1]:out-1"]
     assert text_lines(captured.err) == ["[w1]:err-1"]
+    assert (pc.filtered_stdout, pc.filtered_stderr) == (None, None)  # no duplicate filters
     for r in range(3):
         assert read_bytes(pc.stdouts[r]) == f"out-{r}\n".encode()
         assert read_bytes(pc.stderrs[r]) == f"err-{r}\n".encode()

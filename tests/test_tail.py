@@ -12,6 +12,7 @@ import sys
 import threading
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -292,6 +293,40 @@ async def test_no_files_and_stop_before_start() -> None:
 def test_bad_destination_is_a_type_error() -> None:
     with pytest.raises(TypeError, match="dst must be"):
         TailLog("x", {}, 42)  # type: ignore[arg-type]
+
+
+async def test_torch_positional_signature_with_interval_sec(tmp_path: Path, mode: str) -> None:
+    # torch: TailLog(name, log_files, dst, log_line_prefixes, interval_sec, log_line_filter)
+    path = tmp_path / "late.log"
+    got: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
+
+    async def sink(rank: int, line: str) -> None:
+        await got.put((rank, line))
+
+    keep = lambda line: not line.startswith("drop")  # noqa: E731
+    async with TailLog("t", {0: str(path)}, sink, None, 0.01, keep) as tailer:
+        with open(path, "wb", buffering=0) as f:
+            f.write(b"drop me\nkeep me\n")
+            assert await got.get() == (0, "keep me\n")
+            await tailer.stop()
+    assert got.empty()
+
+
+@pytest.mark.parametrize(
+    ("interval", "error", "text"),
+    [
+        (0, ValueError, "interval_sec must be positive and finite, got 0"),
+        (-1.5, ValueError, "interval_sec must be positive and finite, got -1.5"),
+        (float("inf"), ValueError, "interval_sec must be positive and finite, got inf"),
+        (float("nan"), ValueError, "interval_sec must be positive and finite, got nan"),
+        ("0.1", TypeError, "interval_sec must be a number of seconds, not '0.1'"),
+        (True, TypeError, "interval_sec must be a number of seconds, not True"),
+    ],
+)
+def test_bad_interval_sec(interval: Any, error: type[Exception], text: str) -> None:
+    with pytest.raises(error) as info:
+        TailLog("x", {}, io.StringIO(), interval_sec=interval)
+    assert str(info.value) == text
 
 
 async def test_cancelled_stop_closes_everything(tmp_path: Path, mode: str) -> None:

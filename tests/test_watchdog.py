@@ -550,6 +550,9 @@ def test_expires_checks_its_arguments() -> None:
         expires(after=1, scope=b"x")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="characters long"):
         expires(after=1, scope="x" * (MAX_SCOPE_LEN + 1))
+    with pytest.raises(TypeError) as info:
+        expires(after=1, client="c")  # type: ignore[arg-type]
+    assert str(info.value) == "expires(client=...) must be a TimerClient, got 'c'"
     timer = expires(after=1.5, scope="s")
     assert repr(timer) == "<expires 's' after=1.5 s new>"
     here = expires(after=1)
@@ -646,3 +649,105 @@ def test_expires_never_blocks_when_the_agent_does_not_read(blocks: int) -> None:
             f"aioproc.timer: the agent is not reading timer requests ({MAX_PENDING} are "
             "waiting); new expires() blocks are not enforced until it catches up"
         ]
+
+
+def run_timer_code(code: str) -> tuple[list[dict[str, Any]], str, int]:
+    """Run ``code`` with a watchdog fd; return the requests it sent, its stdout, its pid."""
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    st = os.fstat(child.fileno())
+    env = {k: v for k, v in os.environ.items() if k not in (FD_ENV, INODE_ENV)}
+    env.update({FD_ENV: str(child.fileno()), INODE_ENV: f"{st.st_dev}:{st.st_ino}"})
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            env=env,
+            pass_fds=(child.fileno(),),
+            capture_output=True,
+            text=True,
+            timeout=LIMIT,
+        )
+        assert proc.returncode == 0, proc.stderr
+        parent.setblocking(False)
+        requests = []
+        while True:
+            try:
+                requests.append(json.loads(parent.recv(4096)))
+            except BlockingIOError:
+                break
+    finally:
+        parent.close()
+        child.close()
+    out = proc.stdout.splitlines()
+    return requests, "\n".join(out[1:]), int(out[0])
+
+
+def test_nested_blocks_of_one_scope_share_a_timer_as_in_torch() -> None:
+    # torch's timer servers key timers by (pid, scope): the inner acquire
+    # replaces the outer deadline and the inner release ends the timer
+    requests, _, pid = run_timer_code(
+        """
+        import os
+        from aioproc.timer import expires
+        print(os.getpid(), flush=True)
+        with expires(after=10, scope="s"):
+            with expires(after=20, scope="s"):
+                pass
+            with expires(after=30, scope="other"):
+                pass
+        """
+    )
+    s_id, other = requests[0]["id"], requests[3]["id"]
+    assert other != s_id
+    assert requests == [
+        {"op": "acquire", "pid": pid, "id": s_id, "scope": "s", "after": 10.0},
+        {"op": "acquire", "pid": pid, "id": s_id, "scope": "s", "after": 20.0},
+        {"op": "release", "pid": pid, "id": s_id},
+        {"op": "acquire", "pid": pid, "id": other, "scope": "other", "after": 30.0},
+        {"op": "release", "pid": pid, "id": other},
+    ]  # the outer block's exit sends nothing: its timer already ended
+
+
+def test_configure_client_and_torch_style_api() -> None:
+    requests, out, pid = run_timer_code(
+        """
+        import os, time
+        from aioproc import timer
+        print(os.getpid(), flush=True)
+
+        class Recorder(timer.TimerClient):
+            def acquire(self, scope_id, expiration_time):
+                left = expiration_time - time.time()
+                print("acquire", scope_id, 4 < left <= 5)
+            def release(self, scope_id):
+                print("release", scope_id)
+
+        timer.configure(Recorder())
+        with timer.expires(after=5, scope="a"):
+            pass
+        with timer.expires(after=5, scope="b", client=timer.WatchdogClient()):
+            pass
+        try:
+            timer.configure(object())
+        except TypeError as e:
+            print(e)
+        timer.configure(None)  # back to the agent's watchdog
+        client = timer.WatchdogClient()
+        client.acquire("c", time.time() + 7)
+        client.release("c")
+        client.release("c")  # nothing running: nothing sent
+        """
+    )
+    assert out.splitlines() == [
+        "acquire a True",
+        "release a",
+        "configure() needs a TimerClient (acquire and release methods), got <object object at "
+        + out.splitlines()[2].rsplit(" at ", 1)[1],
+    ]
+    assert [(r["op"], r.get("scope")) for r in requests] == [
+        ("acquire", "b"),
+        ("release", None),
+        ("acquire", "c"),
+        ("release", None),
+    ]
+    assert 6 < requests[2]["after"] <= 7
+    assert {r["pid"] for r in requests} == {pid}

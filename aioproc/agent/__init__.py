@@ -6,6 +6,8 @@ from .events import AgentEvent as AgentEvent
 from .local import LocalElasticAgent as LocalElasticAgent
 from .spec import RestartPolicy as RestartPolicy
 from .spec import RunResult as RunResult
+from .spec import Worker as Worker
+from .spec import WorkerGroup as WorkerGroup
 from .spec import WorkerSpec as WorkerSpec
 from .spec import WorkerState as WorkerState
 
@@ -14,6 +16,8 @@ __all__ = [
     "LocalElasticAgent",
     "RestartPolicy",
     "RunResult",
+    "Worker",
+    "WorkerGroup",
     "WorkerSpec",
     "WorkerState",
 ]

@@ -44,7 +44,7 @@ from ..signals import pending_signal
 from ..sinks import close_sinks
 from . import events as ev
 from .events import HISTORY_SIZE, STREAM_BUFFER, AgentEvent, EventHub, EventStream
-from .spec import RunResult, WorkerSpec, WorkerState
+from .spec import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
 
 if TYPE_CHECKING:
     from .watchdog import WatchdogServer
@@ -53,24 +53,33 @@ __all__ = ["LocalElasticAgent"]
 
 logger = logging.getLogger("aioproc")
 
-LOG_LINE_PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 LOCAL_RANK_MACRO = "${local_rank}"
 
 
 class LocalElasticAgent:
     """Runs ``spec`` on this host with restarts (torchelastic's local agent).
 
+    The positional order is torch's (>= 2.2): ``LocalElasticAgent(spec,
+    logs_specs, start_method, exit_barrier_timeout,
+    log_line_prefix_template)``; aioproc's own options are keyword-only.
+
     Args:
         spec: what to run.
+        logs_specs: where the workers' logs go (a ``LogsSpecs``); None:
+            ``DefaultLogsSpecs`` with ``log_dir`` and the spec's
+            redirects/tee/local_ranks_filter.
         start_method: ``"spawn"`` or ``"forkserver"``: function workers are
             forked from a template that imported ``spec.preload``; the agent
             holds it for its whole run, so every restart reuses it.
         exit_barrier_timeout: accepted for compatibility; with one host every
             worker is in one group, so there is no cross-node exit barrier.
-        log_dir: base directory of the logs (torch's layout); ``None``: a
-            private temp dir.
-        logs_specs: a ``LogsSpecs`` overriding ``log_dir`` and the spec's
-            redirects/tee.
+        log_line_prefix_template: the console prefix of each worker's lines,
+            with ``${role_name}``, ``${rank}`` and ``${local_rank}`` (torch's
+            ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``, which ``aioproc run``
+            reads); None: ``[{role}{local_rank}]:``. Never read from nor
+            written to ``os.environ``.
+        log_dir: base directory of the logs when ``logs_specs`` is None
+            (torch's layout); ``None``: a private temp dir.
         grace_period: seconds between the stop signal and SIGKILL.
         run_id: ``TORCHELASTIC_RUN_ID`` (default: a random id).
         sinks: where tee'd lines go (see ``start_processes``).
@@ -79,21 +88,30 @@ class LocalElasticAgent:
         event_history_size: how many of the last events ``event_history``
             keeps (default ``events.HISTORY_SIZE``, 1000).
 
+    Raises:
+        TypeError: ``spec`` is not a ``WorkerSpec``, ``logs_specs`` not a
+            ``LogsSpecs`` (as when ``start_method`` is passed second, in
+            the order of torch < 2.2), or ``log_line_prefix_template`` not a
+            str.
+        ValueError: a bad start method, duration, run id or history size;
+            ``log_dir`` given together with ``logs_specs``.
+
     Usage::
 
         result = await LocalElasticAgent(spec).run()
-        async with LocalElasticAgent(spec) as agent:
+        async with LocalElasticAgent(spec, DefaultLogsSpecs(log_dir="logs")) as agent:
             result = await agent.run()
     """
 
     def __init__(
         self,
         spec: WorkerSpec,
+        logs_specs: LogsSpecs | None = None,
         start_method: str = "spawn",
         exit_barrier_timeout: float = 300,
-        log_dir: str | None = None,
-        logs_specs: LogsSpecs | None = None,
+        log_line_prefix_template: str | None = None,
         *,
+        log_dir: str | None = None,
         grace_period: float = 30.0,
         run_id: str | None = None,
         sinks: Sequence[SinkLike] | None = None,
@@ -102,6 +120,19 @@ class LocalElasticAgent:
     ) -> None:
         if not isinstance(spec, WorkerSpec):
             raise TypeError(f"spec must be a WorkerSpec, got {spec!r}")
+        if logs_specs is not None and not isinstance(logs_specs, LogsSpecs):
+            raise TypeError(
+                f"logs_specs must be a LogsSpecs (the second argument, as in torch >= 2.2), "
+                f"got {logs_specs!r}"
+            )
+        if logs_specs is not None and log_dir is not None:
+            raise ValueError(
+                f"give log_dir={log_dir!r} or logs_specs, not both (logs_specs has its own log_dir)"
+            )
+        if log_line_prefix_template is not None and not isinstance(log_line_prefix_template, str):
+            raise TypeError(
+                f"log_line_prefix_template must be a str, got {log_line_prefix_template!r}"
+            )
         check_start_method(start_method)
         self._preload = check_preload(start_method, spec.preload)
         grace_period = check_duration("grace_period", grace_period)
@@ -124,6 +155,8 @@ class LocalElasticAgent:
                 local_ranks_filter=spec.local_ranks_filter,
             )
         self._spec = spec
+        self._worker_group = WorkerGroup(spec)
+        self._log_line_prefix_template = log_line_prefix_template
         self._start_method = start_method
         self._exit_barrier_timeout = exit_barrier_timeout
         self._logs_specs = logs_specs
@@ -171,6 +204,24 @@ class LocalElasticAgent:
     @property
     def run_id(self) -> str:
         return self._run_id
+
+    def get_worker_group(self, role: str | None = None) -> WorkerGroup:
+        """The workers as torch's ``get_worker_group`` shows them.
+
+        The same object every call, refreshed by each call: ``state`` is
+        the agent's, each worker's ``id`` its pid while its attempt runs.
+
+        Args:
+            role: accepted for torch's signature; this agent runs one role.
+
+        Returns:
+            The agent's ``WorkerGroup``.
+        """
+        group = self._worker_group
+        group.state = self._state
+        for worker in group.workers:
+            worker.id = self._pids.get(worker.local_rank)
+        return group
 
     def pids(self) -> dict[int, int]:
         """``{local_rank: pid}`` of the current attempt's workers."""
@@ -328,14 +379,20 @@ class LocalElasticAgent:
         self._watchdog_expired = {}
         self._state = WorkerState.HEALTHY
         self._publish(ev.ATTEMPT_STARTED, message=f"attempt {attempt}")
-        template = os.environ.get(LOG_LINE_PREFIX_TEMPLATE_ENV)
+        group = self._worker_group
+        group.group_rank, group.group_world_size = 0, 1
+        group.master_addr, group.master_port = master_addr, master_port
+        group.workers = [
+            Worker(local_rank=r, global_rank=r, role_rank=r, world_size=n, role_world_size=n)
+            for r in range(n)
+        ]
         pc = PContext(
             spec.role,
             spec.entrypoint,
             args,
             envs,
             self._logs_specs,
-            template,
+            self._log_line_prefix_template,
             self._start_method,
             grace_period=self._grace_period,
             sinks=self._sinks,
@@ -423,7 +480,12 @@ class LocalElasticAgent:
             TORCHELASTIC_RESTART_COUNT=str(attempt),
             TORCHELASTIC_MAX_RESTARTS=str(spec.max_restarts),
             TORCHELASTIC_RUN_ID=self._run_id,
+            # no agent store here: with "True", torch's env:// rendezvous
+            # would connect to a store nobody hosts instead of rank 0's own
+            TORCHELASTIC_USE_AGENT_STORE="False",
         )
+        nccl = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+        env.setdefault(nccl, os.environ.get(nccl, "1"))  # torchrun's default; spec.env wins
         if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in env and n > 1:
             if local_rank == 0 and attempt == 0:
                 logger.warning(

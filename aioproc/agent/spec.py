@@ -199,6 +199,62 @@ class WorkerSpec:
 
 
 @dataclass
+class Worker:
+    """One worker of a ``WorkerGroup`` (torchelastic's ``Worker``).
+
+    Attributes:
+        local_rank: rank on this host.
+        global_rank, role_rank: ranks among all workers and among the
+            role's workers (with one host, both equal ``local_rank``);
+            ``-1`` before the first attempt.
+        world_size, role_world_size: the matching sizes; ``-1`` before the
+            first attempt.
+        id: the worker process's pid while its attempt runs (as torch's
+            local agent), else None.
+    """
+
+    local_rank: int
+    global_rank: int = -1
+    role_rank: int = -1
+    world_size: int = -1
+    role_world_size: int = -1
+    id: Any = None
+
+
+@dataclass
+class WorkerGroup:
+    """The workers of a ``WorkerSpec`` as the agent runs them (torch's ``WorkerGroup``).
+
+    Returned by ``LocalElasticAgent.get_worker_group()``; the agent updates
+    the same object as it runs, as torch's agent does.
+
+    Attributes:
+        spec: what the workers run.
+        workers: one ``Worker`` per local rank, in rank order.
+        state: the group's ``WorkerState``.
+        group_rank, group_world_size: this host's rank and the number of
+            hosts (``0`` and ``1``); None before the first attempt.
+        master_addr, master_port: the workers' ``MASTER_ADDR`` and
+            ``MASTER_PORT``; None before the first attempt.
+        store: always None: aioproc hosts no agent store (so the workers
+            get ``TORCHELASTIC_USE_AGENT_STORE=False``).
+    """
+
+    spec: WorkerSpec
+    workers: list[Worker] = field(default_factory=list)
+    state: WorkerState = WorkerState.INIT
+    group_rank: int | None = None
+    group_world_size: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    store: None = None
+
+    def __post_init__(self) -> None:
+        if not self.workers:
+            self.workers = [Worker(local_rank=r) for r in range(self.spec.local_world_size)]
+
+
+@dataclass
 class RunResult:
     """Outcome of ``LocalElasticAgent.run()``, keyed by global rank.
 
