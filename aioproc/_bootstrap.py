@@ -12,8 +12,10 @@ aioproc modules are never imported here (a test checks ``sys.modules``), and
 almost as fast as a bare interpreter.  A function importable by name with
 arguments and a result made of core types travels as ``marshal`` data, so
 such a worker never even imports ``pickle``; everything else is pickled
-(``_pickle``), and cloudpickle is imported by the unpickler only when the
-function was pickled by value (lambdas, closures, ``__main__`` functions).
+(``_pickle``).  Functions that travel by value (lambdas, closures,
+``__main__`` functions) are rebuilt by ``_funcload`` (shipped like this
+module); cloudpickle is imported by the unpickler only for what
+``_funcpickle`` leaves to it (classes defined in ``__main__``, for one).
 
 Lifeline: a daemon thread blocks on the channel; EOF means the supervisor is
 gone, and the worker then SIGKILLs its own process group (itself and every
