@@ -1,11 +1,12 @@
 """Worker half of ``_funcpickle``: rebuild functions that were pickled by value.
 
-The pickles ``_funcpickle`` writes name these functions as
-``aioproc._funcload.<name>``; the boot code (``_boot``) registers this module
-under that name in every function worker, so unpickling finds it in
-``sys.modules`` without importing the aioproc package, and a worker rebuilds
-a script's functions with the standard library's ``_pickle`` alone (no
-cloudpickle, whose import costs a worker more than its whole start).
+The pickles ``_funcpickle`` writes reach these functions as attributes of
+``__import__("aioproc._funcload", fromlist=...)``; the boot code (``_boot``)
+registers this module under that name in every function worker, so
+unpickling finds it in ``sys.modules`` without importing the aioproc
+package, and a worker rebuilds a script's functions with the standard
+library's ``_pickle`` alone (no cloudpickle, whose import costs a worker
+more than its whole start).
 
 A function is rebuilt in two steps, like any recursive pickle: a skeleton
 (code, shared globals, name, empty closure cells) that the unpickler
@@ -21,7 +22,7 @@ import sys
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from types import CellType, FunctionType, ModuleType
+    from types import CellType, FunctionType
     from typing import Any
 
 
@@ -57,7 +58,8 @@ def fill_function(fn: FunctionType, state: tuple[Any, ...]) -> None:
     """Complete a skeleton: the state-setter of ``_funcpickle``'s reductions."""
     names, defaults, kwdefaults, cells, attrs, submodules = state
     for module in submodules:
-        import_module(module)  # `import a.b` binds `a`; code reaching a.b needs it loaded
+        # `import a.b` binds `a`; code that reaches `a.b` needs it loaded
+        __import__(module, None, None, ("__name__",))
     fn.__globals__.update(names)
     fn.__defaults__ = defaults
     fn.__kwdefaults__ = kwdefaults
@@ -68,9 +70,3 @@ def fill_function(fn: FunctionType, state: tuple[Any, ...]) -> None:
                 cell.cell_contents = value[0]
     for attr, value in attrs.items():
         setattr(fn, attr, value)
-
-
-def import_module(name: str) -> ModuleType:
-    """A module global travels by name: import it here."""
-    __import__(name)
-    return sys.modules[name]

@@ -92,6 +92,11 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         kind = type(obj)
         if kind is types.FunctionType:
+            if obj is _funcload.make_function or obj is _funcload.fill_function:
+                # not `aioproc._funcload.<name>`: finding that by name would import
+                # the aioproc package in the worker (~2.5 ms), where the boot
+                # code registered just this module
+                return getattr, (_funcload, obj.__name__)
             if function_ref(obj) is not None:
                 return NotImplemented  # by reference, as cloudpickle does
             return self._reduce_function(obj)
@@ -119,7 +124,9 @@ class _Pickler(pickle.Pickler):
             raise Unrepresentable(f"module {name!r} cannot be imported by name")
         if getattr(module, "__spec__", None) is None:
             raise Unrepresentable(f"module {name!r} was built dynamically")
-        return _funcload.import_module, (name,)
+        # `__import__` with a fromlist returns the module itself, found in
+        # sys.modules if there, without importing its parent packages
+        return __import__, (name, None, None, ("__name__",))
 
     def _reduce_function(self, fn: types.FunctionType) -> Any:
         code = fn.__code__
