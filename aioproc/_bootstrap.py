@@ -75,7 +75,7 @@ def error_report(exc: BaseException) -> dict[str, Any]:
     }
 
 
-def _load_call(body: bytearray) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+def _load_call(body: bytes | bytearray) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     view = memoryview(body)
     if view[:1] == _wire.MARSHAL:
         module, qualname, args, kwargs = marshal.loads(view[1:])

@@ -46,10 +46,15 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
         self._progress = progress
         self._max = max_frame_size
         self._kinds = kinds
-        self._header = bytearray(_wire.HEADER_SIZE)
+        # Small frames are parsed out of one scratch buffer, as many as one
+        # read brings; a body that does not fit gets its own buffer, allocated
+        # once its header passed the checks, and the rest of it is read
+        # straight into it.
+        self._scratch = bytearray(_wire.READ_SIZE)
+        self._have = 0  # bytes in _scratch not parsed yet (a partial header)
         self._body: bytearray | None = None
         self._kind = 0
-        self._pos = 0
+        self._pos = 0  # bytes of _body filled
         self._transport: asyncio.Transport | None = None
         loop = asyncio.get_running_loop()
         self.closed: asyncio.Future[None] = loop.create_future()
@@ -62,29 +67,45 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._body is None:
-            return memoryview(self._header)[self._pos :]
+            return memoryview(self._scratch)[self._have :]
         return memoryview(self._body)[self._pos :]
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.failed.done():
             return  # aborted: bytes read in the same wakeup are ignored
-        self._pos += nbytes
         if self._body is None:
-            if self._pos == len(self._header):
-                self._kind, length = _wire.parse_header(self._header)
-                problem = self._check(self._kind, length)
-                if problem:
-                    self._fail(problem)
-                    return
-                self._body = bytearray(length)
-                self._pos = 0
-                if length == 0:
-                    self._complete()
-        elif self._pos == len(self._body):
-            self._complete()
+            self._have += nbytes
+            self._parse()
+        else:
+            self._pos += nbytes
+            if self._pos == len(self._body):
+                body, self._body, self._pos = self._body, None, 0
+                self._on_frame(self._kind, body)
         # count only after a completed frame was delivered, so a waiter that
         # wakes on the count also sees the frame
         self._progress.advance(nbytes)
+
+    def _parse(self) -> None:
+        """Deliver every whole frame in the scratch buffer; keep what is left."""
+        scratch, have, start = self._scratch, self._have, 0
+        while have - start >= _wire.HEADER_SIZE and not self.failed.done():
+            kind, length = _wire.parse_header(scratch[start : start + _wire.HEADER_SIZE])
+            problem = self._check(kind, length)
+            if problem:
+                self._fail(problem)
+                return
+            begin = start + _wire.HEADER_SIZE
+            if have - begin >= length:
+                start = begin + length
+                self._on_frame(kind, scratch[begin:start])
+                continue
+            body = bytearray(length)
+            body[: have - begin] = memoryview(scratch)[begin:have]
+            self._kind, self._body, self._pos = kind, body, have - begin
+            start = have
+        if start:
+            scratch[: have - start] = scratch[start:have]
+        self._have = have - start
 
     def _check(self, kind: int, length: int) -> str:
         """What is wrong with a frame header, before its body is allocated."""
@@ -110,11 +131,6 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
             self._transport.abort()
         if self._on_error is not None:
             self._on_error(error)
-
-    def _complete(self) -> None:
-        body, self._body, self._pos = self._body, None, 0
-        assert body is not None
-        self._on_frame(self._kind, body)
 
     def eof_received(self) -> bool:
         return False  # close the transport
@@ -196,13 +212,19 @@ class Channel:
         return cls(transport, protocol, sock)
 
     def send(self, kind: int, *parts: bytes) -> None:
-        """Queue one frame whose body is ``parts`` concatenated (not copied).
+        """Queue one frame whose body is ``parts`` concatenated.
 
-        The transport writes it as the child reads it.
+        The transport writes it as the child reads it.  Parts of a big frame
+        are not copied; a small one is joined into a single write.
         """
         if self._transport.is_closing():
             return  # the worker is gone; its exit is reported elsewhere
-        self._transport.write(_wire.header(kind, sum(len(p) for p in parts)))
+        size = sum(len(p) for p in parts)
+        if size <= _wire.JOIN_LIMIT:
+            # one write, so one send(): the worker wakes once per small frame
+            self._transport.write(b"".join((_wire.header(kind, size), *parts)))
+            return
+        self._transport.write(_wire.header(kind, size))
         for part in parts:
             if part:
                 self._transport.write(part)
