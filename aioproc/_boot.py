@@ -113,15 +113,19 @@ class CallEncoder:
     where needed (``_funcpickle``: cloudpickle only for what needs it).
     """
 
+    __slots__ = ("_fn", "_pickled", "_ref")
+
     def __init__(self, fn: Any) -> None:
         self._fn = fn
         self._ref = function_ref(fn)
         self._pickled: bytes | None = None
 
     def encode(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[bytes]:
+        if self._ref is not None and _wire._marshallable(args) and _wire._marshallable(kwargs):
+            # exact tuple/list and dict: what the worker unpacks into the call
+            call: Any = (*self._ref, args, kwargs)
+            return [_wire.MARSHAL, marshal.dumps(call)]
         args, kwargs = tuple(args), dict(kwargs)
-        if self._ref is not None and _wire._marshallable((args, kwargs)):
-            return [_wire.MARSHAL, marshal.dumps((*self._ref, args, kwargs))]
         if self._pickled is None:
             try:
                 self._pickled = dumps(self._fn)

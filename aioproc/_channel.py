@@ -1,10 +1,12 @@
 """Parent half of a function worker's control channel (see ``_wire``).
 
-The parent's end of the socketpair is driven by a ``BufferedProtocol`` that
-reads frame bodies straight into their final buffer, so a 100 MB return value
-is received without intermediate copies, and writes are handed to the
-transport, which buffers them while the child drains its end: neither side
-can deadlock on a full socket.
+The parent's end of the socketpair is driven by a ``BufferedProtocol``.  It
+reads into a 64 KiB buffer and delivers every whole frame found there, so a
+small reply costs one read and one wakeup; the rest of a body that does not
+fit there is read straight into its final buffer, so a 100 MB return value
+is received without intermediate copies.  Writes are handed to the
+transport (a small frame as one joined write), which buffers them while the
+child drains its end: neither side can deadlock on a full socket.
 
 Frame headers are not trusted: a header is checked (known kind, length at
 most ``max_frame_size``) before its body's buffer is allocated.  A bad one

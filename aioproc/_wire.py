@@ -33,6 +33,7 @@ ERROR = 11  # pickled dict describing the exception (see _bootstrap.error_report
 
 MARSHAL = b"M"
 PICKLE = b"P"
+MARSHAL_BYTE = MARSHAL[0]
 
 KIND_NAMES = {
     INIT: "INIT",
@@ -140,12 +141,12 @@ def _marshallable(value: Any, depth: int = 0) -> bool:
 
 def decode_value(body: bytes | bytearray | memoryview) -> Any:
     """Inverse of ``encode_value`` (pickle is imported only when needed)."""
-    view = memoryview(body)
-    if view[:1] == MARSHAL:
-        return marshal.loads(view[1:])
+    view = memoryview(body)[1:]
+    if body[0] == MARSHAL_BYTE:
+        return marshal.loads(view)
     import pickle
 
-    return pickle.loads(view[1:])
+    return pickle.loads(view)
 
 
 class ChannelClosed(EOFError):
