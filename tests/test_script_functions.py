@@ -396,3 +396,18 @@ def test_dynamic_module_falls_back_to_cloudpickle() -> None:
     with pytest.raises(_funcpickle.Unrepresentable, match="made_up"):
         _funcpickle.dumps_by_value(get)
     assert pickle.loads(_funcpickle.dumps(get))() == 9
+
+
+async def test_unpicklable_global_is_a_clear_error_before_anything_starts() -> None:
+    import threading
+
+    import aioproc
+
+    lock = threading.Lock()
+
+    def locked() -> bool:
+        with lock:
+            return True
+
+    with pytest.raises(TypeError, match=r"function .*locked.* cannot be pickled: .*lock"):
+        await aioproc.run(locked, 1)
