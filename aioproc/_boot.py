@@ -121,10 +121,15 @@ class CallEncoder:
         self._pickled: bytes | None = None
 
     def encode(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[bytes]:
-        if self._ref is not None and _wire._marshallable(args) and _wire._marshallable(kwargs):
-            # exact tuple/list and dict: what the worker unpacks into the call
-            call: Any = (*self._ref, args, kwargs)
-            return [_wire.MARSHAL, marshal.dumps(call)]
+        if self._ref is not None:
+            call: Any = None
+            if type(args) is tuple and not args and type(kwargs) is dict and not kwargs:
+                call = (*self._ref, (), {})
+            elif _wire._marshallable(args) and _wire._marshallable(kwargs):
+                # exact tuple/list and dict: what the worker unpacks into the call
+                call = (*self._ref, args, kwargs)
+            if call is not None:
+                return [_wire.MARSHAL, marshal.dumps(call)]
         args, kwargs = tuple(args), dict(kwargs)
         if self._pickled is None:
             try:

@@ -55,7 +55,8 @@ def function_ref(fn: object) -> tuple[str, str] | None:
     return (module, qualname) if obj is fn else None
 
 
-_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL"})
+# LOAD_NAME: a class body inside the function reads globals by name
+_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME"})
 _BASE_GLOBALS = ("__package__", "__name__", "__path__", "__file__")
 
 

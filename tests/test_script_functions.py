@@ -344,6 +344,15 @@ def test_recursive_closure_is_one_function() -> None:
     assert fn.__closure__[0].cell_contents is fn
 
 
+def test_class_body_in_a_function_sees_the_globals_it_reads() -> None:
+    namespace: dict[str, Any] = {"__name__": "scratch"}
+    exec(
+        "SIZE = 3\ndef build():\n    class Box:\n        size = SIZE * 2\n    return Box.size\n",
+        namespace,
+    )
+    assert roundtrip(namespace["build"])() == 6
+
+
 def test_functions_pickled_together_share_globals() -> None:
     namespace: dict[str, Any] = {"__name__": "scratch"}
     exec(
