@@ -24,6 +24,7 @@ from typing import Any
 import cloudpickle
 
 from . import _shm, _wire
+from ._funcpickle import dumps, function_ref
 from .errors import RemoteTraceback
 
 BOOT_CODE = """\
@@ -38,27 +39,31 @@ def _read(n):
             raise SystemExit("aioproc worker: supervisor closed the channel during startup")
         buf += chunk
     return buf
-wire_code, boot_code = marshal.loads(_read(int.from_bytes(_read(8), "big")))
+wire_code, boot_code, load_code = marshal.loads(_read(int.from_bytes(_read(8), "big")))
 _wire = type(sys)("aioproc._wire")
 exec(wire_code, _wire.__dict__)
 _boot = type(sys)("aioproc._bootstrap")
 _boot._wire = _wire
 exec(boot_code, _boot.__dict__)
-# registered so user code can reach aioproc.worker_state() in this process
+_load = type(sys)("aioproc._funcload")
+exec(load_code, _load.__dict__)
+# registered so user code can reach aioproc.worker_state() in this process,
+# and so functions pickled by value (_funcpickle) find their rebuilders
 sys.modules["aioproc._wire"] = _wire
 sys.modules["aioproc._bootstrap"] = _boot
-del _read, wire_code, boot_code, _wire
+sys.modules["aioproc._funcload"] = _load
+del _read, wire_code, boot_code, load_code, _wire, _load
 _boot.main(fd)
 """
 
 
 @functools.cache
 def boot_blob() -> bytes:
-    """Length-prefixed marshalled code of ``_wire`` and ``_bootstrap``."""
+    """Length-prefixed marshalled code of ``_wire``, ``_bootstrap`` and ``_funcload``."""
     here = Path(__file__).parent
     codes = tuple(
         compile((here / f"{name}.py").read_text(), str(here / f"{name}.py"), "exec")
-        for name in ("_wire", "_bootstrap")
+        for name in ("_wire", "_bootstrap", "_funcload")
     )
     data = marshal.dumps(codes)
     return len(data).to_bytes(8, "big") + data
@@ -101,27 +106,16 @@ def init_frame(
     )
 
 
-def function_ref(fn: object) -> tuple[str, str] | None:
-    """``(module, qualname)`` if ``fn`` can be imported back by name in a worker."""
-    module = getattr(fn, "__module__", None)
-    qualname = getattr(fn, "__qualname__", None)
-    if not isinstance(module, str) or not isinstance(qualname, str):
-        return None
-    if module == "__main__" or "<" in qualname:
-        return None
-    obj: object = sys.modules.get(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part, None)
-    return (module, qualname) if obj is fn else None
-
-
 class CallEncoder:
     """Encodes CALL frame bodies for one function, pickling it at most once.
 
     A function importable by name whose arguments are core types travels as
     marshal data (the worker then never imports pickle); otherwise the
-    function is cloudpickled once and each call's arguments separately.
+    function is pickled once and each call's arguments separately, by value
+    where needed (``_funcpickle``: cloudpickle only for what needs it).
     """
+
+    __slots__ = ("_fn", "_pickled", "_ref")
 
     def __init__(self, fn: Any) -> None:
         self._fn = fn
@@ -140,15 +134,24 @@ class CallEncoder:
         ``_wire.pickle_parts``): the caller passes it with the frame or
         closes it.
         """
+        if self._ref is not None:
+            call: Any = None
+            if type(args) is tuple and not args and type(kwargs) is dict and not kwargs:
+                call = (*self._ref, (), {})
+            elif _wire._marshallable(args) and _wire._marshallable(kwargs):
+                # exact tuple/list and dict: what the worker unpacks into the call
+                call = (*self._ref, args, kwargs)
+            if call is not None:
+                return [_wire.MARSHAL, marshal.dumps(call)]
         args, kwargs = tuple(args), dict(kwargs)
-        if self._ref is not None and _wire._marshallable((args, kwargs)):
-            return [_wire.MARSHAL, marshal.dumps((*self._ref, args, kwargs))]
         if self._pickled is None:
             try:
-                self._pickled = cloudpickle.dumps(self._fn, protocol=5)
+                self._pickled = dumps(self._fn)
             except Exception as e:
                 raise TypeError(f"function {self._fn!r} cannot be pickled: {e}") from e
         try:
+            # data: plain pickle opcodes (the worker imports no cloudpickle for
+            # them); a function or class among them travels by value
             codec, *pickled_args = _wire.pickle_parts(
                 (args, kwargs), _wire._pickler(cloudpickle.Pickler), segments
             )

@@ -12,8 +12,10 @@ aioproc modules are never imported here (a test checks ``sys.modules``), and
 almost as fast as a bare interpreter.  A function importable by name with
 arguments and a result made of core types travels as ``marshal`` data, so
 such a worker never even imports ``pickle``; everything else is pickled
-(``_pickle``), and cloudpickle is imported by the unpickler only when the
-function was pickled by value (lambdas, closures, ``__main__`` functions).
+(``_pickle``).  Functions that travel by value (lambdas, closures,
+``__main__`` functions) are rebuilt by ``_funcload`` (shipped like this
+module); cloudpickle is imported by the unpickler only for what
+``_funcpickle`` leaves to it (classes defined in ``__main__``, for one).
 
 Lifeline: a daemon thread blocks on the channel; EOF means the supervisor is
 gone, and the worker then SIGKILLs its own process group (itself and every
@@ -73,11 +75,14 @@ def error_report(exc: BaseException) -> dict[str, Any]:
     }
 
 
-def _load_call(body: bytearray) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+_FROMLIST = ("__name__",)  # makes __import__ return the module itself, not its package
+
+
+def _load_call(body: bytes | bytearray) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     view = memoryview(body)
-    if view[:1] == _wire.MARSHAL:
+    if body[0] == _wire.MARSHAL_BYTE:
         module, qualname, args, kwargs = marshal.loads(view[1:])
-        fn: Any = __import__(module, fromlist=["__name__"])
+        fn: Any = __import__(module, None, None, _FROMLIST)
         for part in qualname.split("."):
             fn = getattr(fn, part)
         return fn, args, kwargs
@@ -124,10 +129,14 @@ def _send_result(fd: int, parts: list[bytes], segments: list[Any] | None) -> Non
 _MAX_FRAME = _wire.MAX_FRAME_SIZE  # the parent's cap, from INIT
 
 
-def _check_size(parts: list[bytes], what: str) -> None:
-    """Refuse to send an answer the parent would reject as oversized."""
-    size = sum(len(p) for p in parts)
+def _check_size(parts: list[bytes], what: str, value: Any) -> None:
+    """Refuse to send an answer the parent would reject as oversized.
+
+    ``what`` (formatted with ``value``'s type) names it in the error.
+    """
+    size = sum(map(len, parts))
     if size > _MAX_FRAME:
+        what = what.format(type(value).__qualname__)
         raise ValueError(
             f"{what} encodes to {size} bytes ({_wire.format_size(size)}), over the "
             f"{_wire.format_size(_MAX_FRAME)} limit of aioproc's control channel; "
@@ -282,7 +291,7 @@ def _serve(fd: int, has_init: bool) -> None:
             if first:
                 STATE, value = value, None
             parts, segments = _encode(value)
-            _check_size(parts, f"return value of type {type(value).__qualname__}")
+            _check_size(parts, "return value of type {}", value)
         except (SystemExit, KeyboardInterrupt):
             raise
         except BaseException as e:
@@ -361,7 +370,7 @@ def main(fd: int) -> None:
             ),
         )
     try:
-        _check_size(payload, f"worker return value of type {type(value).__qualname__}")
+        _check_size(payload, "worker return value of type {}", value)
     except ValueError as e:
         _fail(fd, e)
     del value

@@ -1,10 +1,12 @@
 """Parent half of a function worker's control channel (see ``_wire``).
 
-The parent's end of the socketpair is driven by a ``BufferedProtocol`` that
-reads frame bodies straight into their final buffer, so a 100 MB return value
-is received without intermediate copies, and writes are handed to the
-transport, which buffers them while the child drains its end: neither side
-can deadlock on a full socket.
+The parent's end of the socketpair is driven by a ``BufferedProtocol``.  It
+reads into a 64 KiB buffer and delivers every whole frame found there, so a
+small reply costs one read and one wakeup; the rest of a body that does not
+fit there is read straight into its final buffer, so a 100 MB return value
+is received without intermediate copies.  Writes are handed to the
+transport (a small frame as one joined write), which buffers them while the
+child drains its end: neither side can deadlock on a full socket.
 
 Frame headers are not trusted: a header is checked (known kind, length at
 most ``max_frame_size``) before its body's buffer is allocated.  A bad one
@@ -56,10 +58,15 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
         self._progress = progress
         self._max = max_frame_size
         self._kinds = kinds
-        self._header = bytearray(_wire.HEADER_SIZE)
+        # Small frames are parsed out of one scratch buffer, as many as one
+        # read brings; a body that does not fit gets its own buffer, allocated
+        # once its header passed the checks, and the rest of it is read
+        # straight into it.
+        self._scratch = bytearray(_wire.READ_SIZE)
+        self._have = 0  # bytes in _scratch not parsed yet (a partial header)
         self._body: bytearray | None = None
         self._kind = 0
-        self._pos = 0
+        self._pos = 0  # bytes of _body filled
         self._transport: asyncio.Transport | None = None
         self.lost_error: Exception | None = None  # what ended the connection (None: EOF)
         loop = asyncio.get_running_loop()
@@ -73,29 +80,45 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._body is None:
-            return memoryview(self._header)[self._pos :]
+            return memoryview(self._scratch)[self._have :]
         return memoryview(self._body)[self._pos :]
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.failed.done():
             return  # aborted: bytes read in the same wakeup are ignored
-        self._pos += nbytes
         if self._body is None:
-            if self._pos == len(self._header):
-                self._kind, length = _wire.parse_header(self._header)
-                problem = self._check(self._kind, length)
-                if problem:
-                    self._fail(problem)
-                    return
-                self._body = bytearray(length)
-                self._pos = 0
-                if length == 0:
-                    self._complete()
-        elif self._pos == len(self._body):
-            self._complete()
+            self._have += nbytes
+            self._parse()
+        else:
+            self._pos += nbytes
+            if self._pos == len(self._body):
+                body, self._body, self._pos = self._body, None, 0
+                self._deliver(self._kind, body)
         # count only after a completed frame was delivered, so a waiter that
         # wakes on the count also sees the frame
         self._progress.advance(nbytes)
+
+    def _parse(self) -> None:
+        """Deliver every whole frame in the scratch buffer; keep what is left."""
+        scratch, have, start = self._scratch, self._have, 0
+        while have - start >= _wire.HEADER_SIZE and not self.failed.done():
+            kind, length = _wire.parse_header(scratch[start : start + _wire.HEADER_SIZE])
+            problem = self._check(kind, length)
+            if problem:
+                self._fail(problem)
+                return
+            begin = start + _wire.HEADER_SIZE
+            if have - begin >= length:
+                start = begin + length
+                self._deliver(kind, scratch[begin:start])
+                continue
+            body = bytearray(length)
+            body[: have - begin] = memoryview(scratch)[begin:have]
+            self._kind, self._body, self._pos = kind, body, have - begin
+            start = have
+        if start:
+            scratch[: have - start] = scratch[start:have]
+        self._have = have - start
 
     def _check(self, kind: int, length: int) -> str:
         """What is wrong with a frame header, before its body is allocated."""
@@ -122,10 +145,8 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
         if self._on_error is not None:
             self._on_error(error)
 
-    def _complete(self) -> None:
-        body, self._body, self._pos = self._body, None, 0
-        assert body is not None
-        if self._kind == _wire.RESULT and body[:1] == _wire.SHM:
+    def _deliver(self, kind: int, body: bytearray) -> None:
+        if kind == _wire.RESULT and body[:1] == _wire.SHM:
             try:
                 if self._fd_socket is None:
                     raise ValueError("this channel passes no file descriptors")
@@ -133,7 +154,7 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
             except (OSError, ValueError) as e:
                 self._fail(f"worker sent a shared-memory RESULT frame, but {e}")
                 return
-        self._on_frame(self._kind, body)
+        self._on_frame(kind, body)
 
     def eof_received(self) -> bool:
         return False  # close the transport
@@ -233,13 +254,15 @@ class Channel:
         return cls(transport, protocol, sock)
 
     def send(self, kind: int, *parts: bytes, segments: Sequence[_shm.Segment] = ()) -> None:
-        """Queue one frame whose body is ``parts`` concatenated (not copied).
+        """Queue one frame whose body is ``parts`` concatenated.
 
-        The transport writes it as the child reads it.  ``segments`` (the
-        memfds of a SHM body) go first, on the fd socket, and are closed
-        here whatever happens; if they cannot be passed, the channel is
-        aborted, so the worker sees EOF instead of waiting for them.  On a
-        channel already closing nothing is written (see ``dropped_by_peer``).
+        The transport writes it as the child reads it.  Parts of a big frame
+        are not copied; a small one is joined into a single write.
+        ``segments`` (the memfds of a SHM body) go first, on the fd socket,
+        and are closed here whatever happens; if they cannot be passed, the
+        channel is aborted, so the worker sees EOF instead of waiting for
+        them.  On a channel already closing nothing is written (see
+        ``dropped_by_peer``).
         """
         if self._transport.is_closing():
             for segment in segments:
@@ -254,7 +277,12 @@ class Channel:
             except OSError:
                 self._transport.abort()
                 return
-        self._transport.write(_wire.header(kind, sum(len(p) for p in parts)))
+        size = sum(len(p) for p in parts)
+        if size <= _wire.JOIN_LIMIT:
+            # one write, so one send(): the worker wakes once per small frame
+            self._transport.write(b"".join((_wire.header(kind, size), *parts)))
+            return
+        self._transport.write(_wire.header(kind, size))
         for part in parts:
             if part:
                 self._transport.write(part)

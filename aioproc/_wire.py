@@ -57,6 +57,8 @@ SHM_MIN = 1 << 20
 when the channel can pass file descriptors."""
 
 _ALIGN = 64  # out-of-band buffers start on a cache line (numpy needs <= 16)
+MARSHAL_BYTE = MARSHAL[0]
+PICKLE_BYTE = PICKLE[0]
 
 KIND_NAMES = {
     INIT: "INIT",
@@ -304,7 +306,8 @@ def _rebuild_memoryview(buf: Any, fmt: str, shape: tuple[int, ...]) -> memoryvie
 
 
 _MARSHAL_WALK_LIMIT = 10_000
-_CORE = (type(None), bool, int, float, complex, str)
+_CORE = frozenset({type(None), bool, int, float, complex, str})  # bytes: by size, below
+_SEQUENCES = frozenset({tuple, list, set, frozenset})
 
 
 def _marshallable(value: Any, depth: int = 0) -> bool:
@@ -319,16 +322,23 @@ def _marshallable(value: Any, depth: int = 0) -> bool:
         return len(value) < OOB_MIN
     if depth > 8:
         return False
-    if (t is tuple or t is list or t is set or t is frozenset or t is dict) and len(
-        value
-    ) > _MARSHAL_WALK_LIMIT:
-        return False  # walking a huge container costs more than pickling it
-    if t is tuple or t is list or t is set or t is frozenset:
-        return all(_marshallable(v, depth + 1) for v in value)
+    if t in _SEQUENCES:
+        if len(value) > _MARSHAL_WALK_LIMIT:
+            return False  # walking a huge container costs more than pickling it
+        # a loop, not all(<genexpr>): this runs on every call's arguments
+        for v in value:  # noqa: SIM110
+            if type(v) not in _CORE and not _marshallable(v, depth + 1):
+                return False
+        return True
     if t is dict:
-        return all(
-            _marshallable(k, depth + 1) and _marshallable(v, depth + 1) for k, v in value.items()
-        )
+        if len(value) > _MARSHAL_WALK_LIMIT:
+            return False
+        for k, v in value.items():
+            if type(k) not in _CORE and not _marshallable(k, depth + 1):
+                return False
+            if type(v) not in _CORE and not _marshallable(v, depth + 1):
+                return False
+        return True
     return False
 
 
@@ -338,44 +348,82 @@ def decode_value(body: bytes | bytearray | memoryview) -> Any:
     An SHM body carries its mapping as ``body.mapping`` (see ``_shm.attach``).
     """
     view = memoryview(body)
-    codec = view[:1]
-    if codec == MARSHAL:
+    codec = body[0]
+    if codec == MARSHAL_BYTE:
         return marshal.loads(view[1:])
-    if codec == PICKLE:
+    if codec == PICKLE_BYTE:
         import pickle
 
         return pickle.loads(view[1:])
-    return loads_oob(codec, view[1:], getattr(body, "mapping", None))
+    return loads_oob(view[:1], view[1:], getattr(body, "mapping", None))
 
 
 class ChannelClosed(EOFError):
     """The other side closed the channel (for the child: the supervisor is gone)."""
 
 
-def _read_exactly(fd: int, n: int) -> bytearray:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    pos = 0
-    while pos < n:
-        # read into the tail of the buffer: no intermediate copies for big bodies
-        got = os.readv(fd, [view[pos : pos + _CHUNK]])
-        if got == 0:
-            raise ChannelClosed(f"channel closed after {pos} of {n} bytes")
-        pos += got
-    return buf
+READ_SIZE = 1 << 16
+"""Bytes asked for per read while looking for a frame: one read brings a whole
+small frame (header and body), often several; a bigger body is then read
+straight into its own buffer."""
+
+JOIN_LIMIT = 1 << 16
+"""Frames up to this size are joined and sent with one write: copying them is
+cheaper than a syscall per part, and the reader wakes once."""
+
+_pending = b""
+"""Bytes the child read past the last frame it returned (it has one channel)."""
 
 
-def read_frame(fd: int) -> tuple[int, bytearray]:
+def read_frame(fd: int) -> tuple[int, bytes | bytearray]:
     """Block until one whole frame arrives on ``fd``; return (kind, body)."""
-    kind, length = parse_header(_read_exactly(fd, HEADER_SIZE))
-    return kind, _read_exactly(fd, length)
+    global _pending
+    buf = _pending or os.read(fd, READ_SIZE)
+    while len(buf) < HEADER_SIZE:
+        chunk = os.read(fd, READ_SIZE)
+        if not chunk:
+            raise ChannelClosed(f"channel closed after {len(buf)} of {HEADER_SIZE} header bytes")
+        buf += chunk
+    kind, length = parse_header(buf)
+    end = HEADER_SIZE + length
+    if len(buf) >= end:
+        _pending = buf[end:]
+        return kind, buf[HEADER_SIZE:end]
+    body = bytearray(length)
+    got = len(buf) - HEADER_SIZE
+    body[:got] = memoryview(buf)[HEADER_SIZE:]
+    _pending = b""
+    view = memoryview(body)
+    while got < length:
+        # the rest lands in its final buffer: no intermediate copies for big bodies
+        n = os.readv(fd, [view[got : got + _CHUNK]])
+        if n == 0:
+            raise ChannelClosed(f"channel closed after {got} of {length} body bytes")
+        got += n
+    return kind, body
 
 
 def write_frame(fd: int, kind: int, *parts: bytes) -> None:
-    """Write one frame (body = ``parts`` concatenated), blocking until sent."""
-    _write_all(fd, memoryview(header(kind, sum(len(p) for p in parts))))
-    for part in parts:
-        _write_all(fd, memoryview(part))
+    """Write one frame (body = ``parts`` concatenated), blocking until sent.
+
+    A small frame is joined and written with one ``write``, a big one with
+    ``writev`` (nothing copied): either way the parent wakes once for it.
+    """
+    size = sum(map(len, parts))
+    if size <= JOIN_LIMIT:
+        data = b"".join((header(kind, size), *parts))
+        sent = os.write(fd, data)
+        if sent < len(data):
+            _write_all(fd, memoryview(data)[sent:])
+        return
+    views = [memoryview(header(kind, size))]
+    views += [memoryview(p) for p in parts if len(p)]
+    while views:
+        sent = os.writev(fd, views)
+        while views and sent >= views[0].nbytes:
+            sent -= views.pop(0).nbytes
+        if sent:
+            views[0] = views[0][sent:]
 
 
 def _write_all(fd: int, view: memoryview) -> None:

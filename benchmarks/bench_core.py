@@ -1,8 +1,10 @@
 """P1 and P2: launching a group and collecting every result, against the raw floor.
 
-P1: N function workers (``_workers.ret_rank``) through ``start_processes``
-until ``wait()`` has every return value, against N concurrent
-``sys.executable -c pass`` (the cost of N bare interpreters).
+P1: N function workers through ``start_processes`` until ``wait()`` has
+every return value, against N concurrent ``sys.executable -c pass`` (the
+cost of N bare interpreters).  The function is defined in ``__main__``, as a
+script's own functions are, so it travels by value (see ``main_function``);
+P1m runs the same with ``_workers.ret_rank``, which a worker imports by name.
 P2: N ``/bin/true`` binary workers against N raw
 ``asyncio.create_subprocess_exec("/bin/true")``.  Both baselines start all
 processes, then await all of them.  ``close()`` runs after the clock stops.
@@ -11,8 +13,10 @@ processes, then await all of them.  ``close()`` runs after the clock stops.
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import time
+from collections.abc import Callable
 
 import _workers
 from _util import Config, Row, Target, interleaved, rows_from
@@ -20,6 +24,26 @@ from _util import Config, Row, Target, interleaved, rows_from
 import aioproc
 
 TRUE = "/bin/true"
+
+MAIN_SOURCE = """\
+def p1_ret_rank(rank):
+    return rank
+"""
+
+
+def main_function() -> Callable[[int], int]:
+    """``p1_ret_rank``, defined in ``__main__`` like a function of the script being run.
+
+    Whichever script runs the benchmark (``run_all``, a notebook, ``python -c``),
+    the function is compiled into that ``__main__`` module's namespace, so it
+    is a real ``__main__`` function: its ``__module__`` is ``"__main__"``, its
+    globals are ``__main__``'s, and a worker cannot import it by name.
+    """
+    namespace = sys.modules["__main__"].__dict__
+    if "p1_ret_rank" not in namespace:
+        exec(compile(MAIN_SOURCE, "<p1 __main__ function>", "exec"), namespace)
+    fn: Callable[[int], int] = namespace["p1_ret_rank"]
+    return fn
 
 
 async def raw_concurrent(argv: list[str], n: int) -> float:
@@ -33,11 +57,11 @@ async def raw_concurrent(argv: list[str], n: int) -> float:
     return dt
 
 
-async def aioproc_functions(n: int) -> float:
-    """Start ``n`` function workers and wait for all their return values."""
+async def aioproc_functions(fn: Callable[[int], int], n: int) -> float:
+    """Start ``n`` workers of ``fn`` and wait for all their return values."""
     t0 = time.perf_counter()
     pc = await aioproc.start_processes(
-        "p1", _workers.ret_rank, args={r: (r,) for r in range(n)}, envs={r: {} for r in range(n)}
+        "p1", fn, args={r: (r,) for r in range(n)}, envs={r: {} for r in range(n)}
     )
     try:
         result = await pc.wait()
@@ -68,19 +92,26 @@ async def aioproc_binaries(entrypoint: str, n: int) -> float:
 
 
 def p1(cfg: Config) -> list[Row]:
+    """P1 (a ``__main__`` function, by value) and P1m (a module function, by name)."""
     n = cfg.p1_n
-    series = interleaved(
-        cfg,
-        lambda: raw_concurrent([sys.executable, "-c", "pass"], n),
-        lambda: aioproc_functions(n),
-    )
-    return rows_from(
-        f"P1 {n} function workers: start -> all results",
-        series,
-        Target("ratio", 1.3),
-        note=f"baseline: {n} x `python -c pass`",
-        cpu_note=True,
-    )
+    rows = []
+    for label, fn, what in (
+        ("P1", main_function(), "a `__main__` function"),
+        ("P1m", _workers.ret_rank, "a module function"),
+    ):
+        series = interleaved(
+            cfg,
+            lambda: raw_concurrent([sys.executable, "-c", "pass"], n),
+            functools.partial(aioproc_functions, fn, n),
+        )
+        rows += rows_from(
+            f"{label} {n} function workers, {what}: start -> all results",
+            series,
+            Target("ratio", 1.3),
+            note=f"baseline: {n} x `python -c pass`",
+            cpu_note=True,
+        )
+    return rows
 
 
 def p2(cfg: Config) -> list[Row]:

@@ -159,6 +159,33 @@ async def test_cap_is_inclusive_and_frames_arrive_in_pieces() -> None:
         await p.channel.aclose()
 
 
+async def test_small_and_big_frames_mixed_in_any_pieces_arrive_intact(pair: Pair) -> None:
+    """Small frames are parsed out of the read buffer, bigger ones get their own."""
+    big = bytes(range(256)) * 1200  # 300 KiB: more than one read buffer
+    frames = [
+        (_wire.PONG, b""),
+        (_wire.RESULT, b"M" + b"x" * 100),
+        (_wire.RESULT, big),
+        (_wire.ERROR, b"e" * (_wire.READ_SIZE - _wire.HEADER_SIZE)),  # exactly one buffer
+        (_wire.PONG, b""),
+        (_wire.RESULT, b"tail"),
+    ]
+    data = b"".join(_wire.header(kind, len(body)) + body for kind, body in frames)
+    pair.worker.sendall(data[:5])  # half a header, read on its own
+    await asyncio.wait_for(pair.channel.settled(), 10)
+    assert pair.channel.progress.received == 5
+
+    def send_rest() -> None:  # pieces that cut headers and bodies anywhere
+        for i in range(5, len(data), 7001):
+            pair.worker.sendall(data[i : i + 7001])
+
+    await asyncio.to_thread(send_rest)
+    pair.worker.shutdown(socket.SHUT_WR)
+    await asyncio.wait_for(asyncio.shield(pair.channel._protocol.closed), 10)
+    assert pair.frames == frames
+    assert pair.errors == []
+
+
 async def test_clean_eof_is_not_a_failure(pair: Pair) -> None:
     pair.worker.sendall(_wire.header(_wire.PONG, 0))
     pair.worker.shutdown(socket.SHUT_WR)
@@ -175,6 +202,79 @@ async def test_bad_max_frame_size_is_rejected_before_anything_opens(bad: Any) ->
     with parent, worker:
         with pytest.raises(ValueError, match=f"max_frame_size must be .*got {bad!r}"):
             await Channel.open(parent, lambda kind, body: None, max_frame_size=bad)
+
+
+# -------------------------------------------------- child half (blocking, no loop)
+
+
+@pytest.fixture
+def raw_pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    saved = _wire._pending
+    _wire._pending = b""
+    try:
+        yield a, b
+    finally:
+        _wire._pending = saved
+        a.close()
+        b.close()
+
+
+def test_child_reads_back_to_back_frames_one_at_a_time(
+    raw_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    parent, child = raw_pair
+    parent.sendall(
+        _wire.header(_wire.INIT, 3)
+        + b"abc"
+        + _wire.header(_wire.PING, 0)
+        + _wire.header(_wire.CALL, 2)
+        + b"de"
+    )
+    fd = child.fileno()
+    got = [_wire.read_frame(fd) for _ in range(3)]
+    assert [(kind, bytes(body)) for kind, body in got] == [
+        (_wire.INIT, b"abc"),
+        (_wire.PING, b""),
+        (_wire.CALL, b"de"),
+    ]
+    parent.sendall(_wire.header(_wire.CALL, 10) + b"part")
+    parent.shutdown(socket.SHUT_WR)
+    with pytest.raises(_wire.ChannelClosed, match="channel closed after 4 of 10 body bytes"):
+        _wire.read_frame(fd)
+
+
+def test_child_eof_inside_a_header_is_channel_closed(
+    raw_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    parent, child = raw_pair
+    parent.sendall(_wire.header(_wire.CALL, 1)[:4])
+    parent.shutdown(socket.SHUT_WR)
+    with pytest.raises(_wire.ChannelClosed, match="after 4 of 9 header bytes"):
+        _wire.read_frame(child.fileno())
+
+
+@pytest.mark.parametrize("size", [0, 10, _wire.JOIN_LIMIT, _wire.JOIN_LIMIT + 1, 5 * MiB])
+def test_child_frames_of_any_size_round_trip(
+    raw_pair: tuple[socket.socket, socket.socket], size: int
+) -> None:
+    """Written with one write (small) or writev (big, partial writes), read back whole."""
+    import threading
+
+    writer, reader = raw_pair
+    body = bytes(range(256)) * (size // 256) + b"z" * (size % 256)
+    parts = [b"M", body, b"", b"!"]
+    sender = threading.Thread(
+        target=_wire.write_frame, args=(writer.fileno(), _wire.RESULT, *parts)
+    )
+    sender.start()
+    try:
+        kind, got = _wire.read_frame(reader.fileno())
+    finally:
+        sender.join(10)
+    assert kind == _wire.RESULT
+    assert bytes(got) == b"M" + body + b"!"
+    assert _wire._pending == b""
 
 
 def test_default_cap_is_one_gib_and_hundreds_of_mib_fit() -> None:

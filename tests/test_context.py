@@ -415,15 +415,17 @@ async def test_worker_imports_no_event_loop_or_parent_modules(workers: types.Mod
     modules = result.return_values[0]
     assert "ctx_workers" in modules  # it really ran our function
     assert _banned(modules) == []
+    assert "_pickle" not in modules  # by name with core-type arguments: marshal only
 
 
 async def test_pickled_worker_imports_no_event_loop_or_parent_modules(
     workers: types.ModuleType,
 ) -> None:
-    # a lambda travels by value (cloudpickle), a different path in the worker
+    # a lambda travels by value (_funcpickle), a different path in the worker
     fn = lambda: sorted(sys.modules)  # noqa: E731
     result = await aioproc.run(fn, 1)
     assert _banned(result.return_values[0]) == []
+    assert "cloudpickle" not in result.return_values[0]
 
 
 async def test_failing_worker_imports_no_event_loop_or_parent_modules(
