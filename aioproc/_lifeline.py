@@ -15,9 +15,14 @@ Registration happens as ``Popen`` returns, but a binary worker already runs
 from its ``exec``; in case the supervisor dies in those microseconds, every
 worker's environment carries ``AIOPROC_LIFELINE=<token>`` (unique to the
 supervisor process), and on EOF the guardian also kills every process, and
-the group of every group leader, whose environment holds the token (one
-``grep`` over ``/proc/*/environ``, twice, to catch a fork racing the first
-sweep).  Descendants that keep their environment are caught the same way.
+the group of every group leader, whose environment holds the token (a
+``grep`` over ``/proc/*/environ``).  Descendants that keep their
+environment are caught the same way.  The sweep is repeated over about 1.5 s
+(twice at once, then after 50, 100, 200, 400 and 800 ms): a worker forked
+but not yet exec'd when the supervisor died still shows the supervisor's
+environment, without the token, and gets it a moment later from ``exec``;
+so does a fork racing a sweep.  (A backoff after a crash, never a poll
+while the supervisor lives.)
 
 A guardian that dies while groups are registered (killed from outside) is
 noticed through its pidfd on the loop: a warning is logged and a replacement
@@ -51,7 +56,8 @@ while IFS= read -r line; do
   esac
 done
 for g in $groups; do kill -s KILL -- "-$g" 2>/dev/null; done
-for round in 1 2; do
+for pause in 0 0 0.05 0.1 0.2 0.4 0.8; do
+  [ "$pause" = 0 ] || sleep "$pause"
   for f in $(grep -lzx "AIOPROC_LIFELINE=$1" /proc/[0-9]*/environ 2>/dev/null); do
     p=${f#/proc/}; p=${p%/environ}
     kill -s KILL -- "-$p" 2>/dev/null; kill -s KILL "$p" 2>/dev/null
