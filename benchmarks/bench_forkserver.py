@@ -59,7 +59,9 @@ def p1b(cfg: Config) -> list[Row]:
     n = cfg.p1_n
     rows = rows_from(
         f"P1b {n} function workers, forkserver (template up): start -> all results",
-        interleaved(cfg, lambda: aioproc_functions(n), lambda: forked_functions(n)),
+        interleaved(
+            cfg, lambda: aioproc_functions(_workers.ret_rank, n), lambda: forked_functions(n)
+        ),
         Target("max", 0.15, "ms"),
         note=f"baseline: the same {n} workers spawned",
         cpu_note=True,
