@@ -19,6 +19,14 @@ SCRIPT = str(Path(__file__).parent / "children" / "ddp_train.py")
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.fixture(autouse=True)
+def torch_tmpdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun and torch keep files in $TMPDIR (torchelastic_*, torchinductor_<user>)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

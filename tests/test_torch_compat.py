@@ -48,9 +48,17 @@ ON_PURPOSE = {
 }
 
 
+@pytest.fixture(autouse=True)
+def torch_tmpdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun and torch keep files in $TMPDIR (torchelastic_*, torchinductor_<user>)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+
+
 def base_env() -> dict[str, str]:
     # the same small parent environment for both launchers
-    env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG") if k in os.environ}
+    env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "TMPDIR") if k in os.environ}
     env["PYTHONPATH"] = REPO_ROOT  # aioproc run's workers import this checkout
     return env
 
