@@ -31,8 +31,8 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
-from typing import IO, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO, Any, TypeVar
 
 from . import _lifeline
 from ._channel import Channel
@@ -266,7 +266,6 @@ async def spawn(
     Cancellation: a start cancelled while the pipes are being connected
     kills the worker's whole group and reaps it.
     """
-    loop = asyncio.get_running_loop()
 
     def start() -> subprocess.Popen[bytes]:
         # Popen is what loop.subprocess_exec runs too: (v)fork+exec, about a
@@ -285,20 +284,42 @@ async def spawn(
         _lifeline.register_from_thread(popen.pid)  # at once: see the module docstring
         return popen
 
+    popen = await start_off_loop(start, lambda p: p.pid, _discard)
+    return await adopt(label, popen, channel, tee_out, tee_err)
+
+
+T = TypeVar("T")
+
+
+async def start_off_loop(
+    start: Callable[[], T], pid_of: Callable[[T], int], discard: Callable[[T], None]
+) -> T:
+    """Run ``start`` (a fork and exec, or a template's fork) on the helper thread.
+
+    ``start`` registers the new group with the guardian itself, as it
+    returns (``_lifeline.register_from_thread``); the guardian is held
+    meanwhile, and the loop registers again on return (a no-op unless the
+    guardian was being replaced).
+
+    Cancellation: ``start`` runs to completion; a worker it started after
+    the caller was cancelled is passed to ``discard`` (killed and reaped)
+    before the cancellation propagates.
+    """
+    loop = asyncio.get_running_loop()
     _lifeline.hold()
     try:
         with helper() as pool:
             starting = loop.run_in_executor(pool, start)
             try:
-                popen = await shielded(starting)
+                started = await shielded(starting)
             except asyncio.CancelledError:
                 if starting.done() and not starting.cancelled() and not starting.exception():
-                    _discard(starting.result())  # started after all: not ours to keep
+                    discard(starting.result())  # started after all: not ours to keep
                 raise
-        _lifeline.register(popen.pid)  # a no-op unless the guardian was being replaced
+        _lifeline.register(pid_of(started))
     finally:
         _lifeline.unhold()  # dismisses the guardian if the start failed and it is idle
-    return await adopt(label, popen, channel, tee_out, tee_err)
+    return started
 
 
 async def adopt(

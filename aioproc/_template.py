@@ -42,10 +42,9 @@ from . import _lifeline
 from ._boot import BOOT_CODE
 from ._channel import Channel
 from ._exit import ExitWatcher
-from ._offloop import helper
 from ._output import TeeProtocol
 from ._shield import shielded
-from ._spawn import Child, adopt
+from ._spawn import Child, adopt, start_off_loop
 from .errors import RemoteTraceback
 
 FORK_TIMEOUT = 30.0
@@ -407,20 +406,7 @@ async def spawn_forked(
             _lifeline.register_from_thread(pid)  # at once, as for a spawned worker
             return pid
 
-        loop = asyncio.get_running_loop()
-        _lifeline.hold()
-        try:
-            with helper() as pool:
-                forking = loop.run_in_executor(pool, start)
-                try:
-                    pid = await shielded(forking)
-                except asyncio.CancelledError:
-                    if forking.done() and not forking.cancelled() and not forking.exception():
-                        _discard_forked(forking.result())  # forked after all: not ours to keep
-                    raise
-            _lifeline.register(pid)  # a no-op unless the guardian was being replaced
-        finally:
-            _lifeline.unhold()  # dismisses the guardian if the fork failed and it is idle
+        pid = await start_off_loop(start, lambda p: p, _discard_forked)
     except BaseException:
         for reader in readers.values():
             reader.close()
