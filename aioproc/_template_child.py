@@ -103,8 +103,17 @@ def _unsafe() -> str:
         if threading is not None:
             named = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
             names = f" ({', '.join(named)})" if named else ""
+        native = (
+            ""
+            if names
+            else (
+                " (not Python threads: a native pool, e.g. numpy's OpenBLAS or OpenMP, "
+                "which OPENBLAS_NUM_THREADS=1 and OMP_NUM_THREADS=1 in the environment "
+                "keep from starting)"
+            )
+        )
         return (
-            f"started {threads - 1} thread(s){names}; the template must stay "
+            f"started {threads - 1} thread(s){names}{native}; the template must stay "
             "single-threaded (a forked worker would inherit locks those threads hold)"
         )
     torch = sys.modules.get("torch")
