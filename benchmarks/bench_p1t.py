@@ -158,7 +158,15 @@ def p1t(cfg: Config) -> list[Row] | str:
     }
     torch_s = {k: Series() for k in baselines}
     ours = {loop: {k: Series() for k in _ROWS} for loop in cfg.loops}
-    with _environ("PYTHONWARNINGS", "ignore"), torch_forkserver(tmp, n):
+    # one thread per process on both sides: with numpy installed, importing
+    # torch starts an OpenBLAS pool, which aioproc's template refuses (a
+    # worker cloned from it would inherit the pool's locks)
+    with (
+        _environ("PYTHONWARNINGS", "ignore"),
+        _environ("OMP_NUM_THREADS", "1"),
+        _environ("OPENBLAS_NUM_THREADS", "1"),
+        torch_forkserver(tmp, n),
+    ):
         for i in range(warmup + rounds):
             for key, fn in baselines.items():
                 s = measure_sync(fn)
