@@ -123,7 +123,7 @@ async def stop_groups(
         await _wait_descendants({c.pgid for c in owned}, deadline)
     for i, c in enumerate(owned):
         if i and not i % _SIGNAL_BATCH:
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # as above: yield between batches of signals
         c.signal_group(signal.SIGKILL)
         if c.watcher.future.done():
             c.swept = True  # leader gone before the SIGKILL: the group is empty for good
