@@ -102,7 +102,7 @@ class LineQueue(Generic[T]):
         """
         loop = asyncio.get_running_loop()
         if self._items and loop.time() - self._resumed > FAIR_SLICE:
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # a fair turn for the loop, not a wait for a state
             self._resumed = loop.time()
         while not self._items:
             fut = asyncio.get_running_loop().create_future()
