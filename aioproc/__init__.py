@@ -103,7 +103,14 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
+_SUBMODULES = frozenset({"cluster"})
+"""Public submodules reachable as attributes (``aioproc.cluster.run``), loaded on first use."""
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        __import__(f"{__name__}.{name}")
+        return sys.modules[f"{__name__}.{name}"]
     try:
         module = _EXPORTS[name]
     except KeyError:

@@ -44,14 +44,80 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
 
 def _lifeline(fd: int, started: Any) -> None:
-    """Kill this worker's whole process group when the supervisor goes away."""
+    """Serve the supervisor's requests; kill this worker's group when it goes away.
+
+    After CALL the supervisor sends only RELEASE (a barrier passed or broke)
+    and DUMP (print every thread's stack); EOF means it is gone.
+    """
     started.release()
     try:
-        while os.read(fd, 4096):
-            pass  # nothing is sent after CALL; ignore anything that is
-    except OSError:
+        while True:
+            kind, body = _wire.read_frame(fd)
+            if kind == _wire.RELEASE:
+                _BARRIER["answer"] = bytes(body).decode("utf-8", "replace")
+                _BARRIER["lock"].release()
+            elif kind == _wire.DUMP:
+                _dump_stacks(fd)
+    except (_wire.ChannelClosed, OSError):
         pass
     os.killpg(os.getpgid(0), _signal.SIGKILL)
+
+
+_WRITE_LOCK = _thread.allocate_lock()
+"""Frames come from the main thread, the lifeline and any thread at a barrier."""
+
+_ONE_SHOT_FD: int | None = None
+"""The channel of a one-shot function worker once its lifeline serves it."""
+
+_BARRIER: dict[str, Any] = {"lock": None, "answer": ""}
+
+
+def _write(fd: int, kind: int, *parts: bytes) -> None:
+    with _WRITE_LOCK:
+        _wire.write_frame(fd, kind, *parts)
+
+
+def _dump_stacks(fd: int) -> None:
+    """faulthandler's dump of every thread: into stderr, and to the supervisor."""
+    import faulthandler
+    import tempfile
+
+    with tempfile.TemporaryFile() as f:
+        faulthandler.dump_traceback(f, all_threads=True)
+        f.seek(0)
+        text = f.read()
+    try:
+        os.write(2, b"aioproc: stacks of every thread (the supervisor asked)\n" + text)
+    except OSError:
+        pass  # no stderr: the supervisor still gets the text
+    _write(fd, _wire.STACKS, text)
+
+
+def barrier_wait() -> None:
+    """Block until every worker of the group reached its barrier.
+
+    Raises:
+        RuntimeError: not inside a one-shot function worker started by aioproc.
+        threading.BrokenBarrierError: a worker of the group ended without
+            reaching the barrier (or the supervisor broke it).
+    """
+    fd = _ONE_SHOT_FD
+    if fd is None:
+        raise RuntimeError(
+            "barrier() works only inside a function worker started by aioproc "
+            "(cluster.run, ClusterRunner, run or start_processes)"
+        )
+    with _BARRIER_CALL:  # one waiter per worker: the supervisor counts workers
+        _write(fd, _wire.ARRIVE)
+        _BARRIER["lock"].acquire()
+        answer = _BARRIER["answer"]
+    if answer:
+        import threading
+
+        raise threading.BrokenBarrierError(answer)
+
+
+_BARRIER_CALL = _thread.allocate_lock()
 
 
 def error_report(exc: BaseException) -> dict[str, Any]:
@@ -123,7 +189,7 @@ def _send_result(fd: int, parts: list[bytes], segments: list[Any] | None) -> Non
 
         assert _FD_SOCKET is not None
         _shm.send(_shm.worker_socket(_FD_SOCKET), segments)
-    _wire.write_frame(fd, _wire.RESULT, *parts)
+    _write(fd, _wire.RESULT, *parts)
 
 
 _MAX_FRAME = _wire.MAX_FRAME_SIZE  # the parent's cap, from INIT
@@ -228,7 +294,7 @@ def _fail(fd: int, exc: BaseException, *, record: bool = True) -> NoReturn:
         write_error_file(os.environ[ERROR_FILE_ENV], exc)
     traceback.print_exception(type(exc), exc, exc.__traceback__)
     try:
-        _wire.write_frame(fd, _wire.ERROR, _error_frame(exc))
+        _write(fd, _wire.ERROR, _error_frame(exc))
     except OSError:
         pass  # supervisor gone: the lifeline is already ending us
     # exit like a script with an uncaught exception: atexit handlers run
@@ -335,8 +401,12 @@ def main(fd: int) -> None:
     # (SIGSEGV in the new thread); one blocked in read() is safe.
     started = _thread.allocate_lock()
     started.acquire()
+    _BARRIER["lock"] = _thread.allocate_lock()
+    _BARRIER["lock"].acquire()  # released by the lifeline on RELEASE
     _thread.start_new_thread(_lifeline, (fd, started))
     started.acquire()
+    global _ONE_SHOT_FD
+    _ONE_SHOT_FD = fd
     try:
         fn, args, kwargs = _load_call(body)
         del body

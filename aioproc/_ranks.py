@@ -41,6 +41,7 @@ class RankLauncher:
         args: Mapping[int, tuple[Any, ...]],
         envs: Mapping[int, Mapping[str, str]],
         *,
+        kwargs: Mapping[int, Mapping[str, Any]] | None = None,
         sinks: list[Sink],
         prefixes: Mapping[int, str] | str | None,
         pass_fds: tuple[int, ...],
@@ -49,6 +50,7 @@ class RankLauncher:
         self.entrypoint = entrypoint
         self.args = args
         self.envs = envs
+        self.kwargs = kwargs or {}
         self.sinks = sinks
         self.filter_sinks: dict[str, Sink] = {}
         self._template = prefixes if isinstance(prefixes, str) else None
@@ -78,11 +80,14 @@ class RankLauncher:
             for rank in range(len(self.args)):
                 segments: list[_shm.Segment] | None = [] if _shm.AVAILABLE else None
                 try:
-                    out[rank] = [init, *encoder.encode(self.args[rank], {}, segments)]
+                    kwargs = self.kwargs.get(rank, {})
+                    out[rank] = [init, *encoder.encode(self.args[rank], kwargs, segments)]
                 except TypeError as e:
                     if "arguments for" not in str(e):
                         raise
-                    raise TypeError(f"args for local rank {rank} cannot be pickled: {e}") from e
+                    raise TypeError(
+                        f"args or kwargs for local rank {rank} cannot be pickled: {e}"
+                    ) from e
                 if segments:
                     self._segments[rank] = segments
         except BaseException:

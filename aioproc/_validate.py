@@ -21,7 +21,7 @@ import shutil
 import signal
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 START_METHODS = ("spawn", "forkserver")
 
@@ -285,6 +285,35 @@ def validate_group(
     if not isinstance(logs_specs, LogsSpecs):
         raise TypeError(f"logs_specs must be a LogsSpecs, got {logs_specs!r}")
     _check_prefixes(log_line_prefixes, expected)
+
+
+def check_kwargs(
+    entrypoint: object, args: Mapping[int, object], kwargs: object
+) -> dict[int, dict[str, Any]]:
+    """Per-rank keyword arguments of function workers: ``{local_rank: {name: value}}``.
+
+    Ranks left out get none.  Raises ``TypeError`` for binary workers (argv
+    has no keywords) and for anything but a dict of str-keyed dicts,
+    ``ValueError`` for a rank the group does not have.
+    """
+    if kwargs is None:
+        return {}
+    if isinstance(entrypoint, str):
+        raise TypeError(
+            f"kwargs are for function workers; binary worker {entrypoint!r} takes argv only"
+        )
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(f"kwargs must be a {{local_rank: dict}} dict, got {kwargs!r}")
+    out: dict[int, dict[str, Any]] = {}
+    for rank, kw in kwargs.items():
+        if rank not in args:
+            raise ValueError(
+                f"kwargs for local rank {rank!r}, but the ranks are {sorted(args, key=repr)}"
+            )
+        if not isinstance(kw, Mapping) or not all(isinstance(k, str) for k in kw):
+            raise TypeError(f"kwargs[{rank}] must be a dict with str keys, got {kw!r}")
+        out[rank] = dict(kw)
+    return out
 
 
 def check_filters(what: str, filters: Sequence[str] | None) -> tuple[str, ...]:

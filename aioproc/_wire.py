@@ -37,10 +37,14 @@ CALL = 2  # codec byte + (MARSHAL: (module, qualname, args, kwargs) | PICKLE: se
 PING = 3  # persistent workers: answered with PONG
 TERMINATE = 4  # persistent workers: exit 0 now
 FD_SOCKET = 5  # the fd number (ascii) of the worker's end of the fd-passing socket
+RELEASE = 6  # barrier: empty body = passed, else utf-8 text saying why it broke
+DUMP = 7  # dump every thread's stack (faulthandler); answered with STACKS
 # child -> parent
 PONG = 12
 RESULT = 10  # codec byte + the return value
 ERROR = 11  # pickled dict describing the exception (see _bootstrap.error_report)
+ARRIVE = 13  # barrier: this worker waits at the group's barrier (empty body)
+STACKS = 14  # utf-8 faulthandler dump of every thread, answering DUMP
 
 MARSHAL = b"M"
 PICKLE = b"P"
@@ -66,11 +70,15 @@ KIND_NAMES = {
     PING: "PING",
     TERMINATE: "TERMINATE",
     FD_SOCKET: "FD_SOCKET",
+    RELEASE: "RELEASE",
+    DUMP: "DUMP",
     PONG: "PONG",
     RESULT: "RESULT",
     ERROR: "ERROR",
+    ARRIVE: "ARRIVE",
+    STACKS: "STACKS",
 }
-CHILD_KINDS = frozenset({PONG, RESULT, ERROR})
+CHILD_KINDS = frozenset({PONG, RESULT, ERROR, ARRIVE, STACKS})
 """The kinds a worker may send; the parent rejects any other."""
 
 MAX_FRAME_SIZE = 1 << 30

@@ -24,14 +24,15 @@ import enum
 import logging
 import signal
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 import anyio
 import anyio.abc
 
-from . import _lifeline, _template
+from . import _lifeline, _template, _wire
+from ._barrier import ControlHub
 from ._loops import check_loop
 from ._offloop import helper, run_blocking
 from ._outcomes import NEVER_STARTED as NEVER_STARTED
@@ -45,6 +46,7 @@ from ._validate import START_METHODS as START_METHODS
 from ._validate import check_duration, check_preload, check_start
 from ._validate import check_executable as _check_executable
 from ._validate import check_filters as _check_filters
+from ._validate import check_kwargs as _check_kwargs
 from ._validate import check_signal as _validate_signal
 from ._validate import validate_group as _validate
 from .errors import ProcessFailure
@@ -108,9 +110,13 @@ class PContext:
         on_event: Callable[[WorkerEvent], None] | None = None,
         close_sinks: bool = True,
         preload: Sequence[str] = (),
+        kwargs: Mapping[int, Mapping[str, Any]] | None = None,
+        hub: ControlHub | None = None,
+        hub_keys: Mapping[int, Hashable] | None = None,
     ) -> None:
         grace_period = check_duration("grace_period", grace_period)
         _validate(name, entrypoint, args, envs, logs_specs, log_line_prefixes, start_method)
+        self.kwargs = _check_kwargs(entrypoint, args, kwargs)
         self.preload = check_preload(start_method, preload)
         own_sinks = _make_sinks(sinks)
         self._filters = {
@@ -141,11 +147,18 @@ class PContext:
             entrypoint,
             self.args,
             self.envs,
+            kwargs=self.kwargs,
             sinks=own_sinks,
             prefixes=log_line_prefixes,
             pass_fds=tuple(pass_fds),
         )
         self._outcomes = Outcomes(self.nprocs)
+        # barrier() and stack dumps of function workers; a cluster run shares
+        # one hub among its tasks' groups, keyed by task
+        if hub is None and self.is_function:
+            hub = ControlHub(self.nprocs)
+        self._hub = hub
+        self._hub_keys: Mapping[int, Hashable] = hub_keys or {}
         self._state = _State.NEW
         self._children: dict[int, Child] = {}
         self._stopping = False  # a failure stop or a close has begun
@@ -326,7 +339,7 @@ class PContext:
         async def launch(rank: int) -> None:
             try:
                 child = await self._ranks.launch(
-                    rank, dest, payloads.get(rank), self._outcomes.frame_handler(rank), template
+                    rank, dest, payloads.get(rank), self._frame_handler(rank), template
                 )
             except Exception as e:
                 errors.append(e)  # the first one is raised once the others are in
@@ -335,6 +348,9 @@ class PContext:
                 window.release()
             self._children[rank] = child
             self._watched[rank] = asyncio.Event()
+            if self._hub is not None and child.channel is not None:
+                key = self._hub_keys.get(rank, rank)
+                self._hub.attach(key, child.channel, key if isinstance(key, str) else child.label)
             self._notify(WorkerEvent("started", rank, child.pid, None, time.time()))
             tg.start_soon(self._watch, rank, child, name=f"aioproc-watch-{child.label}")
 
@@ -355,6 +371,20 @@ class PContext:
             # somebody else (an agent, a pool, open_forkserver) holds it
             if template is not None:
                 await shielded(_template.release(template))
+
+    def _frame_handler(self, rank: int) -> Callable[[int, bytearray], None]:
+        outcome = self._outcomes.frame_handler(rank)
+        hub, key = self._hub, self._hub_keys.get(rank, rank)
+        if hub is None:
+            return outcome
+
+        def on_frame(kind: int, body: bytearray) -> None:
+            if kind == _wire.ARRIVE or kind == _wire.STACKS:
+                hub.on_frame(key, kind, body)
+            else:
+                outcome(kind, body)
+
+        return on_frame
 
     def _mark_never_started(self) -> None:
         for rank in range(self.nprocs):
@@ -411,6 +441,8 @@ class PContext:
         error_file = self.error_files.get(rank, "")
         logs = (self.stdouts.get(rank, ""), self.stderrs.get(rank, ""))
         failed = self._outcomes.record(rank, child, code, error_file, failure, logs)
+        if self._hub is not None:
+            self._hub.left(self._hub_keys.get(rank, rank), code)
         if failed and not self._stopping and self._tg is not None:
             self._stopping = True
             self._tg.start_soon(self._stop_after_failure, name=f"aioproc-stop-{self.name}")

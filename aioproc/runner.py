@@ -41,6 +41,7 @@ def start_processes(
     on_event: Callable[[WorkerEvent], None] | None = None,
     close_sinks: bool = True,
     preload: Sequence[str] = (),
+    kwargs: Mapping[int, Mapping[str, Any]] | None = None,
 ) -> OpenResource[PContext]:
     """Start ``len(args)`` workers running ``entrypoint``.
 
@@ -89,6 +90,8 @@ def start_processes(
             (torch's ``set_forkserver_preload``); only with ``"forkserver"``.
             A module that fails to import raises ``ImportError``; one that
             starts a thread or initialises CUDA raises ``RuntimeError``.
+        kwargs: ``{local_rank: {name: value}}``, keyword arguments of
+            function workers (ranks left out get none).
 
     Raises:
         TypeError, ValueError, RuntimeError, FileNotFoundError,
@@ -111,6 +114,7 @@ def start_processes(
         on_event=on_event,
         close_sinks=close_sinks,
         preload=preload,
+        kwargs=kwargs,
     )
     return OpenResource(lambda: _start(pc), close_on_exit, "start_processes(...)")
 
@@ -121,6 +125,7 @@ async def run(
     args: Mapping[int, tuple[Any, ...]] | tuple[Any, ...] | None = None,
     envs: Mapping[int, Mapping[str, str]] | None = None,
     *,
+    kwargs: Mapping[int, Mapping[str, Any]] | Mapping[str, Any] | None = None,
     name: str | None = None,
     logs_specs: LogsSpecs | None = None,
     log_line_prefixes: Mapping[int, str] | str | None = None,
@@ -138,6 +143,8 @@ async def run(
         args: one tuple for every rank, or ``{local_rank: tuple}``; default
             no arguments.
         envs: ``{local_rank: {name: value}}``; default no extra variables.
+        kwargs: keyword arguments of function workers: one ``{name: value}``
+            dict for every rank, or ``{local_rank: {name: value}}``.
         name: group name (default: the function's or executable's name).
         timeout: seconds before the group is stopped and ``TimeoutError``
             raised (its ``result`` attribute holds the partial result).
@@ -167,6 +174,15 @@ async def run(
     else:
         raise TypeError(f"args must be a tuple or a {{local_rank: tuple}} dict, got {args!r}")
     rank_envs = envs if envs else {r: {} for r in range(nprocs)}
+    rank_kwargs: Mapping[int, Mapping[str, Any]] | None = None
+    if kwargs:
+        if not isinstance(kwargs, Mapping):
+            raise TypeError(f"kwargs must be a dict, got {kwargs!r}")
+        if all(isinstance(k, str) for k in kwargs):
+            shared: Mapping[str, Any] = kwargs  # type: ignore[assignment]
+            rank_kwargs = {r: shared for r in range(nprocs)}
+        else:
+            rank_kwargs = kwargs  # type: ignore[assignment]  # checked per rank by PContext
     if name is None:
         name = (
             os.path.basename(entrypoint)
@@ -188,6 +204,7 @@ async def run(
         grace_period=grace_period,
         sinks=sinks,
         preload=preload,
+        kwargs=rank_kwargs,
     ) as pc:
         result = await pc.wait(-1 if timeout is None else timeout)
         if result is None:

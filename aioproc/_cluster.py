@@ -1,0 +1,691 @@
+"""``ClusterRunner``: TensorFlow's ``MultiProcessRunner`` as an asyncio supervisor.
+
+Each task ``(task_type, task_id)`` of the cluster spec is a group of its own
+(a one-rank ``PContext``), so it can be stopped, restarted or added alone;
+what TF does with a 1 s watchdog thread, reader threads and a Manager process
+happens here on the loop: a task's exit wakes its own coroutine (``_run_task``)
+at once, its lines go through the output engine to the sinks, and one
+``ControlHub`` shared by every task's group carries the barrier and the stack
+dumps over the tasks' private control channels.
+
+Ownership: the runner's supervisor task holds one task group; every task's
+coroutine (its attempts, its restarts with backoff, its ``max_run_time``
+timer) and the chief-dependence stop live there.  ``aclose`` stops every
+task and waits for the supervisor, so leaving ``async with`` leaves nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from ._barrier import ControlHub
+from ._boot import CallEncoder
+from ._cluster_result import (
+    MultiProcessRunnerResult,
+    SubprocessTimeoutError,
+    TaskKey,
+    UnexpectedSubprocessExitError,
+)
+from ._ranks import SinkLike, make_sinks
+from ._shield import shielded
+from ._tfconfig import assign_gpus, check_cluster_spec, tf_config, visible_gpus
+from ._validate import check_duration, check_env, check_signal
+from .agent.spec import RestartPolicy
+from .context import PContext
+from .errors import ProcessFailure
+from .logs import DefaultLogsSpecs, Std
+from .sinks import Sink, close_sinks
+
+__all__ = ["ClusterRunner"]
+
+logger = logging.getLogger("aioproc.cluster")
+
+DEFAULT_TIMEOUT = 200.0
+"""``join()``'s default bound in seconds, TensorFlow's."""
+
+_STACKS_TIMEOUT = 5.0
+"""Bound on waiting for a task's stack dump (its main thread may hold the GIL in C)."""
+
+
+def task_label(task_type: str, task_id: int) -> str:
+    """``worker-1``: how TF names a task in prefixes and messages."""
+    return f"{task_type}-{task_id}"
+
+
+def line_prefix(task_type: str, task_id: int) -> str:
+    """``"[worker-1]:    "``: TF pads the tag to 14 columns, then one space."""
+    return f"[{task_label(task_type, task_id)}]:".ljust(14) + " "
+
+
+class _Collect(Sink):
+    """``return_output``: every line, prefixed, in order of arrival."""
+
+    def __init__(self, out: list[str]) -> None:
+        self._out = out
+
+    def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
+        self._out.extend(prefix + line for line in lines)
+
+
+@dataclass
+class _Task:
+    """One task: its current attempt and what its last attempt ended with."""
+
+    key: TaskKey
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    pc: PContext | None = None
+    pid: int | None = None
+    exit_code: int | None = None
+    stop_reason: str = ""  # "" ran by itself; "user", "chief", "timeout", "close", "max_run_time"
+    restarts: int = 0
+    started_at: float = 0.0
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # current attempt over
+
+    @property
+    def label(self) -> str:
+        return task_label(*self.key)
+
+    @property
+    def running(self) -> bool:
+        return self.pc is not None and self.exit_code is None
+
+
+class ClusterRunner:
+    """Run ``fn`` once per task of ``cluster_spec``, each task in its own process.
+
+    Built directly (``ClusterRunner(fn, spec, ...)``); ``async with`` starts
+    it and stops every task when the block exits.  See ``aioproc.cluster.run``
+    for the arguments; in addition:
+
+    Args:
+        sinks: extra sinks for the tasks' prefixed lines (``aioproc.sinks``).
+        grace_period: seconds between SIGTERM and SIGKILL when a task is
+            stopped (terminate, chief dependence, timeout, close).
+        chief_grace_period: with ``dependence_on_chief``, how long the other
+            tasks may keep running after the chief exited before they are
+            stopped (TF waits 3 s).
+        restart_policy: backoff between restarts (``aioproc.agent``'s).
+        max_restarts: restarts allowed per task with ``auto_restart``.
+        rpc_layer: put into ``TF_CONFIG`` when given (e.g. ``"grpc"``).
+        gpus: the GPU ids to hand out with ``share_gpu=False`` (default: the
+            parent's ``CUDA_VISIBLE_DEVICES``, else the NVIDIA GPUs found).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        cluster_spec: Mapping[str, Sequence[str] | int],
+        *,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        return_output: bool = False,
+        stream_output: bool = True,
+        max_run_time: float | None = None,
+        dependence_on_chief: bool = True,
+        auto_restart: bool = False,
+        share_gpu: bool = True,
+        env: Mapping[str, str] | None = None,
+        rpc_layer: str | None = None,
+        sinks: Sequence[SinkLike] = (),
+        grace_period: float = 5.0,
+        chief_grace_period: float = 3.0,
+        restart_policy: RestartPolicy | None = None,
+        max_restarts: int = 10,
+        gpus: Sequence[str] | None = None,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {fn!r}")
+        self.cluster_spec = check_cluster_spec(cluster_spec)
+        self._fn = fn
+        self._args, self._kwargs = _check_call(args, kwargs)
+        self.max_run_time = check_duration("max_run_time", max_run_time, allow_none=True)
+        self.grace_period = check_duration("grace_period", grace_period)
+        self.chief_grace_period = check_duration("chief_grace_period", chief_grace_period)
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
+        if restart_policy is not None and not isinstance(restart_policy, RestartPolicy):
+            raise TypeError(f"restart_policy must be a RestartPolicy, got {restart_policy!r}")
+        if rpc_layer is not None and not isinstance(rpc_layer, str):
+            raise TypeError(f"rpc_layer must be a str, got {rpc_layer!r}")
+        self._env = dict(env or {})
+        check_env("env", self._env)
+        self.return_output = bool(return_output)
+        self.stream_output = bool(stream_output)
+        self.dependence_on_chief = bool(dependence_on_chief)
+        self.auto_restart = bool(auto_restart)
+        self.share_gpu = bool(share_gpu)
+        self.rpc_layer = rpc_layer
+        self.max_restarts = max_restarts
+        self.restart_policy = restart_policy or RestartPolicy(initial_delay=0.05, max_delay=5.0)
+        user_sinks = make_sinks(list(sinks))
+        spec_tasks = [(t, i) for t, addrs in self.cluster_spec.items() for i in range(len(addrs))]
+        if gpus is None:
+            gpus = visible_gpus(os.environ) if not share_gpu else []
+        self._gpus = [str(g) for g in gpus]
+        self._gpu_of = {} if share_gpu else assign_gpus(spec_tasks, self._gpus)
+        self._stdout: list[str] = []
+        self._sinks: list[Sink] = list(user_sinks)
+        if stream_output:
+            from .sinks import ConsoleSink
+
+            self._sinks.append(ConsoleSink())
+        if return_output:
+            self._sinks.append(_Collect(self._stdout))
+        # the barrier counts the tasks of the spec, as TF's Manager barrier does
+        self._hub = ControlHub(len(spec_tasks), returns=self._comes_back)
+        self._tasks: dict[TaskKey, _Task] = {}
+        self._failures: dict[TaskKey, BaseException] = {}  # last attempt failed, first first
+        self._terminated: set[TaskKey] = set()
+        self._exit_codes: dict[TaskKey, int] = {}
+        self._values: dict[TaskKey, Any] = {}
+        self._halt = asyncio.Event()  # timeout, terminate_all, close, chief gone: no more attempts
+        self._chief_succeeded = False
+        self._closing = False
+        self._active = 0
+        self._idle: asyncio.Event | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._close_request: asyncio.Future[None] | None = None
+
+    def __repr__(self) -> str:
+        if self._supervisor is None:
+            state = "new"
+        elif self._supervisor.done():
+            state = "closed"
+        else:
+            running = sum(t.running for t in self._tasks.values())
+            state = f"running={running}"
+        name = getattr(self._fn, "__name__", repr(self._fn))
+        return f"<ClusterRunner {name} {state}>"
+
+    async def __aenter__(self) -> ClusterRunner:
+        if self._supervisor is None:
+            await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ start
+
+    async def start(self) -> None:
+        """Start every task of the cluster spec; return once all are running.
+
+        Raises:
+            RuntimeError: already started.
+            TypeError: ``fn`` or its arguments cannot be pickled (before
+                anything starts).
+            OSError: a task could not be launched; the others are stopped.
+
+        Cancellation: the tasks launched so far keep running; leaving
+        ``async with`` (or ``aclose()``) stops them.
+        """
+        if self._supervisor is not None:
+            raise RuntimeError(f"{self!r} was already started")
+        CallEncoder(self._fn).encode(self._args, self._kwargs)  # picklable, or TypeError now
+        await self._open()
+        keys = [(t, i) for t, addrs in self.cluster_spec.items() for i in range(len(addrs))]
+        await self._launch([_Task(k, self._fn, self._args, dict(self._kwargs)) for k in keys])
+
+    async def start_in_process_as(self, as_task_type: str, as_task_id: int) -> Any:
+        """Start every other task, then run ``fn`` here as ``(as_task_type, as_task_id)``.
+
+        ``fn`` runs in a worker thread with this process's ``TF_CONFIG`` set
+        to that task's (``os.environ`` is changed for the call and restored
+        after, because the caller asked for it); its return value is returned.
+
+        Cancellation: the thread cannot be interrupted; it runs to its end.
+        """
+        key = (as_task_type, as_task_id)
+        if as_task_type not in self.cluster_spec or as_task_id >= len(
+            self.cluster_spec[as_task_type]
+        ):
+            raise ValueError(f"{task_label(*key)} is not a task of {self.cluster_spec}")
+        if self._supervisor is not None:
+            raise RuntimeError(f"{self!r} was already started")
+        CallEncoder(self._fn).encode(self._args, self._kwargs)
+        await self._open()
+        keys = [(t, i) for t, addrs in self.cluster_spec.items() for i in range(len(addrs))]
+        keys.remove(key)
+        await self._launch([_Task(k, self._fn, self._args, dict(self._kwargs)) for k in keys])
+        config = tf_config(self.cluster_spec, as_task_type, as_task_id, self.rpc_layer)
+
+        def call() -> Any:
+            old = os.environ.get("TF_CONFIG")
+            os.environ["TF_CONFIG"] = config
+            try:
+                return self._fn(*self._args, **self._kwargs)
+            finally:
+                if old is None:
+                    os.environ.pop("TF_CONFIG", None)
+                else:
+                    os.environ["TF_CONFIG"] = old
+
+        return await anyio.to_thread.run_sync(call)
+
+    async def start_single_process(
+        self,
+        task_type: str,
+        task_id: int,
+        fn: Callable[..., Any] | None = None,
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Start one task, in the spec or not (its ``TF_CONFIG`` names it all the same).
+
+        ``fn``, ``args`` and ``kwargs`` default to the runner's.
+
+        Raises:
+            RuntimeError: the runner is not started, or is closing.
+            ValueError: that task is running now.
+        """
+        if self._supervisor is None or self._closing:
+            raise RuntimeError(f"{self!r} is not running: start() it first")
+        if not isinstance(task_type, str) or not task_type:
+            raise ValueError(f"task_type must be a non-empty str, got {task_type!r}")
+        if isinstance(task_id, bool) or not isinstance(task_id, int) or task_id < 0:
+            raise ValueError(f"task_id must be a non-negative int, got {task_id!r}")
+        key = (task_type, task_id)
+        old = self._tasks.get(key)
+        if old is not None and (old.running or not old.ended.is_set()):
+            raise ValueError(f"{task_label(*key)} is running; terminate it first")
+        fn = self._fn if fn is None else fn
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {fn!r}")
+        call_args, call_kwargs = _check_call(
+            self._args if args is None else args, self._kwargs if kwargs is None else kwargs
+        )
+        CallEncoder(fn).encode(call_args, call_kwargs)
+        await self._launch([_Task(key, fn, call_args, call_kwargs)])
+
+    async def _open(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._close_request = loop.create_future()
+        ready: asyncio.Future[None] = loop.create_future()
+        self._supervisor = loop.create_task(self._supervise(ready), name="aioproc-cluster")
+        await ready
+
+    async def _supervise(self, ready: asyncio.Future[None]) -> None:
+        assert self._close_request is not None
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                ready.set_result(None)
+                await asyncio.shield(self._close_request)
+                with anyio.CancelScope(shield=True):
+                    await self._stop_running("close", signal.SIGTERM)
+        finally:
+            self._tg = None
+            with anyio.CancelScope(shield=True):
+                await close_sinks(self._sinks)
+
+    async def _launch(self, tasks: list[_Task]) -> None:
+        assert self._tg is not None
+        assert self._idle is not None
+        loop = asyncio.get_running_loop()
+        launched: list[asyncio.Future[None]] = []
+        for task in tasks:
+            self._tasks[task.key] = task
+            self._failures.pop(task.key, None)
+            self._values.pop(task.key, None)
+            self._exit_codes.pop(task.key, None)
+            self._terminated.discard(task.key)
+            future: asyncio.Future[None] = loop.create_future()
+            launched.append(future)
+            self._active += 1
+            self._idle.clear()
+            self._tg.start_soon(self._run_task, task, future, name=f"aioproc-{task.label}")
+        errors = [r for r in await asyncio.gather(*launched, return_exceptions=True) if r]
+        if errors:
+            # all or none of this launch: stop the tasks it did start
+            keys = [t.key for t in tasks]
+            await shielded(self._stop_running("close", signal.SIGKILL, keys))
+            raise errors[0]
+
+    # ------------------------------------------------------------ one task
+
+    def _group(self, task: _Task) -> PContext:
+        task_type, task_id = task.key
+        env = {
+            **self._env,
+            "TF_CONFIG": tf_config(self.cluster_spec, task_type, task_id, self.rpc_layer),
+        }
+        gpu = self._gpu_of.get(task.key)
+        if gpu is None and not self.share_gpu and self._gpus:
+            gpu = self._gpus[len(self._tasks) % len(self._gpus)]  # a task not in the spec
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        return PContext(
+            task.label,
+            task.fn,
+            {0: task.args},
+            {0: env},
+            DefaultLogsSpecs(log_dir=os.devnull, tee=Std.ALL),
+            {0: line_prefix(task_type, task_id)},
+            grace_period=self.grace_period,
+            sinks=self._sinks,
+            close_sinks=False,
+            kwargs={0: task.kwargs},
+            hub=self._hub,
+            hub_keys={0: task.label},
+        )
+
+    async def _run_task(self, task: _Task, launched: asyncio.Future[None]) -> None:
+        """Every attempt of one task: start, wait (bounded by max_run_time), record, restart."""
+        assert self._idle is not None
+        try:
+            while True:
+                task.ended = asyncio.Event()
+                task.exit_code = None
+                task.stop_reason = ""
+                pc = self._group(task)
+                try:
+                    await pc.start()
+                except Exception as e:
+                    if not launched.done():
+                        launched.set_exception(e)
+                    else:  # a restart that could not be launched
+                        self._record_failure(task, e)
+                    return
+                task.pc = pc
+                task.pid = pc.pids().get(0)
+                task.started_at = time.monotonic()
+                if not launched.done():
+                    launched.set_result(None)
+                try:
+                    if self._closing:  # the runner began closing during the launch
+                        task.stop_reason = "close"
+                        await pc.close(signal.SIGTERM, self.grace_period)
+                    result = await pc.wait(-1 if self.max_run_time is None else self.max_run_time)
+                    if result is None:  # max_run_time: TF counts such a task as done, value None
+                        task.stop_reason = task.stop_reason or "max_run_time"
+                        await pc.close(signal.SIGTERM, self.grace_period)
+                        result = pc.poll()
+                except BaseException:
+                    # cancelled (the loop is shutting down): never leave the task behind
+                    await shielded(pc.close(signal.SIGKILL, 0.0))
+                    raise
+                assert result is not None
+                self._record(task, pc, result)
+                task.ended.set()
+                delay = self._restart_delay(task)
+                if delay is None:
+                    return
+                task.restarts += 1
+                logger.info("restarting %s in %.2f s", task.label, delay)
+                # the backoff between attempts, cut short when restarts end
+                with anyio.move_on_after(delay):
+                    await self._halt.wait()
+                if self._halt.is_set():
+                    return
+        finally:
+            task.ended.set()
+            if not launched.done():
+                launched.set_result(None)
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
+
+    def _record(self, task: _Task, pc: PContext, result: Any) -> None:
+        """The outcome of ``task``'s attempt replaces what its last attempt left."""
+        key = task.key
+        self._terminated.discard(key)
+        self._values.pop(key, None)
+        self._failures.pop(key, None)
+        stopped = task.stop_reason and task.stop_reason != "max_run_time"
+        if 0 in result.return_values:
+            task.exit_code = 0
+            self._values[key] = result.return_values[0]
+            if key[0] == "chief" and not stopped:
+                self._chief_succeeded = True
+        else:
+            failure: ProcessFailure = result.failures[0]
+            task.exit_code = failure.exitcode
+            if task.stop_reason == "max_run_time":
+                self._values[key] = None  # TF: a task ended by max_run_time succeeded
+            elif not stopped:
+                self._record_failure(task, self._error_of(task, pc, failure))
+        if stopped:
+            self._terminated.add(key)
+        self._exit_codes[key] = task.exit_code
+        chief_gone = task.exit_code == 0 or self._restart_delay(task) is None
+        if key[0] == "chief" and self.dependence_on_chief and chief_gone and self._tg is not None:
+            self._tg.start_soon(self._stop_dependents, name="aioproc-chief-exited")
+
+    def _record_failure(self, task: _Task, error: BaseException) -> None:
+        self._failures.pop(task.key, None)
+        self._failures[task.key] = error  # the latest failure goes last
+
+    def _error_of(self, task: _Task, pc: PContext, failure: ProcessFailure) -> BaseException:
+        remote = pc.remote_exception(0)
+        if remote is not None:
+            return remote
+        code = failure.exitcode
+        message = f"Subprocess {task.label} exited with exit code {code}"
+        if code < 0:
+            message += f": it was killed by {failure.signal_name()}"
+        return UnexpectedSubprocessExitError(message, MultiProcessRunnerResult())
+
+    def _comes_back(self, key: Hashable, code: int) -> bool:
+        """The barrier's question: will a new attempt of this task take its place?"""
+        for task in self._tasks.values():
+            if task.label == key:
+                return self._restart_delay(task, code) is not None
+        return False
+
+    def _restart_delay(self, task: _Task, code: int | None = None) -> float | None:
+        """Seconds before ``task``'s next attempt, or None when it is not restarted."""
+        code = task.exit_code if code is None else code
+        if not self.auto_restart or self._halt.is_set() or self._closing:
+            return None
+        if self._chief_succeeded or task.stop_reason in ("chief", "timeout", "close"):
+            return None
+        if code == 0 and task.stop_reason != "user":
+            return None
+        if task.restarts >= self.max_restarts:
+            return None
+        reset = self.restart_policy.reset_after
+        if reset is not None and time.monotonic() - task.started_at >= reset:
+            task.restarts = 0
+        return self.restart_policy.delay(task.restarts)
+
+    async def _stop_dependents(self) -> None:
+        """The chief is gone: the others get ``chief_grace_period`` to end, then are stopped."""
+        assert self._idle is not None
+        with anyio.move_on_after(self.chief_grace_period):
+            while any(t.running for t in self._tasks.values() if t.key[0] != "chief"):
+                await self._any_ended()
+        self._halt.set()
+        await self._stop_running("chief", signal.SIGTERM)
+
+    async def _any_ended(self) -> None:
+        running = [t.ended.wait() for t in self._tasks.values() if t.running]
+        if not running:
+            return
+        waits = [asyncio.ensure_future(w) for w in running]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    async def _stop_running(self, reason: str, sig: int, keys: Sequence[TaskKey] = ()) -> None:
+        """Stop the running tasks (or ``keys``), gracefully then by force; wait for them."""
+        targets = [t for t in self._tasks.values() if t.running and (not keys or t.key in keys)]
+        timeout = 0.0 if sig == signal.SIGKILL else self.grace_period
+
+        async def stop(task: _Task) -> None:
+            task.stop_reason = task.stop_reason or reason
+            assert task.pc is not None
+            await task.pc.close(sig, timeout)
+            await task.ended.wait()
+
+        async with anyio.create_task_group() as tg:
+            for task in targets:
+                tg.start_soon(stop, task)
+
+    # ------------------------------------------------------------ control
+
+    def _task(self, task_type: str, task_id: int) -> _Task:
+        task = self._tasks.get((task_type, task_id))
+        if task is None:
+            raise ValueError(f"{task_label(task_type, task_id)} does not exist")
+        return task
+
+    async def terminate(self, task_type: str, task_id: int) -> None:
+        """Stop one task (SIGTERM, SIGKILL after ``grace_period``) and wait until it ended.
+
+        The others keep running (unless it is the chief and the run depends
+        on it).  The task is reported as terminated, not as a failure; with
+        ``auto_restart`` it is started again.
+
+        Raises:
+            ValueError: no such task.
+
+        Cancellation: the stop runs shielded.
+        """
+        task = self._task(task_type, task_id)
+        if task.running:
+            await shielded(self._stop_running("user", signal.SIGTERM, [task.key]))
+
+    async def terminate_all(self, sig: int | None = None) -> None:
+        """Stop every task with ``sig`` (default SIGKILL, as TF) and wait; no more restarts.
+
+        Cancellation: the stop runs shielded.
+        """
+        sig = check_signal(signal.SIGKILL if sig is None else sig)
+        self._halt.set()
+        await shielded(self._stop_running("user", sig))
+
+    def get_process_id(self, task_type: str, task_id: int) -> int | None:
+        """The pid of the task's current (or last) process; None if it never started."""
+        task = self._tasks.get((task_type, task_id))
+        return None if task is None else task.pid
+
+    def get_process_exit_code(self, task_type: str, task_id: int) -> int | None:
+        """The exit code of the task's last attempt (``-N``: signal N); None while running.
+
+        Raises:
+            ValueError: no such task.
+        """
+        return self._task(task_type, task_id).exit_code
+
+    def process_exists(self, task_type: str, task_id: int) -> bool:
+        """Whether the task's process is running now."""
+        task = self._tasks.get((task_type, task_id))
+        return task is not None and task.running
+
+    # ------------------------------------------------------------ join
+
+    def _result(self) -> MultiProcessRunnerResult:
+        return MultiProcessRunnerResult.build(
+            self._values, self._stdout, self._exit_codes, self._terminated
+        )
+
+    async def join(self, timeout: float | None = DEFAULT_TIMEOUT) -> MultiProcessRunnerResult:
+        """Wait until every task (and every restart) has ended; the result, or the first error.
+
+        Args:
+            timeout: seconds (``None``: no bound).  When it expires, every
+                task still running dumps the stacks of all its threads into
+                its output, then all are stopped (gracefully, then by force)
+                and ``SubprocessTimeoutError`` is raised, unless a task
+                failed, whose error is raised instead (as TF does).
+
+        Returns:
+            The ``MultiProcessRunnerResult``.
+
+        Raises:
+            The first failed task's own exception (its type, its traceback as
+            ``__cause__``, ``mpr_result`` attached); ``UnexpectedSubprocessExitError``
+            for a task that exited non-zero or was killed by a signal without
+            raising; ``SubprocessTimeoutError``.
+
+        Cancellation: the tasks keep running; ``async with``/``aclose()``
+            stops them.
+        """
+        timeout = check_duration("join(timeout=...)", timeout, allow_none=True)
+        if self._idle is None:
+            raise RuntimeError(f"{self!r} has not been started")
+        stacks: dict[TaskKey, str] = {}
+        timed_out = False
+        with anyio.move_on_after(timeout) as scope:
+            await self._idle.wait()
+        if scope.cancelled_caught:
+            timed_out = True
+            self._halt.set()
+            stacks = await shielded(self._dump_and_stop())
+        result = self._result()
+        if self._failures:
+            error = next(iter(self._failures.values()))
+            error.mpr_result = result  # type: ignore[attr-defined]
+            raise error
+        if timed_out:
+            names = ", ".join(task_label(*k) for k in stacks) or "none"
+            dumps = "".join(
+                f"\n--- stacks of {task_label(*k)} ---\n{text.rstrip()}"
+                for k, text in stacks.items()
+            )
+            raise SubprocessTimeoutError(
+                f"join timed out after {timeout} s; tasks still running were stopped: "
+                f"{names}{dumps}",
+                result,
+                stacks,
+            )
+        return result
+
+    async def _dump_and_stop(self) -> dict[TaskKey, str]:
+        running = [t for t in self._tasks.values() if t.running]
+        texts = await asyncio.gather(
+            *(self._hub.dump_stacks(t.label, _STACKS_TIMEOUT) for t in running)
+        )
+        await self._stop_running("timeout", signal.SIGTERM)
+        return {t.key: text for t, text in zip(running, texts, strict=True)}
+
+    async def aclose(self) -> None:
+        """Stop every task (SIGTERM, SIGKILL after ``grace_period``) and release all.
+
+        Cancellation: runs shielded and bounded; a cancellation is re-raised
+        once it is done.
+        """
+        if self._supervisor is None or self._close_request is None:
+            return
+        self._closing = True
+        self._halt.set()
+        if not self._close_request.done():
+            self._close_request.set_result(None)
+        await shielded(asyncio.wait({self._supervisor}))
+
+
+def _check_call(
+    args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if args is None:
+        args = ()
+    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+        raise TypeError(f"args must be a tuple or list, got {args!r}")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise TypeError(f"kwargs must be a dict with str keys, got {kwargs!r}")
+    return tuple(args), dict(kwargs)

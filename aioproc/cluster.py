@@ -1,0 +1,117 @@
+"""TensorFlow's ``multi_process_runner``, async: a cluster of named tasks as local processes.
+
+::
+
+    spec = aioproc.cluster.create_cluster_spec(has_chief=True, num_workers=2)
+    result = await aioproc.cluster.run(train, spec, return_output=True)
+    result.return_value        # chief's, then worker-0's, worker-1's (None dropped)
+
+Every task ``(task_type, task_id)`` of the cluster spec runs ``fn`` in a
+fresh interpreter with ``TF_CONFIG`` naming the cluster and the task; its
+lines reach the console (and ``result.stdout``) prefixed ``[worker-1]:`` as
+TF prints them.  ``ClusterRunner`` gives per-task control (terminate, start a
+single task, pids, exit codes); ``barrier()`` synchronises the tasks.
+Differences from TF: a task killed by a signal is a failure
+(``UnexpectedSubprocessExitError``), results are ordered, a timeout reports
+every live task's stacks, restarts back off, and nothing polls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ._barrier import barrier as barrier
+from ._cluster import DEFAULT_TIMEOUT
+from ._cluster import ClusterRunner as ClusterRunner
+from ._cluster_result import MultiProcessRunnerResult as MultiProcessRunnerResult
+from ._cluster_result import SubprocessTimeoutError as SubprocessTimeoutError
+from ._cluster_result import UnexpectedSubprocessExitError as UnexpectedSubprocessExitError
+from ._tfconfig import assign_gpus as assign_gpus
+from ._tfconfig import create_cluster_spec as create_cluster_spec
+
+__all__ = [
+    "ClusterRunner",
+    "MultiProcessRunnerResult",
+    "SubprocessTimeoutError",
+    "UnexpectedSubprocessExitError",
+    "assign_gpus",
+    "barrier",
+    "create_cluster_spec",
+    "run",
+]
+
+
+async def run(
+    fn: Callable[..., Any],
+    cluster_spec: Mapping[str, Sequence[str] | int],
+    *,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    return_output: bool = False,
+    stream_output: bool = True,
+    max_run_time: float | None = None,
+    dependence_on_chief: bool = True,
+    auto_restart: bool = False,
+    share_gpu: bool = True,
+    env: Mapping[str, str] | None = None,
+    **options: Any,
+) -> MultiProcessRunnerResult:
+    """Run ``fn(*args, **kwargs)`` in one process per task of ``cluster_spec``.
+
+    Args:
+        fn: a picklable callable.
+        cluster_spec: ``{task_type: [address, ...]}`` (``create_cluster_spec``
+            makes one with free localhost ports), or ``{task_type: count}``.
+            Task types ``chief``, ``worker``, ``ps``, ``evaluator`` (others
+            are allowed and sort after them); at most one chief.
+        args, kwargs: passed to ``fn`` in every task.
+        timeout: bound on the whole run in seconds (``None``: none).  On
+            expiry every live task dumps its threads' stacks into its output,
+            then all are stopped; ``SubprocessTimeoutError`` carries the
+            dumps and the partial result.
+        return_output: collect every prefixed line in ``result.stdout``.
+        stream_output: print the prefixed lines to the console.
+        max_run_time: seconds after which a task is stopped and counted as
+            done with value ``None`` (TF's meaning).
+        dependence_on_chief: when the chief exits, the other tasks get
+            ``chief_grace_period`` (3 s) to end, then are stopped.
+        auto_restart: restart tasks that fail (or are terminated), with
+            backoff, up to ``max_restarts`` times each; a chief that exits 0
+            ends the restarts, and so does a timeout.
+        share_gpu: ``False`` gives each task its own ``CUDA_VISIBLE_DEVICES``,
+            round robin over the GPUs found (see ``assign_gpus``); nothing is
+            set where no GPU is found.
+        env: extra environment variables for every task.
+        options: the other keyword arguments of ``ClusterRunner``.
+
+    Returns:
+        The ``MultiProcessRunnerResult``.
+
+    Raises:
+        The first failed task's own exception (original type, its traceback
+        as ``__cause__``, ``mpr_result`` attached); ``UnexpectedSubprocessExitError``
+        for a task that exited non-zero or was killed by a signal without
+        raising; ``SubprocessTimeoutError``; ``TypeError``/``ValueError`` for
+        bad input, before anything starts.
+
+    Cancellation: every task is stopped (shielded, bounded) before the
+    cancellation propagates.
+    """
+    runner = ClusterRunner(
+        fn,
+        cluster_spec,
+        args=args,
+        kwargs=kwargs,
+        return_output=return_output,
+        stream_output=stream_output,
+        max_run_time=max_run_time,
+        dependence_on_chief=dependence_on_chief,
+        auto_restart=auto_restart,
+        share_gpu=share_gpu,
+        env=env,
+        **options,
+    )
+    async with runner:
+        return await runner.join(timeout)
