@@ -367,6 +367,7 @@ class ClusterRunner:
     def _group(self, task: _Task) -> PContext:
         task_type, task_id = task.key
         env = {
+            "PYTHONFAULTHANDLER": "1",  # a crashing task prints its stacks, as under TF
             **self._env,
             "TF_CONFIG": tf_config(self.cluster_spec, task_type, task_id, self.rpc_layer),
         }
@@ -451,20 +452,26 @@ class ClusterRunner:
         key = task.key
         self._terminated.discard(key)
         self._values.pop(key, None)
-        self._failures.pop(key, None)
-        stopped = task.stop_reason and task.stop_reason != "max_run_time"
+        stopped = bool(task.stop_reason) and task.stop_reason != "max_run_time"
         if 0 in result.return_values:
             task.exit_code = 0
             self._values[key] = result.return_values[0]
+            self._failures.pop(key, None)
             if key[0] == "chief" and not stopped:
                 self._chief_succeeded = True
         else:
             failure: ProcessFailure = result.failures[0]
             task.exit_code = failure.exitcode
-            if task.stop_reason == "max_run_time":
+            if pc.remote_exception(0) is not None:
+                # it raised before (or while) it was stopped: an error all the same
+                self._record_failure(task, self._error_of(task, pc, failure))
+                stopped = False
+            elif task.stop_reason == "max_run_time":
                 self._values[key] = None  # TF: a task ended by max_run_time succeeded
+                self._failures.pop(key, None)
             elif not stopped:
                 self._record_failure(task, self._error_of(task, pc, failure))
+            # a stopped attempt reports nothing of its own: an earlier failure stands
         if stopped:
             self._terminated.add(key)
         self._exit_codes[key] = task.exit_code
