@@ -122,6 +122,9 @@ class ClusterRunner:
         rpc_layer: put into ``TF_CONFIG`` when given (e.g. ``"grpc"``).
         gpus: the GPU ids to hand out with ``share_gpu=False`` (default: the
             parent's ``CUDA_VISIBLE_DEVICES``, else the NVIDIA GPUs found).
+        on_exit: called on the loop with ``((task_type, task_id), exit code)``
+            each time an attempt of a task has ended and its outcome is
+            recorded (values and errors are then visible to ``join``).
     """
 
     def __init__(
@@ -145,6 +148,7 @@ class ClusterRunner:
         restart_policy: RestartPolicy | None = None,
         max_restarts: int = 10,
         gpus: Sequence[str] | None = None,
+        on_exit: Callable[[TaskKey, int], None] | None = None,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {fn!r}")
@@ -160,6 +164,9 @@ class ClusterRunner:
             raise TypeError(f"restart_policy must be a RestartPolicy, got {restart_policy!r}")
         if rpc_layer is not None and not isinstance(rpc_layer, str):
             raise TypeError(f"rpc_layer must be a str, got {rpc_layer!r}")
+        if on_exit is not None and not callable(on_exit):
+            raise TypeError(f"on_exit must be callable, got {on_exit!r}")
+        self._on_exit = on_exit
         self._env = dict(env or {})
         check_env("env", self._env)
         self.return_output = bool(return_output)
@@ -475,6 +482,11 @@ class ClusterRunner:
         if stopped:
             self._terminated.add(key)
         self._exit_codes[key] = task.exit_code
+        if self._on_exit is not None:
+            try:
+                self._on_exit(key, task.exit_code)
+            except Exception:
+                logger.exception("on_exit callback failed for %s", task.label)
         chief_gone = task.exit_code == 0 or self._restart_delay(task) is None
         if key[0] == "chief" and self.dependence_on_chief and chief_gone and self._tg is not None:
             self._tg.start_soon(self._stop_dependents, name="aioproc-chief-exited")

@@ -37,7 +37,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--only",
         default="",
         help="comma-separated subset: p1,p2,p1b,memory,p3,p5,p6,p4,worker,p9,leak,rss,stall,"
-        "p7,mem1024,p1t,torch (default: all)",
+        "p7,mem1024,cluster,p1t,torch (default: all)",
     )
     p.add_argument("--no-torch", action="store_true", help="skip the torch comparison and P1t")
     args = p.parse_args(argv)
@@ -123,6 +123,7 @@ def main(argv: list[str]) -> int:
         notes.append(note)
 
     import bench_close
+    import bench_cluster
     import bench_core
     import bench_failure
     import bench_forkserver
@@ -153,6 +154,7 @@ def main(argv: list[str]) -> int:
         "rss": bench_rss.rss,
         "stall": bench_stall.stall,
         "p7": bench_p7.p7,
+        "cluster": bench_cluster.cluster_rows,
         "mem1024": bench_rss_workers.rss_workers,
         # P1t and torch start torch's launchers: its stdlib forkserver (stopped
         # again by P1t), its resource tracker and signal handlers
