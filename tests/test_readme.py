@@ -38,6 +38,16 @@ EXPECTED: dict[str, list[str]] = {
         r"True",
         r"4",
     ],
+    "Cluster runner": [
+        re.escape("[('chief', 0), ('worker', 0), ('worker', 10)]"),
+        re.escape("[chief-0]:     chief 0 ready"),
+        r"True",
+        r"\[worker-[01]\]:    worker [01] ready",
+        r"\[worker-[01]\]:    worker [01] ready",
+        re.escape("worker ")
+        + r"[01]"
+        + re.escape(": bad steps -1 {('worker', 0): 1, ('worker', 1): 1}"),
+    ],
     "Persistent workers and pools": [
         r"\(9, 'loaded', 5\) 4 step 1",
         re.escape(
