@@ -220,7 +220,12 @@ class ClusterRunner:
 
     async def __aenter__(self) -> ClusterRunner:
         if self._supervisor is None:
-            await self.start()
+            try:
+                await self.start()
+            except BaseException:
+                # no __aexit__ follows a failed __aenter__: stop what started
+                await shielded(self.aclose())
+                raise
         return self
 
     async def __aexit__(
@@ -303,6 +308,8 @@ class ClusterRunner:
         Raises:
             RuntimeError: the runner is not started, or is closing.
             ValueError: that task is running now.
+
+        Cancellation: the task may still start; ``aclose()`` stops it.
         """
         if self._supervisor is None or self._closing:
             raise RuntimeError(f"{self!r} is not running: start() it first")

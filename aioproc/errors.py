@@ -6,12 +6,15 @@ Exception and warning tree::
     ├── ChildFailedError      one or more workers of a group failed
     ├── RemoteTraceback       a worker's own traceback, as text (a __cause__)
     └── RuntimeError
-        └── BrokenWorkerError a persistent worker died during a call
+        ├── BrokenWorkerError a persistent worker died during a call
+        ├── UnexpectedSubprocessExitError   a cluster task exited non-zero or by a signal
+        └── SubprocessTimeoutError          a cluster run's join() timed out
     RuntimeWarning
     └── ForcedKillWarning     a worker ignored its stop signal and was SIGKILLed
 
 ``SignalException`` (the supervisor received a termination signal) lives in
-``aioproc.signals`` with the signal machinery.
+``aioproc.signals`` with the signal machinery; the two cluster errors in
+``aioproc.cluster`` (``_cluster_result``) with the result they carry.
 
 A worker decorated with :func:`record` writes its uncaught exception to the
 file named by ``TORCHELASTIC_ERROR_FILE``, in torchelastic's error.json

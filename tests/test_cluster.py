@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import signal
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -126,7 +127,7 @@ def _tf_config() -> str:
 
 async def test_error_propagates_with_its_type_and_traceback(cf: ModuleType) -> None:
     spec = create_cluster_spec(num_workers=1, num_ps=1)
-    with pytest.raises(ValueError, match="This is an error.") as info:
+    with pytest.raises(ValueError, match=r"This is an error\.") as info:
         await cluster.run(cf.errors, spec, max_run_time=20, stream_output=False)
     cause = info.value.__cause__
     assert isinstance(cause, RemoteTraceback)
@@ -255,7 +256,7 @@ async def test_terminate_all_does_not_ignore_errors(
     await runner.start()
     await lines.wait_for("ValueError: This is an error.", times=2)
     await runner.terminate_all()
-    with pytest.raises(ValueError, match="This is an error."):
+    with pytest.raises(ValueError, match=r"This is an error\."):
         await runner.join()
 
 
@@ -494,7 +495,7 @@ async def test_pool_keeps_processes_across_runs(cf: ModuleType) -> None:
 async def test_pool_survives_exceptions_in_tasks(cf: ModuleType) -> None:
     async with aioproc.open_pool(create_cluster_spec(num_workers=2)) as pool:
         pids = await pool.run(cf.getpid)
-        with pytest.raises(ValueError, match="This is an error."):
+        with pytest.raises(ValueError, match=r"This is an error\."):
             await pool.run(cf.errors)
         assert await pool.run(cf.getpid) == pids
 
@@ -739,3 +740,51 @@ async def test_repr_and_lifecycle_misuse(cf: ModuleType, runners: list[ClusterRu
     await runner.join()
     await runner.aclose()
     assert repr(runner) == "<ClusterRunner task closed>"
+
+
+async def test_cancel_at_random_points_leaves_nothing(cf: ModuleType) -> None:
+    import random
+
+    from helpers import child_pids
+
+    rng = random.Random(1234)
+    for _ in range(12):
+        task = asyncio.ensure_future(
+            cluster.run(cf.prints_then_blocks, {"worker": 2, "ps": 1}, stream_output=False)
+        )
+        await asyncio.sleep(rng.uniform(0, 0.4))  # a random point: launch, run or join
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert child_pids() == set()
+
+
+async def test_on_exit_reports_every_attempt(cf: ModuleType, tmp_path: Path) -> None:
+    exits: list[tuple[tuple[str, int], int]] = []
+    await cluster.run(
+        cf.fails_first,
+        {"worker": 1},
+        args=(str(tmp_path),),
+        auto_restart=True,
+        restart_policy=QUICK,
+        stream_output=False,
+        on_exit=lambda key, code: exits.append((key, code)),
+    )
+    assert exits == [(("worker", 0), 1), (("worker", 0), 0)]
+
+
+async def test_sigkilled_supervisor_leaves_no_task(tmp_path: Path) -> None:
+    from helpers import REPO_ROOT
+    from proc_utils import Fifo, still_alive_after
+
+    script = os.path.join(CHILDREN_DIR, "cluster_supervisor.py")
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT}
+    async with Fifo(tmp_path / "pids") as fifo:
+        proc = await asyncio.create_subprocess_exec(sys.executable, script, fifo.path, env=env)
+        try:
+            pids = [int(line) for line in await fifo.lines(3)]
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()
+    assert await still_alive_after(pids, 10) == set()
