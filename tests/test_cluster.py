@@ -72,6 +72,23 @@ class Lines(Sink):
         await event.wait()
 
 
+class Exits:
+    """An ``on_exit`` callback that lets a test wait until tasks have ended."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[tuple[str, int], int]] = []
+        self._changed = asyncio.Event()
+
+    def __call__(self, key: tuple[str, int], code: int) -> None:
+        self.seen.append((key, code))
+        self._changed.set()
+
+    async def wait_for(self, *keys: tuple[str, int]) -> None:
+        while not set(keys) <= {k for k, _ in self.seen}:
+            self._changed.clear()
+            await self._changed.wait()
+
+
 @pytest.fixture
 async def runners() -> AsyncIterator[list[ClusterRunner]]:
     """Runners a test builds by hand; closed even when the test fails."""
@@ -251,10 +268,10 @@ async def test_start_in_process_as(cf: ModuleType, runners: list[ClusterRunner])
 async def test_terminate_all_does_not_ignore_errors(
     cf: ModuleType, runners: list[ClusterRunner]
 ) -> None:
-    lines = Lines()
-    runner = make(runners, cf.errors, create_cluster_spec(num_workers=2), sinks=[lines])
+    exits = Exits()
+    runner = make(runners, cf.errors, create_cluster_spec(num_workers=2), on_exit=exits)
     await runner.start()
-    await lines.wait_for("ValueError: This is an error.", times=2)
+    await exits.wait_for(("worker", 0), ("worker", 1))
     await runner.terminate_all()
     with pytest.raises(ValueError, match=r"This is an error\."):
         await runner.join()
@@ -276,9 +293,18 @@ async def test_timeout_reports_stacks_and_partial_output(
 ) -> None:
     lines = Lines()
     spec = create_cluster_spec(num_workers=1, num_ps=1)
-    runner = make(runners, _ps_returns_else(cf), spec, return_output=True, sinks=[lines])
+    ps_done = asyncio.Event()
+    runner = make(
+        runners,
+        _ps_returns_else(cf),
+        spec,
+        return_output=True,
+        sinks=[lines],
+        on_exit=lambda key, code: key == ("ps", 0) and ps_done.set(),
+    )
     await runner.start()
     await lines.wait_for("[worker-0]:    blocking now")
+    await ps_done.wait()
     pid = runner.get_process_id("worker", 0)
     with pytest.raises(SubprocessTimeoutError) as info:
         await runner.join(timeout=0.2)
@@ -450,9 +476,10 @@ async def test_error_reporting_overrides_timeout(
 ) -> None:
     lines = Lines()
     spec = create_cluster_spec(num_workers=2)
-    runner = make(runners, cf.worker_errors_other_blocks, spec, sinks=[lines])
+    exits = Exits()
+    runner = make(runners, cf.worker_errors_other_blocks, spec, sinks=[lines], on_exit=exits)
     await runner.start()
-    await lines.wait_for("ValueError: Worker 0 errored")
+    await exits.wait_for(("worker", 0))
     await lines.wait_for("[worker-1]:    blocking now")
     with pytest.raises(ValueError, match="Worker 0 errored") as info:
         await runner.join(timeout=0.2)
@@ -559,7 +586,7 @@ def test_visible_gpus_from_env_or_driver(tmp_path: Path) -> None:
     assert visible_gpus({}, proc_root=str(tmp_path / "none")) == []
 
 
-async def test_not_share_gpu(cf: ModuleType) -> None:
+async def test_not_share_gpu(cf: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = create_cluster_spec(has_chief=True, num_workers=1)
     result = await cluster.run(
         cf.cuda_visible_devices, spec, share_gpu=False, gpus=["0", "1"], stream_output=False
@@ -573,10 +600,12 @@ async def test_not_share_gpu(cf: ModuleType) -> None:
         stream_output=False,
     )
     assert four.return_value == ["0,2", "1,3"]
-    shared = await cluster.run(cf.cuda_visible_devices, spec, gpus=["0", "1"], stream_output=False)
-    assert shared.return_value == [os.environ.get("CUDA_VISIBLE_DEVICES")] * 2 or (
-        shared.return_value == []
-    )
+    # by default the GPUs are the parent's CUDA_VISIBLE_DEVICES, shared or handed out
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    shared = await cluster.run(cf.cuda_visible_devices, spec, stream_output=False)
+    assert shared.return_value == ["4,5", "4,5"]
+    split = await cluster.run(cf.cuda_visible_devices, spec, share_gpu=False, stream_output=False)
+    assert split.return_value == ["4", "5"]
 
 
 # ----------------------------------------------------------------- barrier
@@ -604,6 +633,13 @@ async def test_killed_task_breaks_the_barrier_of_the_others(cf: ModuleType) -> N
             values = e.mpr_result.return_value
             assert values == [f"{broken} without reaching it"] * 2
             raise
+
+
+async def test_barrier_in_forkserver_workers(cf: ModuleType) -> None:
+    result = await aioproc.run(
+        cf.barrier_rank, 2, args={r: (r,) for r in range(2)}, start_method="forkserver"
+    )
+    assert result.return_values == {0: 0, 1: 1}
 
 
 async def test_rank_that_returns_breaks_the_barrier_in_run(cf: ModuleType) -> None:
