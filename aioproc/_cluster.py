@@ -263,6 +263,7 @@ class ClusterRunner:
         ``fn`` runs in a worker thread with this process's ``TF_CONFIG`` set
         to that task's (``os.environ`` is changed for the call and restored
         after, because the caller asked for it); its return value is returned.
+        This task takes no part in ``barrier()``: the others meet without it.
 
         Cancellation: the thread cannot be interrupted; it runs to its end.
         """
@@ -277,6 +278,7 @@ class ClusterRunner:
         await self._open()
         keys = [(t, i) for t, addrs in self.cluster_spec.items() for i in range(len(addrs))]
         keys.remove(key)
+        self._hub.parties -= 1  # this process takes no part in barrier()
         await self._launch([_Task(k, self._fn, self._args, dict(self._kwargs)) for k in keys])
         config = tf_config(self.cluster_spec, as_task_type, as_task_id, self.rpc_layer)
 
@@ -494,7 +496,7 @@ class ClusterRunner:
                 self._on_exit(key, task.exit_code)
             except Exception:
                 logger.exception("on_exit callback failed for %s", task.label)
-        chief_gone = task.exit_code == 0 or self._restart_delay(task) is None
+        chief_gone = task.exit_code == 0 or not self._will_restart(task)
         if key[0] == "chief" and self.dependence_on_chief and chief_gone and self._tg is not None:
             self._tg.start_soon(self._stop_dependents, name="aioproc-chief-exited")
 
@@ -516,19 +518,26 @@ class ClusterRunner:
         """The barrier's question: will a new attempt of this task take its place?"""
         for task in self._tasks.values():
             if task.label == key:
-                return self._restart_delay(task, code) is not None
+                return self._will_restart(task, code)
         return False
 
-    def _restart_delay(self, task: _Task, code: int | None = None) -> float | None:
-        """Seconds before ``task``'s next attempt, or None when it is not restarted."""
+    def _will_restart(self, task: _Task, code: int | None = None) -> bool:
+        """Whether ``task``, ended with ``code``, gets another attempt."""
         code = task.exit_code if code is None else code
         if not self.auto_restart or self._halt.is_set() or self._closing:
-            return None
+            return False
         if self._chief_succeeded or task.stop_reason in ("chief", "timeout", "close"):
-            return None
+            return False
         if code == 0 and task.stop_reason != "user":
-            return None
-        if task.restarts >= self.max_restarts:
+            return False
+        reset = self.restart_policy.reset_after
+        if reset is not None and time.monotonic() - task.started_at >= reset:
+            return True  # a healthy attempt: the budget starts again
+        return task.restarts < self.max_restarts
+
+    def _restart_delay(self, task: _Task) -> float | None:
+        """Seconds before ``task``'s next attempt, or None when it is not restarted."""
+        if not self._will_restart(task):
             return None
         reset = self.restart_policy.reset_after
         if reset is not None and time.monotonic() - task.started_at >= reset:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import sys
 import threading
@@ -824,3 +825,33 @@ async def test_sigkilled_supervisor_leaves_no_task(tmp_path: Path) -> None:
                 proc.kill()
             await proc.wait()
     assert await still_alive_after(pids, 10) == set()
+
+
+async def test_restarts_back_off_by_policy(cf: ModuleType) -> None:
+    asked: list[int] = []
+
+    class Recording(RestartPolicy):
+        def delay(self, n: int, rng: Callable[[float, float], float] = random.uniform) -> float:
+            asked.append(n)
+            return 0.0
+
+    with pytest.raises(ValueError, match="fails every time"):
+        await cluster.run(
+            cf.always_fails,
+            {"worker": 1},
+            auto_restart=True,
+            restart_policy=Recording(),
+            max_restarts=3,
+            stream_output=False,
+        )
+    assert asked == [0, 1, 2]  # one delay per restart, growing; none once the budget is spent
+
+
+async def test_in_process_task_takes_no_part_in_the_barrier(
+    cf: ModuleType, runners: list[ClusterRunner]
+) -> None:
+    spec = create_cluster_spec(has_chief=True, num_workers=2)
+    runner = make(runners, cf.with_barrier_unless_chief, spec)
+    assert await runner.start_in_process_as("chief", 0) == "chief"
+    result = await runner.join()
+    assert result.return_value == ["worker", "worker"]

@@ -227,3 +227,10 @@ def nested_pool() -> list[int]:
 
 def kwargs_rank(rank: int, *, scale: int = 1, tag: str = "") -> tuple[int, str]:
     return rank * scale, tag
+
+
+def with_barrier_unless_chief() -> str:
+    """The workers meet at the barrier; the chief (run in the test process) does not."""
+    if task_type() == "chief":
+        return "chief"
+    return with_barrier()
