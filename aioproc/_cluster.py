@@ -17,6 +17,7 @@ task and waits for the supervisor, so leaving ``async with`` leaves nothing.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -45,6 +46,7 @@ from .agent.spec import RestartPolicy
 from .context import PContext
 from .errors import ProcessFailure
 from .logs import DefaultLogsSpecs, Std
+from .results import RunProcsResult, WorkerEvent
 from .sinks import Sink, close_sinks
 
 __all__ = ["ClusterRunner"]
@@ -92,7 +94,9 @@ class _Task:
     stop_reason: str = ""  # "" ran by itself; "user", "chief", "timeout", "close", "max_run_time"
     restarts: int = 0
     started_at: float = 0.0
-    ended: asyncio.Event = field(default_factory=asyncio.Event)  # current attempt over
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # current attempt recorded
+    # the attempt's exit is recorded by its group, or its group was closed
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def label(self) -> str:
@@ -387,6 +391,7 @@ class ClusterRunner:
             **self._env,
             "TF_CONFIG": tf_config(self.cluster_spec, task_type, task_id, self.rpc_layer),
         }
+        exited = task.exited  # this attempt's: a later attempt gets its own
         gpu = self._gpu_of.get(task.key)
         if gpu is None and not self.share_gpu and self._gpus:
             gpu = self._gpus[len(self._tasks) % len(self._gpus)]  # a task not in the spec
@@ -403,6 +408,7 @@ class ClusterRunner:
             sinks=self._sinks,
             close_sinks=False,
             kwargs={0: task.kwargs},
+            on_event=functools.partial(_on_exited, exited),
             hub=self._hub,
             hub_keys={0: task.label},
         )
@@ -413,6 +419,8 @@ class ClusterRunner:
         try:
             while True:
                 task.ended = asyncio.Event()
+                task.exited = asyncio.Event()
+                task.pc = None  # not running (nor stoppable) until this attempt is launched
                 task.exit_code = None
                 task.stop_reason = ""
                 pc = self._group(task)
@@ -430,21 +438,15 @@ class ClusterRunner:
                 if not launched.done():
                     launched.set_result(None)
                 try:
-                    if self._closing:  # the runner began closing during the launch
-                        task.stop_reason = "close"
-                        await pc.close(signal.SIGTERM, self.grace_period)
-                    result = await pc.wait(-1 if self.max_run_time is None else self.max_run_time)
-                    if result is None:  # max_run_time: TF counts such a task as done, value None
-                        task.stop_reason = task.stop_reason or "max_run_time"
-                        await pc.close(signal.SIGTERM, self.grace_period)
-                        result = pc.poll()
+                    result = await self._outcome(task, pc)
+                    # recorded the moment the exit is known; the release comes after
+                    self._record(task, pc, result)
+                    task.ended.set()
+                    await pc.close(signal.SIGTERM, self.grace_period)
                 except BaseException:
                     # cancelled (the loop is shutting down): never leave the task behind
                     await shielded(pc.close(signal.SIGKILL, 0.0))
                     raise
-                assert result is not None
-                self._record(task, pc, result)
-                task.ended.set()
                 delay = self._restart_delay(task)
                 if delay is None:
                     return
@@ -463,7 +465,25 @@ class ClusterRunner:
             if self._active == 0:
                 self._idle.set()
 
-    def _record(self, task: _Task, pc: PContext, result: Any) -> None:
+    async def _outcome(self, task: _Task, pc: PContext) -> RunProcsResult:
+        """The attempt's result, as soon as its exit is recorded (bounded by max_run_time)."""
+        if self._closing:  # the runner began closing during the launch
+            task.stop_reason = "close"
+            await pc.close(signal.SIGTERM, self.grace_period)
+            task.exited.set()
+        with anyio.move_on_after(self.max_run_time) as scope:
+            await task.exited.wait()
+        if scope.cancelled_caught:  # max_run_time: TF counts such a task as done, value None
+            task.stop_reason = task.stop_reason or "max_run_time"
+            await pc.close(signal.SIGTERM, self.grace_period)
+        result = pc.poll()  # final once the exit is recorded or the group closed
+        if result is None:
+            await pc.close(signal.SIGTERM, self.grace_period)
+            result = pc.poll()
+            assert result is not None
+        return result
+
+    def _record(self, task: _Task, pc: PContext, result: RunProcsResult) -> None:
         """The outcome of ``task``'s attempt replaces what its last attempt left."""
         key = task.key
         self._terminated.discard(key)
@@ -571,9 +591,12 @@ class ClusterRunner:
 
         async def stop(task: _Task) -> None:
             task.stop_reason = task.stop_reason or reason
-            assert task.pc is not None
-            await task.pc.close(sig, timeout)
-            await task.ended.wait()
+            # this attempt's group and events: a restart may replace them meanwhile
+            pc, exited, ended = task.pc, task.exited, task.ended
+            assert pc is not None
+            await pc.close(sig, timeout)
+            exited.set()  # also when it could not be killed: the group is closed
+            await ended.wait()
 
         async with anyio.create_task_group() as tg:
             for task in targets:
@@ -710,6 +733,11 @@ class ClusterRunner:
         if not self._close_request.done():
             self._close_request.set_result(None)
         await shielded(asyncio.wait({self._supervisor}))
+
+
+def _on_exited(exited: asyncio.Event, event: WorkerEvent) -> None:
+    if event.kind == "exited":
+        exited.set()
 
 
 def _check_call(
