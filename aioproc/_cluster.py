@@ -23,7 +23,6 @@ import os
 import signal
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -32,21 +31,16 @@ import anyio.abc
 
 from ._barrier import ControlHub
 from ._boot import CallEncoder
-from ._cluster_result import (
-    MultiProcessRunnerResult,
-    SubprocessTimeoutError,
-    TaskKey,
-    UnexpectedSubprocessExitError,
-)
+from ._cluster_result import ClusterOutcomes, MultiProcessRunnerResult, TaskKey
+from ._cluster_task import Collect, Task, check_call, line_prefix, on_exited, task_label
 from ._ranks import SinkLike, make_sinks
 from ._shield import shielded
 from ._tfconfig import assign_gpus, check_cluster_spec, tf_config, visible_gpus
 from ._validate import check_duration, check_env, check_signal
 from .agent.spec import RestartPolicy
 from .context import PContext
-from .errors import ProcessFailure
 from .logs import DefaultLogsSpecs, Std
-from .results import RunProcsResult, WorkerEvent
+from .results import RunProcsResult
 from .sinks import Sink, close_sinks
 
 __all__ = ["ClusterRunner"]
@@ -58,53 +52,6 @@ DEFAULT_TIMEOUT = 200.0
 
 _STACKS_TIMEOUT = 5.0
 """Bound on waiting for a task's stack dump (its main thread may hold the GIL in C)."""
-
-
-def task_label(task_type: str, task_id: int) -> str:
-    """``worker-1``: how TF names a task in prefixes and messages."""
-    return f"{task_type}-{task_id}"
-
-
-def line_prefix(task_type: str, task_id: int) -> str:
-    """``"[worker-1]:    "``: TF pads the tag to 14 columns, then one space."""
-    return f"[{task_label(task_type, task_id)}]:".ljust(14) + " "
-
-
-class _Collect(Sink):
-    """``return_output``: every line, prefixed, in order of arrival."""
-
-    def __init__(self, out: list[str]) -> None:
-        self._out = out
-
-    def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
-        self._out.extend(prefix + line for line in lines)
-
-
-@dataclass
-class _Task:
-    """One task: its current attempt and what its last attempt ended with."""
-
-    key: TaskKey
-    fn: Callable[..., Any]
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    pc: PContext | None = None
-    pid: int | None = None
-    exit_code: int | None = None
-    stop_reason: str = ""  # "" ran by itself; "user", "chief", "timeout", "close", "max_run_time"
-    restarts: int = 0
-    started_at: float = 0.0
-    ended: asyncio.Event = field(default_factory=asyncio.Event)  # current attempt recorded
-    # the attempt's exit is recorded by its group, or its group was closed
-    exited: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def label(self) -> str:
-        return task_label(*self.key)
-
-    @property
-    def running(self) -> bool:
-        return self.pc is not None and self.exit_code is None
 
 
 class ClusterRunner:
@@ -158,7 +105,7 @@ class ClusterRunner:
             raise TypeError(f"fn must be callable, got {fn!r}")
         self.cluster_spec = check_cluster_spec(cluster_spec)
         self._fn = fn
-        self._args, self._kwargs = _check_call(args, kwargs)
+        self._args, self._kwargs = check_call(args, kwargs)
         self.max_run_time = check_duration("max_run_time", max_run_time, allow_none=True)
         self.grace_period = check_duration("grace_period", grace_period)
         self.chief_grace_period = check_duration("chief_grace_period", chief_grace_period)
@@ -187,21 +134,17 @@ class ClusterRunner:
             gpus = visible_gpus(os.environ) if not share_gpu else []
         self._gpus = [str(g) for g in gpus]
         self._gpu_of = {} if share_gpu else assign_gpus(spec_tasks, self._gpus)
-        self._stdout: list[str] = []
+        self._outcomes = ClusterOutcomes()
         self._sinks: list[Sink] = list(user_sinks)
         if stream_output:
             from .sinks import ConsoleSink
 
             self._sinks.append(ConsoleSink())
         if return_output:
-            self._sinks.append(_Collect(self._stdout))
+            self._sinks.append(Collect(self._outcomes.stdout))
         # the barrier counts the tasks of the spec, as TF's Manager barrier does
         self._hub = ControlHub(len(spec_tasks), returns=self._comes_back)
-        self._tasks: dict[TaskKey, _Task] = {}
-        self._failures: dict[TaskKey, BaseException] = {}  # last attempt failed, first first
-        self._terminated: set[TaskKey] = set()
-        self._exit_codes: dict[TaskKey, int] = {}
-        self._values: dict[TaskKey, Any] = {}
+        self._tasks: dict[TaskKey, Task] = {}
         self._halt = asyncio.Event()  # timeout, terminate_all, close, chief gone: no more attempts
         self._chief_succeeded = False
         self._closing = False
@@ -259,7 +202,7 @@ class ClusterRunner:
         CallEncoder(self._fn).encode(self._args, self._kwargs)  # picklable, or TypeError now
         await self._open()
         keys = [(t, i) for t, addrs in self.cluster_spec.items() for i in range(len(addrs))]
-        await self._launch([_Task(k, self._fn, self._args, dict(self._kwargs)) for k in keys])
+        await self._launch([Task(k, self._fn, self._args, dict(self._kwargs)) for k in keys])
 
     async def start_in_process_as(self, as_task_type: str, as_task_id: int) -> Any:
         """Start every other task, then run ``fn`` here as ``(as_task_type, as_task_id)``.
@@ -283,7 +226,7 @@ class ClusterRunner:
         keys = [(t, i) for t, addrs in self.cluster_spec.items() for i in range(len(addrs))]
         keys.remove(key)
         self._hub.parties -= 1  # this process takes no part in barrier()
-        await self._launch([_Task(k, self._fn, self._args, dict(self._kwargs)) for k in keys])
+        await self._launch([Task(k, self._fn, self._args, dict(self._kwargs)) for k in keys])
         config = tf_config(self.cluster_spec, as_task_type, as_task_id, self.rpc_layer)
 
         def call() -> Any:
@@ -330,11 +273,11 @@ class ClusterRunner:
         fn = self._fn if fn is None else fn
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {fn!r}")
-        call_args, call_kwargs = _check_call(
+        call_args, call_kwargs = check_call(
             self._args if args is None else args, self._kwargs if kwargs is None else kwargs
         )
         CallEncoder(fn).encode(call_args, call_kwargs)
-        await self._launch([_Task(key, fn, call_args, call_kwargs)])
+        await self._launch([Task(key, fn, call_args, call_kwargs)])
 
     async def _open(self) -> None:
         loop = asyncio.get_running_loop()
@@ -359,17 +302,14 @@ class ClusterRunner:
             with anyio.CancelScope(shield=True):
                 await close_sinks(self._sinks)
 
-    async def _launch(self, tasks: list[_Task]) -> None:
+    async def _launch(self, tasks: list[Task]) -> None:
         assert self._tg is not None
         assert self._idle is not None
         loop = asyncio.get_running_loop()
         launched: list[asyncio.Future[None]] = []
         for task in tasks:
             self._tasks[task.key] = task
-            self._failures.pop(task.key, None)
-            self._values.pop(task.key, None)
-            self._exit_codes.pop(task.key, None)
-            self._terminated.discard(task.key)
+            self._outcomes.forget(task.key)
             future: asyncio.Future[None] = loop.create_future()
             launched.append(future)
             self._active += 1
@@ -384,7 +324,7 @@ class ClusterRunner:
 
     # ------------------------------------------------------------ one task
 
-    def _group(self, task: _Task) -> PContext:
+    def _group(self, task: Task) -> PContext:
         task_type, task_id = task.key
         env = {
             "PYTHONFAULTHANDLER": "1",  # a crashing task prints its stacks, as under TF
@@ -408,12 +348,12 @@ class ClusterRunner:
             sinks=self._sinks,
             close_sinks=False,
             kwargs={0: task.kwargs},
-            on_event=functools.partial(_on_exited, exited),
+            on_event=functools.partial(on_exited, exited),
             hub=self._hub,
             hub_keys={0: task.label},
         )
 
-    async def _run_task(self, task: _Task, launched: asyncio.Future[None]) -> None:
+    async def _run_task(self, task: Task, launched: asyncio.Future[None]) -> None:
         """Every attempt of one task: start, wait (bounded by max_run_time), record, restart."""
         assert self._idle is not None
         try:
@@ -430,7 +370,7 @@ class ClusterRunner:
                     if not launched.done():
                         launched.set_exception(e)
                     else:  # a restart that could not be launched
-                        self._record_failure(task, e)
+                        self._outcomes.fail(task.key, e)
                     return
                 task.pc = pc
                 task.pid = pc.pids().get(0)
@@ -465,7 +405,7 @@ class ClusterRunner:
             if self._active == 0:
                 self._idle.set()
 
-    async def _outcome(self, task: _Task, pc: PContext) -> RunProcsResult:
+    async def _outcome(self, task: Task, pc: PContext) -> RunProcsResult:
         """The attempt's result, as soon as its exit is recorded (bounded by max_run_time)."""
         if self._closing:  # the runner began closing during the launch
             task.stop_reason = "close"
@@ -483,34 +423,14 @@ class ClusterRunner:
             assert result is not None
         return result
 
-    def _record(self, task: _Task, pc: PContext, result: RunProcsResult) -> None:
+    def _record(self, task: Task, pc: PContext, result: RunProcsResult) -> None:
         """The outcome of ``task``'s attempt replaces what its last attempt left."""
         key = task.key
-        self._terminated.discard(key)
-        self._values.pop(key, None)
-        stopped = bool(task.stop_reason) and task.stop_reason != "max_run_time"
-        if 0 in result.return_values:
-            task.exit_code = 0
-            self._values[key] = result.return_values[0]
-            self._failures.pop(key, None)
-            if key[0] == "chief" and not stopped:
-                self._chief_succeeded = True
-        else:
-            failure: ProcessFailure = result.failures[0]
-            task.exit_code = failure.exitcode
-            if pc.remote_exception(0) is not None:
-                # it raised before (or while) it was stopped: an error all the same
-                self._record_failure(task, self._error_of(task, pc, failure))
-                stopped = False
-            elif task.stop_reason == "max_run_time":
-                self._values[key] = None  # TF: a task ended by max_run_time succeeded
-                self._failures.pop(key, None)
-            elif not stopped:
-                self._record_failure(task, self._error_of(task, pc, failure))
-            # a stopped attempt reports nothing of its own: an earlier failure stands
-        if stopped:
-            self._terminated.add(key)
-        self._exit_codes[key] = task.exit_code
+        task.exit_code = self._outcomes.record(
+            key, result, pc.remote_exception(0), task.stop_reason
+        )
+        if key[0] == "chief" and task.exit_code == 0 and not task.stop_reason:
+            self._chief_succeeded = True
         if self._on_exit is not None:
             try:
                 self._on_exit(key, task.exit_code)
@@ -520,20 +440,6 @@ class ClusterRunner:
         if key[0] == "chief" and self.dependence_on_chief and chief_gone and self._tg is not None:
             self._tg.start_soon(self._stop_dependents, name="aioproc-chief-exited")
 
-    def _record_failure(self, task: _Task, error: BaseException) -> None:
-        self._failures.pop(task.key, None)
-        self._failures[task.key] = error  # the latest failure goes last
-
-    def _error_of(self, task: _Task, pc: PContext, failure: ProcessFailure) -> BaseException:
-        remote = pc.remote_exception(0)
-        if remote is not None:
-            return remote
-        code = failure.exitcode
-        message = f"Subprocess {task.label} exited with exit code {code}"
-        if code < 0:
-            message += f": it was killed by {failure.signal_name()}"
-        return UnexpectedSubprocessExitError(message, MultiProcessRunnerResult())
-
     def _comes_back(self, key: Hashable, code: int) -> bool:
         """The barrier's question: will a new attempt of this task take its place?"""
         for task in self._tasks.values():
@@ -541,7 +447,7 @@ class ClusterRunner:
                 return self._will_restart(task, code)
         return False
 
-    def _will_restart(self, task: _Task, code: int | None = None) -> bool:
+    def _will_restart(self, task: Task, code: int | None = None) -> bool:
         """Whether ``task``, ended with ``code``, gets another attempt."""
         code = task.exit_code if code is None else code
         if not self.auto_restart or self._halt.is_set() or self._closing:
@@ -555,7 +461,7 @@ class ClusterRunner:
             return True  # a healthy attempt: the budget starts again
         return task.restarts < self.max_restarts
 
-    def _restart_delay(self, task: _Task) -> float | None:
+    def _restart_delay(self, task: Task) -> float | None:
         """Seconds before ``task``'s next attempt, or None when it is not restarted."""
         if not self._will_restart(task):
             return None
@@ -589,7 +495,7 @@ class ClusterRunner:
         targets = [t for t in self._tasks.values() if t.running and (not keys or t.key in keys)]
         timeout = 0.0 if sig == signal.SIGKILL else self.grace_period
 
-        async def stop(task: _Task) -> None:
+        async def stop(task: Task) -> None:
             task.stop_reason = task.stop_reason or reason
             # this attempt's group and events: a restart may replace them meanwhile
             pc, exited, ended = task.pc, task.exited, task.ended
@@ -604,7 +510,7 @@ class ClusterRunner:
 
     # ------------------------------------------------------------ control
 
-    def _task(self, task_type: str, task_id: int) -> _Task:
+    def _task(self, task_type: str, task_id: int) -> Task:
         task = self._tasks.get((task_type, task_id))
         if task is None:
             raise ValueError(f"{task_label(task_type, task_id)} does not exist")
@@ -655,11 +561,6 @@ class ClusterRunner:
 
     # ------------------------------------------------------------ join
 
-    def _result(self) -> MultiProcessRunnerResult:
-        return MultiProcessRunnerResult.build(
-            self._values, self._stdout, self._exit_codes, self._terminated
-        )
-
     async def join(self, timeout: float | None = DEFAULT_TIMEOUT) -> MultiProcessRunnerResult:
         """Wait until every task (and every restart) has ended; the result, or the first error.
 
@@ -693,24 +594,10 @@ class ClusterRunner:
             timed_out = True
             self._halt.set()
             stacks = await shielded(self._dump_and_stop())
-        result = self._result()
-        if self._failures:
-            error = next(iter(self._failures.values()))
-            error.mpr_result = result  # type: ignore[attr-defined]
-            raise error
+        self._outcomes.raise_first_failure()  # a task's error wins over the timeout
         if timed_out:
-            names = ", ".join(task_label(*k) for k in stacks) or "none"
-            dumps = "".join(
-                f"\n--- stacks of {task_label(*k)} ---\n{text.rstrip()}"
-                for k, text in stacks.items()
-            )
-            raise SubprocessTimeoutError(
-                f"join timed out after {timeout} s; tasks still running were stopped: "
-                f"{names}{dumps}",
-                result,
-                stacks,
-            )
-        return result
+            raise self._outcomes.timeout_error(timeout, stacks)
+        return self._outcomes.result()
 
     async def _dump_and_stop(self) -> dict[TaskKey, str]:
         running = [t for t in self._tasks.values() if t.running]
@@ -733,22 +620,3 @@ class ClusterRunner:
         if not self._close_request.done():
             self._close_request.set_result(None)
         await shielded(asyncio.wait({self._supervisor}))
-
-
-def _on_exited(exited: asyncio.Event, event: WorkerEvent) -> None:
-    if event.kind == "exited":
-        exited.set()
-
-
-def _check_call(
-    args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if args is None:
-        args = ()
-    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
-        raise TypeError(f"args must be a tuple or list, got {args!r}")
-    if kwargs is None:
-        kwargs = {}
-    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
-        raise TypeError(f"kwargs must be a dict with str keys, got {kwargs!r}")
-    return tuple(args), dict(kwargs)

@@ -1,4 +1,5 @@
-"""What a cluster run reports: ``MultiProcessRunnerResult`` and its two errors.
+"""What a cluster run reports: ``MultiProcessRunnerResult``, its two errors, and
+``ClusterOutcomes``, which keeps each task's last outcome until ``join``.
 
 Names follow TensorFlow's ``multi_process_runner``.  A task's own exception
 is not wrapped: it is re-raised with its type, its ``__cause__`` holding the
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._tfconfig import task_sort_key
+from .results import RunProcsResult
 
 TaskKey = tuple[str, int]
 """``(task_type, task_id)``."""
@@ -93,3 +95,96 @@ class SubprocessTimeoutError(RuntimeError):
         super().__init__(message)
         self.mpr_result = mpr_result
         self.stacks = stacks
+
+
+def _label(key: TaskKey) -> str:
+    return f"{key[0]}-{key[1]}"
+
+
+class ClusterOutcomes:
+    """Each task's last outcome: its value or its error, exit code, whether it was stopped.
+
+    A new attempt's outcome replaces the last one, except that an attempt
+    stopped by the runner (terminate, chief gone, timeout, close) reports
+    nothing of its own, so an earlier failure of the task stands (TF keeps
+    the last status a task reported).  Failures keep the order in which
+    they happened: ``join`` raises the first.
+    """
+
+    def __init__(self) -> None:
+        self.stdout: list[str] = []  # return_output's lines (the Collect sink appends)
+        self._values: dict[TaskKey, Any] = {}
+        self._failures: dict[TaskKey, BaseException] = {}
+        self._exit_codes: dict[TaskKey, int] = {}
+        self._terminated: set[TaskKey] = set()
+
+    def forget(self, key: TaskKey) -> None:
+        """``key`` is started anew (``start_single_process``)."""
+        self._values.pop(key, None)
+        self._failures.pop(key, None)
+        self._exit_codes.pop(key, None)
+        self._terminated.discard(key)
+
+    def fail(self, key: TaskKey, error: BaseException) -> None:
+        self._failures.pop(key, None)
+        self._failures[key] = error  # the latest failure goes last
+
+    def record(
+        self, key: TaskKey, result: RunProcsResult, remote: BaseException | None, stop_reason: str
+    ) -> int:
+        """Record the attempt's one-rank ``result``; returns its exit code.
+
+        ``remote``: the exception the task reported, if any.  ``stop_reason``:
+        why the runner stopped it ("" if it ended by itself).
+        """
+        self._terminated.discard(key)
+        self._values.pop(key, None)
+        stopped = bool(stop_reason) and stop_reason != "max_run_time"
+        if 0 in result.return_values:
+            code = 0
+            self._values[key] = result.return_values[0]
+            self._failures.pop(key, None)
+        else:
+            failure = result.failures[0]
+            code = failure.exitcode
+            if remote is not None:
+                # it raised before (or while) it was stopped: an error all the same
+                self.fail(key, remote)
+                stopped = False
+            elif stop_reason == "max_run_time":
+                self._values[key] = None  # TF: a task ended by max_run_time succeeded
+                self._failures.pop(key, None)
+            elif not stopped:
+                message = f"Subprocess {_label(key)} exited with exit code {code}"
+                if code < 0:
+                    message += f": it was killed by {failure.signal_name()}"
+                self.fail(key, UnexpectedSubprocessExitError(message, MultiProcessRunnerResult()))
+        if stopped:
+            self._terminated.add(key)
+        self._exit_codes[key] = code
+        return code
+
+    def result(self) -> MultiProcessRunnerResult:
+        return MultiProcessRunnerResult.build(
+            self._values, self.stdout, self._exit_codes, self._terminated
+        )
+
+    def raise_first_failure(self) -> None:
+        """Raise the first failed task's error with ``mpr_result`` attached, if any failed."""
+        if self._failures:
+            error = next(iter(self._failures.values()))
+            error.mpr_result = self.result()  # type: ignore[attr-defined]
+            raise error
+
+    def timeout_error(
+        self, timeout: float | None, stacks: dict[TaskKey, str]
+    ) -> SubprocessTimeoutError:
+        names = ", ".join(_label(k) for k in stacks) or "none"
+        dumps = "".join(
+            f"\n--- stacks of {_label(k)} ---\n{text.rstrip()}" for k, text in stacks.items()
+        )
+        return SubprocessTimeoutError(
+            f"join timed out after {timeout} s; tasks still running were stopped: {names}{dumps}",
+            self.result(),
+            stacks,
+        )

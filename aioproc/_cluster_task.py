@@ -1,0 +1,82 @@
+"""The pieces of a cluster run that are not the runner: a task's record, its
+names and prefix, the sink behind ``return_output``, argument checks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ._cluster_result import TaskKey
+from .results import WorkerEvent
+from .sinks import Sink
+
+if TYPE_CHECKING:
+    from .context import PContext
+
+
+def task_label(task_type: str, task_id: int) -> str:
+    """``worker-1``: how TF names a task in prefixes and messages."""
+    return f"{task_type}-{task_id}"
+
+
+def line_prefix(task_type: str, task_id: int) -> str:
+    """``"[worker-1]:    "``: TF pads the tag to 14 columns, then one space."""
+    return f"[{task_label(task_type, task_id)}]:".ljust(14) + " "
+
+
+class Collect(Sink):
+    """``return_output``: every line, prefixed, in order of arrival."""
+
+    def __init__(self, out: list[str]) -> None:
+        self._out = out
+
+    def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
+        self._out.extend(prefix + line for line in lines)
+
+
+@dataclass
+class Task:
+    """One task: its current attempt and what its last attempt ended with."""
+
+    key: TaskKey
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    pc: PContext | None = None
+    pid: int | None = None
+    exit_code: int | None = None
+    stop_reason: str = ""  # "" ran by itself; "user", "chief", "timeout", "close", "max_run_time"
+    restarts: int = 0
+    started_at: float = 0.0
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # current attempt recorded
+    # the attempt's exit is recorded by its group, or its group was closed
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def label(self) -> str:
+        return task_label(*self.key)
+
+    @property
+    def running(self) -> bool:
+        return self.pc is not None and self.exit_code is None
+
+
+def on_exited(exited: asyncio.Event, event: WorkerEvent) -> None:
+    if event.kind == "exited":
+        exited.set()
+
+
+def check_call(
+    args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if args is None:
+        args = ()
+    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+        raise TypeError(f"args must be a tuple or list, got {args!r}")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise TypeError(f"kwargs must be a dict with str keys, got {kwargs!r}")
+    return tuple(args), dict(kwargs)
