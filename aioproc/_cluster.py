@@ -17,7 +17,6 @@ task and waits for the supervisor, so leaving ``async with`` leaves nothing.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import signal
@@ -32,14 +31,21 @@ import anyio.abc
 from ._barrier import ControlHub
 from ._boot import CallEncoder
 from ._cluster_result import ClusterOutcomes, MultiProcessRunnerResult, TaskKey
-from ._cluster_task import Collect, Task, check_call, line_prefix, on_exited, task_label
+from ._cluster_task import (
+    Collect,
+    Task,
+    check_call,
+    restart_delay,
+    task_group,
+    task_label,
+    will_restart,
+)
 from ._ranks import SinkLike, make_sinks
 from ._shield import shielded
 from ._tfconfig import assign_gpus, check_cluster_spec, tf_config, visible_gpus
 from ._validate import check_duration, check_env, check_signal
 from .agent.spec import RestartPolicy
 from .context import PContext
-from .logs import DefaultLogsSpecs, Std
 from .results import RunProcsResult
 from .sinks import Sink, close_sinks
 
@@ -128,6 +134,7 @@ class ClusterRunner:
         self.rpc_layer = rpc_layer
         self.max_restarts = max_restarts
         self.restart_policy = restart_policy or RestartPolicy(initial_delay=0.05, max_delay=5.0)
+        self._restarts = (self.restart_policy, max_restarts)
         user_sinks = make_sinks(list(sinks))
         spec_tasks = [(t, i) for t, addrs in self.cluster_spec.items() for i in range(len(addrs))]
         if gpus is None:
@@ -325,33 +332,12 @@ class ClusterRunner:
     # ------------------------------------------------------------ one task
 
     def _group(self, task: Task) -> PContext:
-        task_type, task_id = task.key
-        env = {
-            "PYTHONFAULTHANDLER": "1",  # a crashing task prints its stacks, as under TF
-            **self._env,
-            "TF_CONFIG": tf_config(self.cluster_spec, task_type, task_id, self.rpc_layer),
-        }
-        exited = task.exited  # this attempt's: a later attempt gets its own
         gpu = self._gpu_of.get(task.key)
         if gpu is None and not self.share_gpu and self._gpus:
             gpu = self._gpus[len(self._tasks) % len(self._gpus)]  # a task not in the spec
-        if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpu
-        return PContext(
-            task.label,
-            task.fn,
-            {0: task.args},
-            {0: env},
-            DefaultLogsSpecs(log_dir=os.devnull, tee=Std.ALL),
-            {0: line_prefix(task_type, task_id)},
-            grace_period=self.grace_period,
-            sinks=self._sinks,
-            close_sinks=False,
-            kwargs={0: task.kwargs},
-            on_event=functools.partial(on_exited, exited),
-            hub=self._hub,
-            hub_keys={0: task.label},
-        )
+        env = {**self._env, "CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else self._env
+        config = tf_config(self.cluster_spec, *task.key, self.rpc_layer)
+        return task_group(task, config, env, self.grace_period, self._sinks, self._hub)
 
     async def _run_task(self, task: Task, launched: asyncio.Future[None]) -> None:
         """Every attempt of one task: start, wait (bounded by max_run_time), record, restart."""
@@ -449,26 +435,18 @@ class ClusterRunner:
 
     def _will_restart(self, task: Task, code: int | None = None) -> bool:
         """Whether ``task``, ended with ``code``, gets another attempt."""
-        code = task.exit_code if code is None else code
         if not self.auto_restart or self._halt.is_set() or self._closing:
             return False
-        if self._chief_succeeded or task.stop_reason in ("chief", "timeout", "close"):
-            return False
-        if code == 0 and task.stop_reason != "user":
-            return False
-        reset = self.restart_policy.reset_after
-        if reset is not None and time.monotonic() - task.started_at >= reset:
-            return True  # a healthy attempt: the budget starts again
-        return task.restarts < self.max_restarts
+        if self._chief_succeeded:
+            return False  # TF: a chief that succeeded ends the restarts
+        ended = task.exit_code if code is None else code
+        return ended is not None and will_restart(task, ended, self._restarts)
 
     def _restart_delay(self, task: Task) -> float | None:
         """Seconds before ``task``'s next attempt, or None when it is not restarted."""
         if not self._will_restart(task):
             return None
-        reset = self.restart_policy.reset_after
-        if reset is not None and time.monotonic() - task.started_at >= reset:
-            task.restarts = 0
-        return self.restart_policy.delay(task.restarts)
+        return restart_delay(task, self._restarts)
 
     async def _stop_dependents(self) -> None:
         """The chief is gone: the others get ``chief_grace_period`` to end, then are stopped."""

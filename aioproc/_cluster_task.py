@@ -4,16 +4,25 @@ names and prefix, the sink behind ``return_output``, argument checks."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ._barrier import ControlHub
 from ._cluster_result import TaskKey
+from .agent.spec import RestartPolicy
+from .logs import DefaultLogsSpecs, Std
 from .results import WorkerEvent
 from .sinks import Sink
 
 if TYPE_CHECKING:
     from .context import PContext
+
+Restarts = tuple[RestartPolicy, int]
+"""The backoff policy and the restarts allowed per task."""
 
 
 def task_label(task_type: str, task_id: int) -> str:
@@ -61,6 +70,62 @@ class Task:
     @property
     def running(self) -> bool:
         return self.pc is not None and self.exit_code is None
+
+
+def task_group(
+    task: Task,
+    tf_config: str,
+    env: Mapping[str, str],
+    grace_period: float,
+    sinks: list[Sink],
+    hub: ControlHub,
+) -> PContext:
+    """A one-rank group running ``task``'s current attempt (not started)."""
+    from .context import PContext
+
+    return PContext(
+        task.label,
+        task.fn,
+        {0: task.args},
+        # a crashing task prints its stacks (faulthandler), as under TF
+        {0: {"PYTHONFAULTHANDLER": "1", **env, "TF_CONFIG": tf_config}},
+        DefaultLogsSpecs(log_dir=os.devnull, tee=Std.ALL),  # lines to the sinks, no files
+        {0: line_prefix(*task.key)},
+        grace_period=grace_period,
+        sinks=sinks,
+        close_sinks=False,
+        kwargs={0: task.kwargs},
+        on_event=functools.partial(on_exited, task.exited),  # this attempt's event
+        hub=hub,
+        hub_keys={0: task.label},
+    )
+
+
+def will_restart(task: Task, code: int, restarts: Restarts) -> bool:
+    """Whether an attempt that ended with ``code`` is followed by another (auto_restart).
+
+    Failures and user terminations are; successes and stops by the runner
+    (chief gone, timeout, close) are not, nor anything past the budget, which
+    an attempt that stayed up ``reset_after`` seconds renews.
+    """
+    policy, budget = restarts
+    if task.stop_reason in ("chief", "timeout", "close"):
+        return False
+    if code == 0 and task.stop_reason != "user":
+        return False
+    reset = policy.reset_after
+    if reset is not None and time.monotonic() - task.started_at >= reset:
+        return True
+    return task.restarts < budget
+
+
+def restart_delay(task: Task, restarts: Restarts) -> float:
+    """The backoff before ``task``'s next attempt (renewing a healthy task's budget)."""
+    policy, _ = restarts
+    reset = policy.reset_after
+    if reset is not None and time.monotonic() - task.started_at >= reset:
+        task.restarts = 0
+    return policy.delay(task.restarts)
 
 
 def on_exited(exited: asyncio.Event, event: WorkerEvent) -> None:
