@@ -90,6 +90,10 @@ class PContext:
     ``duplicate_stdout_filters`` / ``duplicate_stderr_filters`` (None without
     such filters; torch holds the open file there).  A started ``PContext``
     also works as ``async with pc:`` (closed when the block exits).
+    ``kwargs``: ``{local_rank: {name: value}}`` for function workers.
+    ``hub``/``hub_keys``: the ``ControlHub`` behind ``barrier()`` (default:
+    one for this group's ranks); the cluster runner shares one among its
+    tasks' one-rank groups, keyed by task.
     """
 
     def __init__(
