@@ -472,6 +472,30 @@ async def test_auto_restart_after_terminations(
     assert runner.get_process_id("worker", 1) != first
 
 
+async def test_auto_restart_after_user_terminate(
+    cf: ModuleType, runners: list[ClusterRunner], tmp_path: Path
+) -> None:
+    lines, exits = Lines(), Exits()
+    runner = make(
+        runners,
+        cf.attempt,
+        {"worker": 1},
+        args=(str(tmp_path),),
+        auto_restart=True,
+        restart_policy=QUICK,
+        sinks=[lines],
+        on_exit=exits,
+    )
+    await runner.start()
+    await lines.wait_for("[worker-0]:    blocking now")
+    await runner.terminate("worker", 0)  # terminated by the user: restarted too
+    result = await runner.join(timeout=20)
+    assert (tmp_path / "worker-0").read_text() == "x\nx\n"
+    assert result.return_value == [2]
+    assert exits.seen == [(("worker", 0), -signal.SIGTERM), (("worker", 0), 0)]
+    assert result.terminated == set()
+
+
 async def test_error_reporting_overrides_timeout(
     cf: ModuleType, runners: list[ClusterRunner]
 ) -> None:
