@@ -20,6 +20,7 @@ from . import _shm, _wire
 from ._boot import CallEncoder, init_frame
 from ._launch import launch_function
 from ._output import TeeProtocol
+from ._script import ScriptCommand, script_command
 from ._spawn import Child, spawn
 from .logs import LogsDest
 from .sinks import CallbackSink, ConsoleSink, FileSink, Sink, _FilteredFileSink
@@ -54,6 +55,13 @@ class RankLauncher:
         self._template = prefixes if isinstance(prefixes, str) else None
         self._prefixes = dict(prefixes) if isinstance(prefixes, Mapping) else {}
         self.pass_fds = pass_fds
+        # ranks whose binary is this interpreter running a script: a forkserver
+        # template can run those itself (see _script)
+        self.scripts: dict[int, ScriptCommand] = {}
+        for rank, rank_args in args.items():
+            command = script_command(entrypoint, rank_args)
+            if command is not None:
+                self.scripts[rank] = command
         self._segments: dict[int, list[_shm.Segment]] = {}
 
     def add_filters(self, dest: LogsDest, filters: Mapping[str, tuple[str, ...]]) -> None:
@@ -118,7 +126,9 @@ class RankLauncher:
     ) -> Child:
         """Start ``rank``; raises what the launch raises, with nothing left open.
 
-        A function worker is forked from ``template`` when one is given.
+        A function worker is forked from ``template`` when one is given, and
+        so is a binary that is this interpreter running a script (the
+        template's worker runs the script itself).
 
         Cancellation: see ``spawn``: the half-started worker's group is killed.
         """
@@ -167,6 +177,23 @@ class RankLauncher:
                 finally:
                     for segment in segments:
                         segment.close()
+            script = self.scripts.get(rank)
+            if template is not None and script is not None:
+                from ._template import spawn_forked
+
+                return await spawn_forked(
+                    template,
+                    label,
+                    env,
+                    stdout=streams["stdout"],
+                    stderr=streams["stderr"],
+                    pass_fds=self.pass_fds,
+                    channel_fd=None,
+                    channel=None,
+                    tee_out=tees.get("stdout"),
+                    tee_err=tees.get("stderr"),
+                    script=script,
+                )
             return await spawn(
                 label,
                 [str(self.entrypoint), *map(str, self.args[rank])],

@@ -20,6 +20,11 @@ exec environment, so a worker that outruns registration (its
 ``/proc/<pid>/environ`` is the template's) is swept by token too.  The
 template's own group is registered with the guardian, and it exits on EOF
 of its socket, so it never outlives this process.
+
+Besides function workers, the template forks workers that run a Python
+script themselves (``_script``: ``aioproc run --start-method forkserver``);
+they have no channel and are supervised as the binary workers they stand
+for.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from ._boot import BOOT_CODE
 from ._channel import Channel
 from ._exit import ExitWatcher
 from ._output import TeeProtocol
+from ._script import ScriptCommand
 from ._shield import shielded
 from ._spawn import Child, adopt, start_off_loop
 from .errors import RemoteTraceback
@@ -55,6 +61,10 @@ CLOSE_WAIT = 5.0
 
 MAX_FDS = 250
 """Most fds one worker can be given (stdout, stderr, channel, ``pass_fds``)."""
+
+
+class TemplateError(RuntimeError):
+    """The template could not start: a preloaded module made it unsafe to fork, or it died."""
 
 
 @functools.cache
@@ -82,9 +92,10 @@ class Forked:
 class Template:
     """One template process and its leases (see the module docstring)."""
 
-    def __init__(self, preload: tuple[str, ...]) -> None:
+    def __init__(self, preload: tuple[str, ...], path_head: tuple[str, ...] = ()) -> None:
         loop = asyncio.get_running_loop()
         self.preload = preload
+        self.path_head = path_head
         self.leases = 0
         self.closed = False
         self.broken = False  # a request failed: new leases start a new template
@@ -121,7 +132,9 @@ class Template:
         self.pid = self.popen.pid
         self.sock = mine
         self.watcher = ExitWatcher(self.popen)
-        paths = [p for p in sys.path if isinstance(p, str)]
+        # the preload is imported from the supervisor's path, after ``path_head``
+        # (a script's own directory: what it imports from there may be preloaded)
+        paths = [*path_head, *(p for p in sys.path if isinstance(p, str))]
         init = marshal.dumps({"sys_path": paths, "preload": list(preload), "boot": BOOT_CODE})
         # a few KB into an empty socket buffer: does not block
         mine.sendall(len(init).to_bytes(8, "big") + init)
@@ -186,7 +199,7 @@ class Template:
     def _died_starting(self, fut: asyncio.Future[int]) -> None:
         if not self.ready.done():
             self.ready.set_exception(
-                RuntimeError(
+                TemplateError(
                     f"forkserver template (pid {self.pid}) exited with status "
                     f"{fut.result()} while importing preload {list(self.preload)}"
                 )
@@ -200,12 +213,12 @@ class Template:
             err.__cause__ = RemoteTraceback(tb)
             return err
         if kind == "unsafe":
-            return RuntimeError(
+            return TemplateError(
                 f"forkserver preload: importing {name!r} {detail}; the template cannot fork "
                 f"workers from it: import {name!r} in the workers instead, or use "
                 "start_method='spawn'"
             )
-        return RuntimeError(f"forkserver template cannot fork on this system: {detail}")
+        return TemplateError(f"forkserver template cannot fork on this system: {detail}")
 
     # ------------------------------------------------------------ requests
 
@@ -213,17 +226,22 @@ class Template:
         self,
         fds: Sequence[int],
         targets: Sequence[int],
-        channel: int,
+        channel: int | None,
         env: Mapping[str, str],
         cwd: str,
+        script: ScriptCommand | None = None,
     ) -> int:
         """Fork one worker: ``fds[i]`` becomes its fd ``targets[i]``; returns its pid.
+
+        A function worker boots over ``channel``; with ``script`` the worker
+        runs that script instead (no channel).
 
         Blocks for the round trip (about a millisecond; bounded by
         ``FORK_TIMEOUT``).  Raises ``OSError`` if the template could not
         fork, ``RuntimeError`` if the template is gone or wedged.
         """
-        body = marshal.dumps((list(targets), channel, dict(env), cwd))
+        request = None if script is None else script.request()
+        body = marshal.dumps((list(targets), channel, dict(env), cwd, request))
         message = len(body).to_bytes(8, "big") + body
         with self._lock:
             started = self.ready.done() and not self.ready.cancelled()
@@ -305,14 +323,19 @@ class Template:
 _templates: dict[tuple[int, tuple[str, ...]], Template] = {}
 
 
-async def acquire(preload: tuple[str, ...]) -> Template:
+async def acquire(preload: tuple[str, ...], path_head: tuple[str, ...] = ()) -> Template:
     """A lease on the running template for ``preload``, starting one if need be.
+
+    ``path_head``: directories searched for ``preload`` before the
+    supervisor's ``sys.path`` (a script's own, see ``_script``) if a
+    template has to be started; a running one imported ``preload`` already
+    and is shared whatever its ``path_head`` was.
 
     Raises:
         ImportError: a preloaded module failed to import (the template's
             traceback is the ``__cause__``).
-        RuntimeError: a preloaded module started a thread or initialised
-            CUDA, or the template died while starting.
+        TemplateError: a preloaded module started a thread or initialised
+            CUDA, or the template died while starting (a ``RuntimeError``).
 
     Cancellation: the lease is released, and a template nobody else waits
     for is killed and reaped before the cancellation propagates.
@@ -320,7 +343,7 @@ async def acquire(preload: tuple[str, ...]) -> Template:
     key = (os.getpid(), preload)
     template = _templates.get(key)
     if template is None or not template.usable:
-        template = _templates[key] = Template(preload)
+        template = _templates[key] = Template(preload, path_head)
     template.leases += 1
     try:
         await asyncio.shield(template.ready)
@@ -352,13 +375,17 @@ async def spawn_forked(
     stdout: int | IO[Any] | None,
     stderr: int | IO[Any] | None,
     pass_fds: Sequence[int],
-    channel_fd: int,
-    channel: Channel,
+    channel_fd: int | None,
+    channel: Channel | None,
     tee_out: TeeProtocol | None = None,
     tee_err: TeeProtocol | None = None,
+    script: ScriptCommand | None = None,
 ) -> Child:
-    """Fork one function worker from ``template``; the same contract as ``spawn``.
+    """Fork one worker from ``template``; the same contract as ``spawn``.
 
+    A function worker (``channel_fd``, ``channel``), or with ``script`` a
+    worker that runs that Python script itself, as a spawned binary worker
+    would (its stdin is then this process's, as a spawned binary's is).
     ``stdout``/``stderr`` are ``None`` (this process's own fd 1/2),
     ``subprocess.PIPE`` (tee), ``subprocess.DEVNULL``, an fd or an open
     file.  ``pass_fds`` (``channel_fd`` among them) keep their numbers.
@@ -373,7 +400,10 @@ async def spawn_forked(
     mine: list[int] = []  # fds opened here, closed once the worker has its copies
     readers: dict[int, IO[bytes]] = {}
     try:
-        for std, spec in ((1, stdout), (2, stderr)):
+        streams: list[tuple[int, int | IO[Any] | None]] = [(1, stdout), (2, stderr)]
+        if script is not None:
+            streams.insert(0, (0, None))
+        for std, spec in streams:
             if spec is None:
                 try:
                     os.fstat(std)
@@ -402,7 +432,7 @@ async def spawn_forked(
         def start() -> int:
             # the round trip waits for the new worker to set itself up, which
             # takes milliseconds on a busy machine: on the helper thread
-            pid = template.fork(fds, targets, channel_fd, worker_env, cwd)
+            pid = template.fork(fds, targets, channel_fd, worker_env, cwd, script)
             _lifeline.register_from_thread(pid)  # at once, as for a spawned worker
             return pid
 

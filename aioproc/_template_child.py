@@ -207,8 +207,15 @@ def _become_worker(
     os.close(report)
 
 
-def serve(fd: int) -> str | None:
-    """Preload, then fork on request; returns the boot code in a new worker."""
+def serve(fd: int) -> tuple[Any, ...]:
+    """Preload, then fork on request; returns what a new worker runs.
+
+    ``("boot", code)`` for a function worker (the boot code), or
+    ``("script", command, path)`` for a Python script or module (see
+    ``_run_script``; ``path`` is this interpreter's own default
+    ``sys.path``, which a script's is made from).
+    """
+    default_path = list(sys.path)  # before INIT replaces it with the supervisor's
     sock = socket.socket(fileno=fd)
     got = _recv(sock)
     if got is None:
@@ -236,7 +243,7 @@ def serve(fd: int) -> str | None:
         got = _recv(sock, with_fds=True)
         if got is None:
             os._exit(0)  # the supervisor closed us, or died
-        (targets, channel, env, cwd), fds = got
+        (targets, channel, env, cwd, script), fds = got
         read_end, write_end = os.pipe()
         try:
             if len(fds) != len(targets):
@@ -251,8 +258,10 @@ def serve(fd: int) -> str | None:
             sock.close()
             os.close(read_end)
             _become_worker(fds, targets, env, cwd, write_end)
+            if script is not None:
+                return ("script", script, default_path)
             sys.argv[:] = ["-c", str(channel)]
-            return boot
+            return ("boot", boot)
         for fd in (*fds, write_end):
             os.close(fd)
         status = b""
@@ -304,7 +313,7 @@ def _exit_code(e: SystemExit) -> int:
     return 1
 
 
-def _finish(code: int) -> None:
+def _finish(code: int, die_by: int = 0) -> None:
     """End a forked worker as a script ends, without tearing the interpreter down.
 
     Non-daemon threads are joined, atexit handlers run (logging's flush,
@@ -312,7 +321,8 @@ def _finish(code: int) -> None:
     are flushed, as at any interpreter exit; then ``os._exit``, as
     multiprocessing's forked children do.  Tearing down every module the
     template preloaded would touch, and so copy, most of its memory: more
-    CPU than the whole worker's run.
+    CPU than the whole worker's run.  ``die_by``: a signal to die by instead
+    (SIGINT after an uncaught ``KeyboardInterrupt``, as the interpreter does).
     """
     threading = sys.modules.get("threading")
     if threading is not None:
@@ -330,25 +340,138 @@ def _finish(code: int) -> None:
         except BaseException:
             if code == 0:
                 code = 120  # what the interpreter reports when the final flush fails
+    if die_by:
+        import _signal  # type: ignore[import-not-found]
+
+        _signal.signal(die_by, _signal.SIG_DFL)
+        os.kill(os.getpid(), die_by)
     os._exit(code)
 
 
+def _script_streams(unbuffered: bool) -> None:
+    """Standard streams over the worker's fds 0-2, made as ``python [-u]`` makes them.
+
+    The template's own were made for its /dev/null: line buffering follows
+    the worker's stdout (a terminal or not), and ``-u`` (or
+    ``PYTHONUNBUFFERED``) leaves stdout and stderr unbuffered.
+    """
+    import io
+
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        old = getattr(sys, name)
+        raw = io.FileIO(fd, "r" if fd == 0 else "w", closefd=False)
+        buffer: Any
+        if fd == 0:
+            buffer = io.BufferedReader(raw)
+        elif unbuffered:
+            buffer = raw
+        else:
+            buffer = io.BufferedWriter(raw)
+        stream = io.TextIOWrapper(
+            buffer,
+            encoding=getattr(old, "encoding", None),
+            errors=getattr(old, "errors", None),
+            newline="\n",
+            line_buffering=not unbuffered and (fd == 2 or raw.isatty()),
+            write_through=unbuffered and fd != 0,
+        )
+        stream.mode = "r" if fd == 0 else "w"  # type: ignore[misc]
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
+def _run_script(command: dict[str, Any], default_path: list[str], main: Any) -> None:
+    """Run a Python script or module in ``main`` as ``python [-u] script args`` would.
+
+    ``command``: ``argv`` (the script, or ``-m`` and the module, then the
+    arguments), ``unbuffered`` (``-u``) and ``orig`` (the whole command
+    line, for ``sys.orig_argv``).  ``sys.argv``, ``sys.path`` and
+    ``__main__`` are what the interpreter gives a script: ``sys.path[0]`` is
+    the script's directory (the working directory for ``-m``), followed by
+    this interpreter's default path.
+    """
+    argv: list[str] = command["argv"]
+    _script_streams(command["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED")))
+    sys.orig_argv = command["orig"]
+    safe = getattr(sys.flags, "safe_path", False) or sys.flags.isolated
+    rest = default_path if safe else default_path[1:]  # [0] is -c's "" otherwise
+    import runpy
+
+    if argv[0] == "-m":
+        sys.argv[:] = ["-m", *argv[2:]]
+        sys.path[:] = rest if safe else [os.getcwd(), *rest]
+        runpy._run_module_as_main(argv[1], alter_argv=True)  # type: ignore[attr-defined]
+        return
+    path = argv[0]
+    sys.argv[:] = argv
+    if os.path.isdir(path) or _is_zip(path):  # a directory or zip with __main__.py
+        sys.path[:] = rest if safe else [path, *rest]
+        runpy._run_module_as_main("__main__", alter_argv=False)  # type: ignore[attr-defined]
+        return
+    sys.path[:] = rest if safe else [os.path.dirname(os.path.realpath(path)), *rest]
+    filename = os.path.abspath(path)
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+    except OSError as e:
+        print(
+            f"{sys.executable}: can't open file {filename!r}: [Errno {e.errno}] {e.strerror}",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from None
+    import _frozen_importlib_external
+
+    main.__file__ = filename
+    main.__cached__ = None
+    main.__loader__ = _frozen_importlib_external.SourceFileLoader("__main__", filename)
+    exec(compile(source, filename, "exec", dont_inherit=True), main.__dict__)
+
+
+def _is_zip(path: str) -> bool:
+    import zipimport
+
+    try:
+        zipimport.zipimporter(path)
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+def _script_traceback(e: BaseException) -> Any:
+    """``e``'s traceback from the script's first frame on (ours dropped)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_globals is _OWN_GLOBALS:
+        tb = tb.tb_next
+    return tb
+
+
+_OWN_GLOBALS = globals()
+
+
 if __name__ == "__main__":
-    _code = serve(int(sys.argv[1]))
-    if _code is not None:
-        # a fresh __main__ for the worker, as in a spawned interpreter
-        _main = type(sys)("__main__")
-        _main.__builtins__ = __builtins__  # type: ignore[attr-defined]
-        sys.modules["__main__"] = _main
-        del serve, _main
-        _forget_template_exit_hooks()
+    _run = serve(int(sys.argv[1]))
+    # a fresh __main__ for the worker, as in a spawned interpreter
+    _main = type(sys)("__main__")
+    _main.__builtins__ = __builtins__  # type: ignore[attr-defined]
+    sys.modules["__main__"] = _main
+    del serve
+    _forget_template_exit_hooks()
+    try:
+        if _run[0] == "script":
+            _run_script(_run[1], _run[2], _main)
+        else:
+            exec(_run[1], _main.__dict__)
+    except SystemExit as _e:
+        _finish(_exit_code(_e))
+    except BaseException as _e:
+        # as the interpreter reports an uncaught exception: through sys.excepthook
+        # (the hook prints the exception's own traceback: ours is cut off it)
+        _e = _e.with_traceback(_script_traceback(_e))
         try:
-            exec(_code, sys.modules["__main__"].__dict__)
-        except SystemExit as _e:
-            _finish(_exit_code(_e))
+            sys.excepthook(type(_e), _e, _e.__traceback__)
         except BaseException:
             import traceback
 
             traceback.print_exc()
-            _finish(1)
-        _finish(0)
+        _finish(1, die_by=2 if isinstance(_e, KeyboardInterrupt) else 0)
+    _finish(0)

@@ -38,6 +38,7 @@ from ._outcomes import NEVER_STARTED as NEVER_STARTED
 from ._outcomes import Outcomes
 from ._ranks import RankLauncher, SinkLike
 from ._ranks import make_sinks as _make_sinks
+from ._script import script_dirs
 from ._shield import shielded
 from ._shutdown import Deadline, stop_groups, warn_forced
 from ._spawn import Child
@@ -317,9 +318,11 @@ class PContext:
     ) -> None:
         assert self._close_request is not None
         template: _template.Template | None = None
-        if self.start_method == "forkserver" and self.is_function:
-            # binary workers are always spawned: exec would discard the template
-            template = await _template.acquire(self.preload)
+        if self.start_method == "forkserver" and (self.is_function or self._ranks.scripts):
+            # other binaries are spawned: exec would discard the template; a
+            # Python script's own directory is searched for the preload first
+            head = script_dirs(self.entrypoint, self.args)
+            template = await _template.acquire(self.preload, head)
         errors: list[Exception] = []
         window = anyio.Semaphore(_LAUNCH_WINDOW)
 
