@@ -55,6 +55,7 @@ class RankLauncher:
         self._template = prefixes if isinstance(prefixes, str) else None
         self._prefixes = dict(prefixes) if isinstance(prefixes, Mapping) else {}
         self.pass_fds = pass_fds
+        self._environ: dict[str, str] | None = None
         # ranks whose binary is this interpreter running a script: a forkserver
         # template can run those itself (see _script)
         self.scripts: dict[int, ScriptCommand] = {}
@@ -132,7 +133,10 @@ class RankLauncher:
 
         Cancellation: see ``spawn``: the half-started worker's group is killed.
         """
-        env = {**os.environ, **self.envs[rank]}
+        if self._environ is None:
+            # one snapshot per group: os.environ decodes every entry on each read
+            self._environ = dict(os.environ)
+        env = {**self._environ, **self.envs[rank]}
         label = f"{self.name}/{rank}"
         prefix = self.prefix(rank)
         files: list[Any] = []

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import concurrent.futures
 import functools
 import marshal
 import os
@@ -40,11 +41,12 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import IO, Any
 
 from . import _lifeline
-from ._boot import BOOT_CODE
+from ._boot import boot_blob
 from ._channel import Channel
 from ._exit import ExitWatcher
 from ._output import TeeProtocol
@@ -89,6 +91,10 @@ class Forked:
         return self.returncode
 
 
+_Request = tuple[bytes, list[int], "concurrent.futures.Future[int]"]
+"""A fork request not sent yet: the message, its fds, the pid's future."""
+
+
 class Template:
     """One template process and its leases (see the module docstring)."""
 
@@ -99,7 +105,10 @@ class Template:
         self.leases = 0
         self.closed = False
         self.broken = False  # a request failed: new leases start a new template
-        self._lock = threading.Lock()  # one request at a time, whatever thread asks
+        self._lock = threading.Lock()  # guards the queue, whatever thread asks
+        # fork requests not sent yet, and whether a helper thread is sending
+        self._queue: list[_Request] = []
+        self._draining = False
         self._buf = bytearray()
         self.ready: asyncio.Future[None] = loop.create_future()
         # an error nobody awaited any more (all waiters cancelled) is not "unretrieved"
@@ -135,8 +144,10 @@ class Template:
         # the preload is imported from the supervisor's path, after ``path_head``
         # (a script's own directory: what it imports from there may be preloaded)
         paths = [*path_head, *(p for p in sys.path if isinstance(p, str))]
-        init = marshal.dumps({"sys_path": paths, "preload": list(preload), "boot": BOOT_CODE})
-        # a few KB into an empty socket buffer: does not block
+        # the boot modules' code (see _boot): the template builds them once
+        boot = boot_blob()[8:]
+        init = marshal.dumps({"sys_path": paths, "preload": list(preload), "boot": boot})
+        # ~50 KB into an empty socket buffer (over 200 KB): does not block
         mine.sendall(len(init).to_bytes(8, "big") + init)
         mine.setblocking(False)
         self._reading: asyncio.AbstractEventLoop | None = loop
@@ -222,52 +233,95 @@ class Template:
 
     # ------------------------------------------------------------ requests
 
-    def fork(
+    def submit(
         self,
+        pool: Executor,
         fds: Sequence[int],
         targets: Sequence[int],
         channel: int | None,
         env: Mapping[str, str],
         cwd: str,
         script: ScriptCommand | None = None,
-    ) -> int:
-        """Fork one worker: ``fds[i]`` becomes its fd ``targets[i]``; returns its pid.
+    ) -> concurrent.futures.Future[int]:
+        """Ask for one worker: ``fds[i]`` becomes its fd ``targets[i]``; its pid, later.
 
         A function worker boots over ``channel``; with ``script`` the worker
-        runs that script instead (no channel).
+        runs that script instead (no channel).  ``fds`` must stay open until
+        the future is done.
 
-        Blocks for the round trip (about a millisecond; bounded by
-        ``FORK_TIMEOUT``).  Raises ``OSError`` if the template could not
-        fork, ``RuntimeError`` if the template is gone or wedged.
+        Requests are sent, and answered, on ``pool``'s thread, every request
+        queued meanwhile at once (``_exchange``): the template forks them all
+        before it waits for the first to set itself up.  Each new worker is
+        registered with the guardian there as its answer arrives.  The future
+        raises ``OSError`` if the template could not fork, ``RuntimeError``
+        if the template is gone or wedged (no answer within ``FORK_TIMEOUT``).
         """
         request = None if script is None else script.request()
         body = marshal.dumps((list(targets), channel, dict(env), cwd, request))
-        message = len(body).to_bytes(8, "big") + body
+        future: concurrent.futures.Future[int] = concurrent.futures.Future()
         with self._lock:
-            started = self.ready.done() and not self.ready.cancelled()
-            if self.closed or self.broken or not started or self.ready.exception() is not None:
-                raise RuntimeError(f"{self!r} cannot fork workers")
-            try:
+            self._queue.append((len(body).to_bytes(8, "big") + body, list(fds), future))
+            if not self._draining:
+                self._draining = True
+                pool.submit(self._drain)
+        return future
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                batch, self._queue = self._queue, []
+                if not batch:
+                    self._draining = False
+                    return
+            self._exchange(batch)
+
+    def _exchange(
+        self, batch: list[tuple[bytes, list[int], concurrent.futures.Future[int]]]
+    ) -> None:
+        """Send every request of ``batch``, then read their answers, in order."""
+        started = self.ready.done() and not self.ready.cancelled()
+        if self.closed or self.broken or not started or self.ready.exception() is not None:
+            for *_, future in batch:
+                future.set_exception(RuntimeError(f"{self!r} cannot fork workers"))
+            return
+        answered = 0
+        try:
+            for message, fds, _ in batch:
                 fd_data = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
                 sent = self.sock.sendmsg([message], fd_data)
                 if sent < len(message):
                     self.sock.sendall(memoryview(message)[sent:])
+            for _, _, future in batch:
                 answer = self._read_answer()
-            except OSError as e:
-                self.broken = True
-                raise RuntimeError(
+                answered += 1
+                self._resolve(answer, future)
+        except OSError as e:
+            self.broken = True
+            for _, _, future in batch[answered:]:
+                error = RuntimeError(
                     f"forkserver template (pid {self.pid}) did not answer a fork request "
                     f"({e or type(e).__name__}); a new template starts with the next group"
-                ) from e
+                )
+                error.__cause__ = e
+                future.set_exception(error)
+
+    def _resolve(self, answer: Any, future: concurrent.futures.Future[int]) -> None:
         if answer[0] == "pid":
-            return int(answer[1])
-        if answer[0] == "failed":
+            _lifeline.register_from_thread(answer[1])  # at once, as for a spawned worker
+            future.set_result(int(answer[1]))
+        elif answer[0] == "failed":
             # the worker exited before running anything; it is our child: reap it
             os.waitpid(answer[1], 0)
-            raise OSError(f"a worker forked by the template failed to start: {answer[2]}")
-        raise OSError(
-            answer[1], f"forkserver template (pid {self.pid}) could not fork a worker: {answer[2]}"
-        )
+            future.set_exception(
+                OSError(f"a worker forked by the template failed to start: {answer[2]}")
+            )
+        else:
+            future.set_exception(
+                OSError(
+                    answer[1],
+                    f"forkserver template (pid {self.pid}) could not fork a worker: {answer[2]}",
+                )
+            )
 
     def _read_answer(self) -> Any:
         buf = bytearray()
@@ -429,14 +483,12 @@ async def spawn_forked(
         worker_env = {**env, _lifeline.TOKEN_VAR: _lifeline.token()}
         cwd = os.getcwd()
 
-        def start() -> int:
+        def submit(pool: Executor) -> concurrent.futures.Future[int]:
             # the round trip waits for the new worker to set itself up, which
             # takes milliseconds on a busy machine: on the helper thread
-            pid = template.fork(fds, targets, channel_fd, worker_env, cwd, script)
-            _lifeline.register_from_thread(pid)  # at once, as for a spawned worker
-            return pid
+            return template.submit(pool, fds, targets, channel_fd, worker_env, cwd, script)
 
-        pid = await start_off_loop(start, lambda p: p, _discard_forked)
+        pid = await start_off_loop(submit, lambda p: p, _discard_forked)
     except BaseException:
         for reader in readers.values():
             reader.close()

@@ -61,6 +61,10 @@ logger = logging.getLogger("aioproc")
 _LAUNCH_WINDOW = 8
 """Workers being launched at once: forks queue on the helper thread, in rank order."""
 
+_FORK_WINDOW = 32
+"""The same for workers forked from a template: their requests go out together,
+and the template forks them all before it waits for the first (see ``_template``)."""
+
 _RELEASE_BATCH = 32
 """Workers whose pipes are closed, or leaders reaped, per loop iteration at close."""
 
@@ -324,7 +328,7 @@ class PContext:
             head = script_dirs(self.entrypoint, self.args)
             template = await _template.acquire(self.preload, head)
         errors: list[Exception] = []
-        window = anyio.Semaphore(_LAUNCH_WINDOW)
+        window = anyio.Semaphore(_LAUNCH_WINDOW if template is None else _FORK_WINDOW)
 
         async def launch(rank: int) -> None:
             try:

@@ -409,3 +409,41 @@ async def test_forked_workers_run_their_own_exit_hooks_not_the_templates(
         )
         assert sorted(logged.read_text().splitlines()) == [f"logged by {pid}" for pid in pids]
         assert server.pid not in pids
+
+
+async def test_fork_requests_sent_together_are_answered_in_order(tmp_path: Path) -> None:
+    """The template forks every queued request before awaiting the first: answers keep order."""
+    from aioproc import _lifeline, _offloop
+    from aioproc._script import script_command
+
+    script = tmp_path / "quiet.py"
+    script.write_text("")
+    command = script_command(sys.executable, [str(script)])
+    cwds = [str(tmp_path), str(tmp_path / "gone"), str(tmp_path), str(tmp_path)]
+    results: list[int | OSError] = []
+    async with open_forkserver() as server:
+        template = server._template
+        assert template is not None
+        _lifeline.hold()
+        try:
+            with _offloop.helper() as pool:
+                futures = [
+                    template.submit(pool, [], [], None, dict(os.environ), cwd, command)
+                    for cwd in cwds
+                ]
+                for future in futures:
+                    try:
+                        results.append(await asyncio.wrap_future(future))
+                    except OSError as e:
+                        results.append(e)
+        finally:
+            for pid in [r for r in results if isinstance(r, int)]:
+                assert os.waitpid(pid, 0)[1] == 0  # ran the empty script
+                _lifeline.forget(pid)
+            _lifeline.unhold()
+    assert [type(r) for r in results] == [int, OSError, int, int]
+    assert str(results[1]) == (
+        "a worker forked by the template failed to start: FileNotFoundError: "
+        f"[Errno 2] No such file or directory: '{tmp_path / 'gone'}'"
+    )
+    no_template_left()
