@@ -65,7 +65,7 @@ _FORK_WINDOW = 32
 """The same for workers forked from a template: their requests go out together,
 and the template forks them all before it waits for the first (see ``_template``)."""
 
-_RELEASE_BATCH = 32
+_RELEASE_BATCH = 16
 """Workers whose pipes are closed, or leaders reaped, per loop iteration at close."""
 
 _DRAIN_TIMEOUT = 2.0
@@ -579,10 +579,13 @@ class PContext:
         if children:
             forced = await stop_groups(children, sig, timeout, deadline=self._grace_end)
         granted = max(0.0, min(timeout, self._grace_end.at - began))
-        watched = [e.wait() for e in self._watched.values() if not e.is_set()]
+        watched = [e for e in self._watched.values() if not e.is_set()]
         if watched:
             with anyio.move_on_after(_DRAIN_TIMEOUT + 1):
-                await asyncio.gather(*watched)
+                # one after the other, not gathered: hundreds of tasks made
+                # in one step would hold the loop for milliseconds
+                for event in watched:
+                    await event.wait()
         for rank, scope in self._watching.items():
             if not self._watched[rank].is_set():
                 # only an unkillable worker keeps its watcher waiting
