@@ -13,11 +13,13 @@ Why the guarantees of spawned workers carry over: the template forks with
 ``CLONE_PARENT``, so a worker is this process's child exactly like a spawned
 one, found by the same pidfd exit watcher, with the true exit status, and
 its leader reaped late by ``Child.release``; the template neither waits for
-nor signals workers.  A fork request is a blocking round trip of about a
-millisecond, like ``Popen``, with no ``await`` between the fork and
-``_lifeline.register``; the template carries the lifeline token in its
-exec environment, so a worker that outruns registration (its
-``/proc/<pid>/environ`` is the template's) is swept by token too.  The
+nor signals workers.  Fork requests are sent and answered on the helper
+thread, like ``Popen`` calls, every request queued meanwhile at once (the
+template forks them all before it waits for the first to set itself up);
+each new worker is registered with the guardian there as its answer is
+read; the template carries the lifeline token in its exec environment, so
+a worker that outruns registration (its ``/proc/<pid>/environ`` is the
+template's) is swept by token too.  The
 template's own group is registered with the guardian, and it exits on EOF
 of its socket, so it never outlives this process.
 

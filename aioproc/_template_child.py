@@ -3,25 +3,29 @@
 The supervisor runs this file's source with ``sys.executable -c <source>
 <fd>`` in a session of its own (see ``_template``); ``fd`` is the template's
 end of a socketpair.  The template reads its INIT message (the parent's
-``sys.path``, the modules to preload, the worker boot code), imports the
-modules, checks it is still single-threaded and has not initialised CUDA,
-answers READY (or why not) and then serves fork requests until EOF.
+``sys.path``, the modules to preload, the code of the function workers'
+boot modules, which it builds once), imports the modules, checks it is
+still single-threaded and has not initialised CUDA, answers READY (or why
+not) and then serves fork requests until EOF.
 
 A request carries, as SCM_RIGHTS fds, a worker's stdout, stderr, channel
 socket and extra fds, and as data their fd numbers in the worker, its
-environment and working directory.  The template clones itself with
+environment and working directory, and for a worker that runs a Python
+script, its command line.  The template clones itself with
 ``CLONE_PARENT``: the worker becomes a child of the *supervisor*, not of the
 template, so the supervisor notices its exit with a pidfd, reads the true
 status with ``waitid(WNOWAIT)`` and reaps it late exactly as it does for a
 spawned worker, and a template that dies never hands workers to init.  The
 raw ``clone`` is wrapped in ``PyOS_BeforeFork``/``PyOS_AfterFork_*``, which is
 all ``os.fork()`` adds around ``fork()``.  The template never waits for or
-signals the processes it forked: it serves requests, one blocking read at a
-time, and exits when the supervisor closes the socket or dies.
+signals the processes it forked (it reads each one's "set up" report on a
+pipe): it forks every request it has received, answers them in order, and
+exits when the supervisor closes the socket or dies.
 
 The new worker leads a session of its own, gets its fds at their numbers and
 nothing else, its environment and cwd, a fresh ``__main__`` and then runs the
-same boot code as a spawned worker: the rest arrives over the channel.
+same boot code as a spawned worker (the rest arrives over the channel), or
+the script, as ``python [-u] script args`` would (``_run_script``).
 """
 
 from __future__ import annotations
