@@ -76,6 +76,13 @@ def _source() -> str:
     return (Path(__file__).parent / "_template_child.py").read_text()
 
 
+@functools.cache
+def _script_runner() -> bytes:
+    """``_script_child`` compiled and marshalled: the template builds it once."""
+    path = Path(__file__).parent / "_script_child.py"
+    return marshal.dumps(compile(path.read_text(), str(path), "exec"))
+
+
 class Forked:
     """A worker forked by the template: the ``Proc`` that ``Child`` watches."""
 
@@ -148,7 +155,9 @@ class Template:
         paths = [*path_head, *(p for p in sys.path if isinstance(p, str))]
         # the boot modules' code (see _boot): the template builds them once
         boot = boot_blob()[8:]
-        init = marshal.dumps({"sys_path": paths, "preload": list(preload), "boot": boot})
+        init = marshal.dumps(
+            {"sys_path": paths, "preload": list(preload), "boot": boot, "script": _script_runner()}
+        )
         # ~50 KB into an empty socket buffer (over 200 KB): does not block
         mine.sendall(len(init).to_bytes(8, "big") + init)
         mine.setblocking(False)

@@ -25,7 +25,7 @@ exits when the supervisor closes the socket or dies.
 The new worker leads a session of its own, gets its fds at their numbers and
 nothing else, its environment and cwd, a fresh ``__main__`` and then runs the
 same boot code as a spawned worker (the rest arrives over the channel), or
-the script, as ``python [-u] script args`` would (``_run_script``).
+the script, as ``python [-u] script args`` would (``_script_child``).
 """
 
 from __future__ import annotations
@@ -284,9 +284,9 @@ def _load_boot(blob: bytes) -> Callable[[int], None]:
 def serve(fd: int) -> tuple[Any, ...]:
     """Preload, then fork on request; returns what a new worker runs.
 
-    ``("boot", main, channel)`` for a function worker, or
-    ``("script", command, path)`` for a Python script or module (see
-    ``_run_script``; ``path`` is this interpreter's own default
+    ``("boot", main, channel)`` for a function worker, or ``("script",
+    run_script, command, path)`` for a Python script or module (see
+    ``_script_child``; ``path`` is this interpreter's own default
     ``sys.path``, which a script's is made from).
     """
     default_path = list(sys.path)  # before INIT replaces it with the supervisor's
@@ -296,6 +296,9 @@ def serve(fd: int) -> tuple[Any, ...]:
         os._exit(0)
     sys.path[:] = init["sys_path"]
     boot_main = _load_boot(init["boot"])
+    runner = type(sys)("aioproc._script_child")
+    exec(marshal.loads(init["script"]), runner.__dict__)
+    _OURS.append(runner.__dict__)  # its frames are cut from a script's traceback
     answer = _preload(init["preload"])
     sys.stdout.flush()  # what a preloaded module printed must not reach a worker
     sys.stderr.flush()
@@ -356,7 +359,7 @@ def serve(fd: int) -> tuple[Any, ...]:
                     os.close(other)
             _become_worker(fds, targets, env, cwd, write_end)
             if script is not None:
-                return ("script", script, default_path)
+                return ("script", runner.run_script, script, default_path)
             sys.argv[:] = ["-c"]  # as a spawned function worker's
             return ("boot", boot_main, channel)
         for fd in (*fds, write_end):
@@ -450,104 +453,16 @@ def _finish(code: int, die_by: int = 0) -> None:
     os._exit(code)
 
 
-def _script_streams(unbuffered: bool) -> None:
-    """Standard streams over the worker's fds 0-2, made as ``python [-u]`` makes them.
-
-    The template's own were made for its /dev/null: line buffering follows
-    the worker's stdout (a terminal or not), and ``-u`` (or
-    ``PYTHONUNBUFFERED``) leaves stdout and stderr unbuffered.
-    """
-    import io
-
-    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
-        old = getattr(sys, name)
-        raw = io.FileIO(fd, "r" if fd == 0 else "w", closefd=False)
-        buffer: Any
-        if fd == 0:
-            buffer = io.BufferedReader(raw)
-        elif unbuffered:
-            buffer = raw
-        else:
-            buffer = io.BufferedWriter(raw)
-        stream = io.TextIOWrapper(
-            buffer,
-            encoding=getattr(old, "encoding", None),
-            errors=getattr(old, "errors", None),
-            newline="\n",
-            line_buffering=not unbuffered and (fd == 2 or raw.isatty()),
-            write_through=unbuffered and fd != 0,
-        )
-        stream.mode = "r" if fd == 0 else "w"  # type: ignore[misc]
-        setattr(sys, name, stream)
-        setattr(sys, f"__{name}__", stream)
-
-
-def _run_script(command: dict[str, Any], default_path: list[str], main: Any) -> None:
-    """Run a Python script or module in ``main`` as ``python [-u] script args`` would.
-
-    ``command``: ``argv`` (the script, or ``-m`` and the module, then the
-    arguments), ``unbuffered`` (``-u``) and ``orig`` (the whole command
-    line, for ``sys.orig_argv``).  ``sys.argv``, ``sys.path`` and
-    ``__main__`` are what the interpreter gives a script: ``sys.path[0]`` is
-    the script's directory (the working directory for ``-m``), followed by
-    this interpreter's default path.
-    """
-    argv: list[str] = command["argv"]
-    _script_streams(command["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED")))
-    sys.orig_argv = command["orig"]
-    safe = getattr(sys.flags, "safe_path", False) or sys.flags.isolated
-    rest = default_path if safe else default_path[1:]  # [0] is -c's "" otherwise
-    import runpy
-
-    if argv[0] == "-m":
-        sys.argv[:] = ["-m", *argv[2:]]
-        sys.path[:] = rest if safe else [os.getcwd(), *rest]
-        runpy._run_module_as_main(argv[1], alter_argv=True)  # type: ignore[attr-defined]
-        return
-    path = argv[0]
-    sys.argv[:] = argv
-    if os.path.isdir(path) or _is_zip(path):  # a directory or zip with __main__.py
-        sys.path[:] = rest if safe else [path, *rest]
-        runpy._run_module_as_main("__main__", alter_argv=False)  # type: ignore[attr-defined]
-        return
-    sys.path[:] = rest if safe else [os.path.dirname(os.path.realpath(path)), *rest]
-    filename = os.path.abspath(path)
-    try:
-        with open(path, "rb") as f:
-            source = f.read()
-    except OSError as e:
-        print(
-            f"{sys.executable}: can't open file {filename!r}: [Errno {e.errno}] {e.strerror}",
-            file=sys.stderr,
-        )
-        raise SystemExit(2) from None
-    import _frozen_importlib_external
-
-    main.__file__ = filename
-    main.__cached__ = None
-    main.__loader__ = _frozen_importlib_external.SourceFileLoader("__main__", filename)
-    exec(compile(source, filename, "exec", dont_inherit=True), main.__dict__)
-
-
-def _is_zip(path: str) -> bool:
-    import zipimport
-
-    try:
-        zipimport.zipimporter(path)
-    except (ImportError, OSError):
-        return False
-    return True
-
-
 def _script_traceback(e: BaseException) -> Any:
     """``e``'s traceback from the script's first frame on (ours dropped)."""
     tb = e.__traceback__
-    while tb is not None and tb.tb_frame.f_globals is _OWN_GLOBALS:
+    while tb is not None and any(tb.tb_frame.f_globals is g for g in _OURS):
         tb = tb.tb_next
     return tb
 
 
-_OWN_GLOBALS = globals()
+_OURS: list[dict[str, Any]] = [globals()]
+"""Globals of the code a worker runs before the user's (this module's, the runner's)."""
 
 
 if __name__ == "__main__":
@@ -559,7 +474,7 @@ if __name__ == "__main__":
     del serve
     try:
         if _run[0] == "script":
-            _run_script(_run[1], _run[2], _main)
+            _run[1](_run[2], _run[3], _main)  # _script_child.run_script
         else:
             _run[1](_run[2])  # the function worker's _bootstrap.main(channel)
     except SystemExit as _e:

@@ -529,6 +529,30 @@ async def test_forked_scripts_run_and_end_as_spawned_ones(
         ]
 
 
+async def test_forked_modules_and_directories_run_as_spawned_ones(tmp_path: Path) -> None:
+    """``-m module`` and a directory with ``__main__.py``, forked: as spawned (runpy)."""
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "__main__.py").write_text(
+        "import sys\nsys.stdout.write(f'{__name__} {sys.argv} {sys.path[0]}\\n')\n"
+    )
+    outputs = {}
+    for method in ("spawn", "forkserver"):
+        module = await aioproc_run(
+            "--tee", "3", "--start-method", method, "-m", "cli_env", "a",
+            cwd=str(CHILDREN), env={"PYTHONPATH": REPO_ROOT},
+        )  # fmt: skip
+        directory = await aioproc_run("--tee", "3", "--start-method", method, str(app), "b")
+        assert module.code == directory.code == 0, module.err + directory.err
+        reports = env_reports(module.out)
+        assert reports[0]["ARGS"] == ["a"] and reports[0]["LEADER"] is True
+        del reports[0]["PID"], reports[0]["MASTER_PORT"], reports[0]["TORCHELASTIC_RUN_ID"]
+        del reports[0]["TORCHELASTIC_ERROR_FILE"]
+        outputs[method] = (reports, worker_lines(directory))
+    assert outputs["forkserver"] == outputs["spawn"]
+    assert outputs["spawn"][1] == [f"[default0]:__main__ {[str(app), 'b']} {app}"]
+
+
 IMPORT_LOG_ENV = "AIOPROC_TEST_IMPORT_LOG"
 
 
