@@ -56,10 +56,13 @@ class ReadProgress:
         self._eof = True
         self._wake(lambda target: True)
 
-    def reached(self, fd: int) -> asyncio.Future[None]:
-        """A future resolved once what is waiting on ``fd`` now has been consumed."""
+    def reached(self, fd: int, held: int = 0) -> asyncio.Future[None]:
+        """A future resolved once what is waiting on ``fd`` now has been consumed.
+
+        ``held``: bytes read from ``fd`` already but not consumed (counted) yet.
+        """
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        target = self._received + (bytes_waiting(fd) if not self._eof else 0)
+        target = self._received + held + (bytes_waiting(fd) if not self._eof else 0)
         if self._eof or self._received >= target:
             fut.set_result(None)
         else:

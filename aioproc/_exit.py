@@ -148,7 +148,7 @@ class _ExitMux:
     closed as soon as no pidfd is left in it.
     """
 
-    BATCH = 32
+    BATCH = 8
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop

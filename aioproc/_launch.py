@@ -119,10 +119,20 @@ async def launch_function(
         child_sock.close()
         if child_fd_socket is not None:
             child_fd_socket.close()
-    channel.send_raw(boot_blob())
+    queued: list[Frame] = list(frames)
     if extra_fds:
-        channel.send(_wire.FD_SOCKET, str(extra_fds[0]).encode())
-    for i, (kind, parts) in enumerate(frames):
+        queued.insert(0, (_wire.FD_SOCKET, [str(extra_fds[0]).encode()]))
+    # a forked worker has the boot modules already
+    head = [boot_blob()] if template is None else []
+    if not segments and sum(len(p) for _, parts in queued for p in parts) <= _wire.JOIN_LIMIT:
+        # small frames in one write: one send, one wake-up of the worker
+        for kind, parts in queued:
+            head += [_wire.header(kind, sum(map(len, parts))), *parts]
+        channel.send_raw(b"".join(head))
+        return child
+    if head:
+        channel.send_raw(head[0])
+    for i, (kind, parts) in enumerate(queued):
         # fds queue in order and each SHM frame takes the next: all go first
-        channel.send(kind, *parts, segments=() if i else segments)
+        channel.send(kind, *parts, segments=segments if i == int(bool(extra_fds)) else ())
     return child

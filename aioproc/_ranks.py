@@ -20,6 +20,7 @@ from . import _shm, _wire
 from ._boot import CallEncoder, init_frame
 from ._launch import launch_function
 from ._output import TeeProtocol
+from ._script import ScriptCommand, script_command
 from ._spawn import Child, spawn
 from .logs import LogsDest
 from .sinks import CallbackSink, ConsoleSink, FileSink, Sink, _FilteredFileSink
@@ -56,6 +57,14 @@ class RankLauncher:
         self._template = prefixes if isinstance(prefixes, str) else None
         self._prefixes = dict(prefixes) if isinstance(prefixes, Mapping) else {}
         self.pass_fds = pass_fds
+        self._environ: dict[str, str] | None = None
+        # ranks whose binary is this interpreter running a script: a forkserver
+        # template can run those itself (see _script)
+        self.scripts: dict[int, ScriptCommand] = {}
+        for rank, rank_args in args.items():
+            command = script_command(entrypoint, rank_args)
+            if command is not None:
+                self.scripts[rank] = command
         self._segments: dict[int, list[_shm.Segment]] = {}
 
     def add_filters(self, dest: LogsDest, filters: Mapping[str, tuple[str, ...]]) -> None:
@@ -123,11 +132,16 @@ class RankLauncher:
     ) -> Child:
         """Start ``rank``; raises what the launch raises, with nothing left open.
 
-        A function worker is forked from ``template`` when one is given.
+        A function worker is forked from ``template`` when one is given, and
+        so is a binary that is this interpreter running a script (the
+        template's worker runs the script itself).
 
         Cancellation: see ``spawn``: the half-started worker's group is killed.
         """
-        env = {**os.environ, **self.envs[rank]}
+        if self._environ is None:
+            # one snapshot per group: os.environ decodes every entry on each read
+            self._environ = dict(os.environ)
+        env = {**self._environ, **self.envs[rank]}
         label = f"{self.name}/{rank}"
         prefix = self.prefix(rank)
         files: list[Any] = []
@@ -172,6 +186,23 @@ class RankLauncher:
                 finally:
                     for segment in segments:
                         segment.close()
+            script = self.scripts.get(rank)
+            if template is not None and script is not None:
+                from ._template import spawn_forked
+
+                return await spawn_forked(
+                    template,
+                    label,
+                    env,
+                    stdout=streams["stdout"],
+                    stderr=streams["stderr"],
+                    pass_fds=self.pass_fds,
+                    channel_fd=None,
+                    channel=None,
+                    tee_out=tees.get("stdout"),
+                    tee_err=tees.get("stderr"),
+                    script=script,
+                )
             return await spawn(
                 label,
                 [str(self.entrypoint), *map(str, self.args[rank])],

@@ -26,12 +26,14 @@ last signal to its group, never before, so a recycled pid is never signalled.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import fcntl
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
 from typing import IO, Any, TypeVar
 
 from . import _lifeline
@@ -284,7 +286,7 @@ async def spawn(
         _lifeline.register_from_thread(popen.pid)  # at once: see the module docstring
         return popen
 
-    popen = await start_off_loop(start, lambda p: p.pid, _discard)
+    popen = await start_off_loop(lambda pool: pool.submit(start), lambda p: p.pid, _discard)
     return await adopt(label, popen, channel, tee_out, tee_err)
 
 
@@ -292,24 +294,26 @@ T = TypeVar("T")
 
 
 async def start_off_loop(
-    start: Callable[[], T], pid_of: Callable[[T], int], discard: Callable[[T], None]
+    submit: Callable[[Executor], concurrent.futures.Future[T]],
+    pid_of: Callable[[T], int],
+    discard: Callable[[T], None],
 ) -> T:
-    """Run ``start`` (a fork and exec, or a template's fork) on the helper thread.
+    """Start a worker on the helper thread: ``submit(pool)`` queues the start there.
 
-    ``start`` registers the new group with the guardian itself, as it
-    returns (``_lifeline.register_from_thread``); the guardian is held
-    meanwhile, and the loop registers again on return (a no-op unless the
-    guardian was being replaced).
+    The start (a fork and exec, or a template's fork) registers the new
+    group with the guardian itself, as it returns
+    (``_lifeline.register_from_thread``); the guardian is held meanwhile,
+    and the loop registers again on return (a no-op unless the guardian was
+    being replaced).
 
-    Cancellation: ``start`` runs to completion; a worker it started after
+    Cancellation: the start runs to completion; a worker it started after
     the caller was cancelled is passed to ``discard`` (killed and reaped)
     before the cancellation propagates.
     """
-    loop = asyncio.get_running_loop()
     _lifeline.hold()
     try:
         with helper() as pool:
-            starting = loop.run_in_executor(pool, start)
+            starting = asyncio.wrap_future(submit(pool))
             try:
                 started = await shielded(starting)
             except asyncio.CancelledError:

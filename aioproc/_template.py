@@ -13,19 +13,27 @@ Why the guarantees of spawned workers carry over: the template forks with
 ``CLONE_PARENT``, so a worker is this process's child exactly like a spawned
 one, found by the same pidfd exit watcher, with the true exit status, and
 its leader reaped late by ``Child.release``; the template neither waits for
-nor signals workers.  A fork request is a blocking round trip of about a
-millisecond, like ``Popen``, with no ``await`` between the fork and
-``_lifeline.register``; the template carries the lifeline token in its
-exec environment, so a worker that outruns registration (its
-``/proc/<pid>/environ`` is the template's) is swept by token too.  The
+nor signals workers.  Fork requests are sent and answered on the helper
+thread, like ``Popen`` calls, every request queued meanwhile at once (the
+template forks them all before it waits for the first to set itself up);
+each new worker is registered with the guardian there as its answer is
+read; the template carries the lifeline token in its exec environment, so
+a worker that outruns registration (its ``/proc/<pid>/environ`` is the
+template's) is swept by token too.  The
 template's own group is registered with the guardian, and it exits on EOF
 of its socket, so it never outlives this process.
+
+Besides function workers, the template forks workers that run a Python
+script themselves (``_script``: ``aioproc run --start-method forkserver``);
+they have no channel and are supervised as the binary workers they stand
+for.
 """
 
 from __future__ import annotations
 
 import array
 import asyncio
+import concurrent.futures
 import functools
 import marshal
 import os
@@ -35,14 +43,16 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import IO, Any
 
 from . import _lifeline
-from ._boot import BOOT_CODE
+from ._boot import boot_blob
 from ._channel import Channel
 from ._exit import ExitWatcher
 from ._output import TeeProtocol
+from ._script import ScriptCommand
 from ._shield import shielded
 from ._spawn import Child, adopt, start_off_loop
 from .errors import RemoteTraceback
@@ -57,9 +67,20 @@ MAX_FDS = 250
 """Most fds one worker can be given (stdout, stderr, channel, ``pass_fds``)."""
 
 
+class TemplateError(RuntimeError):
+    """The template could not start: a preloaded module made it unsafe to fork, or it died."""
+
+
 @functools.cache
 def _source() -> str:
     return (Path(__file__).parent / "_template_child.py").read_text()
+
+
+@functools.cache
+def _script_runner() -> bytes:
+    """``_script_child`` compiled and marshalled: the template builds it once."""
+    path = Path(__file__).parent / "_script_child.py"
+    return marshal.dumps(compile(path.read_text(), str(path), "exec"))
 
 
 class Forked:
@@ -79,16 +100,24 @@ class Forked:
         return self.returncode
 
 
+_Request = tuple[bytes, list[int], "concurrent.futures.Future[int]"]
+"""A fork request not sent yet: the message, its fds, the pid's future."""
+
+
 class Template:
     """One template process and its leases (see the module docstring)."""
 
-    def __init__(self, preload: tuple[str, ...]) -> None:
+    def __init__(self, preload: tuple[str, ...], path_head: tuple[str, ...] = ()) -> None:
         loop = asyncio.get_running_loop()
         self.preload = preload
+        self.path_head = path_head
         self.leases = 0
         self.closed = False
         self.broken = False  # a request failed: new leases start a new template
-        self._lock = threading.Lock()  # one request at a time, whatever thread asks
+        self._lock = threading.Lock()  # guards the queue, whatever thread asks
+        # fork requests not sent yet, and whether a helper thread is sending
+        self._queue: list[_Request] = []
+        self._draining = False
         self._buf = bytearray()
         self.ready: asyncio.Future[None] = loop.create_future()
         # an error nobody awaited any more (all waiters cancelled) is not "unretrieved"
@@ -121,9 +150,15 @@ class Template:
         self.pid = self.popen.pid
         self.sock = mine
         self.watcher = ExitWatcher(self.popen)
-        paths = [p for p in sys.path if isinstance(p, str)]
-        init = marshal.dumps({"sys_path": paths, "preload": list(preload), "boot": BOOT_CODE})
-        # a few KB into an empty socket buffer: does not block
+        # the preload is imported from the supervisor's path, after ``path_head``
+        # (a script's own directory: what it imports from there may be preloaded)
+        paths = [*path_head, *(p for p in sys.path if isinstance(p, str))]
+        # the boot modules' code (see _boot): the template builds them once
+        boot = boot_blob()[8:]
+        init = marshal.dumps(
+            {"sys_path": paths, "preload": list(preload), "boot": boot, "script": _script_runner()}
+        )
+        # ~50 KB into an empty socket buffer (over 200 KB): does not block
         mine.sendall(len(init).to_bytes(8, "big") + init)
         mine.setblocking(False)
         self._reading: asyncio.AbstractEventLoop | None = loop
@@ -186,7 +221,7 @@ class Template:
     def _died_starting(self, fut: asyncio.Future[int]) -> None:
         if not self.ready.done():
             self.ready.set_exception(
-                RuntimeError(
+                TemplateError(
                     f"forkserver template (pid {self.pid}) exited with status "
                     f"{fut.result()} while importing preload {list(self.preload)}"
                 )
@@ -200,56 +235,104 @@ class Template:
             err.__cause__ = RemoteTraceback(tb)
             return err
         if kind == "unsafe":
-            return RuntimeError(
+            return TemplateError(
                 f"forkserver preload: importing {name!r} {detail}; the template cannot fork "
                 f"workers from it: import {name!r} in the workers instead, or use "
                 "start_method='spawn'"
             )
-        return RuntimeError(f"forkserver template cannot fork on this system: {detail}")
+        return TemplateError(f"forkserver template cannot fork on this system: {detail}")
 
     # ------------------------------------------------------------ requests
 
-    def fork(
+    def submit(
         self,
+        pool: Executor,
         fds: Sequence[int],
         targets: Sequence[int],
-        channel: int,
+        channel: int | None,
         env: Mapping[str, str],
         cwd: str,
-    ) -> int:
-        """Fork one worker: ``fds[i]`` becomes its fd ``targets[i]``; returns its pid.
+        script: ScriptCommand | None = None,
+    ) -> concurrent.futures.Future[int]:
+        """Ask for one worker: ``fds[i]`` becomes its fd ``targets[i]``; its pid, later.
 
-        Blocks for the round trip (about a millisecond; bounded by
-        ``FORK_TIMEOUT``).  Raises ``OSError`` if the template could not
-        fork, ``RuntimeError`` if the template is gone or wedged.
+        A function worker boots over ``channel``; with ``script`` the worker
+        runs that script instead (no channel).  ``fds`` must stay open until
+        the future is done.
+
+        Requests are sent, and answered, on ``pool``'s thread, every request
+        queued meanwhile at once (``_exchange``): the template forks them all
+        before it waits for the first to set itself up.  Each new worker is
+        registered with the guardian there as its answer arrives.  The future
+        raises ``OSError`` if the template could not fork, ``RuntimeError``
+        if the template is gone or wedged (no answer within ``FORK_TIMEOUT``).
         """
-        body = marshal.dumps((list(targets), channel, dict(env), cwd))
-        message = len(body).to_bytes(8, "big") + body
+        request = None if script is None else script.request()
+        body = marshal.dumps((list(targets), channel, dict(env), cwd, request))
+        future: concurrent.futures.Future[int] = concurrent.futures.Future()
         with self._lock:
-            started = self.ready.done() and not self.ready.cancelled()
-            if self.closed or self.broken or not started or self.ready.exception() is not None:
-                raise RuntimeError(f"{self!r} cannot fork workers")
-            try:
+            self._queue.append((len(body).to_bytes(8, "big") + body, list(fds), future))
+            if not self._draining:
+                self._draining = True
+                pool.submit(self._drain)
+        return future
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                batch, self._queue = self._queue, []
+                if not batch:
+                    self._draining = False
+                    return
+            self._exchange(batch)
+
+    def _exchange(
+        self, batch: list[tuple[bytes, list[int], concurrent.futures.Future[int]]]
+    ) -> None:
+        """Send every request of ``batch``, then read their answers, in order."""
+        started = self.ready.done() and not self.ready.cancelled()
+        if self.closed or self.broken or not started or self.ready.exception() is not None:
+            for *_, future in batch:
+                future.set_exception(RuntimeError(f"{self!r} cannot fork workers"))
+            return
+        answered = 0
+        try:
+            for message, fds, _ in batch:
                 fd_data = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
                 sent = self.sock.sendmsg([message], fd_data)
                 if sent < len(message):
                     self.sock.sendall(memoryview(message)[sent:])
+            for _, _, future in batch:
                 answer = self._read_answer()
-            except OSError as e:
-                self.broken = True
-                raise RuntimeError(
+                answered += 1
+                self._resolve(answer, future)
+        except OSError as e:
+            self.broken = True
+            for _, _, future in batch[answered:]:
+                error = RuntimeError(
                     f"forkserver template (pid {self.pid}) did not answer a fork request "
                     f"({e or type(e).__name__}); a new template starts with the next group"
-                ) from e
+                )
+                error.__cause__ = e
+                future.set_exception(error)
+
+    def _resolve(self, answer: Any, future: concurrent.futures.Future[int]) -> None:
         if answer[0] == "pid":
-            return int(answer[1])
-        if answer[0] == "failed":
+            _lifeline.register_from_thread(answer[1])  # at once, as for a spawned worker
+            future.set_result(int(answer[1]))
+        elif answer[0] == "failed":
             # the worker exited before running anything; it is our child: reap it
             os.waitpid(answer[1], 0)
-            raise OSError(f"a worker forked by the template failed to start: {answer[2]}")
-        raise OSError(
-            answer[1], f"forkserver template (pid {self.pid}) could not fork a worker: {answer[2]}"
-        )
+            future.set_exception(
+                OSError(f"a worker forked by the template failed to start: {answer[2]}")
+            )
+        else:
+            future.set_exception(
+                OSError(
+                    answer[1],
+                    f"forkserver template (pid {self.pid}) could not fork a worker: {answer[2]}",
+                )
+            )
 
     def _read_answer(self) -> Any:
         buf = bytearray()
@@ -305,14 +388,19 @@ class Template:
 _templates: dict[tuple[int, tuple[str, ...]], Template] = {}
 
 
-async def acquire(preload: tuple[str, ...]) -> Template:
+async def acquire(preload: tuple[str, ...], path_head: tuple[str, ...] = ()) -> Template:
     """A lease on the running template for ``preload``, starting one if need be.
+
+    ``path_head``: directories searched for ``preload`` before the
+    supervisor's ``sys.path`` (a script's own, see ``_script``) if a
+    template has to be started; a running one imported ``preload`` already
+    and is shared whatever its ``path_head`` was.
 
     Raises:
         ImportError: a preloaded module failed to import (the template's
             traceback is the ``__cause__``).
-        RuntimeError: a preloaded module started a thread or initialised
-            CUDA, or the template died while starting.
+        TemplateError: a preloaded module started a thread or initialised
+            CUDA, or the template died while starting (a ``RuntimeError``).
 
     Cancellation: the lease is released, and a template nobody else waits
     for is killed and reaped before the cancellation propagates.
@@ -320,7 +408,7 @@ async def acquire(preload: tuple[str, ...]) -> Template:
     key = (os.getpid(), preload)
     template = _templates.get(key)
     if template is None or not template.usable:
-        template = _templates[key] = Template(preload)
+        template = _templates[key] = Template(preload, path_head)
     template.leases += 1
     try:
         await asyncio.shield(template.ready)
@@ -352,13 +440,17 @@ async def spawn_forked(
     stdout: int | IO[Any] | None,
     stderr: int | IO[Any] | None,
     pass_fds: Sequence[int],
-    channel_fd: int,
-    channel: Channel,
+    channel_fd: int | None,
+    channel: Channel | None,
     tee_out: TeeProtocol | None = None,
     tee_err: TeeProtocol | None = None,
+    script: ScriptCommand | None = None,
 ) -> Child:
-    """Fork one function worker from ``template``; the same contract as ``spawn``.
+    """Fork one worker from ``template``; the same contract as ``spawn``.
 
+    A function worker (``channel_fd``, ``channel``), or with ``script`` a
+    worker that runs that Python script itself, as a spawned binary worker
+    would (its stdin is then this process's, as a spawned binary's is).
     ``stdout``/``stderr`` are ``None`` (this process's own fd 1/2),
     ``subprocess.PIPE`` (tee), ``subprocess.DEVNULL``, an fd or an open
     file.  ``pass_fds`` (``channel_fd`` among them) keep their numbers.
@@ -373,7 +465,10 @@ async def spawn_forked(
     mine: list[int] = []  # fds opened here, closed once the worker has its copies
     readers: dict[int, IO[bytes]] = {}
     try:
-        for std, spec in ((1, stdout), (2, stderr)):
+        streams: list[tuple[int, int | IO[Any] | None]] = [(1, stdout), (2, stderr)]
+        if script is not None:
+            streams.insert(0, (0, None))
+        for std, spec in streams:
             if spec is None:
                 try:
                     os.fstat(std)
@@ -399,14 +494,12 @@ async def spawn_forked(
         worker_env = {**env, _lifeline.TOKEN_VAR: _lifeline.token()}
         cwd = os.getcwd()
 
-        def start() -> int:
+        def submit(pool: Executor) -> concurrent.futures.Future[int]:
             # the round trip waits for the new worker to set itself up, which
             # takes milliseconds on a busy machine: on the helper thread
-            pid = template.fork(fds, targets, channel_fd, worker_env, cwd)
-            _lifeline.register_from_thread(pid)  # at once, as for a spawned worker
-            return pid
+            return template.submit(pool, fds, targets, channel_fd, worker_env, cwd, script)
 
-        pid = await start_off_loop(start, lambda p: p, _discard_forked)
+        pid = await start_off_loop(submit, lambda p: p, _discard_forked)
     except BaseException:
         for reader in readers.values():
             reader.close()

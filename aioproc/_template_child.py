@@ -3,25 +3,29 @@
 The supervisor runs this file's source with ``sys.executable -c <source>
 <fd>`` in a session of its own (see ``_template``); ``fd`` is the template's
 end of a socketpair.  The template reads its INIT message (the parent's
-``sys.path``, the modules to preload, the worker boot code), imports the
-modules, checks it is still single-threaded and has not initialised CUDA,
-answers READY (or why not) and then serves fork requests until EOF.
+``sys.path``, the modules to preload, the code of the function workers'
+boot modules, which it builds once), imports the modules, checks it is
+still single-threaded and has not initialised CUDA, answers READY (or why
+not) and then serves fork requests until EOF.
 
 A request carries, as SCM_RIGHTS fds, a worker's stdout, stderr, channel
 socket and extra fds, and as data their fd numbers in the worker, its
-environment and working directory.  The template clones itself with
+environment and working directory, and for a worker that runs a Python
+script, its command line.  The template clones itself with
 ``CLONE_PARENT``: the worker becomes a child of the *supervisor*, not of the
 template, so the supervisor notices its exit with a pidfd, reads the true
 status with ``waitid(WNOWAIT)`` and reaps it late exactly as it does for a
 spawned worker, and a template that dies never hands workers to init.  The
 raw ``clone`` is wrapped in ``PyOS_BeforeFork``/``PyOS_AfterFork_*``, which is
 all ``os.fork()`` adds around ``fork()``.  The template never waits for or
-signals the processes it forked: it serves requests, one blocking read at a
-time, and exits when the supervisor closes the socket or dies.
+signals the processes it forked (it reads each one's "set up" report on a
+pipe): it forks every request it has received, answers them in order, and
+exits when the supervisor closes the socket or dies.
 
 The new worker leads a session of its own, gets its fds at their numbers and
 nothing else, its environment and cwd, a fresh ``__main__`` and then runs the
-same boot code as a spawned worker: the rest arrives over the channel.
+same boot code as a spawned worker (the rest arrives over the channel), or
+the script, as ``python [-u] script args`` would (``_script_child``).
 """
 
 from __future__ import annotations
@@ -66,28 +70,66 @@ def _recv_exact(sock: socket.socket, n: int, buf: bytearray) -> bool:
     return True
 
 
-def _recv(sock: socket.socket, with_fds: bool = False) -> tuple[Any, list[int]] | None:
-    """One length-prefixed message and the fds sent with it; None at EOF."""
-    fds: list[int] = []
+def _recv(sock: socket.socket) -> Any:
+    """One length-prefixed message (INIT, which has no fds); None at EOF."""
     buf = bytearray()
-    if with_fds:
-        import array
-
-        size = socket.CMSG_SPACE(MAX_FDS * 4)
-        data, ancdata, _, _ = sock.recvmsg(1 << 16, size, socket.MSG_CMSG_CLOEXEC)
-        if not data:
-            return None
-        buf += data
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                arr = array.array("i")
-                arr.frombytes(payload[: len(payload) - len(payload) % arr.itemsize])
-                fds.extend(arr)
     if not _recv_exact(sock, 8, buf):
         return None
     if not _recv_exact(sock, 8 + int.from_bytes(buf[:8], "big"), buf):
         return None
-    return marshal.loads(bytes(buf[8:])), fds
+    return marshal.loads(bytes(buf[8:]))
+
+
+class _Requests:
+    """Fork requests as they arrive: length-prefixed messages and their fds.
+
+    The supervisor may send several requests before the first answer, so
+    one ``recvmsg`` can hold the end of one request and the start of the
+    next; the fds (SCM_RIGHTS, in order) queue apart and each request takes
+    as many as it names targets.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        import array
+        import collections
+
+        self._sock = sock
+        self._buf = bytearray()
+        self._fds: collections.deque[int] = collections.deque()
+        self._array = array.array
+        self._space = socket.CMSG_SPACE(MAX_FDS * 4)
+        self.eof = False
+
+    def _fill(self, block: bool) -> bool:
+        flags = socket.MSG_CMSG_CLOEXEC | (0 if block else socket.MSG_DONTWAIT)
+        try:
+            data, ancdata, _, _ = self._sock.recvmsg(1 << 16, self._space, flags)
+        except BlockingIOError:
+            return False
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                arr = self._array("i")
+                arr.frombytes(payload[: len(payload) - len(payload) % arr.itemsize])
+                self._fds.extend(arr)
+        if not data:
+            self.eof = True
+            return False
+        self._buf += data
+        return True
+
+    def next(self, block: bool) -> tuple[Any, list[int]] | None:
+        """The next request and its fds; None at EOF, or if none is there and not ``block``."""
+        while True:
+            buf = self._buf
+            if len(buf) >= 8:
+                end = 8 + int.from_bytes(buf[:8], "big")
+                if len(buf) >= end:
+                    message = marshal.loads(bytes(buf[8:end]))
+                    del buf[:end]
+                    n = min(len(message[0]), len(self._fds))
+                    return message, [self._fds.popleft() for _ in range(n)]
+            if self.eof or not self._fill(block):
+                return None
 
 
 def _unsafe() -> str:
@@ -173,16 +215,20 @@ def _become_worker(
 ) -> None:
     """In the new process: own session, fds at their numbers, env, cwd.
 
-    Says "ok" (or why not, then exits) on ``report`` only once done: the
-    template answers the supervisor after that, so every signal the
-    supervisor sends to the worker's group reaches it.
+    Says "ok" (or why not, then exits) on ``report`` once it leads its
+    session and has its fds and cwd: the template answers the supervisor
+    after that, so every signal the supervisor sends to the worker's group
+    reaches it.  The rest (environment, closing what else the template had
+    open) happens meanwhile.  Every write here copies a page of the
+    template's (the process is forked): what can stay untouched does.
     """
-    import fcntl
+    import fcntl  # imported by the template already (see serve)
 
     try:
         os.setsid()
         top = max([2, report, *targets, *fds]) + 1
-        report = fcntl.fcntl(report, fcntl.F_DUPFD_CLOEXEC, top)
+        report, given = fcntl.fcntl(report, fcntl.F_DUPFD_CLOEXEC, top), report
+        os.close(given)  # the template reads to EOF: one write end left
         moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, top) for fd in fds]
         null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         for std in (0, 1, 2):
@@ -190,31 +236,69 @@ def _become_worker(
                 os.dup2(null, std)  # stdin, and a stream the supervisor has closed
         for src, dst in zip(moved, targets, strict=True):
             os.dup2(src, dst)  # inheritable, as Popen's pass_fds leaves them
-        keep = {0, 1, 2, report, *targets}
-        for name in os.listdir("/proc/self/fd"):
-            if int(name) not in keep:
-                try:
-                    os.close(int(name))
-                except OSError:
-                    pass  # the directory listing's own fd, already closed
         os.chdir(cwd)
-        os.environ.clear()
-        os.environ.update(env)
     except OSError as e:
         os.write(report, f"{type(e).__name__}: {e}".encode())
         os._exit(127)
     os.write(report, b"ok")
     os.close(report)
+    keep = {0, 1, 2, *targets}
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) not in keep:
+            try:
+                os.close(int(name))
+            except OSError:
+                pass  # the directory listing's own fd, already closed
+    # the worker's environment, changing only what differs from the template's
+    environ = os.environ
+    for key in [k for k in environ if k not in env]:
+        del environ[key]
+    for key, value in env.items():
+        if environ.get(key) != value:
+            environ[key] = value
 
 
-def serve(fd: int) -> str | None:
-    """Preload, then fork on request; returns the boot code in a new worker."""
+def _load_boot(blob: bytes) -> Callable[[int], None]:
+    """The function workers' boot modules, built here once; their ``main``.
+
+    What ``_boot.BOOT_CODE`` does in a spawned worker with the code the
+    supervisor sends, done before forking: a forked worker only calls
+    ``main(channel)``.  Registered before the preload, as a spawned worker
+    has them before it runs user code.
+    """
+    wire_code, boot_code, load_code = marshal.loads(blob)
+    wire = type(sys)("aioproc._wire")
+    exec(wire_code, wire.__dict__)
+    boot = type(sys)("aioproc._bootstrap")
+    boot._wire = wire  # type: ignore[attr-defined]
+    exec(boot_code, boot.__dict__)
+    load = type(sys)("aioproc._funcload")
+    exec(load_code, load.__dict__)
+    sys.modules["aioproc._wire"] = wire
+    sys.modules["aioproc._bootstrap"] = boot
+    sys.modules["aioproc._funcload"] = load
+    main: Callable[[int], None] = boot.main
+    return main
+
+
+def serve(fd: int) -> tuple[Any, ...]:
+    """Preload, then fork on request; returns what a new worker runs.
+
+    ``("boot", main, channel)`` for a function worker, or ``("script",
+    run_script, command, path)`` for a Python script or module (see
+    ``_script_child``; ``path`` is this interpreter's own default
+    ``sys.path``, which a script's is made from).
+    """
+    default_path = list(sys.path)  # before INIT replaces it with the supervisor's
     sock = socket.socket(fileno=fd)
-    got = _recv(sock)
-    if got is None:
+    init = _recv(sock)
+    if init is None:
         os._exit(0)
-    init = got[0]
     sys.path[:] = init["sys_path"]
+    boot_main = _load_boot(init["boot"])
+    runner = type(sys)("aioproc._script_child")
+    exec(marshal.loads(init["script"]), runner.__dict__)
+    _OURS.append(runner.__dict__)  # its frames are cut from a script's traceback
     answer = _preload(init["preload"])
     sys.stdout.flush()  # what a preloaded module printed must not reach a worker
     sys.stderr.flush()
@@ -226,17 +310,37 @@ def serve(fd: int) -> str | None:
     _send(sock, answer)
     if answer[0] != "ready":
         os._exit(1)  # at once: a thread a preloaded module started must not delay it
-    boot: str = init["boot"]
+    # what every worker uses, imported once here (a module imported in a
+    # worker is built in pages of its own: far more than it copies here)
+    import atexit  # noqa: F401
+    import fcntl  # noqa: F401
+
+    # once here rather than in every worker: the template itself always
+    # leaves through os._exit, and a worker that has nothing to undo copies
+    # no page for it
+    _forget_template_exit_hooks()
     # what the template holds now is shared with every worker: out of the
     # collector's reach, a worker's collections never touch (and copy) it
     import gc
+    import weakref  # noqa: F401
 
     gc.freeze()
+    # Pipelined: every request already here is forked before the oldest
+    # answer is awaited, so new workers set themselves up side by side;
+    # answers go back in request order.
+    requests = _Requests(sock)
+    pending: list[tuple[Any, int]] = []  # (an answer, or the pid whose report to await; its pipe)
     while True:
-        got = _recv(sock, with_fds=True)
+        got = requests.next(block=not pending)
         if got is None:
-            os._exit(0)  # the supervisor closed us, or died
-        (targets, channel, env, cwd), fds = got
+            if requests.eof:
+                os._exit(0)  # the supervisor closed us, or died
+            answer, read_end = pending.pop(0)
+            if read_end >= 0:
+                answer = _await_report(answer, read_end)
+            _send(sock, answer)
+            continue
+        (targets, channel, env, cwd, script), fds = got
         read_end, write_end = os.pipe()
         try:
             if len(fds) != len(targets):
@@ -245,28 +349,38 @@ def serve(fd: int) -> str | None:
         except OSError as e:
             for fd in (*fds, read_end, write_end):
                 os.close(fd)
-            _send(sock, ("error", e.errno or 0, str(e)))
+            pending.append((("error", e.errno or 0, str(e)), -1))
             continue
         if pid == 0:
             sock.close()
             os.close(read_end)
+            for _, other in pending:
+                if other >= 0:
+                    os.close(other)
             _become_worker(fds, targets, env, cwd, write_end)
-            sys.argv[:] = ["-c", str(channel)]
-            return boot
+            if script is not None:
+                return ("script", runner.run_script, script, default_path)
+            sys.argv[:] = ["-c"]  # as a spawned function worker's
+            return ("boot", boot_main, channel)
         for fd in (*fds, write_end):
             os.close(fd)
-        status = b""
-        while chunk := os.read(read_end, 4096):  # EOF once the worker is set up (or died)
-            status += chunk
-        os.close(read_end)
-        if status == b"ok":
-            _send(sock, ("pid", pid))
-        else:  # exited: the supervisor, its parent, reaps it
-            _send(sock, ("failed", pid, status.decode(errors="replace") or "died"))
+        pending.append((pid, read_end))
+
+
+def _await_report(pid: int, read_end: int) -> tuple[Any, ...]:
+    """The answer for ``pid`` once it has set itself up (or died trying)."""
+    status = b""
+    while chunk := os.read(read_end, 4096):  # EOF once the worker is set up (or died)
+        status += chunk
+    os.close(read_end)
+    if status == b"ok":
+        return ("pid", pid)
+    # exited: the supervisor, its parent, reaps it
+    return ("failed", pid, status.decode(errors="replace") or "died")
 
 
 def _forget_template_exit_hooks() -> None:
-    """In a new worker: the exit hooks the template registered are the template's.
+    """Before forking: the exit hooks the template registered are not a worker's.
 
     A spawned worker runs the atexit handlers and ``weakref.finalize``
     callbacks of what *it* imported; a forked one inherits the template's
@@ -304,7 +418,7 @@ def _exit_code(e: SystemExit) -> int:
     return 1
 
 
-def _finish(code: int) -> None:
+def _finish(code: int, die_by: int = 0) -> None:
     """End a forked worker as a script ends, without tearing the interpreter down.
 
     Non-daemon threads are joined, atexit handlers run (logging's flush,
@@ -312,7 +426,8 @@ def _finish(code: int) -> None:
     are flushed, as at any interpreter exit; then ``os._exit``, as
     multiprocessing's forked children do.  Tearing down every module the
     template preloaded would touch, and so copy, most of its memory: more
-    CPU than the whole worker's run.
+    CPU than the whole worker's run.  ``die_by``: a signal to die by instead
+    (SIGINT after an uncaught ``KeyboardInterrupt``, as the interpreter does).
     """
     threading = sys.modules.get("threading")
     if threading is not None:
@@ -330,25 +445,49 @@ def _finish(code: int) -> None:
         except BaseException:
             if code == 0:
                 code = 120  # what the interpreter reports when the final flush fails
+    if die_by:
+        import _signal  # type: ignore[import-not-found]
+
+        _signal.signal(die_by, _signal.SIG_DFL)
+        os.kill(os.getpid(), die_by)
     os._exit(code)
 
 
+def _script_traceback(e: BaseException) -> Any:
+    """``e``'s traceback from the script's first frame on (ours dropped)."""
+    tb = e.__traceback__
+    while tb is not None and any(tb.tb_frame.f_globals is g for g in _OURS):
+        tb = tb.tb_next
+    return tb
+
+
+_OURS: list[dict[str, Any]] = [globals()]
+"""Globals of the code a worker runs before the user's (this module's, the runner's)."""
+
+
 if __name__ == "__main__":
-    _code = serve(int(sys.argv[1]))
-    if _code is not None:
-        # a fresh __main__ for the worker, as in a spawned interpreter
-        _main = type(sys)("__main__")
-        _main.__builtins__ = __builtins__  # type: ignore[attr-defined]
-        sys.modules["__main__"] = _main
-        del serve, _main
-        _forget_template_exit_hooks()
+    _run = serve(int(sys.argv[1]))
+    # a fresh __main__ for the worker, as in a spawned interpreter
+    _main = type(sys)("__main__")
+    _main.__builtins__ = __builtins__  # type: ignore[attr-defined]
+    sys.modules["__main__"] = _main
+    del serve
+    try:
+        if _run[0] == "script":
+            _run[1](_run[2], _run[3], _main)  # _script_child.run_script
+        else:
+            _run[1](_run[2])  # the function worker's _bootstrap.main(channel)
+    except SystemExit as _e:
+        _finish(_exit_code(_e))
+    except BaseException as _e:
+        # as the interpreter reports an uncaught exception: through sys.excepthook
+        # (the hook prints the exception's own traceback: ours is cut off it)
+        _e = _e.with_traceback(_script_traceback(_e))
         try:
-            exec(_code, sys.modules["__main__"].__dict__)
-        except SystemExit as _e:
-            _finish(_exit_code(_e))
+            sys.excepthook(type(_e), _e, _e.__traceback__)
         except BaseException:
             import traceback
 
             traceback.print_exc()
-            _finish(1)
-        _finish(0)
+        _finish(1, die_by=2 if isinstance(_e, KeyboardInterrupt) else 0)
+    _finish(0)

@@ -207,6 +207,26 @@ def _parse_signals(value: str) -> tuple[signal.Signals, ...]:
     return tuple(sigs)
 
 
+def _parse_start_method(value: str) -> str:
+    from ._validate import check_start_method
+
+    try:
+        return check_start_method(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _parse_preload(value: str) -> list[str]:
+    """``--preload``: comma-separated module names."""
+    names = [name.strip() for name in value.split(",")]
+    for name in names:
+        if not name or not all(part.isidentifier() for part in name.split(".")):
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated module names (e.g. 'torch,numpy'), got {value!r}"
+            )
+    return names
+
+
 def _parse_ranks(value: str) -> set[int] | None:
     if not value.strip():
         return None
@@ -533,10 +553,23 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "--start-method",
         "--start_method",
         dest="start_method",
-        choices=["spawn"],
+        type=_parse_start_method,
         default="spawn",
-        metavar="{spawn}",
-        help="how workers are started; only spawn (fork and forkserver are not supported)",
+        metavar="{spawn,forkserver}",
+        help="how workers are started: spawn (a fresh interpreter each) or forkserver "
+        "(forked from a template interpreter that imported --preload once; the script "
+        "then runs in the forked worker; --no-python programs are always spawned; "
+        "fork is refused)",
+    )
+    add(
+        "--preload",
+        type=_parse_preload,
+        action="append",
+        default=[],
+        metavar="MODULES",
+        help="comma-separated modules the forkserver template imports before forking "
+        "the workers, e.g. 'torch,numpy' (repeatable; needs --start-method forkserver; "
+        "searched in the script's directory first) (default: none)",
     )
     add(
         "--no-python",
@@ -624,6 +657,16 @@ def _make_run(ns: argparse.Namespace) -> _Run:
 
     if ns.no_python and ns.module:
         raise ValueError("--no-python and -m/--module cannot be used together")
+    preload = [name for names in ns.preload for name in names]
+    if preload and ns.start_method != "forkserver":
+        raise ValueError(
+            f"--preload {','.join(preload)} needs --start-method forkserver "
+            "(only the forkserver template preloads modules)"
+        )
+    if preload and ns.no_python:
+        raise ValueError(
+            "--preload needs a Python script or module: --no-python programs are spawned"
+        )
     if ns.no_python:
         entrypoint: str = ns.script
         args: list[str] = list(ns.script_args)
@@ -656,6 +699,7 @@ def _make_run(ns: argparse.Namespace) -> _Run:
         master_port=ns.master_port,
         restart_policy=ns.backoff or RestartPolicy(),
         watchdog=ns.watchdog,
+        preload=preload,
         # torchrun exports the list it handles; workers see the same variable
         env={SIGNALS_ENV: ",".join(sig.name for sig in sigs)},
     )
@@ -696,9 +740,10 @@ async def _supervise(run: _Run) -> int:
     Cancellation: the agent stops the workers (shielded, bounded) before the
     cancellation propagates.
     """
+    from ._template import TemplateError
     from .agent import LocalElasticAgent
     from .agent import events as ev
-    from .errors import ChildFailedError
+    from .errors import ChildFailedError, RemoteTraceback
     from .signals import SignalException, translate_signals
 
     view: LiveView | None = None
@@ -751,6 +796,11 @@ async def _supervise(run: _Run) -> int:
         _error(f"got {sig.name}: the workers were stopped")
         return 128 + int(sig)
     except OSError as e:  # a --no-python binary that cannot be run, an unusable --log-dir
+        _error(str(e))
+        return 1
+    except (ImportError, TemplateError) as e:  # --preload failed in the template
+        if isinstance(e.__cause__, RemoteTraceback):
+            _print_stderr(e.__cause__.tb.rstrip())  # the template's traceback
         _error(str(e))
         return 1
     if not result.is_failed():

@@ -39,6 +39,7 @@ from ._outcomes import NEVER_STARTED as NEVER_STARTED
 from ._outcomes import Outcomes
 from ._ranks import RankLauncher, SinkLike
 from ._ranks import make_sinks as _make_sinks
+from ._script import script_dirs
 from ._shield import shielded
 from ._shutdown import Deadline, stop_groups, warn_forced
 from ._spawn import Child
@@ -62,7 +63,11 @@ logger = logging.getLogger("aioproc")
 _LAUNCH_WINDOW = 8
 """Workers being launched at once: forks queue on the helper thread, in rank order."""
 
-_RELEASE_BATCH = 32
+_FORK_WINDOW = 32
+"""The same for workers forked from a template: their requests go out together,
+and the template forks them all before it waits for the first (see ``_template``)."""
+
+_RELEASE_BATCH = 16
 """Workers whose pipes are closed, or leaders reaped, per loop iteration at close."""
 
 _DRAIN_TIMEOUT = 2.0
@@ -334,11 +339,13 @@ class PContext:
     ) -> None:
         assert self._close_request is not None
         template: _template.Template | None = None
-        if self.start_method == "forkserver" and self.is_function:
-            # binary workers are always spawned: exec would discard the template
-            template = await _template.acquire(self.preload)
+        if self.start_method == "forkserver" and (self.is_function or self._ranks.scripts):
+            # other binaries are spawned: exec would discard the template; a
+            # Python script's own directory is searched for the preload first
+            head = script_dirs(self.entrypoint, self.args)
+            template = await _template.acquire(self.preload, head)
         errors: list[Exception] = []
-        window = anyio.Semaphore(_LAUNCH_WINDOW)
+        window = anyio.Semaphore(_LAUNCH_WINDOW if template is None else _FORK_WINDOW)
 
         async def launch(rank: int) -> None:
             try:
@@ -608,10 +615,13 @@ class PContext:
         if children:
             forced = await stop_groups(children, sig, timeout, deadline=self._grace_end)
         granted = max(0.0, min(timeout, self._grace_end.at - began))
-        watched = [e.wait() for e in self._watched.values() if not e.is_set()]
+        watched = [e for e in self._watched.values() if not e.is_set()]
         if watched:
             with anyio.move_on_after(_DRAIN_TIMEOUT + 1):
-                await asyncio.gather(*watched)
+                # one after the other, not gathered: hundreds of tasks made
+                # in one step would hold the loop for milliseconds
+                for event in watched:
+                    await event.wait()
         for rank, scope in self._watching.items():
             if not self._watched[rank].is_set():
                 # only an unkillable worker keeps its watcher waiting

@@ -18,15 +18,19 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import pid_gone
+from helpers import REPO_ROOT, pid_gone
 from terminal import Action, Terminal, run_steps_on_pty
 
 from aioproc.agent import RestartPolicy
 from aioproc.cli import parse_backoff, parse_nproc
+
+sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+from soak_cancel import MARK_VAR, clean_up, marked_pids, survivors
 
 CHILDREN = Path(__file__).parent / "children"
 ENV_SCRIPT = str(CHILDREN / "cli_env.py")
@@ -34,6 +38,7 @@ FAIL_SCRIPT = str(CHILDREN / "cli_fail.py")
 RESTART_SCRIPT = str(CHILDREN / "cli_restart.py")
 SLEEP_SCRIPT = str(CHILDREN / "cli_sleep.py")
 LIVE_SCRIPT = str(CHILDREN / "cli_live.py")
+EXIT_SCRIPT = str(CHILDREN / "cli_exit.py")
 WATCHDOG_SCRIPT = str(CHILDREN / "cli_watchdog.py")
 LIMIT = 30.0
 CLI = [sys.executable, "-m", "aioproc"]
@@ -66,7 +71,9 @@ def loop_name() -> str:
     return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
 
 
-async def aioproc_run(*args: str, cwd: str | None = None, timeout: float = LIMIT) -> Result:
+async def aioproc_run(
+    *args: str, cwd: str | None = None, timeout: float = LIMIT, env: dict[str, str] | None = None
+) -> Result:
     """Run ``aioproc run args``; logs go to a temp dir unless ``--log-dir`` is given."""
     with tempfile.TemporaryDirectory(prefix="test_cli_") as logs:
         log_dir = [] if "--log-dir" in args else ["--log-dir", logs]
@@ -77,7 +84,7 @@ async def aioproc_run(*args: str, cwd: str | None = None, timeout: float = LIMIT
             *args,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env=cli_env(),
+            env=cli_env(**(env or {})),
             cwd=cwd,
         )
         try:
@@ -118,10 +125,12 @@ def summary_sections(err: str) -> tuple[str, str]:
 # ----------------------------------------------------------------- success
 
 
-async def test_success_gives_torchrun_env_and_prefixed_lines() -> None:
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+async def test_success_gives_torchrun_env_and_prefixed_lines(method: str) -> None:
     r = await aioproc_run(
-        "--nproc-per-node", "2", "--tee", "3", ENV_SCRIPT, "--flag", "x${local_rank}"
-    )
+        "--nproc-per-node", "2", "--tee", "3", "--start-method", method,
+        ENV_SCRIPT, "--flag", "x${local_rank}",
+    )  # fmt: skip
     assert r.code == 0, r.err
     reports = env_reports(r.out)
     assert sorted(reports) == [0, 1], r.out
@@ -146,6 +155,7 @@ async def test_success_gives_torchrun_env_and_prefixed_lines() -> None:
         assert rep["TORCHELASTIC_USE_AGENT_STORE"] == "False"
         assert rep["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
         assert rep["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGQUIT"  # as handled
+        assert rep["LEADER"] is True
 
 
 async def test_without_tee_output_is_inherited_unprefixed() -> None:
@@ -246,8 +256,11 @@ async def test_local_ranks_filter_shows_only_those_ranks() -> None:
 # ----------------------------------------------------------------- failure
 
 
-async def test_failure_prints_torchrun_summary_with_the_traceback() -> None:
-    r = await aioproc_run("--nproc-per-node", "2", "--tee", "3", FAIL_SCRIPT)
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+async def test_failure_prints_torchrun_summary_with_the_traceback(method: str) -> None:
+    r = await aioproc_run(
+        "--nproc-per-node", "2", "--tee", "3", "--start-method", method, FAIL_SCRIPT
+    )
     assert r.code == 1, r.err
     assert f"{FAIL_SCRIPT} FAILED" in r.err
     others, root = summary_sections(r.err)
@@ -465,6 +478,157 @@ async def test_second_sigint_kills_the_workers_at_once(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------- command line
 
+# ------------------------------------------------------------ forkserver
+
+
+def worker_lines(r: Result) -> list[str]:
+    """Every line the workers wrote (tee'd, prefixed), in order per stream."""
+    return [line for line in (r.out + r.err).splitlines() if line.startswith("[default")]
+
+
+@pytest.mark.parametrize(
+    ("end", "exitcode"),
+    [
+        (["ok"], None),
+        (["raise"], 1),
+        (["exit", "3"], 3),
+        (["exit-text"], 1),
+        (["interrupt"], -2),
+    ],
+    ids=["ok", "raise", "exit-3", "exit-text", "interrupt"],
+)
+async def test_forked_scripts_run_and_end_as_spawned_ones(
+    end: list[str], exitcode: int | None
+) -> None:
+    spawned = await aioproc_run("--tee", "3", EXIT_SCRIPT, *end)
+    forked = await aioproc_run("--tee", "3", "--start-method", "forkserver", EXIT_SCRIPT, *end)
+    assert (spawned.code, forked.code) == ((0, 0) if exitcode is None else (1, 1)), forked.err
+    # argv, sys.path[0], __main__, stdio, the unterminated last line, the traceback
+    assert worker_lines(forked) == worker_lines(spawned)
+    lines = worker_lines(forked)
+    assert lines[0] == (
+        f"[default0]:rank 0 argv={[EXIT_SCRIPT, *end]} path0={CHILDREN} name=__main__ "
+        f"file={EXIT_SCRIPT} spec=None stdio=True/False/FileIO backslashreplace 0"
+    )
+    assert lines[1] == "[default0]:no newline at the end"
+    if exitcode is None:
+        return
+    for r in (spawned, forked):
+        _, root = summary_sections(r.err)
+        assert f"exitcode  : {exitcode} (pid: " in root
+        assert "error_file: <N/A>" in root  # no @record: no error file, as with torchrun
+    if end == ["raise"]:
+        marks = re.compile(r"\[default0\]: *[~^]+$")  # Python 3.13 underlines calls
+        assert [line for line in lines[2:] if not marks.match(line)] == [
+            "[default0]:Traceback (most recent call last):",
+            f'[default0]:  File "{EXIT_SCRIPT}", line 30, in <module>',
+            "[default0]:    fail()",
+            f'[default0]:  File "{EXIT_SCRIPT}", line 26, in fail',
+            "[default0]:    raise RuntimeError(f\"{mode} from rank {os.environ['RANK']}\")",
+            "[default0]:RuntimeError: raise from rank 0",
+        ]
+
+
+async def test_forked_modules_and_directories_run_as_spawned_ones(tmp_path: Path) -> None:
+    """``-m module`` and a directory with ``__main__.py``, forked: as spawned (runpy)."""
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "__main__.py").write_text(
+        "import sys\nsys.stdout.write(f'{__name__} {sys.argv} {sys.path[0]}\\n')\n"
+    )
+    outputs = {}
+    for method in ("spawn", "forkserver"):
+        module = await aioproc_run(
+            "--tee", "3", "--start-method", method, "-m", "cli_env", "a",
+            cwd=str(CHILDREN), env={"PYTHONPATH": REPO_ROOT},
+        )  # fmt: skip
+        directory = await aioproc_run("--tee", "3", "--start-method", method, str(app), "b")
+        assert module.code == directory.code == 0, module.err + directory.err
+        reports = env_reports(module.out)
+        assert reports[0]["ARGS"] == ["a"] and reports[0]["LEADER"] is True
+        del reports[0]["PID"], reports[0]["MASTER_PORT"], reports[0]["TORCHELASTIC_RUN_ID"]
+        del reports[0]["TORCHELASTIC_ERROR_FILE"]
+        outputs[method] = (reports, worker_lines(directory))
+    assert outputs["forkserver"] == outputs["spawn"]
+    assert outputs["spawn"][1] == [f"[default0]:__main__ {[str(app), 'b']} {app}"]
+
+
+IMPORT_LOG_ENV = "AIOPROC_TEST_IMPORT_LOG"
+
+
+async def test_forkserver_preload_is_imported_once_for_all_workers_and_restarts(
+    tmp_path: Path,
+) -> None:
+    """--preload: the module next to the script is imported once, in the template."""
+    log = tmp_path / "imports"
+    (tmp_path / "cli_heavy.py").write_text(
+        f"import os\nwith open(os.environ[{IMPORT_LOG_ENV!r}], 'a') as f:\n"
+        "    f.write(f'{os.getpid()}\\n')\n"
+    )
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, sys\n"
+        "loaded = 'cli_heavy' in sys.modules\n"
+        "import cli_heavy\n"
+        "rank, attempt = os.environ['RANK'], os.environ['TORCHELASTIC_RESTART_COUNT']\n"
+        "sys.stdout.write(f'attempt {attempt} rank {rank} loaded {loaded} {os.getpid()}\\n')\n"
+        "sys.exit(5 if (rank, attempt) == ('1', '0') else 0)\n"
+    )
+    r = await aioproc_run(
+        "--nproc-per-node", "2", "--max-restarts", "1", "--start-method", "forkserver",
+        "--preload", "cli_heavy", str(script),
+        env={IMPORT_LOG_ENV: str(log)},
+    )  # fmt: skip
+    assert r.code == 0, r.err
+    seen = {}
+    for m in re.finditer(r"^attempt (\d) rank (\d) loaded (\w+) (\d+)$", r.out, re.M):
+        seen[m[1], m[2]] = (m[3], int(m[4]))
+    # rank 0 of attempt 0 may be stopped before it says anything
+    assert {("0", "1"), ("1", "0"), ("1", "1")} <= set(seen), r.out
+    assert {loaded for loaded, _ in seen.values()} == {"True"}
+    imports = log.read_text().split()
+    assert len(imports) == 1, imports  # one import, in the template
+    assert int(imports[0]) not in {pid for _, pid in seen.values()}
+
+
+async def test_forkserver_preload_that_fails_says_why_and_runs_nothing(tmp_path: Path) -> None:
+    (tmp_path / "cli_broken.py").write_text("raise LookupError('cli_broken will not load')\n")
+    script = tmp_path / "never.py"
+    script.write_text("open(__file__ + '.ran', 'w').close()\n")
+    r = await aioproc_run(
+        "--start-method", "forkserver", "--preload", "json,cli_broken", str(script)
+    )  # fmt: skip
+    assert r.code == 1
+    lines = r.err.splitlines()
+    assert lines[-1] == (
+        "aioproc run: forkserver preload: importing 'cli_broken' failed: "
+        "LookupError: cli_broken will not load"
+    )
+    assert "Traceback (most recent call last):" in lines  # the template's own
+    assert f'  File "{tmp_path / "cli_broken.py"}", line 1, in <module>' in lines
+    assert not (tmp_path / "never.py.ran").exists()
+
+
+async def test_forkserver_supervisor_sigkilled_leaves_no_worker_nor_template(
+    tmp_path: Path,
+) -> None:
+    mark = uuid.uuid4().hex
+    proc, pids = await start_sleepers(
+        tmp_path, "--start-method", "forkserver", SLEEP_SCRIPT, env={MARK_VAR: mark}
+    )
+    try:
+        # the workers, the template (and the guardian) carry the mark, as the command does
+        marked = marked_pids(mark) - {proc.pid}
+    finally:
+        proc.kill()
+        await proc.communicate()
+        left = await survivors(mark, pids)
+        if left:
+            await clean_up(mark, left)
+    assert set(pids) < marked
+    assert left == set()
+
+
 RUN_FLAGS = [
     "--nproc-per-node",
     "--nnodes",
@@ -487,6 +651,7 @@ RUN_FLAGS = [
     "--master-addr",
     "--master-port",
     "--start-method",
+    "--preload",
     "--no-python",
     "--module",
     "--watchdog",
@@ -547,7 +712,6 @@ def test_version() -> None:
         (["--redirects", "0:3,0:1"], "given twice"),
         (["--backoff", "1,2"], "initial,factor,max"),
         (["--backoff", "1,0.5,10"], "factor must be >= 1"),
-        (["--start-method", "fork"], "invalid choice"),
         (["--no-python", "-m"], "cannot be used together"),
         (["--nnodes", "2"], "multi-node runs are not supported yet"),
         (["--nnodes", "2"], "--nnodes must be 1 (or 1:1), got '2'"),
@@ -581,6 +745,21 @@ def test_version() -> None:
         ),
         (["--signals-to-handle", "SIGKILL"], "'SIGKILL' cannot be caught"),
         (["--signals-to-handle", "15"], "'15' is not a signal name"),
+        (
+            ["--preload", "json,os"],
+            "--preload json,os needs --start-method forkserver (only the forkserver "
+            "template preloads modules)",
+        ),
+        (["--start-method", "fork"], "start_method='fork' is refused: forking this process"),
+        (["--start-method", "vfork"], "unknown start_method 'vfork'"),
+        (
+            ["--start-method", "forkserver", "--preload", "json,a b"],
+            "expected comma-separated module names (e.g. 'torch,numpy'), got 'json,a b'",
+        ),
+        (
+            ["--start-method", "forkserver", "--preload", "json", "--no-python"],
+            "--preload needs a Python script or module: --no-python programs are spawned",
+        ),
     ],
 )
 def test_usage_errors_exit_2_with_a_message(args: list[str], message: str) -> None:

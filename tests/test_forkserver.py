@@ -15,6 +15,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import CHILDREN_DIR, REPO_ROOT, child_pids
@@ -243,6 +244,37 @@ async def test_bad_preload_fails_before_anything_starts() -> None:
 async def test_binary_workers_are_spawned_under_forkserver() -> None:
     result = await run("/bin/sh", 1, ("-c", "exit 0"), start_method="forkserver")
     assert result.return_values == {0: None}
+    # this interpreter, but not running a script: spawned too
+    code = "import sys; sys.exit('aioproc' in sys.modules and 'json' in sys.modules)"
+    result = await run(sys.executable, 1, ("-c", code), start_method="forkserver", preload=["json"])
+    assert result.return_values == {0: None}
+    no_template_left()
+
+
+async def test_python_scripts_are_forked_under_forkserver(tmp_path: Path) -> None:
+    """``sys.executable [-u] script`` runs in a worker forked from the preloaded template."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import os, sys\n"
+        "print(os.getppid(), 'fork_preload_mod' in sys.modules, sys.argv[1:], flush=True)\n"
+    )
+    out = tmp_path / "out"
+    for args in (("-u", str(script), "a"), (str(script), "b")):
+        async with open_forkserver(["fork_preload_mod"]) as server:
+            result = await run(
+                sys.executable,
+                1,
+                args,
+                start_method="forkserver",
+                preload=["fork_preload_mod"],
+                logs_specs=DefaultLogsSpecs(str(out), redirects=Std.ALL),
+            )
+            assert result.return_values == {0: None}
+            ppid, loaded, argv = Path(result.stdouts[0]).read_text().split(" ", 2)
+            # the supervisor's child, with the template's preload in sys.modules
+            assert int(ppid) == os.getpid() and loaded == "True"
+            assert argv == f"{[args[-1]]!r}\n"
+            assert _template._templates[os.getpid(), ("fork_preload_mod",)].pid == server.pid
     no_template_left()
 
 
@@ -281,15 +313,21 @@ async def test_pool_and_worker_fork_from_the_template() -> None:
     no_template_left()
 
 
-async def test_cancelling_a_forkserver_start_at_random_points_leaves_nothing() -> None:
+BLOCK_SCRIPT = os.path.join(CHILDREN_DIR, "cli_sleep.py")
+
+
+@pytest.mark.parametrize("kind", ["function", "script"])
+async def test_cancelling_a_forkserver_start_at_random_points_leaves_nothing(kind: str) -> None:
     rng = random.Random(SEED)
     before = child_pids()
+    entrypoint: Any = fork_funcs.block if kind == "function" else sys.executable
+    args = () if kind == "function" else ("-u", BLOCK_SCRIPT)
     for _ in range(20):
         task = asyncio.ensure_future(
             start_processes(
                 "c",
-                fork_funcs.block,
-                {r: () for r in range(4)},
+                entrypoint,
+                {r: args for r in range(4)},
                 {r: {} for r in range(4)},
                 start_method="forkserver",
                 preload=["json"],
@@ -371,3 +409,41 @@ async def test_forked_workers_run_their_own_exit_hooks_not_the_templates(
         )
         assert sorted(logged.read_text().splitlines()) == [f"logged by {pid}" for pid in pids]
         assert server.pid not in pids
+
+
+async def test_fork_requests_sent_together_are_answered_in_order(tmp_path: Path) -> None:
+    """The template forks every queued request before awaiting the first: answers keep order."""
+    from aioproc import _lifeline, _offloop
+    from aioproc._script import script_command
+
+    script = tmp_path / "quiet.py"
+    script.write_text("")
+    command = script_command(sys.executable, [str(script)])
+    cwds = [str(tmp_path), str(tmp_path / "gone"), str(tmp_path), str(tmp_path)]
+    results: list[int | OSError] = []
+    async with open_forkserver() as server:
+        template = server._template
+        assert template is not None
+        _lifeline.hold()
+        try:
+            with _offloop.helper() as pool:
+                futures = [
+                    template.submit(pool, [], [], None, dict(os.environ), cwd, command)
+                    for cwd in cwds
+                ]
+                for future in futures:
+                    try:
+                        results.append(await asyncio.wrap_future(future))
+                    except OSError as e:
+                        results.append(e)
+        finally:
+            for pid in [r for r in results if isinstance(r, int)]:
+                assert os.waitpid(pid, 0)[1] == 0  # ran the empty script
+                _lifeline.forget(pid)
+            _lifeline.unhold()
+    assert [type(r) for r in results] == [int, OSError, int, int]
+    assert str(results[1]) == (
+        "a worker forked by the template failed to start: FileNotFoundError: "
+        f"[Errno 2] No such file or directory: '{tmp_path / 'gone'}'"
+    )
+    no_template_left()

@@ -1051,6 +1051,63 @@ async def test_a_flooding_worker_does_not_starve_the_loop(tmp_path: Path) -> Non
     assert 0 < read <= iterations + 2, f"{read} chunks read in {iterations} iterations"
 
 
+class _BatchRecorder(Sink):
+    """Records every batch of lines it gets, and the loop iteration it came in."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[int, list[str]]] = []
+        self.iteration = 0
+
+    def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
+        self.batches.append((self.iteration, list(lines)))
+
+
+async def test_a_big_chunk_reaches_the_sinks_a_slice_per_loop_iteration(tmp_path: Path) -> None:
+    """One read of 256 KiB of lines (asyncio's and uvloop's size) is not handed to the
+    sinks in one callback: a ``FAIR_CHUNK`` of it per loop iteration, every line in order."""
+    from aioproc._output import FAIR_CHUNK
+
+    n = 4000  # 4000 x 65 bytes: one write, far more than FAIR_CHUNK
+    code = (
+        "import os, sys\n"
+        f"data = b''.join(b'%05d ' % i + b'y' * 58 + b'\\n' for i in range({n}))\n"
+        "view = memoryview(data)\n"
+        "while view:\n"
+        "    view = view[os.write(1, view):]\n"
+    )
+    recorder = _BatchRecorder()
+    stop = False
+
+    async def count_iterations() -> None:
+        while not stop:
+            recorder.iteration += 1
+            await asyncio.sleep(0)
+
+    counting = asyncio.ensure_future(count_iterations())
+    try:
+        result = await aioproc.run(
+            sys.executable,
+            1,
+            ("-c", code),
+            logs_specs=logs(tmp_path, tee=Std.OUT),
+            sinks=[recorder],
+        )
+    finally:
+        stop = True
+        await counting
+    assert result.return_values == {0: None}
+    got = [line for _, batch in recorder.batches for line in batch]
+    assert got == [f"{i:05d} " + "y" * 58 for i in range(n)]
+    # a slice's lines per batch; per iteration at most a slice and a small read
+    # after it (not the 4000 lines of a whole read)
+    per_slice = FAIR_CHUNK // 65 + 1
+    assert max(len(batch) for _, batch in recorder.batches) <= per_slice
+    per_iteration: dict[int, int] = {}
+    for iteration, batch in recorder.batches:
+        per_iteration[iteration] = per_iteration.get(iteration, 0) + len(batch)
+    assert max(per_iteration.values()) <= 2 * per_slice, per_iteration
+
+
 async def test_logging_sink_sends_every_line_with_rank_and_stream(tmp_path: Path) -> None:
     records: list[logging.LogRecord] = []
 

@@ -35,6 +35,7 @@ import anyio
 from .. import _template
 from .._ranks import SinkLike
 from .._ranks import make_sinks as _make_sinks
+from .._script import script_dirs
 from .._shield import shielded
 from .._validate import check_duration, check_path_name, check_preload, check_start_method
 from ..context import PContext, RunProcsResult, WorkerEvent
@@ -287,9 +288,13 @@ class LocalElasticAgent:
         try:
             if watchdog is not None:
                 await watchdog.start()
-            if self._start_method == "forkserver" and not isinstance(spec.entrypoint, str):
-                # one lease for the whole run: every attempt forks from this template
-                template = await _template.acquire(self._preload)
+            if self._start_method == "forkserver":
+                # one lease for the whole run: every attempt forks from this
+                # template (binaries other than Python scripts are spawned)
+                ranks = range(spec.local_world_size)
+                head = script_dirs(spec.entrypoint, {r: _substitute(spec.args, r) for r in ranks})
+                if not isinstance(spec.entrypoint, str) or head:
+                    template = await _template.acquire(self._preload, head)
             while True:
                 if self._stop_request is not None:  # during the watchdog's start
                     return self._finish(WorkerState.STOPPED, {}, {})

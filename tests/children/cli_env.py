@@ -35,6 +35,8 @@ report["ARGS"] = sys.argv[1:]
 hup = signal.getsignal(signal.SIGHUP)
 report["SIGHUP"] = "default" if hup == signal.SIG_DFL else repr(hup)
 report["PID"] = os.getpid()
+# a session and a process group of its own, as every worker
+report["LEADER"] = os.getsid(0) == os.getpgrp() == os.getpid()
 # one write: python -u prints a line and its newline in two, which interleave
 # with other workers' when they share the console
 sys.stdout.write("ENV " + json.dumps(report, sort_keys=True) + "\n")
