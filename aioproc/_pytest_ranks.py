@@ -176,6 +176,12 @@ def run_ranks(item: pytest.Function, ranks: Ranks, call: _pytest_rank.RankCall) 
 
 
 async def _supervise(ranks: Ranks, call: _pytest_rank.RankCall, top: str, live: bool) -> _Outcome:
+    """Start the ranks, wait for them (or the timeout), and collect what they did.
+
+    Cancellation: leaving the ``async with`` stops every rank (SIGTERM, then
+    SIGKILL after ``GRACE_PERIOD``) and reaps it, shielded, before the
+    cancellation goes on.
+    """
     from .logs import DefaultLogsSpecs, Std
     from .runner import start_processes
 

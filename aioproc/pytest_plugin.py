@@ -231,6 +231,9 @@ async def aioproc_group() -> AsyncIterator[Any]:
 
     Returns the started ``PContext`` (see ``aioproc.start_processes``); every
     group started is closed at teardown, even when the test fails or is cancelled.
+
+    Cancellation: teardown closes the groups newest first; each close is
+    shielded and bounded by the group's grace period.
     """
     from ._pytest_fixtures import GroupFactory
 
@@ -243,6 +246,9 @@ async def aioproc_pool() -> AsyncIterator[Any]:
     """A factory: ``pool = await aioproc_pool(4, initializer=...)`` (``aioproc.open_pool``).
 
     Every pool opened is closed at teardown, even when the test fails or is cancelled.
+
+    Cancellation: teardown closes the pools newest first; each close is
+    shielded and bounded by the pool's ``shutdown_timeout``.
     """
     from ._pytest_fixtures import PoolFactory
 

@@ -81,11 +81,19 @@ def test_every_rank_runs_the_body_with_its_env_and_fixture_values(
 
         def test_plain_tests_run_here():
             assert "RANK" not in os.environ
+
+        class TestInAClass:
+            @pytest.mark.aioproc(nprocs=2)
+            def test_method(self, tmp_path):
+                (tmp_path / f"method{rank()}").write_text(type(self).__name__)
         """,
     )
     result = pytester.runpytest_subprocess(*PLUGIN, "--basetemp", str(pytester.path / "tmp"))
-    result.assert_outcomes(passed=4)
+    result.assert_outcomes(passed=5)
     tmp = pytester.path / "tmp"
+    (method_dir,) = tmp.glob("test_method0")
+    assert sorted(p.name for p in method_dir.iterdir()) == ["method0", "method1"]
+    assert {p.read_text() for p in method_dir.iterdir()} == {"TestInAClass"}
     (sync_dir,) = tmp.glob("test_sync*0")
     assert sorted(p.read_text() for p in sync_dir.iterdir()) == [
         f"42 ['{r}', '3', '127.0.0.1'] 3" for r in range(3)
@@ -253,6 +261,20 @@ def test_a_hanging_rank_times_out_with_every_ranks_stack_in_the_report(
         ]
     )
     assert_all_gone(pids_written(pytester))
+
+
+def test_an_interrupted_run_still_stops_its_ranks(pytester: pytest.Pytester) -> None:
+    """pytest-timeout's signal lands while the ranks run (their own timeout is
+    off): the test fails with pytest-timeout's error and no rank survives it."""
+    pytester.makepyfile(test_it=HANGING.format(timeout=", timeout=0"))
+    result = pytester.runpytest_subprocess(
+        *PLUGIN, "-o", "timeout=4", "-o", "timeout_method=signal"
+    )
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["FAILED test_it.py::test_hang - Failed: Timeout (>4.0s) *"])
+    pids = pids_written(pytester)
+    assert len(pids) == 3
+    assert_all_gone(pids)
 
 
 def test_skips_and_bad_markers(pytester: pytest.Pytester) -> None:
@@ -449,7 +471,7 @@ def test_under_xdist(pytester: pytest.Pytester) -> None:
     write_test(
         pytester,
         """
-        import os
+        import os, threading
         import pytest
         from aioproc.testing import rank
 
@@ -460,6 +482,8 @@ def test_under_xdist(pytester: pytest.Pytester) -> None:
 
         @pytest.mark.aioproc(nprocs=2)
         def test_fails():
+            if rank() == 0:
+                threading.Event().wait()  # until rank 1's failure stops it
             assert rank() == 0
         """,
     )
@@ -468,9 +492,9 @@ def test_under_xdist(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(
         [
             "*rank 1 (pid *) failed: AssertionError: assert 1 == 0",
-            '  File "*test_it.py", line 12, in test_fails',
+            '  File "*test_it.py", line 14, in test_fails',
             "    assert rank() == 0",
-            "passed: rank 0",
+            "rank 0 (pid *) was killed by SIGTERM: stopped by aioproc after rank 1 failed",
         ]
     )
     assert_all_gone(pids_written(pytester))
@@ -564,6 +588,15 @@ def test_leak_check_is_opt_in_per_test_by_marker_or_fixture(pytester: pytest.Pyt
             "ERROR test_it.py::test_marked - Failed: test_it.py::test_marked leaked:",
             "ERROR test_it.py::test_fixture - Failed: test_it.py::test_fixture leaked:",
         ]
+    )
+
+
+def test_a_bad_tmpdir_mode_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    write_test(pytester, "def test_nothing():\n    pass\n")
+    result = pytester.runpytest_subprocess(*PLUGIN, "-o", "aioproc_leakcheck_tmpdir=some")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["ERROR: aioproc_leakcheck_tmpdir must be 'aioproc' or 'all', got 'some'"]
     )
 
 
