@@ -333,7 +333,10 @@ def rank_call(item: pytest.Function) -> _pytest_rank.RankCall:
     kwargs = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
     check_picklable(kwargs)
     anyio_backend = item.funcargs.get("anyio_backend")
-    loop_factory = item.funcargs.get("_asyncio_loop_factory")
+    # pytest-asyncio's loop factory for this run (its loop-factory hook
+    # parametrises tests with it): the ranks' async bodies use the same loop
+    callspec = getattr(item, "callspec", None)
+    loop_factory = callspec.params.get("_asyncio_loop_factory") if callspec else None
     qualname = item.originalname
     cls = getattr(item, "cls", None)
     if cls is not None:

@@ -479,6 +479,40 @@ def test_multi_rank_async_bodies_under_each_async_plugin(
     assert found == expected
 
 
+def test_ranks_run_async_bodies_on_the_loop_pytest_asyncio_chose(
+    pytester: pytest.Pytester,
+) -> None:
+    """With pytest-asyncio's loop factories (this suite's asyncio + uvloop), each
+    parametrised run's ranks use that run's loop."""
+    pytest.importorskip("uvloop")
+    pytester.makeconftest(
+        """
+        import asyncio, uvloop
+
+        def pytest_asyncio_loop_factories(config, item):
+            return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+        """
+    )
+    write_test(
+        pytester,
+        """
+        import asyncio
+        import pytest
+        from aioproc.testing import rank
+
+        @pytest.mark.aioproc(nprocs=2)
+        async def test_loop(tmp_path):
+            (tmp_path / f"r{rank()}").write_text(type(asyncio.get_running_loop()).__module__)
+        """,
+    )
+    result = pytester.runpytest_subprocess(
+        *PLUGIN, "-o", "asyncio_mode=auto", "--basetemp", str(pytester.path / "tmp")
+    )
+    result.assert_outcomes(passed=2)
+    found = sorted(p.read_text() for p in (pytester.path / "tmp").glob("*[0-9]/r*"))
+    assert found == ["asyncio.unix_events"] * 2 + ["uvloop"] * 2
+
+
 def test_under_xdist(pytester: pytest.Pytester) -> None:
     write_test(
         pytester,
