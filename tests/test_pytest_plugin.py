@@ -417,6 +417,36 @@ def test_group_and_pool_fixtures_close_what_they_started(
     assert_all_gone(pids)
 
 
+def test_a_test_interrupted_while_awaiting_still_closes_its_groups(
+    pytester: pytest.Pytester,
+) -> None:
+    """pytest-timeout's signal interrupts the test's await (the group still
+    runs): teardown closes the group on the test's loop all the same."""
+    write_test(
+        pytester,
+        """
+        import asyncio, sys
+        import pytest
+
+        @pytest.mark.asyncio
+        async def test_stuck(aioproc_group, aioproc_pool):
+            pc = await aioproc_group(sys.executable, 2, args=("-c", "import time; time.sleep(60)"))
+            pool = await aioproc_pool(1)
+            pids = [*pc.pids().values(), *pool.pids()]
+            open("pids", "w").write(" ".join(map(str, pids)))
+            await asyncio.Event().wait()
+        """,
+    )
+    result = pytester.runpytest_subprocess(
+        *PLUGIN, "-o", "timeout=3", "-o", "timeout_method=signal", "--aioproc-leakcheck"
+    )
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["FAILED test_it.py::test_stuck - Failed: Timeout (>3.0s) *"])
+    pids = [int(p) for p in (pytester.path / "pids").read_text().split()]
+    assert len(pids) == 3
+    assert_all_gone(pids)
+
+
 ASYNC_BODIES = """
 import asyncio, os
 import pytest
