@@ -20,9 +20,13 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 
 SUPPORTED = sys.platform.startswith("linux")
+
+THREAD_GRACE = 1.0
+"""Seconds new threads get, in all, to finish before they count as leaked."""
 
 AIOPROC_TEMP_PREFIXES = ("aioproc_", "aioproc-")
 """Names of the temp dirs aioproc makes (``DefaultLogsSpecs``, the pytest plugin)."""
@@ -175,7 +179,14 @@ class Snapshot:
         if fds:
             detail = ", ".join(f"{fd} -> {_fd_target(fd)}" for fd in sorted(fds))
             problems.append(f"file descriptors left open: {detail}")
-        threads = [t for t in threading.enumerate() if t not in self.threads and t.is_alive()]
+        threads = [t for t in threading.enumerate() if t not in self.threads]
+        # A thread that has done its job may not have returned yet (asyncio's
+        # waitpid threads resolve the exit first, then end): give those a
+        # moment, bounded, rather than blame them.
+        deadline = time.monotonic() + THREAD_GRACE
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        threads = [t for t in threads if t.is_alive()]
         if threads:
             problems.append("threads left running: " + ", ".join(repr(t) for t in threads))
         if temps:

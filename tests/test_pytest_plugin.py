@@ -22,6 +22,7 @@ from aioproc import testing
 PLUGIN = (
     "-p", "aioproc.pytest_plugin", "-p", "no:cacheprovider",
     "-o", "asyncio_default_fixture_loop_scope=function", "-ra",
+    "-o", "timeout=30",  # an inner test that hangs fails in there (tests may override)
 )  # fmt: skip
 
 
@@ -598,10 +599,12 @@ def test_leaks_a_thread():
 
 def test_leaves_a_group_open():
     import asyncio, aioproc
+    code = "open('group_ready', 'w').close(); import time; time.sleep(60)"
     loop = asyncio.new_event_loop()  # never closed: nor is the group started on it
     pc = loop.run_until_complete(aioproc.start_processes(
-        "left", sys.executable, {0: ("-c", "import time; time.sleep(60)")}, {0: {}}
+        "left", sys.executable, {0: ("-c", code)}, {0: {}}
     ))
+    open("group_ready").read()  # a FIFO: the worker runs its code, past exec
     open("pid_group", "w").write(str(pc.pids()[0]))
 
 def test_clean():
@@ -612,6 +615,7 @@ def test_clean():
 
 def test_leak_check_names_what_leaked_and_removes_it(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_it=LEAKY)
+    os.mkfifo(pytester.path / "group_ready")
     result = pytester.runpytest_subprocess(
         *PLUGIN, "-o", "asyncio_mode=auto", "--aioproc-leakcheck"
     )
@@ -630,8 +634,8 @@ def test_leak_check_names_what_leaked_and_removes_it(pytester: pytest.Pytester) 
             "- threads left running: <Thread(forgotten, started daemon *)>",
             "*test_it.py::test_leaves_a_group_open leaked:",
             f"- aioproc groups never closed (close them, or leave their `async with`): "
-            f"process group {group} led by pid {group}: {sys.executable} -c import time; "
-            "time.sleep(60)",
+            f"process group {group} led by pid {group}: {sys.executable} -c "
+            "open('group_ready', 'w').close(); import time; time.sleep(60)",
             "ERROR test_it.py::test_leaks_a_process - Failed: *",
         ]
     )
