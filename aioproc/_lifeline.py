@@ -326,6 +326,15 @@ def current_pid() -> int | None:
         return _current.popen.pid if _current is not None else None
 
 
+def registered_groups() -> frozenset[int]:
+    """Process groups registered and not yet forgotten: groups not closed yet."""
+    with _lock:
+        guardian = _current
+        if guardian is None or guardian.owner != os.getpid():
+            return frozenset()
+        return frozenset(guardian.groups)
+
+
 def _after_fork_in_child() -> None:
     # A forked copy of the supervisor must not keep the guardian's pipe open,
     # or the guardian would miss the supervisor's death until the copy exits.

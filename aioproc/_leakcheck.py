@@ -1,0 +1,194 @@
+"""What a test left behind: child processes, fds, threads, temp dirs, open groups.
+
+A :class:`Snapshot` is taken before the test and compared after it.  What
+leaked is described for a person (each process with its command line, each
+fd with what it points at) and then removed, so that one leak does not make
+every later test fail too: leaked children are SIGKILLed and reaped, the
+process groups of unclosed aioproc groups killed, leaked temp entries
+deleted.  Fds and threads are only reported: closing an fd a test still
+refers to, or a thread's resources, could break what runs next in ways
+harder to read than the report.
+
+Linux only (``/proc``); elsewhere the check reports nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+SUPPORTED = sys.platform.startswith("linux")
+
+THREAD_GRACE = 1.0
+"""Seconds new threads get, in all, to finish before they count as leaked."""
+
+AIOPROC_TEMP_PREFIXES = ("aioproc_", "aioproc-")
+"""Names of the temp dirs aioproc makes (``DefaultLogsSpecs``, the pytest plugin)."""
+
+
+def child_pids() -> set[int]:
+    """Direct children of this process (of any thread), running or zombie."""
+    pids: set[int] = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                pids.update(int(p) for p in f.read().split())
+        except FileNotFoundError:  # the thread just exited
+            continue
+    return pids
+
+
+def open_fds() -> set[int]:
+    """The fds this process has open right now.
+
+    The listing itself holds an fd while it reads the directory; that one is
+    closed again by the time it is checked, so it never counts.
+    """
+    return {fd for fd in map(int, os.listdir("/proc/self/fd")) if _is_open(fd)}
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def registered_groups() -> frozenset[int]:
+    """Process groups of aioproc groups, workers and pools not yet closed."""
+    lifeline = sys.modules.get("aioproc._lifeline")
+    if lifeline is None:  # aioproc never started a worker here
+        return frozenset()
+    groups: frozenset[int] = lifeline.registered_groups()
+    return groups
+
+
+def describe_process(pid: int) -> str:
+    """``pid 42: python -c ...`` (``(zombie) name`` for one that exited unreaped)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return f"pid {pid} (gone)"
+    state = stat[stat.rfind(")") + 2 :].split()[0]
+    name = stat[stat.find("(") + 1 : stat.rfind(")")]
+    if state == "Z":
+        return f"pid {pid} (exited, not reaped): {name}"
+    if not argv:  # between fork and exec, or a kernel-side name only
+        return f"pid {pid}: [{name}]"
+    return f"pid {pid}: {' '.join(argv)}"
+
+
+def _fd_target(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "?"
+
+
+def _temp_entries(tmpdir: str, everything: bool) -> set[str]:
+    try:
+        names = os.listdir(tmpdir)
+    except OSError:
+        return set()
+    if everything:
+        # pytest's own tmp_path tree lives there too and is pytest's to manage
+        return {n for n in names if not n.startswith("pytest-of-")}
+    return {n for n in names if n.startswith(AIOPROC_TEMP_PREFIXES)}
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What this process had before a test."""
+
+    children: set[int]
+    fds: set[int]
+    threads: set[threading.Thread]
+    tmpdir: str
+    temps: set[str]
+    all_temps: bool
+    groups: frozenset[int]
+
+    @classmethod
+    def take(cls, all_temps: bool = False) -> Snapshot:
+        """Record the current state.
+
+        Args:
+            all_temps: count every new entry of the temp dir, not only
+                aioproc's (for a suite whose ``TMPDIR`` is its own).
+        """
+        tmpdir = tempfile.gettempdir()
+        return cls(
+            children=child_pids(),
+            fds=open_fds(),
+            threads=set(threading.enumerate()),
+            tmpdir=tmpdir,
+            temps=_temp_entries(tmpdir, all_temps),
+            all_temps=all_temps,
+            groups=registered_groups(),
+        )
+
+    def leaks(self) -> list[str]:
+        """Describe everything left behind since the snapshot, and remove what can be.
+
+        Returns:
+            One line per kind of leak; empty when nothing leaked.
+        """
+        problems: list[str] = []
+        groups = registered_groups() - self.groups
+        if groups:
+            problems.append(
+                "aioproc groups never closed (close them, or leave their `async with`): "
+                + "; ".join(
+                    f"process group {g} led by {describe_process(g)}" for g in sorted(groups)
+                )
+            )
+        temps = _temp_entries(self.tmpdir, self.all_temps) - self.temps
+        for name in temps:
+            path = os.path.join(self.tmpdir, name)
+            shutil.rmtree(path, ignore_errors=True)
+            if os.path.lexists(path):
+                os.unlink(path)
+        children = child_pids() - self.children
+        if children:
+            problems.append(
+                "child processes left behind: "
+                + "; ".join(describe_process(p) for p in sorted(children))
+            )
+        for pgid in groups:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except OSError:
+                pass
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+        fds = open_fds() - self.fds
+        if fds:
+            detail = ", ".join(f"{fd} -> {_fd_target(fd)}" for fd in sorted(fds))
+            problems.append(f"file descriptors left open: {detail}")
+        threads = [t for t in threading.enumerate() if t not in self.threads]
+        # A thread that has done its job may not have returned yet (asyncio's
+        # waitpid threads resolve the exit first, then end): give those a
+        # moment, bounded, rather than blame them.
+        deadline = time.monotonic() + THREAD_GRACE
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        threads = [t for t in threads if t.is_alive()]
+        if threads:
+            problems.append("threads left running: " + ", ".join(repr(t) for t in threads))
+        if temps:
+            problems.append(f"left in the temp dir {self.tmpdir}: {sorted(temps)}")
+        return problems

@@ -1,0 +1,59 @@
+"""Helpers for the body of a test run on several ranks (``@pytest.mark.aioproc``).
+
+They read the environment the plugin gives every rank, so they also work in
+any worker started with torch's variables (``aioproc run``, an agent).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+__all__ = ["rank", "task", "world_size"]
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise RuntimeError(
+            f"${name} is not set: aioproc.testing works inside a rank of a test marked "
+            "@pytest.mark.aioproc (or a worker with torch's environment)"
+        )
+    try:
+        return int(value)
+    except ValueError:
+        raise RuntimeError(f"${name} must be an integer, got {value!r}") from None
+
+
+def rank() -> int:
+    """This process's rank, ``0 .. world_size() - 1`` (``$RANK``).
+
+    Raises:
+        RuntimeError: not inside a rank.
+    """
+    return _env_int("RANK")
+
+
+def world_size() -> int:
+    """How many ranks run the test (``$WORLD_SIZE``).
+
+    Raises:
+        RuntimeError: not inside a rank.
+    """
+    return _env_int("WORLD_SIZE")
+
+
+def task() -> tuple[str, int]:
+    """This rank's ``(task_type, task_index)`` in a cluster test (``$TF_CONFIG``).
+
+    Raises:
+        RuntimeError: not inside a rank of a test marked with ``cluster=``.
+    """
+    raw = os.environ.get("TF_CONFIG")
+    if raw is None:
+        raise RuntimeError(
+            "$TF_CONFIG is not set: aioproc.testing.task() works inside a rank of a test "
+            "marked @pytest.mark.aioproc(cluster=...)"
+        )
+    spec = json.loads(raw)["task"]
+    return str(spec["type"]), int(spec["index"])
