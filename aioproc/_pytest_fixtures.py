@@ -1,5 +1,5 @@
-"""The ``aioproc_group`` and ``aioproc_pool`` fixtures: factories whose products
-are closed at teardown.
+"""The ``aioproc_group``, ``aioproc_pool`` and ``aioproc_cluster`` fixtures:
+factories whose products are closed at teardown.
 
 Each factory keeps what it opened on an ``AsyncExitStack`` and closes it,
 newest first, when the fixture is torn down: after a passing test, a failing
@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ._cluster import ClusterRunner
 from .context import PContext
 from .pool import WorkerPool
 
@@ -107,3 +108,30 @@ class PoolFactory:
         from .pool import open_pool
 
         return await self._stack.enter_async_context(open_pool(*args, **kwargs))
+
+
+class ClusterFactory:
+    """``await aioproc_cluster(fn, cluster_spec, **kwargs)``.
+
+    Starts a :class:`aioproc.cluster.ClusterRunner` and returns it running
+    (``join()`` it for the result); every runner it started is stopped at the
+    fixture's teardown.
+    """
+
+    def __init__(self, stack: contextlib.AsyncExitStack) -> None:
+        self._stack = stack
+
+    def __repr__(self) -> str:
+        return "<aioproc_cluster factory>"
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> ClusterRunner:
+        """Start a cluster; arguments as for ``ClusterRunner``.
+
+        Raises:
+            TypeError, ValueError: a bad cluster spec or argument, before
+                anything starts.
+
+        Cancellation: a start that is cancelled stops the tasks it launched;
+        the runner is otherwise stopped by the fixture's teardown.
+        """
+        return await self._stack.enter_async_context(ClusterRunner(*args, **kwargs))

@@ -9,9 +9,11 @@ nothing for a test that uses none of the following.
   torch's (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) or
   TensorFlow's (``TF_CONFIG``) environment and the test's fixture values;
   ``timeout=`` (default: pytest-timeout's) stops the ranks after dumping
-  their stacks into the report.  See ``aioproc.testing`` for use in a body.
-- ``aioproc_group`` / ``aioproc_pool``: factories of started groups / open
-  pools, closed at teardown, on the test's loop (pytest-asyncio or anyio).
+  their stacks into the report.  See ``aioproc.testing`` for use in a body
+  (``rank()``, ``world_size()``, ``task()``, ``barrier()``).
+- ``aioproc_group`` / ``aioproc_pool`` / ``aioproc_cluster``: factories of
+  started groups / open pools / running cluster runners, closed at teardown,
+  on the test's loop (pytest-asyncio or anyio).
 - ``--aioproc-leakcheck`` (ini ``aioproc_leakcheck = true``), the
   ``aioproc_leakcheck`` fixture or marker: fail a test that leaves child
   processes, fds, threads, aioproc temp dirs or unclosed groups behind.
@@ -31,7 +33,7 @@ import pytest
 
 LEAKCHECK = "aioproc_leakcheck"
 _RANKS_MODULE = f"{__package__}._pytest_ranks"
-_FACTORIES = ("aioproc_group", "aioproc_pool")
+_FACTORIES = ("aioproc_group", "aioproc_pool", "aioproc_cluster")
 _DEFAULT_TIMEOUT = pytest.StashKey[float | None]()
 """pytest-timeout's timeout for a multi-rank test, read before the plugin extends it."""
 _private_tmp: str | None = None
@@ -254,6 +256,23 @@ async def aioproc_pool() -> AsyncIterator[Any]:
 
     async with contextlib.AsyncExitStack() as stack:
         yield PoolFactory(stack)
+
+
+@pytest.fixture
+async def aioproc_cluster() -> AsyncIterator[Any]:
+    """A factory: ``runner = await aioproc_cluster(fn, cluster_spec, ...)``.
+
+    Returns a started ``aioproc.cluster.ClusterRunner`` (``await
+    runner.join()`` for the result); every runner is stopped at teardown,
+    even when the test fails or is cancelled.
+
+    Cancellation: teardown stops the runners newest first; each stop is
+    shielded and bounded by the grace period.
+    """
+    from ._pytest_fixtures import ClusterFactory
+
+    async with contextlib.AsyncExitStack() as stack:
+        yield ClusterFactory(stack)
 
 
 _uvloop_warm = False

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-__all__ = ["rank", "task", "world_size"]
+__all__ = ["barrier", "rank", "task", "world_size"]
 
 
 def _env_int(name: str) -> int:
@@ -57,3 +57,22 @@ def task() -> tuple[str, int]:
         )
     spec = json.loads(raw)["task"]
     return str(spec["type"]), int(spec["index"])
+
+
+def barrier() -> None:
+    """Block until every rank of the test reached its ``barrier()`` call.
+
+    The n-th call of each rank meets the n-th call of the others.  It is
+    :func:`aioproc.cluster.barrier`, carried over each rank's control channel
+    to the plugin's supervisor; it blocks the calling thread, also in an
+    async body (the rank runs nothing else meanwhile).
+
+    Raises:
+        RuntimeError: not inside a rank (or another function worker of aioproc).
+        threading.BrokenBarrierError: a rank ended, passing or failing,
+            without reaching the barrier; the message names it.
+    """
+    # the worker's bootstrap is loaded already: this costs no import
+    from ._bootstrap import barrier_wait
+
+    barrier_wait()

@@ -1,4 +1,4 @@
-"""aioproc's pytest plugin: test bodies on several ranks, group and pool fixtures, leak checks.
+"""aioproc's pytest plugin: test bodies on several ranks, group/pool/cluster fixtures, leak checks.
 
 Run: python examples/pytest_plugin.py (it runs pytest on this file), or
 pytest examples/pytest_plugin.py with aioproc installed (the plugin comes with it).
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import aioproc
-from aioproc.testing import rank, task, world_size
+from aioproc.testing import barrier, rank, task, world_size
 
 
 def square(x: int) -> int:
@@ -23,6 +23,8 @@ def square(x: int) -> int:
 def test_every_rank_agrees(tmp_path):  # fixture values are sent to every rank
     assert world_size() == 4  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are set
     (tmp_path / f"rank{rank()}").write_text(os.environ["MASTER_PORT"])
+    barrier()  # every rank has written its file
+    assert len(list(tmp_path.iterdir())) == 4
     print(f"rank {rank()} done")  # each rank's output is its own report section
 
 
@@ -41,6 +43,12 @@ async def test_group_fixture(aioproc_group):
 async def test_pool_fixture(aioproc_pool):
     pool = await aioproc_pool(2)  # aioproc.open_pool's arguments
     assert await pool.submit(square, 7) == 49
+
+
+async def test_cluster_fixture(aioproc_cluster):
+    runner = await aioproc_cluster(square, {"chief": 1, "worker": 2}, args=(3,))
+    result = await runner.join(60)  # a started ClusterRunner; stopped at teardown in any case
+    assert result.return_value == [9, 9, 9]
 
 
 @pytest.mark.aioproc_leakcheck  # or --aioproc-leakcheck for every test

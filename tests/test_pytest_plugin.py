@@ -388,6 +388,20 @@ async def test_pool(aioproc_pool):
     pids = await pool.run(os.getpid)
     open("pid_pool", "w").write(" ".join(map(str, pids)))
     assert await pool.submit(echo, "x") == "xx"
+
+def sleep_forever():
+    import time
+    time.sleep(60)
+
+async def test_cluster_left_running_is_stopped_at_teardown(aioproc_cluster):
+    runner = await aioproc_cluster(sleep_forever, {{"chief": 1, "worker": 2}}, stream_output=False)
+    pids = [runner.get_process_id(t, i) for t, i in [("chief", 0), ("worker", 0), ("worker", 1)]]
+    open("pid_cluster", "w").write(" ".join(map(str, pids)))
+
+async def test_cluster_returns_values(aioproc_cluster):
+    spec = {{"chief": 1, "worker": 1}}
+    runner = await aioproc_cluster(echo, spec, args=("c",), stream_output=False)
+    assert (await runner.join(60)).return_value == ["cc", "cc"]
 """
 
 
@@ -411,10 +425,10 @@ def test_group_and_pool_fixtures_close_what_they_started(
         mark = ""
     write_test(pytester, GROUP_TESTS.format(mark=mark))
     result = pytester.runpytest_subprocess(*PLUGIN, *mode, "--aioproc-leakcheck")
-    result.assert_outcomes(passed=3, failed=1)
+    result.assert_outcomes(passed=5, failed=1)
     result.stdout.fnmatch_lines(["*AssertionError: the test fails*"])
     pids = [int(p) for f in pytester.path.glob("pid_*") for p in f.read_text().split()]
-    assert len(pids) == 5
+    assert len(pids) == 8
     assert_all_gone(pids)
 
 
@@ -711,3 +725,42 @@ def test_testing_helpers_outside_a_rank_say_so(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("RANK", "2")
     assert testing.rank() == 2
     assert sys.modules["aioproc.testing"] is testing
+
+
+def test_barrier_meets_every_rank_and_breaks_when_one_leaves(pytester: pytest.Pytester) -> None:
+    write_test(
+        pytester,
+        """
+        import os, threading
+        import pytest
+        from aioproc.testing import barrier, rank
+
+        @pytest.mark.aioproc(nprocs=3, timeout=60)
+        def test_meet(tmp_path):
+            (tmp_path / f"before{rank()}").write_text("")
+            barrier()
+            # nobody passes the barrier before every rank wrote its file
+            assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("before")) == [
+                "before0", "before1", "before2"
+            ]
+            barrier()  # reusable
+
+        @pytest.mark.aioproc(nprocs=2, timeout=60)
+        async def test_left(tmp_path):
+            if rank() == 0:
+                return  # ends without reaching the barrier
+            with pytest.raises(threading.BrokenBarrierError) as info:
+                barrier()
+            (tmp_path.parent / "broken.txt").write_text(str(info.value))
+
+        def test_outside_a_rank():
+            with pytest.raises(RuntimeError, match="barrier"):
+                barrier()
+        """,
+    )
+    result = pytester.runpytest_subprocess(*PLUGIN)
+    result.assert_outcomes(passed=3)
+    broken = list(pytester.path.parent.rglob("broken.txt"))
+    assert len(broken) == 1
+    reason = broken[0].read_text()
+    assert reason == "barrier broken: pytest/0 exited with code 0 without reaching it"

@@ -60,7 +60,7 @@ EXPECTED: dict[str, list[str]] = {
 EXAMPLE_OUTPUT: dict[str, list[str]] = {
     # examples/<name> -> regexes its stdout lines must match, in order
     "agent.py": [r"event: group_succeeded local_rank=None", r"agent finished: SUCCEEDED"],
-    "pytest_plugin.py": [r"\.{5} +\[100%\]", r"5 passed in [\d.]+s"],
+    "pytest_plugin.py": [r"\.{6} +\[100%\]", r"6 passed in [\d.]+s"],
     "quickstart.py": [
         *[r"function worker [0-3]: \{'rank': [0-3], 'pid': \d+, 'square': (1|4|9|16)\}"] * 4,
         r"binary worker 0: exit ok, stdout\.log = 'hello from binary worker 0'",
