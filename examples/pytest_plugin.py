@@ -7,6 +7,7 @@ pytest examples/pytest_plugin.py with aioproc installed (the plugin comes with i
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -64,4 +65,6 @@ if __name__ == "__main__":
     # an empty config (-c os.devnull): only what this file needs
     options = ["-q", "-p", "aioproc.pytest_plugin", "-p", "no:cacheprovider", "-c", os.devnull]
     options += ["-o", "asyncio_mode=auto", "-o", "asyncio_default_fixture_loop_scope=function"]
-    sys.exit(pytest.main([__file__, *options]))
+    # a fresh interpreter: here aioproc is imported already, too early for
+    # pytest to rewrite the asserts of a plugin's package
+    sys.exit(subprocess.call([sys.executable, "-m", "pytest", __file__, *options]))
