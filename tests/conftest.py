@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pytest
-from helpers import child_pids, open_fds
+from helpers import SHARED_CHILDREN, child_pids, open_fds
 
 # fixtures shared by the persistent-worker and pool tests (pw, fifo)
 pytest_plugins = ["pw_fixtures"]
@@ -82,7 +82,7 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         shutil.rmtree(path, ignore_errors=True)
         if os.path.lexists(path):
             os.unlink(path)
-    leaked_children = child_pids() - children_before
+    leaked_children = child_pids() - children_before - SHARED_CHILDREN
     for pid in leaked_children:
         try:
             os.kill(pid, signal.SIGKILL)

@@ -42,6 +42,11 @@ def pid_gone(pid: int) -> bool:
     return False
 
 
+# Children owned by fixtures wider than one test (the etcd server of the
+# multi-host tests): the leak check does not blame the test that first used one.
+SHARED_CHILDREN: set[int] = set()
+
+
 def child_pids() -> set[int]:
     """Direct children of this process (any thread), running or zombie."""
     pids: set[int] = set()
