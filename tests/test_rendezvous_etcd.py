@@ -468,6 +468,19 @@ def test_ctrl_c_during_rendezvous_exits_at_once_leaving_only_closed(
     assert_only_closed(etcd, job, reason="stopped")
 
 
+def test_join_timeout_fails_and_leaves_no_key(etcd: Etcd, tmp_path: Any) -> None:
+    out, job = str(tmp_path), "jointimeout"
+    conf = "last_call_timeout=1,lease_ttl=3,join_timeout=1"
+    with agents_cleanup([Agent(etcd, job, "127.0.0.2", out, nnodes="2:2", conf=conf)]) as agents:
+        rc, err = agents[0].finish()
+    assert rc == 1, err
+    assert err.strip().splitlines()[-1] == (
+        "aioproc run: the rendezvous of job 'jointimeout' did not complete within 1 s "
+        "(join_timeout): 1 node(s) joined, min_nodes is 2"
+    )
+    assert etcd.keys(f"/aioproc/rdzv/{job}/") == {}
+
+
 def test_partition_fences_the_cut_host_and_the_others_reform(etcd: Etcd, tmp_path: Any) -> None:
     out, job = str(tmp_path), "partition"
     proxy = subprocess.Popen(
