@@ -178,9 +178,9 @@ class EtcdRendezvousHandler:
                     self._info = info
                     return info
                 # the round completed without this node: wait for the next one
+        joins = len(self._joins(self._current()[0] + 1))
         if joined is not None:
             await self._delete(joined[1])
-        joins = len(self._joins(self._current()[0] + 1))
         raise RendezvousTimeoutError(
             f"the rendezvous of job {self._params.run_id!r} did not complete within "
             f"{self.join_timeout:g} s (join_timeout): {joins} node(s) joined, "
