@@ -92,6 +92,11 @@ class EtcdSession:
             host, port, timeout=max(1, ttl), options=_CHANNEL_OPTIONS
         )
         self.keys: dict[bytes, KeyValue] = {}
+        # the same keys by directory (up to the last "/"), and how many
+        # deletions each directory saw: callers cache what they derive from
+        # a directory until it loses a key, so an event costs O(1), not O(N)
+        self.dirs: dict[bytes, dict[bytes, KeyValue]] = {}
+        self.deletions: dict[bytes, int] = {}
         self.lease_id = 0
         self.lost: str | None = None  # why the lease was lost, once it is
         self.requests = 0  # calls made to etcd, for the scale benchmark
@@ -150,6 +155,27 @@ class EtcdSession:
     def _check_lease(self) -> None:
         if self.lost is not None:
             raise RendezvousLeaseLostError(self.lost)
+
+    def children(self, directory: bytes) -> dict[bytes, KeyValue]:
+        """The keys right under ``directory`` (ending in "/"), by name; do not modify."""
+        return self.dirs.get(directory, {})
+
+    def _set(self, key: bytes, kv: KeyValue) -> None:
+        self.keys[key] = kv
+        cut = key.rindex(b"/") + 1
+        self.dirs.setdefault(key[:cut], {})[key[cut:]] = kv
+
+    def _pop(self, key: bytes) -> None:
+        if self.keys.pop(key, None) is None:
+            return
+        cut = key.rindex(b"/") + 1
+        directory = key[:cut]
+        children = self.dirs.get(directory)
+        if children is not None:
+            children.pop(key[cut:], None)
+            if not children:
+                del self.dirs[directory]
+        self.deletions[directory] = self.deletions.get(directory, 0) + 1
 
     async def changed(self) -> None:
         """Return after the next change of the keys, or at once if the lease is lost.
@@ -210,10 +236,11 @@ class EtcdSession:
 
     async def _list(self) -> None:
         result = await self.call(lambda: self.client.get_prefix(self.prefix))
-        self.keys = {
-            kv.key: KeyValue(kv.value, kv.create_revision, kv.mod_revision, kv.lease)
-            for kv in result.kvs
-        }
+        self.keys, self.dirs = {}, {}
+        for kv in result.kvs:
+            self._set(kv.key, KeyValue(kv.value, kv.create_revision, kv.mod_revision, kv.lease))
+        for directory in self.deletions:
+            self.deletions[directory] += 1  # a fresh list may have lost any key
         self._revision = int(result.header.revision)
         self._notify()
 
@@ -226,15 +253,15 @@ class EtcdSession:
                 watch = await self.call(
                     lambda: self.client.watch_prefix(self.prefix, start_revision=self._revision + 1)
                 )
-                self.requests += 1
                 try:
                     async for event in watch:
                         kv = event.kv
                         if event.kind == "DELETE":
-                            self.keys.pop(kv.key, None)
+                            self._pop(kv.key)
                         else:
-                            self.keys[kv.key] = KeyValue(
-                                kv.value, kv.create_revision, kv.mod_revision, kv.lease
+                            self._set(
+                                kv.key,
+                                KeyValue(kv.value, kv.create_revision, kv.mod_revision, kv.lease),
                             )
                         self._revision = max(self._revision, int(kv.mod_revision))
                         delay = _RETRY_FIRST

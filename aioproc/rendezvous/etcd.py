@@ -94,6 +94,8 @@ class EtcdRendezvousHandler:
         self._session: EtcdSession | None = None
         self._nproc = 1
         self._info: RendezvousInfo | None = None
+        self._first_cache: tuple[tuple[bytes, int], str | None] | None = None
+        self._lost_cache: tuple[tuple[int, int], list[RendezvousNode]] | None = None
 
     def __repr__(self) -> str:
         state = f"round {self._info.round}" if self._info is not None else "not joined"
@@ -231,14 +233,9 @@ class EtcdRendezvousHandler:
                 if closed is not None and json.loads(closed.value).get("reason") == "succeeded":
                     break  # the last member to finish closed it
                 self._raise_if_over()
-                alive = self._alive()
-                waiting = [
-                    n.addr
-                    for n in info.nodes
-                    if n.node_id in alive
-                    and self._get(f"rounds/{info.round}/done/{n.node_id}") is None
-                ]
-                if not waiting:
+                # only members write done keys, and a lost member's go with its lease
+                done = len(self._store().children(self._key(f"rounds/{info.round}/done/")))
+                if done >= len(info.nodes) - len(self._lost(info)):
                     break
                 change = self._change(info)
                 if change is not None:
@@ -261,11 +258,10 @@ class EtcdRendezvousHandler:
             RendezvousJobFailedError: a member was lost and fewer than
                 ``min_nodes`` nodes are left.
         """
-        members = {n.node_id: n for n in info.nodes}
-        alive = self._alive()
-        lost = [n for node_id, n in members.items() if node_id not in alive]
+        lost = self._lost(info)
         if lost:
             hosts = ", ".join(f"{n.addr} ({n.node_id})" for n in lost)
+            alive = self._alive()
             if len(alive) < self.min_nodes:
                 raise RendezvousJobFailedError(
                     f"lost host {hosts}: {len(alive)} node(s) left, fewer than "
@@ -275,10 +271,13 @@ class EtcdRendezvousHandler:
         if self._current()[0] != info.round:
             return WorldChange("the job re-formed its world without this node")
         joins = self._joins(info.round + 1)
+        if not joins:
+            return None
+        members = {n.node_id: n for n in info.nodes}
         again = [members[i].addr for i in joins if i in members]
         if again:
             return WorldChange(f"host {', '.join(again)} re-joined (its workers failed)")
-        if joins and len(members) < self.max_nodes:
+        if len(members) < self.max_nodes:
             return WorldChange(f"{len(joins)} node(s) waiting to join")
         return None
 
@@ -347,17 +346,17 @@ class EtcdRendezvousHandler:
                 return self._info_from(r, world)
             if self._current()[0] >= r:
                 return None  # completed and already superseded
-            joins = self._joins(r)
+            joins = self._store().children(self._key(f"rounds/{r}/join/"))
             freeze_at = deadline
-            if joins and min(joins.values(), key=_created)[0] == self.node_id:
+            if self._first_joiner(r) == self.node_id:
                 if len(joins) >= self.max_nodes:
-                    await self._freeze(r, joins)
+                    await self._freeze(r, self._joins(r))
                     continue
-                if len(joins) >= self.min_nodes and not self._members_pending(r, joins):
+                if len(joins) >= self.min_nodes and not self._members_pending(r):
                     now = time.monotonic()
                     ready_since = now if ready_since is None else ready_since
                     if now >= ready_since + self.last_call_timeout:
-                        await self._freeze(r, joins)
+                        await self._freeze(r, self._joins(r))
                         continue
                     freeze_at = min(deadline, ready_since + self.last_call_timeout)
                 else:
@@ -367,14 +366,44 @@ class EtcdRendezvousHandler:
             with anyio.move_on_at(freeze_at):
                 await store.changed()
 
-    def _members_pending(self, r: int, joins: Mapping[str, Any]) -> list[str]:
+    def _members_pending(self, r: int) -> list[str]:
         """Live members of the running world (round r - 1) that have not joined round r."""
         world = self._get(f"rounds/{r - 1}/world")
         if world is None:
             return []
-        alive = self._alive()
+        store = self._store()
+        alive = store.children(self._key("nodes/"))
+        joins = store.children(self._key(f"rounds/{r}/join/"))
         nodes = json.loads(world.value)["nodes"]
-        return [n["id"] for n in nodes if n["id"] in alive and n["id"] not in joins]
+        return [
+            n["id"] for n in nodes if n["id"].encode() in alive and n["id"].encode() not in joins
+        ]
+
+    def _first_joiner(self, r: int) -> str | None:
+        """The node id of round ``r``'s earliest live join (the one that completes it).
+
+        Cached until a join of the round is deleted: a new join is never earlier.
+        """
+        store = self._store()
+        directory = self._key(f"rounds/{r}/join/")
+        key = (directory, store.deletions.get(directory, 0))
+        cached = self._first_cache
+        joins = store.children(directory)
+        if cached is None or cached[0] != key or cached[1] is None:
+            first = min(joins.items(), key=lambda kv: kv[1].create_revision)[0] if joins else None
+            cached = self._first_cache = (key, first.decode() if first is not None else None)
+        return cached[1]
+
+    def _lost(self, info: RendezvousInfo) -> list[RendezvousNode]:
+        """Members of ``info``'s world whose lease is gone; cached until a node key goes."""
+        store = self._store()
+        directory = self._key("nodes/")
+        key = (info.round, store.deletions.get(directory, 0))
+        if self._lost_cache is None or self._lost_cache[0] != key:
+            alive = store.children(directory)
+            lost = [n for n in info.nodes if n.node_id.encode() not in alive]
+            self._lost_cache = (key, lost)
+        return self._lost_cache[1]
 
     async def _freeze(self, r: int, joins: Mapping[str, tuple[str, KeyValue]]) -> None:
         store = self._store()
@@ -485,16 +514,11 @@ class EtcdRendezvousHandler:
         return (int(kv.value), kv.mod_revision) if kv is not None else (-1, 0)
 
     def _alive(self) -> set[str]:
-        head = self._key("nodes/")
-        return {k[len(head) :].decode() for k in self._store().keys if k.startswith(head)}
+        return {k.decode() for k in self._store().children(self._key("nodes/"))}
 
     def _joins(self, r: int) -> dict[str, tuple[str, KeyValue]]:
-        head = self._key(f"rounds/{r}/join/")
-        return {
-            k[len(head) :].decode(): (k[len(head) :].decode(), kv)
-            for k, kv in self._store().keys.items()
-            if k.startswith(head)
-        }
+        children = self._store().children(self._key(f"rounds/{r}/join/"))
+        return {k.decode(): (k.decode(), kv) for k, kv in children.items()}
 
     async def _put(self, name: str, value: bytes, *, leased: bool) -> None:
         store = self._store()
@@ -537,10 +561,6 @@ class _Session:
         h._session = None
         h._info = None
         await self._open.__aexit__(*exc)
-
-
-def _created(item: tuple[str, KeyValue]) -> int:
-    return item[1].create_revision
 
 
 def _prefix_end(prefix: bytes) -> bytes:

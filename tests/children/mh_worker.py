@@ -11,6 +11,7 @@ a SIGTERM is recorded with its time in ``...-<pid>.term``.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import signal
@@ -83,6 +84,13 @@ def main() -> None:
         json.dump(record, f)
     os.rename(base + ".tmp", base + ".json")
     if rank == args.fail_rank:
+        # fail once every rank of this attempt recorded itself (this host's
+        # restart count is the number of attempts before this one)
+        expected = world * (int(env["TORCHELASTIC_RESTART_COUNT"]) + 1)
+        pattern = os.path.join(os.environ["MH_OUT"], f"*-w{world}-*.json")
+        deadline = time.monotonic() + 10
+        while len(glob.glob(pattern)) < expected and time.monotonic() < deadline:
+            time.sleep(0.02)  # the other ranks are writing their records
         print(f"rank {rank} fails on purpose", file=sys.stderr)
         sys.exit(3)
     if args.hold_unless_world and world != args.hold_unless_world:
