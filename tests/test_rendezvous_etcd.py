@@ -468,6 +468,28 @@ def test_ctrl_c_during_rendezvous_exits_at_once_leaving_only_closed(
     assert_only_closed(etcd, job, reason="stopped")
 
 
+def test_sigterm_on_one_host_stops_the_job_on_every_host(etcd: Etcd, tmp_path: Any) -> None:
+    out, job = str(tmp_path), "sigterm"
+    with agents_cleanup(
+        [
+            Agent(etcd, job, f"127.0.0.{i}", out, "--hold-unless-world", "99", nnodes="2:2")
+            for i in (2, 3)
+        ]
+    ) as agents:
+        first = wait_for_records(out, 4, 4, agents)
+        agents[0].proc.send_signal(signal.SIGTERM)
+        (rc0, err0), (rc1, err1) = (a.finish() for a in agents)
+    assert rc0 == 128 + signal.SIGTERM, err0
+    assert err0.strip().splitlines()[-1] == "aioproc run: got SIGTERM: the workers were stopped"
+    assert rc1 == 1, err1
+    assert err1.strip().splitlines()[-1] == (
+        "aioproc run: the rendezvous of job 'sigterm' is closed: "
+        "the job was stopped on host 127.0.0.2"
+    )
+    assert all(pid_gone(r["pid"]) for r in first)
+    assert_only_closed(etcd, job, reason="stopped")
+
+
 def test_join_timeout_fails_and_leaves_no_key(etcd: Etcd, tmp_path: Any) -> None:
     out, job = str(tmp_path), "jointimeout"
     conf = "last_call_timeout=1,lease_ttl=3,join_timeout=1"

@@ -14,6 +14,14 @@ waits for the run to end.  A ``stop()`` while the workers are already
 being stopped (by an earlier ``stop()`` or a signal) can only cut that
 stop's grace period short: it closes the attempt's group again, which
 brings the SIGKILL forward.
+
+Over several hosts (``spec.rdzv_handler``), each attempt starts with a
+rendezvous round that gives the host its group rank and the world; while
+the workers run, the handler's ``wait_for_change()`` races the group: a
+host lost, arriving or re-joining stops the workers and starts a new round
+(a lost host costs a restart, as a failure does), a lost lease (fencing)
+stops them within the lease's TTL, another host's final failure ends the
+run with that root cause.  A stop closes the rendezvous for every host.
 """
 
 from __future__ import annotations
@@ -73,8 +81,9 @@ class LocalElasticAgent:
         start_method: ``"spawn"`` or ``"forkserver"``: function workers are
             forked from a template that imported ``spec.preload``; the agent
             holds it for its whole run, so every restart reuses it.
-        exit_barrier_timeout: accepted for compatibility; with one host every
-            worker is in one group, so there is no cross-node exit barrier.
+        exit_barrier_timeout: over several hosts, how long a host whose
+            workers succeeded waits for the other hosts' workers before it
+            closes the job; unused with one host.
         log_line_prefix_template: the console prefix of each worker's lines,
             with ``${role_name}``, ``${rank}`` and ``${local_rank}`` (torch's
             ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``, which ``aioproc run``
@@ -355,7 +364,7 @@ class LocalElasticAgent:
                 if self._remaining_restarts <= 0:
                     if handler is not None:
                         # every host must stop and report this root cause
-                        await handler.report_failure(_failure_record(root_rank, root))
+                        await self._report_failure(handler, _failure_record(root_rank, root))
                     return self._finish(WorkerState.FAILED, result.return_values, result.failures)
                 self._remaining_restarts -= 1
                 self._restart_count += 1
@@ -391,7 +400,7 @@ class LocalElasticAgent:
                 if self._state == WorkerState.STOPPED:
                     # a stop (signal, stop(), cancellation) closes the job on every host
                     await shielded(handler.shutdown())
-                # in this task: the session's task group was entered here
+                # bounded: revoking the lease and closing the connection time out
                 with anyio.CancelScope(shield=True):
                     await rendezvous.aclose()
             if template is not None:
@@ -431,6 +440,14 @@ class LocalElasticAgent:
             f"{info.group_world_size} nodes, world size {info.world_size}",
         )
         return info
+
+    async def _report_failure(self, handler: RendezvousHandler, record: dict[str, Any]) -> None:
+        from ..rendezvous import RendezvousError
+
+        try:
+            await handler.report_failure(record)
+        except RendezvousError as e:  # fenced meanwhile: the others see the lost lease
+            logger.warning("could not tell the other hosts of this failure: %s", e)
 
     async def _exit_barrier(
         self, handler: RendezvousHandler
