@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import glob
 import json
 import os
@@ -41,6 +42,21 @@ pytestmark = [
 WORKER = os.path.join(CHILDREN_DIR, "mh_worker.py")
 PROXY = os.path.join(CHILDREN_DIR, "tcp_proxy.py")
 TTL = 3
+PARTITIONED = "127.0.0.4"  # the host the partition tests cut off
+
+
+def _iptables_usable() -> str | None:
+    """Why an iptables rule cannot be used here, or None when it can."""
+    if shutil.which("iptables") is None:
+        return "no iptables binary"
+    if os.geteuid() != 0:
+        return "not root"
+    probe = subprocess.run(["iptables", "-n", "-L", "INPUT"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"iptables unusable: {probe.stderr.strip()}"
+    return None
+
+
 CONF = f"last_call_timeout=1,lease_ttl={TTL},join_timeout=30"
 
 
@@ -79,7 +95,8 @@ class Etcd:
                 "--data-dir",
                 self.data_dir,
                 "--listen-client-urls",
-                url,
+                # the partitioned host reaches etcd at its own address (see IPTABLES)
+                f"{url},http://{PARTITIONED}:{self.port}",
                 "--advertise-client-urls",
                 url,
                 "--listen-peer-urls",
@@ -503,14 +520,65 @@ def test_join_timeout_fails_and_leaves_no_key(etcd: Etcd, tmp_path: Any) -> None
     assert etcd.keys(f"/aioproc/rdzv/{job}/") == {}
 
 
-def test_partition_fences_the_cut_host_and_the_others_reform(etcd: Etcd, tmp_path: Any) -> None:
-    out, job = str(tmp_path), "partition"
+@contextlib.contextmanager
+def _proxy_cut(etcd: Etcd, blackhole: bool = False) -> Iterator[tuple[str, Any]]:
+    """A TCP proxy between the host and etcd; ``cut()`` resets its connections,
+    or with ``blackhole`` stops forwarding while keeping them open (bytes vanish)."""
     proxy = subprocess.Popen(
-        [sys.executable, PROXY, "127.0.0.4", str(etcd.port)], stdout=subprocess.PIPE, text=True
+        [sys.executable, PROXY, PARTITIONED, str(etcd.port)], stdout=subprocess.PIPE, text=True
     )
     try:
         assert proxy.stdout is not None
-        proxy_port = int(proxy.stdout.readline())
+        port = int(proxy.stdout.readline())
+
+        def cut() -> None:
+            assert proxy.stdout is not None
+            proxy.send_signal(signal.SIGUSR2 if blackhole else signal.SIGUSR1)
+            assert proxy.stdout.readline() == ("blackhole\n" if blackhole else "cut\n")
+
+        yield f"{PARTITIONED}:{port}", cut
+    finally:
+        proxy.kill()
+        proxy.wait()
+        if proxy.stdout is not None:
+            proxy.stdout.close()
+
+
+@contextlib.contextmanager
+def _iptables_cut(etcd: Etcd) -> Iterator[tuple[str, Any]]:
+    """An iptables rule dropping the host's traffic with etcd (packets vanish); removed after."""
+    why = _iptables_usable()
+    if why is not None:
+        pytest.skip(why)
+    rules = [
+        ["INPUT", "-p", "tcp", "-d", PARTITIONED, "--dport", str(etcd.port), "-j", "DROP"],
+        ["INPUT", "-p", "tcp", "-s", PARTITIONED, "--sport", str(etcd.port), "-j", "DROP"],
+    ]
+    added: list[list[str]] = []
+
+    def cut() -> None:
+        for rule in rules:
+            subprocess.run(["iptables", "-I", *rule], check=True)
+            added.append(rule)
+
+    try:
+        yield f"{PARTITIONED}:{etcd.port}", cut
+    finally:
+        for rule in added:
+            subprocess.run(["iptables", "-D", *rule], check=True)
+
+
+@pytest.mark.parametrize("how", ["iptables", "proxy-reset", "proxy-blackhole"])
+def test_partition_fences_the_cut_host_and_the_others_reform(
+    etcd: Etcd, tmp_path: Any, how: str
+) -> None:
+    out, job = str(tmp_path), f"partition-{how}"
+    partitions = {
+        "iptables": _iptables_cut,
+        "proxy-reset": _proxy_cut,
+        "proxy-blackhole": functools.partial(_proxy_cut, blackhole=True),
+    }
+    with partitions[how](etcd) as (endpoint, cut):
         args = ("--hold-unless-world", "4")
         with agents_cleanup(
             [
@@ -519,25 +587,19 @@ def test_partition_fences_the_cut_host_and_the_others_reform(etcd: Etcd, tmp_pat
                 Agent(
                     etcd,
                     job,
-                    "127.0.0.4",
+                    PARTITIONED,
                     out,
                     *args,
                     nnodes="2:3",
                     max_restarts=1,
-                    endpoint=f"127.0.0.4:{proxy_port}",
+                    endpoint=endpoint,
                 ),
             ]
         ) as agents:
             first = wait_for_records(out, 6, 6, agents)
             cut_at = time.time()
-            proxy.send_signal(signal.SIGUSR1)
-            assert proxy.stdout.readline() == "cut\n"
+            cut()
             results = [a.finish() for a in agents]
-    finally:
-        proxy.kill()
-        proxy.wait()
-        if proxy.stdout is not None:
-            proxy.stdout.close()
     (rc2, _), (rc3, _), (rc4, err4) = results
     assert (rc2, rc3) == (0, 0), results
     assert rc4 == 1, err4

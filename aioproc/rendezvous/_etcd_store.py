@@ -46,6 +46,37 @@ _CHANNEL_OPTIONS = {
 _RETRY_FIRST, _RETRY_MAX = 0.05, 0.5  # backoff between calls to an unreachable etcd
 
 
+async def bounded(coro: Awaitable[T], timeout: float) -> T:
+    """``await coro`` (a gRPC call), at most ``timeout`` seconds.
+
+    The call runs in a task of its own: grpc.aio answers a cancellation with
+    a CancelledError of its own making, which an anyio cancel scope would
+    not recognise as its own and would let escape.  Awaiting the task
+    through ``asyncio.wait`` keeps every cancellation this task receives
+    the caller's own; the call is cancelled with it.
+
+    Raises:
+        TimeoutError: the call took longer than ``timeout``.
+    """
+    task = asyncio.ensure_future(coro)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    except BaseException:
+        task.cancel()
+        task.add_done_callback(_retrieve)  # it ends by itself, promptly
+        raise
+    if not done:
+        task.cancel()
+        task.add_done_callback(_retrieve)
+        raise TimeoutError(f"etcd did not answer within {timeout:.3g} s")
+    return task.result()
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # a cancelled call's error is of no interest
+
+
 def import_aetcd() -> Any:
     """``aetcd``, or an ImportError that says how to install it."""
     try:
@@ -103,6 +134,8 @@ class EtcdSession:
         self._revision = 0
         self._change = anyio.Event()
         self._last_ok = 0.0
+        # a call must not hang on a partition longer than it takes to notice one
+        self.call_timeout = max(1.0, ttl / 2)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -124,12 +157,15 @@ class EtcdSession:
         with anyio.move_on_after(max(1.0, self.ttl / 2), shield=True):
             if self.lease_id and self.lost is None:
                 try:
-                    await self.client.revoke_lease(self.lease_id)
+                    await bounded(self.client.revoke_lease(self.lease_id), self.call_timeout)
                     self.requests += 1
                 except Exception as e:  # etcd gone: the lease expires by itself
                     logger.debug("revoking lease %x failed: %r", self.lease_id, e)
-        with anyio.move_on_after(1.0, shield=True):
-            await self.client.close()
+        with anyio.CancelScope(shield=True):
+            try:
+                await bounded(self.client.close(), 1.0)
+            except Exception as e:  # the connection is dropped with the process anyway
+                logger.debug("closing the etcd connection failed: %r", e)
 
     # --------------------------------------------------------------- calls
 
@@ -145,8 +181,8 @@ class EtcdSession:
             self._check_lease()
             try:
                 self.requests += 1
-                return await fn()
-            except (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError) as e:
+                return await bounded(fn(), self.call_timeout)
+            except (TimeoutError, aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError) as e:
                 logger.debug("etcd call failed, retrying in %.2f s: %r", delay, e)
             # etcd is unreachable: back off before the next try
             await anyio.sleep(delay)
@@ -219,8 +255,7 @@ class EtcdSession:
         while True:
             try:
                 self.requests += 1
-                with anyio.fail_after(self.ttl / 3):
-                    return await self.client.refresh_lease(self.lease_id)
+                return await bounded(self.client.refresh_lease(self.lease_id), self.ttl / 3)
             except (TimeoutError, self._aetcd.ClientError) as e:
                 logger.debug("etcd keep-alive failed: %r", e)
             # etcd is unreachable: back off before the next try
@@ -267,8 +302,11 @@ class EtcdSession:
                         delay = _RETRY_FIRST
                         self._notify()
                 finally:
-                    with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
-                        await watch.cancel()
+                    with anyio.CancelScope(shield=True):
+                        try:
+                            await bounded(watch.cancel(), 1.0)
+                        except Exception as e:  # the stream is gone: nothing to cancel
+                            logger.debug("cancelling the etcd watch failed: %r", e)
             except aetcd.RevisionCompactedError:
                 await self._list()  # events were lost: start from a fresh list
                 continue
