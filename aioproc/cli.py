@@ -244,36 +244,32 @@ def _parse_ranks(value: str) -> set[int] | None:
     return ranks
 
 
-_MULTI_NODE = "multi-node runs are not supported yet (aioproc run starts workers on this host)"
+MULTI_NODE_BACKENDS = ("etcd", "etcd-v3", "static")
 
 
-def _parse_nnodes(value: str) -> int:
-    """``--nnodes``: ``1`` or ``1:1``; more nodes (``2``, ``1:4``) are a usage error."""
+def _parse_nnodes(value: str) -> tuple[int, int]:
+    """``--nnodes``: ``N`` or ``MIN:MAX``, as ``(min, max)``."""
     low, colon, high = value.partition(":")
     try:
-        bounds = [int(low), int(high) if colon else int(low)]
+        bounds = (int(low), int(high) if colon else int(low))
     except ValueError:
-        bounds = []
-    if len(bounds) != 2 or not 0 < bounds[0] <= bounds[1]:
+        bounds = (0, 0)
+    if not 0 < bounds[0] <= bounds[1]:
         raise argparse.ArgumentTypeError(
-            f"expected a number of nodes, 1 or MIN:MAX such as 1:1, got {value!r}"
+            f"expected a number of nodes, N or MIN:MAX such as 1:4, got {value!r}"
         )
-    if bounds[1] > 1:
-        raise argparse.ArgumentTypeError(
-            f"{_MULTI_NODE}: --nnodes must be 1 (or 1:1), got {value!r}"
-        )
-    return 1
+    return bounds
 
 
 def _parse_node_rank(value: str) -> int:
-    """``--node-rank``: only 0, the one node."""
+    """``--node-rank``: a rank >= 0 (the static rendezvous's)."""
     try:
         rank = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a node rank, got {value!r}") from None
-    if rank != 0:
-        raise argparse.ArgumentTypeError(f"{_MULTI_NODE}: --node-rank must be 0, got {value!r}")
-    return 0
+        rank = -1
+    if rank < 0:
+        raise argparse.ArgumentTypeError(f"expected a node rank >= 0, got {value!r}")
+    return rank
 
 
 def _parse_backend(value: str) -> str:
@@ -283,7 +279,7 @@ def _parse_backend(value: str) -> str:
 
 
 def _parse_endpoint(value: str) -> str:
-    """``--rdzv-endpoint``: ``HOST[:PORT]`` (port 0: any), checked, then unused."""
+    """``--rdzv-endpoint``: ``HOST[:PORT]`` (port 0: any), the store's address."""
     if not value.strip():
         return ""  # torchrun's default
     host, colon, port = value.strip().rpartition(":")
@@ -300,7 +296,7 @@ def _parse_endpoint(value: str) -> str:
 
 
 def _parse_rdzv_conf(value: str) -> dict[str, str]:
-    """``--rdzv-conf``: ``KEY=VALUE`` pairs, comma-separated, checked, then unused."""
+    """``--rdzv-conf``: ``KEY=VALUE`` pairs, comma-separated: the backend's options."""
     conf: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in value.split(","))):
         key, eq, val = item.partition("=")
@@ -393,9 +389,10 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     add(
         "--nnodes",
         type=_parse_nnodes,
-        default=1,
-        metavar="1",
-        help="number of nodes: only 1 (or 1:1); multi-node runs are not supported yet",
+        default=(1, 1),
+        metavar="N|MIN:MAX",
+        help="number of nodes (hosts), each running 'aioproc run': N, or MIN:MAX for an "
+        "elastic job (--rdzv-backend etcd) (default: 1, this host alone)",
     )
     add(
         "--node-rank",
@@ -403,13 +400,13 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         dest="node_rank",
         type=_parse_node_rank,
         default=0,
-        metavar="0",
-        help="this node's rank: only 0 (the one node)",
+        metavar="RANK",
+        help="this node's rank with --rdzv-backend static (default: 0)",
     )
     add(
         "--standalone",
         action="store_true",
-        help="accepted for torchrun compatibility (aioproc run is always standalone)",
+        help="this host alone, whatever --nnodes and --rdzv-* say (the default with --nnodes 1)",
     )
     add(
         "--rdzv-backend",
@@ -418,8 +415,9 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         type=_parse_backend,
         default="static",
         metavar="BACKEND",
-        help="accepted for torchrun compatibility: with one node there is nothing to "
-        "rendezvous with, so any backend (c10d, static, ...) runs standalone",
+        help="how several nodes meet: etcd (elastic: hosts may join, leave or be lost; "
+        "needs pip install 'aioproc[etcd]') or static (fixed --node-rank and "
+        "--master-addr/--master-port) (default: static); ignored with one node",
     )
     add(
         "--rdzv-endpoint",
@@ -428,8 +426,7 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         type=_parse_endpoint,
         default="",
         metavar="HOST[:PORT]",
-        help="accepted for torchrun compatibility and checked; unused with one node "
-        "(see --master-addr/--master-port)",
+        help="the etcd server's client address (etcd: HOST:2379 by default)",
     )
     add(
         "--rdzv-conf",
@@ -438,7 +435,17 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         type=_parse_rdzv_conf,
         default="",
         metavar="KEY=VALUE,...",
-        help="accepted for torchrun compatibility and checked; unused with one node",
+        help="rendezvous options: join_timeout (600), last_call_timeout (30), "
+        "lease_ttl (3: seconds before a lost host is noticed), close_timeout (30)",
+    )
+    add(
+        "--local-addr",
+        "--local_addr",
+        dest="local_addr",
+        default=None,
+        metavar="ADDR",
+        help="the address this host is known by, MASTER_ADDR when it is group rank 0 "
+        "(default: its fully qualified name)",
     )
     add(
         "--max-restarts",
@@ -685,6 +692,7 @@ def _make_run(ns: argparse.Namespace) -> _Run:
     sigs = list(_handled_signals(ns))
     if ns.forward_sighup and signal.SIGHUP not in sigs:
         sigs.append(signal.SIGHUP)
+    rdzv_handler = _make_rdzv_handler(ns)
     spec = WorkerSpec(
         role=ns.role,
         local_world_size=ns.nproc_per_node,
@@ -702,6 +710,7 @@ def _make_run(ns: argparse.Namespace) -> _Run:
         preload=preload,
         # torchrun exports the list it handles; workers see the same variable
         env={SIGNALS_ENV: ",".join(sig.name for sig in sigs)},
+        rdzv_handler=rdzv_handler,
     )
     template = ns.log_line_prefix_template
     if template is None:
@@ -718,6 +727,61 @@ def _make_run(ns: argparse.Namespace) -> _Run:
         log_line_prefix_template=template,
         show_log_dir=ns.log_dir is not None and ns.log_dir != os.devnull,
     )
+
+
+def _make_rdzv_handler(ns: argparse.Namespace) -> Any:
+    """The rendezvous handler for a run over several nodes; None for this host alone.
+
+    Raises:
+        ValueError: flags that do not make a multi-node run (the message says which).
+    """
+    min_nodes, max_nodes = ns.nnodes
+    if ns.standalone or max_nodes == 1:
+        if ns.node_rank != 0:
+            raise ValueError(f"--node-rank {ns.node_rank} needs --nnodes > 1")
+        return None
+    from .rendezvous import RendezvousParameters, create_handler
+
+    backend = ns.rdzv_backend
+    if backend not in MULTI_NODE_BACKENDS:
+        raise ValueError(
+            f"--rdzv-backend {backend!r} cannot join several nodes in aioproc; "
+            f"use {' or '.join(MULTI_NODE_BACKENDS[::2])}"
+        )
+    conf: dict[str, Any] = dict(ns.rdzv_conf)
+    if backend == "static":
+        if min_nodes != max_nodes:
+            raise ValueError(
+                f"--nnodes {min_nodes}:{max_nodes} is elastic: use --rdzv-backend etcd, "
+                f"or a fixed --nnodes N with --rdzv-backend static"
+            )
+        if ns.node_rank >= max_nodes:
+            raise ValueError(f"--node-rank {ns.node_rank} must be < --nnodes {max_nodes}")
+        conf["node_rank"] = ns.node_rank
+        conf["master_addr"] = ns.master_addr
+        conf.setdefault("master_port", ns.master_port or 29500)
+        endpoint = ns.rdzv_endpoint
+    else:
+        if not ns.rdzv_endpoint:
+            raise ValueError(
+                f"--rdzv-backend {backend} needs --rdzv-endpoint HOST:PORT (the etcd server)"
+            )
+        if ns.run_id is None:
+            raise ValueError(f"--rdzv-backend {backend} needs --rdzv-id (the job's id)")
+        endpoint = ns.rdzv_endpoint
+    params = RendezvousParameters(
+        backend,
+        endpoint,
+        ns.run_id or "none",
+        min_nodes,
+        max_nodes,
+        local_addr=ns.local_addr,
+        **conf,
+    )
+    try:
+        return create_handler(params)
+    except ImportError as e:
+        raise ValueError(str(e)) from None
 
 
 def _live_possible() -> bool:
@@ -804,12 +868,18 @@ async def _supervise(run: _Run) -> int:
         _error(str(e))
         return 1
     if not result.is_failed():
+        if result.message and run.spec.rdzv_handler is not None:
+            _error(result.message)  # e.g. a late joiner: the job already finished
         if result.log_dir and not run.show_log_dir:
             # a private temp dir that holds output: say where, or it is litter
             _error(f"logs of this run kept in {result.log_dir}")
         return 0
+    if result.message:
+        _error(result.message)
     if result.failures:
-        failure = ChildFailedError(run.name, result.failures, result.log_dir)
+        failure = ChildFailedError(
+            run.name, result.failures, result.log_dir, host=result.host or None
+        )
         summary = failure.format_msg()
         _print_stderr(summary)
         rank, root = failure.get_first_failure()
@@ -905,6 +975,10 @@ def _describe_event(event: AgentEvent) -> tuple[int, str] | None:
         )
     if event.kind == ev.RESTART_SCHEDULED:
         return logging.WARNING, f"{role} restarting the worker group: {event.message}"
+    if event.kind == ev.WORLD_CHANGED:
+        return logging.WARNING, f"{role} re-forming the world: {event.message}"
+    if event.kind == ev.RENDEZVOUS_COMPLETED:
+        return logging.INFO, f"{role} rendezvous completed: {event.message}"
     if event.kind == ev.GROUP_SUCCEEDED and event.message:
         return logging.INFO, f"{role} worker group succeeded: {event.message}"
     return None

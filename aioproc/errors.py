@@ -411,12 +411,20 @@ class ChildFailedError(Exception):
         failures: The failed processes by global rank; must not be empty.
         log_dir: The run's log directory, named at the end of the summary
             (an aioproc extension; ``""`` when no files were kept).
+        host: The host the failures happened on (default: this one).
 
     Raises:
         ValueError: ``failures`` is empty.
     """
 
-    def __init__(self, name: str, failures: dict[int, ProcessFailure], log_dir: str = "") -> None:
+    def __init__(
+        self,
+        name: str,
+        failures: dict[int, ProcessFailure],
+        log_dir: str = "",
+        *,
+        host: str | None = None,
+    ) -> None:
         if not failures:
             raise ValueError(f"ChildFailedError({name!r}) needs at least one failure, got {{}}")
         # args carry everything __init__ needs, so the default pickling works.
@@ -424,8 +432,9 @@ class ChildFailedError(Exception):
         self.name = name
         self.failures = failures
         self.log_dir = log_dir
-        # The host where the failures were seen, kept across pickling.
-        self._host = _local_hostname()
+        # The host where the failures were seen (a job over several hosts
+        # names the failing one); this host's name after unpickling.
+        self._host = host or _local_hostname()
 
     def __str__(self) -> str:
         return self.format_msg()

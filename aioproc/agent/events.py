@@ -38,6 +38,9 @@ SIGNAL_RECEIVED = "signal_received"
 GROUP_SUCCEEDED = "group_succeeded"
 GROUP_FAILED = "group_failed"
 GROUP_STOPPED = "group_stopped"
+RENDEZVOUS_STARTED = "rendezvous_started"  # joining a round (several hosts)
+RENDEZVOUS_COMPLETED = "rendezvous_completed"
+WORLD_CHANGED = "world_changed"  # a host lost or arriving: the world is re-formed
 EVENTS_DROPPED = "events_dropped"  # to one reader only, never in the history
 
 HISTORY_SIZE = 1000

@@ -14,11 +14,20 @@ waits for the run to end.  A ``stop()`` while the workers are already
 being stopped (by an earlier ``stop()`` or a signal) can only cut that
 stop's grace period short: it closes the attempt's group again, which
 brings the SIGKILL forward.
+
+Over several hosts (``spec.rdzv_handler``), each attempt starts with a
+rendezvous round that gives the host its group rank and the world; while
+the workers run, the handler's ``wait_for_change()`` races the group: a
+host lost, arriving or re-joining stops the workers and starts a new round
+(a lost host costs a restart, as a failure does), a lost lease (fencing)
+stops them within the lease's TTL, another host's final failure ends the
+run with that root cause.  A stop closes the rendezvous for every host.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -39,7 +48,7 @@ from .._script import script_dirs
 from .._shield import shielded
 from .._validate import check_duration, check_path_name, check_preload, check_start_method
 from ..context import PContext, RunProcsResult, WorkerEvent
-from ..errors import ChildFailedError
+from ..errors import ChildFailedError, ProcessFailure
 from ..logs import DefaultLogsSpecs, LogsSpecs
 from ..signals import pending_signal
 from ..sinks import close_sinks
@@ -48,6 +57,7 @@ from .events import HISTORY_SIZE, STREAM_BUFFER, AgentEvent, EventHub, EventStre
 from .spec import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
 
 if TYPE_CHECKING:
+    from ..rendezvous import RendezvousError, RendezvousHandler, RendezvousInfo, WorldChange
     from .watchdog import WatchdogServer
 
 __all__ = ["LocalElasticAgent"]
@@ -72,8 +82,9 @@ class LocalElasticAgent:
         start_method: ``"spawn"`` or ``"forkserver"``: function workers are
             forked from a template that imported ``spec.preload``; the agent
             holds it for its whole run, so every restart reuses it.
-        exit_barrier_timeout: accepted for compatibility; with one host every
-            worker is in one group, so there is no cross-node exit barrier.
+        exit_barrier_timeout: over several hosts, how long a host whose
+            workers succeeded waits for the other hosts' workers before it
+            closes the job; unused with one host.
         log_line_prefix_template: the console prefix of each worker's lines,
             with ``${role_name}``, ``${rank}`` and ``${local_rank}`` (torch's
             ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``, which ``aioproc run``
@@ -181,6 +192,10 @@ class LocalElasticAgent:
         self._run_ended: anyio.Event | None = None
         self._run_task: asyncio.Task[Any] | None = None
         self._pc: PContext | None = None  # the current attempt's group
+        # set when the rendezvous ends the current attempt (a world change, or an error)
+        self._world_change: WorldChange | RendezvousError | None = None
+        self._failed_host = ""  # the host whose failure ended a run over several hosts
+        self._rdzv_scope: anyio.CancelScope | None = None  # while joining a rendezvous
 
     def __repr__(self) -> str:
         return (
@@ -285,7 +300,12 @@ class LocalElasticAgent:
 
             watchdog = WatchdogServer(self._on_watchdog_expired)
         template: _template.Template | None = None
+        handler = spec.rdzv_handler
+        info: RendezvousInfo | None = None
+        rendezvous = contextlib.AsyncExitStack()
         try:
+            if handler is not None:
+                await rendezvous.enter_async_context(handler.session(spec.local_world_size))
             if watchdog is not None:
                 await watchdog.start()
             if self._start_method == "forkserver":
@@ -299,9 +319,27 @@ class LocalElasticAgent:
                 if self._stop_request is not None:  # during the watchdog's start
                     return self._finish(WorkerState.STOPPED, {}, {})
                 attempt = self._restart_count
+                if handler is not None:
+                    joined = await self._rendezvous(handler)
+                    if isinstance(joined, RunResult):
+                        return joined
+                    info = joined
                 started = time.monotonic()
-                result = await self._run_attempt(attempt, master_addr, master_port, watchdog)
+                result = await self._run_attempt(attempt, master_addr, master_port, watchdog, info)
+                if self._world_change is not None and self._stop_request is None:
+                    ended = self._on_world_change(self._world_change)
+                    if ended is not None:
+                        return ended
+                    continue  # a new round, the same attempt number unless a host was lost
                 if not result.is_failed():
+                    if handler is not None:
+                        # the other hosts' workers may still run: wait for them (bounded)
+                        change = await self._exit_barrier(handler)
+                        if change is not None:
+                            ended = self._on_world_change(change)
+                            if ended is not None:
+                                return ended
+                            continue  # the world re-forms: these workers run again in it
                     return self._finish(WorkerState.SUCCEEDED, result.return_values, {})
                 if self._stop_request is not None:
                     # the end, as torchelastic treats a stop: never a restart
@@ -329,6 +367,9 @@ class LocalElasticAgent:
                     self._remaining_restarts = spec.max_restarts
                     consecutive = 0
                 if self._remaining_restarts <= 0:
+                    if handler is not None:
+                        # every host must stop and report this root cause
+                        await self._report_failure(handler, _failure_record(root_rank, root))
                     return self._finish(WorkerState.FAILED, result.return_values, result.failures)
                 self._remaining_restarts -= 1
                 self._restart_count += 1
@@ -360,6 +401,13 @@ class LocalElasticAgent:
                 self._state = WorkerState.FAILED
             raise
         finally:
+            if handler is not None:
+                if self._state == WorkerState.STOPPED:
+                    # a stop (signal, stop(), cancellation) closes the job on every host
+                    await shielded(handler.shutdown())
+                # bounded: revoking the lease and closing the connection time out
+                with anyio.CancelScope(shield=True):
+                    await rendezvous.aclose()
             if template is not None:
                 await shielded(_template.release(template))
             if watchdog is not None:
@@ -370,12 +418,96 @@ class LocalElasticAgent:
             self._events.close()
             self._run_ended.set()
 
+    async def _rendezvous(self, handler: RendezvousHandler) -> RendezvousInfo | RunResult:
+        """The next round's info, or the run's end (a stop, or the rendezvous failed)."""
+        from ..rendezvous import RendezvousClosedError, RendezvousError
+
+        assert self._stop_requested is not None
+        self._publish(ev.RENDEZVOUS_STARTED, message=f"joining the rendezvous of {handler!r}")
+        info: RendezvousInfo | None = None
+        try:
+            # stop() cancels this scope: a stop during the rendezvous ends the run at once
+            with anyio.CancelScope() as self._rdzv_scope:
+                if self._stop_request is None:
+                    info = await handler.next_rendezvous()
+        except RendezvousClosedError as e:
+            state = WorkerState.SUCCEEDED if e.finished else WorkerState.FAILED
+            return self._finish(state, {}, {}, str(e))
+        except RendezvousError as e:
+            return self._finish(WorkerState.FAILED, {}, {}, str(e))
+        finally:
+            self._rdzv_scope = None
+        if info is None:
+            return self._finish(WorkerState.STOPPED, {}, {})
+        self._publish(
+            ev.RENDEZVOUS_COMPLETED,
+            message=f"round {info.round}: group rank {info.group_rank} of "
+            f"{info.group_world_size} nodes, world size {info.world_size}",
+        )
+        return info
+
+    async def _report_failure(self, handler: RendezvousHandler, record: dict[str, Any]) -> None:
+        from ..rendezvous import RendezvousError
+
+        try:
+            await handler.report_failure(record)
+        except RendezvousError as e:  # fenced meanwhile: the others see the lost lease
+            logger.warning("could not tell the other hosts of this failure: %s", e)
+
+    async def _exit_barrier(
+        self, handler: RendezvousHandler
+    ) -> WorldChange | RendezvousError | None:
+        """Wait for the other hosts' workers; a change if the world re-forms meanwhile."""
+        from ..rendezvous import RendezvousError
+
+        try:
+            return await handler.exit_barrier(self._exit_barrier_timeout)
+        except RendezvousError as e:
+            return e
+
+    def _on_world_change(self, change: WorldChange | RendezvousError) -> RunResult | None:
+        """After the rendezvous ended an attempt: the run's end, or None to re-join."""
+        from ..rendezvous import RendezvousClosedError, RendezvousJobFailedError
+
+        self._world_change = None
+        if isinstance(change, RendezvousClosedError):
+            state = WorkerState.SUCCEEDED if change.finished else WorkerState.FAILED
+            return self._finish(state, {}, {}, str(change))
+        if isinstance(change, Exception):
+            failures: dict[int, Any] = {}
+            if isinstance(change, RendezvousJobFailedError) and change.failure is not None:
+                rank, failure = _remote_failure(change.failure)
+                failures[rank] = failure
+                self._failed_host = str(change.failure.get("host", ""))
+            return self._finish(WorkerState.FAILED, {}, failures, str(change))
+        self._publish(ev.WORLD_CHANGED, message=change.reason)
+        if change.lost:  # a lost host costs a restart, as a failure does
+            spec = self._spec
+            if self._remaining_restarts <= 0:
+                return self._finish(
+                    WorkerState.FAILED,
+                    {},
+                    {},
+                    f"{change.reason}, and no restarts are left (max_restarts={spec.max_restarts})",
+                )
+            self._remaining_restarts -= 1
+            self._restart_count += 1
+        return None
+
     async def _run_attempt(
-        self, attempt: int, master_addr: str, master_port: int, watchdog: WatchdogServer | None
+        self,
+        attempt: int,
+        master_addr: str,
+        master_port: int,
+        watchdog: WatchdogServer | None,
+        info: RendezvousInfo | None = None,
     ) -> RunResult:
         spec = self._spec
         n = spec.local_world_size
-        envs = {r: self._worker_env(r, attempt, master_addr, master_port) for r in range(n)}
+        if info is not None:
+            master_addr, master_port = info.master_addr, info.master_port
+        base = info.base_global_rank if info is not None else 0
+        envs = {r: self._worker_env(r, attempt, master_addr, master_port, info) for r in range(n)}
         if watchdog is not None:
             for env in envs.values():
                 env.update(watchdog.env())
@@ -385,10 +517,18 @@ class LocalElasticAgent:
         self._state = WorkerState.HEALTHY
         self._publish(ev.ATTEMPT_STARTED, message=f"attempt {attempt}")
         group = self._worker_group
-        group.group_rank, group.group_world_size = 0, 1
+        world = info.world_size if info is not None else n
+        group.group_rank = info.group_rank if info is not None else 0
+        group.group_world_size = info.group_world_size if info is not None else 1
         group.master_addr, group.master_port = master_addr, master_port
         group.workers = [
-            Worker(local_rank=r, global_rank=r, role_rank=r, world_size=n, role_world_size=n)
+            Worker(
+                local_rank=r,
+                global_rank=base + r,
+                role_rank=base + r,
+                world_size=world,
+                role_world_size=world,
+            )
             for r in range(n)
         ]
         pc = PContext(
@@ -418,7 +558,10 @@ class LocalElasticAgent:
             if rank in result.failures:
                 result.failures[rank].message = scope
         state = WorkerState.FAILED if result.is_failed() else WorkerState.SUCCEEDED
-        return RunResult(state, dict(result.return_values), dict(result.failures))
+        # keyed by global rank, as torch's RunResult
+        values = {base + r: v for r, v in result.return_values.items()}
+        failures = {base + r: f for r, f in result.failures.items()}
+        return RunResult(state, values, failures)
 
     async def _supervise_attempt(
         self, pc: PContext, watchdog: WatchdogServer | None
@@ -455,8 +598,28 @@ class LocalElasticAgent:
             except Exception as e:  # surfaced by run(), outside the task group
                 errors.append(e)
 
+        async def stop_when_the_world_changes(handler: RendezvousHandler) -> None:
+            from ..rendezvous import RendezvousError, RendezvousLeaseLostError
+
+            change: WorldChange | RendezvousError
+            try:
+                change = await handler.wait_for_change()
+            except RendezvousError as e:
+                change = e
+            self._world_change = change
+            # fenced: the workers must be gone before the lease expires in etcd
+            grace = self._grace_period
+            if isinstance(change, RendezvousLeaseLostError):
+                grace = min(grace, handler.fence_grace)
+            try:
+                await pc.close(signal.SIGTERM, grace)
+            except Exception as e:  # surfaced by run(), outside the task group
+                errors.append(e)
+
         async with anyio.create_task_group() as tg:
             tg.start_soon(stop_when_asked)
+            if self._spec.rdzv_handler is not None:
+                tg.start_soon(stop_when_the_world_changes, self._spec.rdzv_handler)
             result = await pc.wait()
             tg.cancel_scope.cancel()  # a close in progress is shielded: it finishes
         if errors:
@@ -465,21 +628,28 @@ class LocalElasticAgent:
         return result
 
     def _worker_env(
-        self, local_rank: int, attempt: int, master_addr: str, master_port: int
+        self,
+        local_rank: int,
+        attempt: int,
+        master_addr: str,
+        master_port: int,
+        info: RendezvousInfo | None = None,
     ) -> dict[str, str]:
         spec = self._spec
         n = spec.local_world_size
+        rank = local_rank + (info.base_global_rank if info is not None else 0)
+        world = info.world_size if info is not None else n
         env = dict(spec.env or {})
         env.update(
             LOCAL_RANK=str(local_rank),
-            RANK=str(local_rank),
-            GROUP_RANK="0",
-            ROLE_RANK=str(local_rank),
+            RANK=str(rank),
+            GROUP_RANK=str(info.group_rank if info is not None else 0),
+            ROLE_RANK=str(rank),
             ROLE_NAME=spec.role,
             LOCAL_WORLD_SIZE=str(n),
-            WORLD_SIZE=str(n),
-            GROUP_WORLD_SIZE="1",
-            ROLE_WORLD_SIZE=str(n),
+            WORLD_SIZE=str(world),
+            GROUP_WORLD_SIZE=str(info.group_world_size if info is not None else 1),
+            ROLE_WORLD_SIZE=str(world),
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
             TORCHELASTIC_RESTART_COUNT=str(attempt),
@@ -517,7 +687,11 @@ class LocalElasticAgent:
             sig, grace = self._stop_request
             message = f"stopped by stop() with {signal.Signals(sig).name}, grace {grace:g} s"
         self._publish(kind, message=message)
-        return RunResult(state, values, failures, self._logs_specs.run_log_dir)
+        result = RunResult(state, values, failures, self._logs_specs.run_log_dir, message)
+        handler = self._spec.rdzv_handler
+        if handler is not None and failures:
+            result.host = self._failed_host or getattr(handler, "addr", "")
+        return result
 
     # ------------------------------------------------------------- callbacks
 
@@ -624,6 +798,8 @@ class LocalElasticAgent:
             self._stop_request = (int(sig), float(grace))
             assert self._stop_requested is not None
             self._stop_requested.set()
+            if self._rdzv_scope is not None:
+                self._rdzv_scope.cancel()
         pc = self._pc
         if stopping and pc is not None:
             # a second close of the group: it only brings the SIGKILL forward
@@ -664,3 +840,41 @@ def _text(message: Any) -> str:
     if isinstance(message, dict):
         return str(message.get("message", message))
     return str(message)
+
+
+def _failure_record(rank: int, failure: Any) -> dict[str, Any]:
+    """What other hosts are told of this host's root cause (JSON)."""
+    if failure.exitcode < 0:
+        how = f"was killed by {failure.signal_name()}"
+    else:
+        how = f"exited with code {failure.exitcode}"
+    message = failure.message
+    if isinstance(message, dict):
+        extra = message.get("extraInfo")
+        message = (extra.get("py_callstack") if isinstance(extra, dict) else None) or message.get(
+            "message", ""
+        )
+    return {
+        "rank": rank,
+        "local_rank": failure.local_rank,
+        "pid": failure.pid,
+        "exitcode": failure.exitcode,
+        "how": how,
+        "error_file": failure.error_file,
+        "message": str(message),
+        "timestamp": failure.timestamp,
+    }
+
+
+def _remote_failure(record: dict[str, Any]) -> tuple[int, ProcessFailure]:
+    """Another host's root cause as a ``ProcessFailure`` for this host's summary."""
+    failure = ProcessFailure(
+        int(record.get("local_rank", -1)),
+        int(record.get("pid", -1)),
+        int(record.get("exitcode", 1)),
+        "<N/A>",
+    )
+    failure.error_file = str(record.get("error_file", "<N/A>"))
+    failure.message = str(record.get("message", ""))
+    failure.timestamp = int(record.get("timestamp", failure.timestamp))
+    return int(record.get("rank", -1)), failure

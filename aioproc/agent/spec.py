@@ -7,11 +7,14 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._validate import check_duration, check_env, check_exec_text, check_preload
 from ..errors import ProcessFailure
 from ..logs import Std
+
+if TYPE_CHECKING:
+    from ..rendezvous import RendezvousHandler
 
 __all__ = ["RestartPolicy", "RunResult", "WorkerSpec", "WorkerState"]
 
@@ -119,6 +122,10 @@ class WorkerSpec:
         preload: modules the forkserver template imports before forking the
             workers (with the agent's ``start_method="forkserver"``); the
             agent keeps the template up across restarts.
+        rdzv_handler: a handler from ``aioproc.rendezvous.create_handler``
+            for a job over several hosts (each runs an agent); None: this
+            host alone.  ``master_addr``/``master_port`` are then ignored:
+            group rank 0 publishes its own through the rendezvous.
     """
 
     role: str
@@ -138,6 +145,7 @@ class WorkerSpec:
     duplicate_stdout_filters: Sequence[str] | None = None
     duplicate_stderr_filters: Sequence[str] | None = None
     preload: Sequence[str] = ()
+    rdzv_handler: RendezvousHandler | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, str) or not self.role:
@@ -188,6 +196,13 @@ class WorkerSpec:
         if not isinstance(self.restart_policy, RestartPolicy):
             raise TypeError(
                 f"WorkerSpec.restart_policy must be a RestartPolicy, got {self.restart_policy!r}"
+            )
+        if self.rdzv_handler is not None and not callable(
+            getattr(self.rdzv_handler, "next_rendezvous", None)
+        ):
+            raise TypeError(
+                f"WorkerSpec.rdzv_handler must come from aioproc.rendezvous.create_handler, "
+                f"got {self.rdzv_handler!r}"
             )
         self.args = tuple(self.args)
 
@@ -259,13 +274,17 @@ class RunResult:
     """Outcome of ``LocalElasticAgent.run()``, keyed by global rank.
 
     ``log_dir`` is the run's log directory while it exists (``""`` when a
-    private temp dir held nothing worth keeping).
+    private temp dir held nothing worth keeping).  ``message`` says why a
+    run over several hosts ended without a local worker's failure (a lost
+    host, another host's failure, a timed-out rendezvous); else ``""``.
     """
 
     state: WorkerState
     return_values: dict[int, Any] = field(default_factory=dict)
     failures: dict[int, ProcessFailure] = field(default_factory=dict)
     log_dir: str = ""
+    message: str = ""
+    host: str = ""  # where the failures happened, when not on this host alone
 
     def is_failed(self) -> bool:
         return self.state == WorkerState.FAILED

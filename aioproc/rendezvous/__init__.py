@@ -1,0 +1,67 @@
+"""Multi-host rendezvous: agents on several hosts agree on a world (torch's names).
+
+``create_handler(RendezvousParameters(...))`` builds the handler a
+``WorkerSpec`` takes as ``rdzv_handler``: ``"etcd"`` (dynamic membership
+through an etcd v3 server; needs ``pip install 'aioproc[etcd]'``) or
+``"static"`` (fixed node ranks, no store).  Importing this package imports
+no etcd client: only building an etcd handler does.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .api import RendezvousClosedError as RendezvousClosedError
+from .api import RendezvousError as RendezvousError
+from .api import RendezvousInfo as RendezvousInfo
+from .api import RendezvousJobFailedError as RendezvousJobFailedError
+from .api import RendezvousLeaseLostError as RendezvousLeaseLostError
+from .api import RendezvousNode as RendezvousNode
+from .api import RendezvousParameters as RendezvousParameters
+from .api import RendezvousTimeoutError as RendezvousTimeoutError
+from .api import WorldChange as WorldChange
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from .etcd import EtcdRendezvousHandler
+    from .static import StaticRendezvousHandler
+
+    RendezvousHandler: TypeAlias = EtcdRendezvousHandler | StaticRendezvousHandler
+
+__all__ = [
+    "RendezvousClosedError",
+    "RendezvousError",
+    "RendezvousInfo",
+    "RendezvousJobFailedError",
+    "RendezvousLeaseLostError",
+    "RendezvousNode",
+    "RendezvousParameters",
+    "RendezvousTimeoutError",
+    "WorldChange",
+    "create_handler",
+]
+
+BACKENDS = ("etcd", "etcd-v3", "static")
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """The handler for ``params.backend`` (torch's ``rendezvous.registry`` entry point).
+
+    Raises:
+        ValueError: an unknown backend, or a bad option (named in the message).
+        ImportError: the etcd backend without aetcd installed (says how to install it).
+    """
+    if not isinstance(params, RendezvousParameters):
+        raise TypeError(f"params must be RendezvousParameters, got {params!r}")
+    if params.backend in ("etcd", "etcd-v3"):
+        from .etcd import EtcdRendezvousHandler
+
+        return EtcdRendezvousHandler(params)
+    if params.backend == "static":
+        from .static import StaticRendezvousHandler
+
+        return StaticRendezvousHandler(params)
+    raise ValueError(
+        f"unknown rendezvous backend {params.backend!r}; aioproc has: {', '.join(BACKENDS)}"
+    )

@@ -1,0 +1,362 @@
+"""One agent's session with etcd: a lease kept alive, and a live copy of the job's keys.
+
+Everything runs on the agent's event loop (``aetcd`` speaks etcd's v3 gRPC
+API through ``grpc.aio``): no thread keeps the lease alive and nothing
+polls.  The lease is refreshed every third of its TTL; the job's keys are
+listed once and then followed with a watch from the listed revision (the
+list-and-watch pattern), so every decision is taken on a local copy that
+wakes its waiters when an event arrives.  A broken watch (etcd restarted,
+connection lost) is resumed from the last revision seen.
+
+Fencing: if no keep-alive has succeeded for two thirds of the TTL, the
+session declares its lease lost at once, before etcd can expire it and the
+other agents can form a world without this one, so the agent stops its
+workers in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+
+from .api import RendezvousLeaseLostError
+
+if TYPE_CHECKING:
+    import aetcd
+
+__all__ = ["EtcdSession", "KeyValue"]
+
+logger = logging.getLogger("aioproc.rendezvous")
+
+T = TypeVar("T")
+
+# gRPC reconnects with a 1 s initial backoff growing to 120 s by default: an
+# agent must find a restarted etcd well within its lease TTL.
+_CHANNEL_OPTIONS = {
+    "grpc.initial_reconnect_backoff_ms": 100,
+    "grpc.min_reconnect_backoff_ms": 100,
+    "grpc.max_reconnect_backoff_ms": 500,
+}
+_RETRY_FIRST, _RETRY_MAX = 0.05, 0.5  # backoff between calls to an unreachable etcd
+
+
+async def bounded(coro: Awaitable[T], timeout: float) -> T:
+    """``await coro`` (a gRPC call), at most ``timeout`` seconds.
+
+    The call runs in a task of its own: grpc.aio answers a cancellation with
+    a CancelledError of its own making, which an anyio cancel scope would
+    not recognise as its own and would let escape.  Awaiting the task
+    through ``asyncio.wait`` keeps every cancellation this task receives
+    the caller's own; the call is cancelled with it.
+
+    Raises:
+        TimeoutError: the call took longer than ``timeout``.
+    """
+    task = asyncio.ensure_future(coro)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    except BaseException:
+        task.cancel()
+        task.add_done_callback(_retrieve)  # it ends by itself, promptly
+        raise
+    if not done:
+        task.cancel()
+        task.add_done_callback(_retrieve)
+        raise TimeoutError(f"etcd did not answer within {timeout:.3g} s")
+    return task.result()
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # a cancelled call's error is of no interest
+
+
+def import_aetcd() -> Any:
+    """``aetcd``, or an ImportError that says how to install it."""
+    try:
+        import aetcd
+    except ImportError as e:
+        raise ImportError(
+            "the etcd rendezvous backend needs the aetcd package: pip install 'aioproc[etcd]'"
+        ) from e
+    return aetcd
+
+
+class KeyValue:
+    """A key of the job as last seen: its value and creation revision."""
+
+    __slots__ = ("create_revision", "lease", "mod_revision", "value")
+
+    def __init__(self, value: bytes, create_revision: int, mod_revision: int, lease: int) -> None:
+        self.value = value
+        self.create_revision = create_revision
+        self.mod_revision = mod_revision
+        self.lease = lease
+
+
+class EtcdSession:
+    """A lease and a watched copy of the keys under ``prefix``.
+
+    Args:
+        host, port: etcd's client address.
+        prefix: the job's key prefix.
+        ttl: the lease's time to live, in whole seconds.
+        name: how this node is named in messages (its address).
+
+    Use ``async with session.open():``; its tasks (keep-alive, watch) live
+    in that block.  ``keys`` is the live copy; ``await changed()`` returns
+    after the next change (or when the lease is lost).
+    """
+
+    def __init__(self, host: str, port: int, prefix: bytes, ttl: int, name: str) -> None:
+        self._aetcd = import_aetcd()
+        self.prefix = prefix
+        self.ttl = ttl
+        self.name = name
+        self.client: aetcd.Client = self._aetcd.Client(
+            host, port, timeout=max(1, ttl), options=_CHANNEL_OPTIONS
+        )
+        self.keys: dict[bytes, KeyValue] = {}
+        # the same keys by directory (up to the last "/"), and how many
+        # deletions each directory saw: callers cache what they derive from
+        # a directory until it loses a key, so an event costs O(1), not O(N)
+        self.dirs: dict[bytes, dict[bytes, KeyValue]] = {}
+        self.deletions: dict[bytes, int] = {}
+        self.lease_id = 0
+        self.lost: str | None = None  # why the lease was lost, once it is
+        self.requests = 0  # calls made to etcd, for the scale benchmark
+        self._revision = 0
+        self._change = anyio.Event()
+        self._last_ok = 0.0
+        # a call must not hang on a partition longer than it takes to notice one
+        self.call_timeout = max(1.0, ttl / 2)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def open(self) -> _Open:
+        """An async context manager: grant the lease, list, watch, keep alive.
+
+        Leaving it revokes the lease (the agent's leased keys vanish at
+        once) and closes the connection, shielded and bounded.
+        """
+        return _Open(self)
+
+    async def _start(self) -> None:
+        self._last_ok = time.monotonic()
+        lease = await self.call(lambda: self.client.lease(self.ttl))
+        self.lease_id = int(lease.id)
+        await self._list()
+
+    async def _stop(self) -> None:
+        with anyio.move_on_after(max(1.0, self.ttl / 2), shield=True):
+            if self.lease_id and self.lost is None:
+                try:
+                    await bounded(self.client.revoke_lease(self.lease_id), self.call_timeout)
+                    self.requests += 1
+                except Exception as e:  # etcd gone: the lease expires by itself
+                    logger.debug("revoking lease %x failed: %r", self.lease_id, e)
+        with anyio.CancelScope(shield=True):
+            try:
+                await bounded(self.client.close(), 1.0)
+            except Exception as e:  # the connection is dropped with the process anyway
+                logger.debug("closing the etcd connection failed: %r", e)
+
+    # --------------------------------------------------------------- calls
+
+    async def call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """``await fn()``, retried with backoff while etcd is unreachable.
+
+        Raises:
+            RendezvousLeaseLostError: the lease was lost meanwhile.
+        """
+        aetcd = self._aetcd
+        delay = _RETRY_FIRST
+        while True:
+            self._check_lease()
+            try:
+                self.requests += 1
+                return await bounded(fn(), self.call_timeout)
+            except (TimeoutError, aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError) as e:
+                logger.debug("etcd call failed, retrying in %.2f s: %r", delay, e)
+            # etcd is unreachable: back off before the next try
+            await anyio.sleep(delay)
+            delay = min(_RETRY_MAX, delay * 2)
+
+    def _check_lease(self) -> None:
+        if self.lost is not None:
+            raise RendezvousLeaseLostError(self.lost)
+
+    def children(self, directory: bytes) -> dict[bytes, KeyValue]:
+        """The keys right under ``directory`` (ending in "/"), by name; do not modify."""
+        return self.dirs.get(directory, {})
+
+    def _set(self, key: bytes, kv: KeyValue) -> None:
+        self.keys[key] = kv
+        cut = key.rindex(b"/") + 1
+        self.dirs.setdefault(key[:cut], {})[key[cut:]] = kv
+
+    def _pop(self, key: bytes) -> None:
+        if self.keys.pop(key, None) is None:
+            return
+        cut = key.rindex(b"/") + 1
+        directory = key[:cut]
+        children = self.dirs.get(directory)
+        if children is not None:
+            children.pop(key[cut:], None)
+            if not children:
+                del self.dirs[directory]
+        self.deletions[directory] = self.deletions.get(directory, 0) + 1
+
+    async def changed(self) -> None:
+        """Return after the next change of the keys, or at once if the lease is lost.
+
+        Raises:
+            RendezvousLeaseLostError: the lease is lost.
+        """
+        self._check_lease()
+        await self._change.wait()
+        self._check_lease()
+
+    def _notify(self) -> None:
+        self._change.set()
+        self._change = anyio.Event()
+
+    # ---------------------------------------------------------- keep-alive
+
+    async def _keep_alive(self) -> None:
+        interval = self.ttl / 3
+        fence_after = self.ttl * 2 / 3
+        while True:
+            sent = time.monotonic()
+            reply = None
+            with anyio.move_on_at(self._last_ok + fence_after):
+                reply = await self._refresh()
+            if reply is None:
+                self._lose(
+                    f"no etcd keep-alive succeeded for {fence_after:.3g} s "
+                    f"(lease TTL {self.ttl} s): etcd is unreachable from this host"
+                )
+                return
+            if reply.TTL <= 0:
+                self._lose(f"its etcd lease {self.lease_id:x} expired")
+                return
+            self._last_ok = sent
+            # the keep-alive period of the lease protocol
+            await anyio.sleep_until(sent + interval)
+
+    async def _refresh(self) -> Any:
+        delay = _RETRY_FIRST
+        while True:
+            try:
+                self.requests += 1
+                return await bounded(self.client.refresh_lease(self.lease_id), self.ttl / 3)
+            except (TimeoutError, self._aetcd.ClientError) as e:
+                logger.debug("etcd keep-alive failed: %r", e)
+            # etcd is unreachable: back off before the next try
+            await anyio.sleep(delay)
+            delay = min(_RETRY_MAX, delay * 2)
+
+    def _lose(self, why: str) -> None:
+        self.lost = f"this node ({self.name}) was fenced: {why}; its workers are stopped"
+        logger.warning("rendezvous: %s", why)
+        self._notify()
+
+    # ---------------------------------------------------------------- watch
+
+    async def _list(self) -> None:
+        result = await self.call(lambda: self.client.get_prefix(self.prefix))
+        self.keys, self.dirs = {}, {}
+        for kv in result.kvs:
+            self._set(kv.key, KeyValue(kv.value, kv.create_revision, kv.mod_revision, kv.lease))
+        for directory in self.deletions:
+            self.deletions[directory] += 1  # a fresh list may have lost any key
+        self._revision = int(result.header.revision)
+        self._notify()
+
+    async def _follow(self) -> None:
+        """Apply the watch's events to ``keys``; resume it when it breaks."""
+        aetcd = self._aetcd
+        delay = _RETRY_FIRST
+        while self.lost is None:
+            try:
+                watch = await self.call(
+                    lambda: self.client.watch_prefix(self.prefix, start_revision=self._revision + 1)
+                )
+                try:
+                    async for event in watch:
+                        kv = event.kv
+                        if event.kind == "DELETE":
+                            self._pop(kv.key)
+                        else:
+                            self._set(
+                                kv.key,
+                                KeyValue(kv.value, kv.create_revision, kv.mod_revision, kv.lease),
+                            )
+                        self._revision = max(self._revision, int(kv.mod_revision))
+                        delay = _RETRY_FIRST
+                        self._notify()
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        try:
+                            await bounded(watch.cancel(), 1.0)
+                        except Exception as e:  # the stream is gone: nothing to cancel
+                            logger.debug("cancelling the etcd watch failed: %r", e)
+            except aetcd.RevisionCompactedError:
+                await self._list()  # events were lost: start from a fresh list
+                continue
+            except RendezvousLeaseLostError:
+                return
+            except aetcd.ClientError as e:
+                logger.debug("etcd watch broke, resuming in %.2f s: %r", delay, e)
+            # etcd is unreachable: back off before resuming the watch
+            await anyio.sleep(delay)
+            delay = min(_RETRY_MAX, delay * 2)
+
+
+class _Open:
+    """The session's lifetime: its two tasks are created on entry and ended on exit.
+
+    Plain tasks, not an anyio task group: the agent holds the session open
+    across its own cancel scopes, which a task group's scope must not straddle.
+    """
+
+    def __init__(self, session: EtcdSession) -> None:
+        self._session = session
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> EtcdSession:
+        try:
+            await self._session._start()
+        except BaseException:
+            await self._session._stop()
+            raise
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._session._keep_alive(), name="aioproc-etcd-keepalive"),
+            loop.create_task(self._session._follow(), name="aioproc-etcd-watch"),
+        ]
+        return self._session
+
+    async def __aexit__(self, *exc: object) -> None:
+        for task in self._tasks:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            for task in self._tasks:
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+                except Exception as e:  # a bug in a task: do not hide the run's own outcome
+                    logger.warning("etcd session task %s failed: %r", task.get_name(), e)
+        await self._session._stop()
+
+
+def ttl_seconds(value: float) -> int:
+    """A lease TTL in whole seconds (etcd's unit), at least 2."""
+    return max(2, math.ceil(value))

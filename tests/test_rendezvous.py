@@ -1,0 +1,178 @@
+"""``aioproc.rendezvous`` without a store: parameters, errors, the static backend.
+
+The etcd backend against a real server is in ``test_rendezvous_etcd.py``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from helpers import CHILDREN_DIR, REPO_ROOT, pid_gone
+
+from aioproc.rendezvous import (
+    RendezvousInfo,
+    RendezvousNode,
+    RendezvousParameters,
+    create_handler,
+)
+
+WORKER = os.path.join(CHILDREN_DIR, "mh_worker.py")
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "aioproc", "run", "--no-live", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+        env=dict(os.environ, PYTHONPATH=REPO_ROOT, **(env or {})),
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"min_nodes": 0}, "min_nodes must be an int >= 1, got 0"),
+        ({"max_nodes": True}, "max_nodes must be an int >= 1, got True"),
+        ({"min_nodes": 3, "max_nodes": 2}, "max_nodes (2) must be >= min_nodes (3)"),
+        ({"backend": " "}, "the rendezvous backend must be a non-empty str, got ' '"),
+        ({"run_id": ""}, "the run id must be a non-empty str, got ''"),
+        ({"local_addr": ""}, "local_addr must be a host name or address, got ''"),
+    ],
+)
+def test_parameters_refuse_bad_values(kwargs: dict[str, Any], message: str) -> None:
+    args: dict[str, Any] = {
+        "backend": "etcd",
+        "endpoint": "localhost:2379",
+        "run_id": "job",
+        "min_nodes": 1,
+        "max_nodes": 2,
+    }
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        RendezvousParameters(**args)
+    assert str(info.value) == message
+
+
+def test_create_handler_names_an_unknown_backend() -> None:
+    with pytest.raises(ValueError, match="unknown rendezvous backend") as info:
+        create_handler(RendezvousParameters("c10d", "localhost:0", "job", 1, 2))
+    assert (
+        str(info.value) == "unknown rendezvous backend 'c10d'; aioproc has: etcd, etcd-v3, static"
+    )
+
+
+@pytest.mark.parametrize(
+    ("conf", "message"),
+    [
+        ({"lease_ttl": "0"}, "rdzv option lease_ttl must be a number of seconds >= 1, got '0'"),
+        ({"join_timeout": "nan"}, "rdzv option join_timeout must be a number of seconds >= 0"),
+        ({"bogus": "1"}, "unknown etcd rendezvous option(s) bogus; known: join_timeout"),
+    ],
+)
+def test_etcd_options_are_checked_before_anything_starts(
+    conf: dict[str, str], message: str
+) -> None:
+    pytest.importorskip("aetcd")
+    params = RendezvousParameters("etcd", "localhost:2379", "job", 1, 2, **conf)
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        create_handler(params)
+    assert str(info.value).startswith(message)
+
+
+def test_the_etcd_backend_without_aetcd_says_how_to_install_it() -> None:
+    code = (
+        "import sys; sys.modules['aetcd'] = None\n"
+        "from aioproc.cli import main\n"
+        "sys.exit(main(['run', '--nnodes', '1:2', '--rdzv-backend', 'etcd', "
+        "'--rdzv-endpoint', 'localhost:2379', '--rdzv-id', 'j', 'x.py']))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, cwd=REPO_ROOT
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == (
+        "aioproc run: error: the etcd rendezvous backend needs the aetcd package: "
+        "pip install 'aioproc[etcd]'"
+    )
+
+
+def test_one_host_imports_no_rendezvous_and_no_etcd_client() -> None:
+    code = (
+        "import sys\n"
+        "from aioproc.cli import _make_run, build_parser\n"
+        "_make_run(build_parser().parse_args(['run', '--nproc-per-node', '2', 'x.py']))\n"
+        "import aioproc.rendezvous\n"  # the package itself loads no client either
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('aetcd', 'grpc')))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, cwd=REPO_ROOT
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "[]\n"
+
+
+def test_info_assigns_global_ranks_as_torch_does() -> None:
+    nodes = (
+        RendezvousNode("a", "10.0.0.1", 4000, 3),
+        RendezvousNode("b", "10.0.0.2", 4001, 1),
+        RendezvousNode("c", "10.0.0.3", 4002, 2),
+    )
+    info = RendezvousInfo(round=2, group_rank=2, nodes=nodes)
+    assert (info.world_size, info.group_world_size, info.base_global_rank) == (6, 3, 4)
+    assert (info.master_addr, info.master_port) == ("10.0.0.1", 4000)
+
+
+def test_static_two_nodes_meet_at_the_master(tmp_path: Any) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    out = str(tmp_path)
+    procs = [
+        _cli(
+            "--nnodes=2",
+            f"--node-rank={rank}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            "--nproc-per-node=2",
+            "--rdzv-id=static1",
+            f"--log-dir={out}/logs{rank}",
+            WORKER,
+            env={"MH_OUT": out, "MH_HOST": f"node{rank}"},
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        results = [p.communicate(timeout=40) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert [p.returncode for p in procs] == [0, 0], results
+    recs = []
+    for path in glob.glob(os.path.join(out, "*.json")):
+        with open(path) as f:
+            recs.append(json.load(f))
+    recs.sort(key=lambda r: int(r["env"]["RANK"]))
+    assert [(r["host"], r["env"]["RANK"], r["env"]["LOCAL_RANK"]) for r in recs] == [
+        ("node0", "0", "0"),
+        ("node0", "1", "1"),
+        ("node1", "2", "0"),
+        ("node1", "3", "1"),
+    ]
+    for r in recs:
+        assert r["env"]["WORLD_SIZE"] == "4" and r["env"]["GROUP_WORLD_SIZE"] == "2"
+        assert (r["env"]["MASTER_ADDR"], r["env"]["MASTER_PORT"]) == ("127.0.0.1", port)
+        assert r["env"]["GROUP_RANK"] == r["host"][-1]
+        assert r["peers"] == [0, 1, 2, 3]
+        assert pid_gone(r["pid"])

@@ -1,0 +1,637 @@
+"""Multi-host jobs through a real etcd: several ``aioproc run`` agents on this machine.
+
+Each agent is a separate process standing for a host, known by its own
+loopback address (127.0.0.2, 127.0.0.3, ...), meeting the others through an
+``etcd`` server this module starts on a free port in a temp data dir.  The
+workers (``children/mh_worker.py``) record their environment and exchange
+their ranks over TCP through MASTER_ADDR:MASTER_PORT.
+
+Needs the ``etcd`` binary (Debian's ``etcd-server``; ``.ci/run`` installs it)
+and ``aetcd`` (the ``etcd`` extra): the tests skip, saying which, without them.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import functools
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from helpers import CHILDREN_DIR, REPO_ROOT, pid_gone
+
+pytest.importorskip("aetcd", reason="aetcd not installed: pip install 'aioproc[etcd]'")
+
+ETCD = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
+pytestmark = [
+    pytest.mark.skipif(ETCD is None, reason="no etcd binary: apt-get install etcd-server"),
+    pytest.mark.timeout(60),
+]
+
+WORKER = os.path.join(CHILDREN_DIR, "mh_worker.py")
+PROXY = os.path.join(CHILDREN_DIR, "tcp_proxy.py")
+TTL = 3
+PARTITIONED = "127.0.0.4"  # the host the partition tests cut off
+
+
+def _iptables_usable() -> str | None:
+    """Why an iptables rule cannot be used here, or None when it can."""
+    if shutil.which("iptables") is None:
+        return "no iptables binary"
+    if os.geteuid() != 0:
+        return "not root"
+    probe = subprocess.run(["iptables", "-n", "-L", "INPUT"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"iptables unusable: {probe.stderr.strip()}"
+    return None
+
+
+CONF = f"last_call_timeout=1,lease_ttl={TTL},join_timeout=30"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Etcd:
+    """A real etcd server on a free loopback port, restartable on its data dir."""
+
+    def __init__(self, data_dir: str) -> None:
+        self.data_dir = data_dir
+        self.port = _free_port()
+        self.peer_port = _free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        url = f"http://127.0.0.1:{self.port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        assert ETCD is not None
+        log = os.path.join(os.path.dirname(self.data_dir), "etcd.log")
+        with open(log, "ab") as stderr:
+            self.proc = self._popen(ETCD, url, peer, stderr)
+        self.keys()  # waits until it answers
+
+    def _popen(self, etcd: str, url: str, peer: str, stderr: Any) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [
+                etcd,
+                "--data-dir",
+                self.data_dir,
+                "--listen-client-urls",
+                # the partitioned host reaches etcd at its own address (see IPTABLES)
+                f"{url},http://{PARTITIONED}:{self.port}",
+                "--advertise-client-urls",
+                url,
+                "--listen-peer-urls",
+                peer,
+                "--initial-advertise-peer-urls",
+                peer,
+                "--initial-cluster",
+                f"default={peer}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+    def keys(self, prefix: str = "/aioproc/") -> dict[str, Any]:
+        """The keys under ``prefix`` with their values (JSON where they are).
+
+        Read through etcd's JSON gateway, so this process never loads gRPC
+        (whose poller fds would outlive a test).
+        """
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        body = json.dumps({"key": _b64(prefix.encode()), "range_end": _b64(end.encode())}).encode()
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                with urllib.request.urlopen(
+                    f"http://{self.endpoint}/v3/kv/range", body, timeout=5
+                ) as reply:
+                    result = json.load(reply)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)  # etcd is still starting
+        out: dict[str, Any] = {}
+        for kv in result.get("kvs", []):
+            value = base64.b64decode(kv.get("value", "")).decode()
+            try:
+                out[base64.b64decode(kv["key"]).decode()] = json.loads(value)
+            except ValueError:
+                out[base64.b64decode(kv["key"]).decode()] = value
+        return out
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
+    server = Etcd(str(tmp_path_factory.mktemp("etcd") / "data"))
+    # module-scoped: set up before the leak check's snapshot of the first
+    # test that uses it, so no test is blamed for it
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def own_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
+    """An etcd of the test's own, which the test may restart (stopped before the leak check)."""
+    server = Etcd(str(tmp_path_factory.mktemp("etcd") / "data"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class Agent:
+    """One ``aioproc run`` agent, standing for the host ``addr``."""
+
+    def __init__(
+        self,
+        etcd: Etcd,
+        job: str,
+        addr: str,
+        out: str,
+        *worker_args: str,
+        nnodes: str = "3:3",
+        nproc: int = 2,
+        max_restarts: int = 0,
+        endpoint: str | None = None,
+        conf: str = CONF,
+        loop: str = "asyncio",
+    ) -> None:
+        self.addr = addr
+        env = dict(os.environ, MH_OUT=out, MH_HOST=addr, AIOPROC_LOOP=loop, PYTHONPATH=REPO_ROOT)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "aioproc",
+                "run",
+                "--nnodes",
+                nnodes,
+                "--nproc-per-node",
+                str(nproc),
+                "--rdzv-backend",
+                "etcd",
+                "--rdzv-endpoint",
+                endpoint or etcd.endpoint,
+                "--rdzv-id",
+                job,
+                "--rdzv-conf",
+                conf,
+                "--local-addr",
+                addr,
+                "--max-restarts",
+                str(max_restarts),
+                "--grace-period",
+                "5",
+                "--log-dir",
+                os.path.join(out, "logs", addr),
+                "--no-live",
+                WORKER,
+                *worker_args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            cwd=REPO_ROOT,
+        )
+
+    def finish(self, timeout: float = 40) -> tuple[int, str]:
+        _, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, err.decode()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate()
+
+
+@contextlib.contextmanager
+def agents_cleanup(agents: list[Agent]) -> Iterator[list[Agent]]:
+    try:
+        yield agents
+    finally:
+        for a in agents:
+            a.kill()
+
+
+def records(out: str, world: int | None = None) -> list[dict[str, Any]]:
+    found = []
+    for path in glob.glob(os.path.join(out, "*.json")):
+        with open(path) as f:
+            record = json.load(f)
+        if world is None or int(record["env"]["WORLD_SIZE"]) == world:
+            found.append(record)
+    return sorted(found, key=lambda r: int(r["env"]["RANK"]))
+
+
+def wait_for_records(out: str, world: int, count: int, agents: list[Agent]) -> list[dict[str, Any]]:
+    """The records of ``count`` workers of a world of ``world``, once written."""
+    deadline = time.monotonic() + 30
+    while len(records(out, world)) < count:
+        dead = [a for a in agents if a.proc.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            for a in agents:
+                a.kill()
+            errs = "\n".join(f"{a.addr}: rc={a.proc.returncode} {a.finish()[1]}" for a in agents)
+            pytest.fail(f"{len(records(out, world))}/{count} workers of world {world}:\n{errs}")
+        time.sleep(0.05)  # the workers write their records when they run
+    return records(out, world)
+
+
+def assert_world(recs: list[dict[str, Any]], world: int, job: str, restarts: str = "0") -> None:
+    """Every worker of the world saw torchrun's environment and all its peers."""
+    assert [int(r["env"]["RANK"]) for r in recs] == list(range(world))
+    masters = {(r["env"]["MASTER_ADDR"], r["env"]["MASTER_PORT"]) for r in recs}
+    assert len(masters) == 1, masters
+    by_group: dict[int, list[dict[str, Any]]] = {}
+    for r in recs:
+        by_group.setdefault(int(r["env"]["GROUP_RANK"]), []).append(r)
+    assert sorted(by_group) == list(range(len(by_group)))
+    (master_addr, _) = masters.pop()
+    assert {r["host"] for r in by_group[0]} == {master_addr}  # group rank 0's address
+    base = 0
+    for group in sorted(by_group):
+        members = by_group[group]
+        assert len({r["host"] for r in members}) == 1
+        for local, r in enumerate(members):
+            env = r["env"]
+            assert env["LOCAL_RANK"] == str(local)
+            assert env["RANK"] == env["ROLE_RANK"] == str(base + local)
+            assert env["WORLD_SIZE"] == env["ROLE_WORLD_SIZE"] == str(world)
+            assert env["LOCAL_WORLD_SIZE"] == str(len(members))
+            assert env["GROUP_WORLD_SIZE"] == str(len(by_group))
+            assert env["TORCHELASTIC_RUN_ID"] == job
+            assert env["TORCHELASTIC_RESTART_COUNT"] == restarts
+            assert r["peers"] == list(range(world))
+        base += len(members)
+
+
+def assert_only_closed(etcd: Etcd, job: str, reason: str = "succeeded") -> None:
+    keys = etcd.keys(f"/aioproc/rdzv/{job}/")
+    assert list(keys) == [f"/aioproc/rdzv/{job}/closed"], keys
+    assert keys[f"/aioproc/rdzv/{job}/closed"]["reason"] == reason
+
+
+def test_three_hosts_meet_and_exchange_ranks(etcd: Etcd, tmp_path: Any) -> None:
+    out, job = str(tmp_path), "three"
+    with agents_cleanup(
+        [
+            Agent(etcd, job, f"127.0.0.{i}", out, loop="uvloop" if i == 3 else "asyncio")
+            for i in (2, 3, 4)
+        ]
+    ) as agents:
+        results = [a.finish() for a in agents]
+    assert [rc for rc, _ in results] == [0, 0, 0], results
+    recs = records(out)
+    assert len(recs) == 6
+    assert_world(recs, 6, job)
+    assert {r["env"]["TORCHELASTIC_MAX_RESTARTS"] for r in recs} == {"0"}
+    assert all(pid_gone(r["pid"]) for r in recs)
+    assert_only_closed(etcd, job)
+
+
+def test_heterogeneous_nproc_and_late_joiner_exits_cleanly(etcd: Etcd, tmp_path: Any) -> None:
+    out, job = str(tmp_path), "hetero"
+    with agents_cleanup(
+        [
+            Agent(etcd, job, "127.0.0.2", out, nnodes="2:2", nproc=1),
+            Agent(etcd, job, "127.0.0.3", out, nnodes="2:2", nproc=3),
+        ]
+    ) as agents:
+        results = [a.finish() for a in agents]
+        assert [rc for rc, _ in results] == [0, 0], results
+        late = Agent(etcd, job, "127.0.0.4", out, nnodes="2:2", nproc=1)
+        agents.append(late)
+        rc, err = late.finish()
+    assert rc == 0, err
+    assert err.strip().splitlines()[-1] == (
+        "aioproc run: the rendezvous of job 'hetero' is closed: the job already finished"
+    )
+    recs = records(out)
+    assert_world(recs, 4, job)
+    sizes = sorted(int(r["env"]["LOCAL_WORLD_SIZE"]) for r in recs if r["env"]["LOCAL_RANK"] == "0")
+    assert sizes == [1, 3]
+    assert_only_closed(etcd, job)
+
+
+def test_scale_up_restarts_every_worker_once_without_using_restarts(
+    etcd: Etcd, tmp_path: Any
+) -> None:
+    out, job = str(tmp_path), "scaleup"
+    args = ("--hold-unless-world", "8")
+    with agents_cleanup(
+        [
+            Agent(etcd, job, f"127.0.0.{i}", out, *args, nnodes="2:4", max_restarts=1)
+            for i in (2, 3, 4)
+        ]
+    ) as agents:
+        first = wait_for_records(out, 6, 6, agents)
+        agents.append(Agent(etcd, job, "127.0.0.5", out, *args, nnodes="2:4", max_restarts=1))
+        results = [a.finish() for a in agents]
+    assert [rc for rc, _ in results] == [0, 0, 0, 0], results
+    assert_world(first, 6, job)
+    assert_world(records(out, 8), 8, job, restarts="0")  # the restart budget is untouched
+    # each first-world worker was stopped once (SIGTERM), none started twice in world 6
+    terms = glob.glob(os.path.join(out, "*-w6-*.term"))
+    assert len(terms) == 6
+    assert len(records(out, 6)) == 6
+    # group ranks are stable: the first three hosts keep theirs
+    group = {r["host"]: r["env"]["GROUP_RANK"] for r in first}
+    assert {
+        r["host"]: r["env"]["GROUP_RANK"] for r in records(out, 8) if r["host"] in group
+    } == group
+    assert_only_closed(etcd, job)
+
+
+def test_host_loss_reforms_the_world_with_the_rest(etcd: Etcd, tmp_path: Any) -> None:
+    out, job = str(tmp_path), "hostloss"
+    args = ("--hold-unless-world", "4")
+    with agents_cleanup(
+        [
+            Agent(etcd, job, f"127.0.0.{i}", out, *args, nnodes="2:3", max_restarts=1)
+            for i in (2, 3, 4)
+        ]
+    ) as agents:
+        first = wait_for_records(out, 6, 6, agents)
+        victim = agents[2]
+        killed_at = time.time()
+        victim.proc.kill()  # the agent's workers die with it (its guardian)
+        victim.proc.wait()
+        results = [a.finish() for a in agents[:2]]
+    assert [rc for rc, _ in results] == [0, 0], results
+    lost = [r for r in first if r["host"] == victim.addr]
+    assert len(lost) == 2 and all(pid_gone(r["pid"]) for r in lost)
+    for _, err in results:
+        assert f"lost host {victim.addr} (" in err, err
+    # the survivors' first-world workers were stopped within TTL + 1 s of the loss
+    terms = []
+    for path in glob.glob(os.path.join(out, "*-w6-*.term")):
+        with open(path) as f:
+            terms.append(float(f.read()))
+    assert len(terms) == 4
+    assert max(terms) - killed_at < TTL + 1, max(terms) - killed_at
+    # re-formed with the remaining hosts, the loss costing one restart
+    assert_world(records(out, 4), 4, job, restarts="1")
+    assert {r["host"] for r in records(out, 4)} == {"127.0.0.2", "127.0.0.3"}
+    assert_only_closed(etcd, job)
+
+
+def test_host_loss_below_min_fails_every_agent_naming_the_host(etcd: Etcd, tmp_path: Any) -> None:
+    out, job = str(tmp_path), "belowmin"
+    with agents_cleanup(
+        [
+            Agent(etcd, job, f"127.0.0.{i}", out, "--hold-unless-world", "99", max_restarts=3)
+            for i in (2, 3, 4)
+        ]
+    ) as agents:
+        first = wait_for_records(out, 6, 6, agents)
+        agents[0].proc.kill()
+        agents[0].proc.wait()
+        results = [a.finish() for a in agents[1:]]
+    for rc, err in results:
+        assert rc == 1, err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("aioproc run: lost host 127.0.0.2 (127.0.0.2_"), err
+        assert last.endswith(": 2 node(s) left, fewer than min_nodes=3"), err
+    assert all(pid_gone(r["pid"]) for r in first)
+
+
+def test_worker_failure_restarts_every_host_then_fails_naming_host_and_rank(
+    etcd: Etcd, tmp_path: Any
+) -> None:
+    out, job = str(tmp_path), "workerfail"
+    with agents_cleanup(
+        [
+            Agent(etcd, job, f"127.0.0.{i}", out, "--fail-rank", "3", max_restarts=1)
+            for i in (2, 3, 4)
+        ]
+    ) as agents:
+        results = [a.finish() for a in agents]
+    assert [rc for rc, _ in results] == [1, 1, 1], results
+    recs = records(out)
+    by_rank: dict[int, list[dict[str, Any]]] = {}
+    for r in recs:
+        by_rank.setdefault(int(r["env"]["RANK"]), []).append(r)
+    # every rank ran twice: the first attempt and the one restart
+    assert sorted(by_rank) == list(range(6)) and all(len(v) == 2 for v in by_rank.values())
+    failing_host = by_rank[3][0]["host"]
+    for _, err in results:
+        assert "FAILED" in err, err
+        root = err[err.index("Root Cause") :]
+        assert f"  host      : {failing_host}" in root, err
+        assert "  rank      : 3 (local_rank: 1)" in root, err
+        assert "  exitcode  : 3" in root, err
+    assert all(pid_gone(r["pid"]) for r in recs)
+
+
+def test_ctrl_c_during_rendezvous_exits_at_once_leaving_only_closed(
+    etcd: Etcd, tmp_path: Any
+) -> None:
+    out, job = str(tmp_path), "ctrlc"
+    with agents_cleanup([Agent(etcd, job, "127.0.0.2", out, nnodes="2:2")]) as agents:
+        deadline = time.monotonic() + 20
+        while not any("/nodes/" in k for k in etcd.keys(f"/aioproc/rdzv/{job}/")):
+            assert time.monotonic() < deadline and agents[0].proc.poll() is None
+            time.sleep(0.05)  # the agent is connecting
+        deadline = time.monotonic() + 20
+        while not any("/join/" in k for k in etcd.keys(f"/aioproc/rdzv/{job}/")):
+            assert time.monotonic() < deadline and agents[0].proc.poll() is None
+            time.sleep(0.05)  # the agent is joining
+        sent = time.monotonic()
+        agents[0].proc.send_signal(signal.SIGINT)
+        rc, err = agents[0].finish()
+        took = time.monotonic() - sent
+    assert rc == 130, err
+    assert took < 1.0, took
+    assert err.strip().splitlines()[-1] == "aioproc run: got SIGINT: the workers were stopped"
+    assert_only_closed(etcd, job, reason="stopped")
+
+
+def test_sigterm_on_one_host_stops_the_job_on_every_host(etcd: Etcd, tmp_path: Any) -> None:
+    out, job = str(tmp_path), "sigterm"
+    with agents_cleanup(
+        [
+            Agent(etcd, job, f"127.0.0.{i}", out, "--hold-unless-world", "99", nnodes="2:2")
+            for i in (2, 3)
+        ]
+    ) as agents:
+        first = wait_for_records(out, 4, 4, agents)
+        agents[0].proc.send_signal(signal.SIGTERM)
+        (rc0, err0), (rc1, err1) = (a.finish() for a in agents)
+    assert rc0 == 128 + signal.SIGTERM, err0
+    assert err0.strip().splitlines()[-1] == "aioproc run: got SIGTERM: the workers were stopped"
+    assert rc1 == 1, err1
+    assert err1.strip().splitlines()[-1] == (
+        "aioproc run: the rendezvous of job 'sigterm' is closed: "
+        "the job was stopped on host 127.0.0.2"
+    )
+    assert all(pid_gone(r["pid"]) for r in first)
+    assert_only_closed(etcd, job, reason="stopped")
+
+
+def test_join_timeout_fails_and_leaves_no_key(etcd: Etcd, tmp_path: Any) -> None:
+    out, job = str(tmp_path), "jointimeout"
+    conf = "last_call_timeout=1,lease_ttl=3,join_timeout=1"
+    with agents_cleanup([Agent(etcd, job, "127.0.0.2", out, nnodes="2:2", conf=conf)]) as agents:
+        rc, err = agents[0].finish()
+    assert rc == 1, err
+    assert err.strip().splitlines()[-1] == (
+        "aioproc run: the rendezvous of job 'jointimeout' did not complete within 1 s "
+        "(join_timeout): 1 node(s) joined, min_nodes is 2"
+    )
+    assert etcd.keys(f"/aioproc/rdzv/{job}/") == {}
+
+
+@contextlib.contextmanager
+def _proxy_cut(etcd: Etcd, blackhole: bool = False) -> Iterator[tuple[str, Any]]:
+    """A TCP proxy between the host and etcd; ``cut()`` resets its connections,
+    or with ``blackhole`` stops forwarding while keeping them open (bytes vanish)."""
+    proxy = subprocess.Popen(
+        [sys.executable, PROXY, PARTITIONED, str(etcd.port)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proxy.stdout is not None
+        port = int(proxy.stdout.readline())
+
+        def cut() -> None:
+            assert proxy.stdout is not None
+            proxy.send_signal(signal.SIGUSR2 if blackhole else signal.SIGUSR1)
+            assert proxy.stdout.readline() == ("blackhole\n" if blackhole else "cut\n")
+
+        yield f"{PARTITIONED}:{port}", cut
+    finally:
+        proxy.kill()
+        proxy.wait()
+        if proxy.stdout is not None:
+            proxy.stdout.close()
+
+
+@contextlib.contextmanager
+def _iptables_cut(etcd: Etcd) -> Iterator[tuple[str, Any]]:
+    """An iptables rule dropping the host's traffic with etcd (packets vanish); removed after."""
+    why = _iptables_usable()
+    if why is not None:
+        pytest.skip(why)
+    rules = [
+        ["INPUT", "-p", "tcp", "-d", PARTITIONED, "--dport", str(etcd.port), "-j", "DROP"],
+        ["INPUT", "-p", "tcp", "-s", PARTITIONED, "--sport", str(etcd.port), "-j", "DROP"],
+    ]
+    added: list[list[str]] = []
+
+    def cut() -> None:
+        for rule in rules:
+            subprocess.run(["iptables", "-I", *rule], check=True)
+            added.append(rule)
+
+    try:
+        yield f"{PARTITIONED}:{etcd.port}", cut
+    finally:
+        for rule in added:
+            subprocess.run(["iptables", "-D", *rule], check=True)
+
+
+@pytest.mark.parametrize("how", ["iptables", "proxy-reset", "proxy-blackhole"])
+def test_partition_fences_the_cut_host_and_the_others_reform(
+    etcd: Etcd, tmp_path: Any, how: str
+) -> None:
+    out, job = str(tmp_path), f"partition-{how}"
+    partitions = {
+        "iptables": _iptables_cut,
+        "proxy-reset": _proxy_cut,
+        "proxy-blackhole": functools.partial(_proxy_cut, blackhole=True),
+    }
+    with partitions[how](etcd) as (endpoint, cut):
+        args = ("--hold-unless-world", "4")
+        with agents_cleanup(
+            [
+                Agent(etcd, job, "127.0.0.2", out, *args, nnodes="2:3", max_restarts=1),
+                Agent(etcd, job, "127.0.0.3", out, *args, nnodes="2:3", max_restarts=1),
+                Agent(
+                    etcd,
+                    job,
+                    PARTITIONED,
+                    out,
+                    *args,
+                    nnodes="2:3",
+                    max_restarts=1,
+                    endpoint=endpoint,
+                ),
+            ]
+        ) as agents:
+            first = wait_for_records(out, 6, 6, agents)
+            cut_at = time.time()
+            cut()
+            results = [a.finish() for a in agents]
+    (rc2, _), (rc3, _), (rc4, err4) = results
+    assert (rc2, rc3) == (0, 0), results
+    assert rc4 == 1, err4
+    assert "aioproc run: this node (127.0.0.4) was fenced: no etcd keep-alive succeeded" in err4
+    # the cut host's workers were stopped within the TTL: before etcd expired its lease
+    fenced = []
+    for r in first:
+        if r["host"] == "127.0.0.4":
+            with open(os.path.join(out, f"127.0.0.4-r{r['env']['RANK']}-w6-{r['pid']}.term")) as f:
+                fenced.append(float(f.read()))
+    assert len(fenced) == 2 and max(fenced) - cut_at < TTL, fenced
+    assert_world(records(out, 4), 4, job, restarts="1")
+    assert {r["host"] for r in records(out, 4)} == {"127.0.0.2", "127.0.0.3"}
+    assert all(pid_gone(r["pid"]) for r in first)
+
+
+def test_job_survives_an_etcd_restart(own_etcd: Etcd, tmp_path: Any) -> None:
+    etcd = own_etcd
+    out, job = str(tmp_path), "etcdrestart"
+    conf = "last_call_timeout=1,lease_ttl=5,join_timeout=30"
+    with agents_cleanup(
+        [
+            Agent(etcd, job, f"127.0.0.{i}", out, "--hold", "6", nnodes="2:2", conf=conf)
+            for i in (2, 3)
+        ]
+    ) as agents:
+        wait_for_records(out, 4, 4, agents)
+        etcd.stop()
+        etcd.start()
+        results = [a.finish() for a in agents]
+    assert [rc for rc, _ in results] == [0, 0], results
+    recs = records(out)
+    assert len(recs) == 4  # nobody restarted
+    assert_world(recs, 4, job)
+    assert not glob.glob(os.path.join(out, "*.term"))
+    assert_only_closed(etcd, job)
