@@ -27,6 +27,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from aioproc._leakcheck import child_pids as child_pids
+
 T = TypeVar("T")
 
 LOOPS = ("asyncio", "uvloop")
@@ -410,18 +412,6 @@ def loop_verdict(rows: Sequence[Row]) -> str:
 
 def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-def child_pids() -> set[int]:
-    """Direct children of this process (any thread), running or zombie."""
-    pids: set[int] = set()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/children") as f:
-                pids.update(int(p) for p in f.read().split())
-        except FileNotFoundError:
-            continue
-    return pids
 
 
 def os_thread_count() -> int:

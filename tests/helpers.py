@@ -14,6 +14,10 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+# the plugin's leak check reads /proc the same way the tests do
+from aioproc._leakcheck import child_pids as child_pids
+from aioproc._leakcheck import open_fds as open_fds
+
 if TYPE_CHECKING:
     import asyncio
 
@@ -40,23 +44,6 @@ def pid_gone(pid: int) -> bool:
     except PermissionError:
         return False  # exists, owned by someone else (a recycled pid)
     return False
-
-
-def child_pids() -> set[int]:
-    """Direct children of this process (any thread), running or zombie."""
-    pids: set[int] = set()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/children") as f:
-                pids.update(int(p) for p in f.read().split())
-        except FileNotFoundError:
-            continue
-    return pids
-
-
-def open_fds() -> set[int]:
-    """The fds this process has open right now."""
-    return {int(fd) for fd in os.listdir("/proc/self/fd")}
 
 
 def aioproc_temp_dirs(tmpdir: str) -> set[str]:
