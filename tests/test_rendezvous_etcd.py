@@ -366,8 +366,11 @@ def test_scale_up_restarts_every_worker_once_without_using_restarts(
         agents.append(Agent(etcd, job, "127.0.0.5", out, *args, nnodes="2:4", max_restarts=1))
         results = [a.finish() for a in agents]
     assert [rc for rc, _ in results] == [0, 0, 0, 0], results
-    assert_world(first, 6, job)
-    assert_world(records(out, 8), 8, job, restarts="0")  # the restart budget is untouched
+    try:
+        assert_world(first, 6, job)
+        assert_world(records(out, 8), 8, job, restarts="0")  # the restart budget is untouched
+    except AssertionError as e:  # the agents' own account of their rounds
+        raise AssertionError(f"{e}\n" + "\n".join(err for _, err in results)) from None
     # each first-world worker was stopped once (SIGTERM), none started twice in world 6
     terms = glob.glob(os.path.join(out, "*-w6-*.term"))
     assert len(terms) == 6

@@ -66,6 +66,13 @@ logger = logging.getLogger("aioproc")
 
 LOCAL_RANK_MACRO = "${local_rank}"
 
+FAILURE_SETTLE = 1.0
+"""Seconds a failed attempt on several hosts waits for a world change in flight.
+
+When another host stops its workers for a new round, a worker here that was
+talking to them can fail before this host's watch delivers the same change;
+such a failure is the change's doing and must not spend a restart."""
+
 
 class LocalElasticAgent:
     """Runs ``spec`` on this host with restarts (torchelastic's local agent).
@@ -344,6 +351,13 @@ class LocalElasticAgent:
                 if self._stop_request is not None:
                     # the end, as torchelastic treats a stop: never a restart
                     return self._finish(WorkerState.STOPPED, result.return_values, result.failures)
+                if handler is not None and handler.get_backend() != "static":
+                    change = await self._change_in_flight(handler)
+                    if change is not None:
+                        ended = self._on_world_change(change)
+                        if ended is not None:
+                            return ended
+                        continue  # a new round: this failure was the change's doing
                 root_rank, root = ChildFailedError(spec.role, result.failures).get_first_failure()
                 if root.exitcode in policy.expected_exit_codes:
                     return self._finish(
@@ -453,6 +467,19 @@ class LocalElasticAgent:
             await handler.report_failure(record)
         except RendezvousError as e:  # fenced meanwhile: the others see the lost lease
             logger.warning("could not tell the other hosts of this failure: %s", e)
+
+    async def _change_in_flight(
+        self, handler: RendezvousHandler
+    ) -> WorldChange | RendezvousError | None:
+        """A world change that arrives within ``FAILURE_SETTLE`` of a failed attempt."""
+        from ..rendezvous import RendezvousError
+
+        try:
+            with anyio.move_on_after(FAILURE_SETTLE):
+                return await handler.wait_for_change()
+        except RendezvousError as e:
+            return e
+        return None
 
     async def _exit_barrier(
         self, handler: RendezvousHandler
