@@ -223,7 +223,7 @@ async def aioproc_run() -> dict[str, float]:
 
 
 def cluster_rows(cfg: Config) -> list[Row]:
-    rounds = min(cfg.rounds, 3)
+    rounds = cfg.rounds
     keys = ("first", "total", "detect")
     base = {k: Series() for k in keys}
     cand = {loop: {k: Series() for k in keys} for loop in cfg.loops}
