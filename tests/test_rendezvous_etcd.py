@@ -16,6 +16,7 @@ import base64
 import contextlib
 import functools
 import glob
+import importlib.util
 import json
 import os
 import shutil
@@ -313,7 +314,14 @@ def test_three_hosts_meet_and_exchange_ranks(etcd: Etcd, tmp_path: Any) -> None:
     out, job = str(tmp_path), "three"
     with agents_cleanup(
         [
-            Agent(etcd, job, f"127.0.0.{i}", out, loop="uvloop" if i == 3 else "asyncio")
+            Agent(
+                etcd,
+                job,
+                f"127.0.0.{i}",
+                out,
+                "--all-reduce",
+                loop="uvloop" if i == 3 else "asyncio",
+            )
             for i in (2, 3, 4)
         ]
     ) as agents:
@@ -322,6 +330,9 @@ def test_three_hosts_meet_and_exchange_ranks(etcd: Etcd, tmp_path: Any) -> None:
     recs = records(out)
     assert len(recs) == 6
     assert_world(recs, 6, job)
+    # with torch, the gloo all_reduce of the ranks 0..5 summed them on every worker
+    expected = sum(range(6)) if importlib.util.find_spec("torch") is not None else None
+    assert [r["allreduce"] for r in recs] == [expected] * 6
     assert {r["env"]["TORCHELASTIC_MAX_RESTARTS"] for r in recs} == {"0"}
     assert all(pid_gone(r["pid"]) for r in recs)
     assert_only_closed(etcd, job)
