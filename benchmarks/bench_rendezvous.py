@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import shutil
 import socket
@@ -33,6 +34,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -181,6 +183,75 @@ def _round(port: int, n: int, job: str, procs: int, loop: str) -> tuple[float, f
                 child.wait()
 
 
+def measure(
+    sizes: list[int], rounds: int, procs: int, loop: str
+) -> list[tuple[int, float, float, float]]:
+    """(N, completion s, requests/node for the round, whole-life requests/node), medians."""
+    etcd = _Etcd()
+    try:
+        rows = []
+        for n in sizes:
+            samples = [_round(etcd.port, n, f"bench{n}r{r}", procs, loop) for r in range(rounds)]
+            rows.append(
+                (
+                    n,
+                    statistics.median(s[0] for s in samples),
+                    statistics.median(s[1] for s in samples),
+                    statistics.median(s[2] for s in samples),
+                )
+            )
+        return rows
+    finally:
+        etcd.close()
+
+
+def rdzv_rows(cfg: Any) -> list[Any] | str:
+    """run_all's ``rdzv``: completion time per N, requests per node against N = 8's.
+
+    ``--quick``: N = 8, 32, one round (a few seconds).  Without etcd or
+    aetcd, a message saying so instead of rows.
+    """
+    from _util import Row, Target
+
+    if shutil.which("etcd") is None:
+        return "rdzv skipped: no etcd binary (apt-get install etcd-server)"
+    if importlib.util.find_spec("aetcd") is None:
+        return "rdzv skipped: aetcd not installed (pip install 'aioproc[etcd]')"
+    sizes = [8, 32] if cfg.quick else [8, 64, 256]
+    rounds = 1 if cfg.quick else min(cfg.rounds, 3)
+    out: list[Any] = []
+    for loop in cfg.loops:
+        rows = measure(sizes, rounds, 8, loop)
+        base_n, _, base_req, _ = rows[0]
+        for n, seconds, per_node, _ in rows:
+            note = f"median of {rounds} round(s), agents on 8 processes"
+            out.append(
+                Row(
+                    f"rdzv: etcd rendezvous completion, {n} agents",
+                    loop,
+                    seconds,
+                    seconds,
+                    "ms",
+                    Target("max", 2.0, "ms") if n >= 256 else None,
+                    note=note,
+                    timed=False,
+                )
+            )
+            out.append(
+                Row(
+                    f"rdzv: etcd requests per node per round, {n} agents (baseline N={base_n})",
+                    loop,
+                    per_node,
+                    base_req,
+                    "requests",
+                    Target("ratio", 1.5),
+                    note="a ratio near 1: O(N) requests per round in total",
+                    timed=False,
+                )
+            )
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke test: N = 8, 32, one round")
@@ -202,23 +273,7 @@ def main() -> None:
         return
     sizes = [8, 32] if args.quick else [int(x) for x in args.sizes.split(",")]
     rounds = 1 if args.quick else args.rounds
-    etcd = _Etcd()
-    try:
-        rows = []
-        for n in sizes:
-            samples = [
-                _round(etcd.port, n, f"bench{n}r{r}", args.procs, args.loop) for r in range(rounds)
-            ]
-            rows.append(
-                (
-                    n,
-                    statistics.median(s[0] for s in samples),
-                    statistics.median(s[1] for s in samples),
-                    statistics.median(s[2] for s in samples),
-                )
-            )
-    finally:
-        etcd.close()
+    rows = measure(sizes, rounds, args.procs, args.loop)
     base = rows[0][2]
     print(
         f"rendezvous through one etcd, agents on {args.procs} processes ({args.loop}), "

@@ -132,6 +132,7 @@ def main(argv: list[str]) -> int:
     import bench_output
     import bench_p1t
     import bench_p7
+    import bench_rendezvous
     import bench_rss
     import bench_rss_workers
     import bench_stall
@@ -156,6 +157,7 @@ def main(argv: list[str]) -> int:
         "p7": bench_p7.p7,
         "cluster": bench_cluster.cluster_rows,
         "mem1024": bench_rss_workers.rss_workers,
+        "rdzv": bench_rendezvous.rdzv_rows,  # skipped with a message where etcd is missing
         # P1t and torch start torch's launchers: its stdlib forkserver (stopped
         # again by P1t), its resource tracker and signal handlers
         "p1t": bench_p1t.p1t,

@@ -16,6 +16,7 @@ import base64
 import contextlib
 import functools
 import glob
+import importlib.util
 import json
 import os
 import shutil
@@ -313,7 +314,14 @@ def test_three_hosts_meet_and_exchange_ranks(etcd: Etcd, tmp_path: Any) -> None:
     out, job = str(tmp_path), "three"
     with agents_cleanup(
         [
-            Agent(etcd, job, f"127.0.0.{i}", out, loop="uvloop" if i == 3 else "asyncio")
+            Agent(
+                etcd,
+                job,
+                f"127.0.0.{i}",
+                out,
+                "--all-reduce",
+                loop="uvloop" if i == 3 else "asyncio",
+            )
             for i in (2, 3, 4)
         ]
     ) as agents:
@@ -322,6 +330,9 @@ def test_three_hosts_meet_and_exchange_ranks(etcd: Etcd, tmp_path: Any) -> None:
     recs = records(out)
     assert len(recs) == 6
     assert_world(recs, 6, job)
+    # with torch, the gloo all_reduce of the ranks 0..5 summed them on every worker
+    expected = sum(range(6)) if importlib.util.find_spec("torch") is not None else None
+    assert [r["allreduce"] for r in recs] == [expected] * 6
     assert {r["env"]["TORCHELASTIC_MAX_RESTARTS"] for r in recs} == {"0"}
     assert all(pid_gone(r["pid"]) for r in recs)
     assert_only_closed(etcd, job)
@@ -413,6 +424,42 @@ def test_host_loss_reforms_the_world_with_the_rest(etcd: Etcd, tmp_path: Any) ->
     # re-formed with the remaining hosts, the loss costing one restart
     assert_world(records(out, 4), 4, job, restarts="1")
     assert {r["host"] for r in records(out, 4)} == {"127.0.0.2", "127.0.0.3"}
+    assert_only_closed(etcd, job)
+
+
+def _wait_joins(etcd: Etcd, job: str, count: int, agents: list[Agent]) -> list[str]:
+    """The hosts whose join keys of round 0 are in etcd, once there are ``count``."""
+    prefix = f"/aioproc/rdzv/{job}/rounds/0/join/"
+    deadline = time.monotonic() + 3 * TTL + 10
+    while True:
+        joins = etcd.keys(prefix)
+        if len(joins) == count:
+            return sorted(v["addr"] for v in joins.values())
+        if time.monotonic() > deadline or any(a.proc.poll() is not None for a in agents):
+            pytest.fail(f"{len(joins)} join key(s), waiting for {count}: {sorted(joins)}")
+        time.sleep(0.05)  # the agents join, or a lease expires
+
+
+def test_first_joiner_lost_mid_round_the_next_completes_it(etcd: Etcd, tmp_path: Any) -> None:
+    """The round's first joiner completes it: killed while waiting, the next one takes over."""
+    out, job = str(tmp_path), "takeover"
+    with agents_cleanup([Agent(etcd, job, "127.0.0.2", out)]) as agents:
+        assert _wait_joins(etcd, job, 1, agents) == ["127.0.0.2"]
+        agents.append(Agent(etcd, job, "127.0.0.3", out))
+        assert _wait_joins(etcd, job, 2, agents) == ["127.0.0.2", "127.0.0.3"]
+        agents[0].proc.kill()  # the first joiner, before the round is full
+        agents[0].proc.wait()
+        assert _wait_joins(etcd, job, 1, agents[1:]) == ["127.0.0.3"]  # its lease expired
+        agents.append(Agent(etcd, job, "127.0.0.4", out))
+        assert _wait_joins(etcd, job, 2, agents[1:]) == ["127.0.0.3", "127.0.0.4"]
+        agents.append(Agent(etcd, job, "127.0.0.5", out))
+        results = [a.finish() for a in agents[1:]]
+    assert [rc for rc, _ in results] == [0, 0, 0], results
+    recs = records(out)
+    assert_world(recs, 6, job)
+    # 127.0.0.3, now the earliest joiner, completed the round, keeping the join order
+    assert [r["host"] for r in recs] == ["127.0.0.3"] * 2 + ["127.0.0.4"] * 2 + ["127.0.0.5"] * 2
+    assert all(pid_gone(r["pid"]) for r in recs)
     assert_only_closed(etcd, job)
 
 

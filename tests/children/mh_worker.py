@@ -6,11 +6,16 @@ reached the same world.  Then, with ``--hold-unless-world N``, a worker of
 any other world size waits (until stopped); with ``--fail-rank R`` rank R
 exits 3.  The record goes to ``$MH_OUT/<host>-r<rank>-w<world>-<pid>.json``;
 a SIGTERM is recorded with its time in ``...-<pid>.term``.
+
+With ``--all-reduce`` and torch importable, the world then also forms a gloo process group (its
+TCPStore on MASTER_PORT + 1, served by rank 0) and all-reduces the ranks:
+the record's ``allreduce`` is the sum, or None without torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import glob
 import json
 import os
@@ -61,11 +66,30 @@ def exchange(rank: int, world: int, addr: str, port: int) -> list[int]:
         return list(json.loads(conn.makefile().readline()))
 
 
+def all_reduce_ranks(rank: int, world: int, addr: str, port: int) -> int | None:
+    """The gloo all_reduce sum of every rank, or None when torch is not installed."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    timeout = datetime.timedelta(seconds=30)
+    store = dist.TCPStore(addr, port + 1, world, is_master=rank == 0, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        total = torch.tensor([rank])
+        dist.all_reduce(total)
+        return int(total.item())
+    finally:
+        dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hold-unless-world", type=int, default=0)
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--hold", type=float, default=0.0)
+    parser.add_argument("--all-reduce", action="store_true", help="gloo all_reduce (with torch)")
     args = parser.parse_args()
     env = {k: os.environ[k] for k in ENV}
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
@@ -78,8 +102,10 @@ def main() -> None:
         sys.exit(143)
 
     signal.signal(signal.SIGTERM, on_term)
-    peers = exchange(rank, world, env["MASTER_ADDR"], int(env["MASTER_PORT"]))
-    record = {"env": env, "host": host, "pid": os.getpid(), "peers": peers}
+    master, master_port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    peers = exchange(rank, world, master, master_port)
+    total = all_reduce_ranks(rank, world, master, master_port) if args.all_reduce else None
+    record = {"env": env, "host": host, "pid": os.getpid(), "peers": peers, "allreduce": total}
     with open(base + ".tmp", "w") as f:
         json.dump(record, f)
     os.rename(base + ".tmp", base + ".json")
