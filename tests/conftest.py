@@ -32,8 +32,12 @@ except ImportError:  # pragma: no cover - uvloop is declared in the test extra
 
 # The suite gets a temp dir of its own (children inherit TMPDIR), so the leak
 # check (aioproc_leakcheck_tmpdir = "all") can tell what a test left in it
-# from other programs' files.
-_SUITE_TMP = tempfile.mkdtemp(prefix="aioproc-suite-")
+# from other programs' files.  Under xdist every worker process imports this
+# module with the controller's TMPDIR already set: it takes a sibling of the
+# controller's dir (not a child, which would lengthen every path the tests
+# print and let the controller's cleanup race the worker).
+_BASE_TMP = os.environ.setdefault("AIOPROC_SUITE_BASE_TMP", tempfile.gettempdir())
+_SUITE_TMP = tempfile.mkdtemp(prefix="aioproc-suite-", dir=_BASE_TMP)
 os.environ["TMPDIR"] = _SUITE_TMP
 tempfile.tempdir = None  # recomputed from TMPDIR
 
