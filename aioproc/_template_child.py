@@ -390,6 +390,25 @@ def _collapse() -> int:
     effort: kernels before 6.1, THP set to "never" and a lack of free huge
     pages leave the memory as it was.
     """
+    try:
+        spans = _collapsible()
+    except OSError:
+        return 0  # no /proc: leave the memory as it is
+    if sum(hi - lo for lo, hi in spans) < COLLAPSE_MIN:
+        return 0
+    import ctypes
+
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    done = 0
+    for lo, hi in spans:
+        if madvise(lo, hi - lo, MADV_COLLAPSE) == 0:
+            done += hi - lo
+    return done
+
+
+def _collapsible() -> list[tuple[int, int]]:
+    """2 MiB-aligned spans of private anonymous mappings at least half resident."""
     spans: list[tuple[int, int]] = []
     with open("/proc/self/smaps") as f:
         span: tuple[int, int] | None = None
@@ -408,17 +427,7 @@ def _collapse() -> int:
                 if int(rest.split()[0]) * 1024 * 2 >= span[1] - span[0]:
                     spans.append(span)
                 span = None
-    if sum(hi - lo for lo, hi in spans) < COLLAPSE_MIN:
-        return 0
-    import ctypes
-
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    done = 0
-    for lo, hi in spans:
-        if madvise(lo, hi - lo, MADV_COLLAPSE) == 0:
-            done += hi - lo
-    return done
+    return spans
 
 
 def _await_report(pid: int, read_end: int) -> tuple[Any, ...]:
