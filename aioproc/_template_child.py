@@ -5,8 +5,10 @@ The supervisor runs this file's source with ``sys.executable -c <source>
 end of a socketpair.  The template reads its INIT message (the parent's
 ``sys.path``, the modules to preload, the code of the function workers'
 boot modules, which it builds once), imports the modules, checks it is
-still single-threaded and has not initialised CUDA, answers READY (or why
-not) and then serves fork requests until EOF.
+still single-threaded and has not initialised CUDA, has a large memory
+backed by 2 MiB pages so that forks copy few page-table entries
+(``_collapse``), answers READY (or why not) and then serves fork requests
+until EOF.
 
 A request carries, as SCM_RIGHTS fds, a worker's stdout, stderr, channel
 socket and extra fds, and as data their fd numbers in the worker, its
