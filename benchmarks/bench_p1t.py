@@ -17,6 +17,10 @@ closed, ``P1T_N`` workers, on four launchers measured in the same rounds:
   workers one after the other unless ``TORCH_MP_PARALLEL_START=1``; that
   opt-in variant is a row too.
 
+``p1t_fork`` (``run_all.py --only p1t-fork``) runs the forkserver rows only,
+``--rounds`` rounds of them: no spawn launcher, whose 16 torch imports take
+about 30 s a round here (``p1t`` runs a third of ``--rounds``).
+
 torch's blocking API runs in the main thread with no loop running, between
 the aioproc rounds (see ``bench_torch``).  ``PYTHONWARNINGS=ignore`` is set
 for the whole benchmark so that no launcher's workers print torch's NumPy
@@ -118,10 +122,12 @@ async def aioproc_group(n: int, start_method: str) -> float:
 _ROWS = ("spawn", "template", "import", "forkserver")  # aioproc's samples per round, per loop
 
 
-async def _aioproc_round(n: int) -> dict[str, Sample]:
-    """aioproc's part of one round: spawn, `python -c "import torch"`, the template's
-    start-up, then the forked group."""
-    out = {"spawn": await measure_async(lambda: aioproc_group(n, "spawn"))}
+async def _aioproc_round(n: int, spawn: bool) -> dict[str, Sample]:
+    """aioproc's part of one round: spawn (if ``spawn``), `python -c "import torch"`,
+    the template's start-up, then the forked group."""
+    out = {}
+    if spawn:
+        out["spawn"] = await measure_async(lambda: aioproc_group(n, "spawn"))
     out["import"] = await measure_async(
         lambda: raw_concurrent([sys.executable, "-c", "import torch"], 1)
     )
@@ -142,22 +148,31 @@ async def _aioproc_round(n: int) -> dict[str, Sample]:
     return out
 
 
-def p1t(cfg: Config) -> list[Row] | str:
-    """The P1t rows, or the reason they were skipped."""
+def p1t_fork(cfg: Config) -> list[Row] | str:
+    """The forkserver rows of P1t only (and the template's start-up)."""
+    return p1t(cfg, spawn=False)
+
+
+def p1t(cfg: Config, spawn: bool = True) -> list[Row] | str:
+    """The P1t rows (without the spawn launchers unless ``spawn``), or why they were skipped."""
     tmp = torch_mp()
     if tmp is None:
         return "torch not installed: P1t skipped"
     import torch
 
     n = 2 if cfg.quick else P1T_N
-    rounds, warmup = cfg.torch_rounds, 0 if cfg.quick else cfg.warmup
+    # without the spawn launchers a round takes seconds: every round is measured
+    rounds = cfg.torch_rounds if spawn else cfg.rounds
+    warmup = 0 if cfg.quick else cfg.warmup
     baselines: dict[str, Callable[[], float]] = {
         "spawn": lambda: torch_run(tmp, _workers.import_torch, n, "spawn"),
         "forkserver": lambda: torch_run(tmp, _workers.import_torch, n, "forkserver"),
         "parallel": lambda: torch_parallel(tmp, n),
     }
+    if not spawn:
+        del baselines["spawn"]
     torch_s = {k: Series() for k in baselines}
-    ours = {loop: {k: Series() for k in _ROWS} for loop in cfg.loops}
+    ours = {loop: {k: Series() for k in _ROWS if spawn or k != "spawn"} for loop in cfg.loops}
     # one thread per process on both sides: with numpy installed, importing
     # torch starts an OpenBLAS pool, which aioproc's template refuses (a
     # worker cloned from it would inherit the pool's locks)
@@ -173,7 +188,7 @@ def p1t(cfg: Config) -> list[Row] | str:
                 if i >= warmup:
                     torch_s[key].samples.append(s)
             for loop in cfg.loops:
-                got = run_on(loop, lambda: _aioproc_round(n))
+                got = run_on(loop, lambda: _aioproc_round(n, spawn))
                 if i >= warmup:
                     for key, s in got.items():
                         ours[loop][key].samples.append(s)
@@ -189,12 +204,27 @@ def p1t(cfg: Config) -> list[Row] | str:
         Target("ratio", 0.3),
         note=f"both servers up and warm; torch starts workers one by one; {how}",
     )
+    for row, loop in zip(rows, cfg.loops, strict=True):
+        # torch's workers are its forkserver's children: only aioproc's CPU is known
+        mine = ours[loop]["forkserver"]
+        row.note += (
+            f"; aioproc CPU/round: parent {mine.parent_cpu * 1e3:.0f} ms, "
+            f"workers {mine.child_cpu * 1e3:.0f} ms"
+        )
     rows += rows_from(
         f"{per}, forkserver (aioproc vs torch {_PARALLEL_START}=1)",
         pair(lambda _: torch_s["parallel"], "forkserver"),
         None,
         note=f"torch's opt-in parallel start from its warm forkserver; {how}",
     )
+    template = rows_from(
+        "P1t template start-up, preload=[torch]",
+        pair(lambda loop: ours[loop]["import"], "template"),
+        None,
+        note=f'baseline: 1 x `python -c "import torch"`; {how}',
+    )
+    if not spawn:
+        return rows + template
     rows += rows_from(
         f"{per}, spawn (aioproc vs torch)",
         pair(lambda _: torch_s["spawn"], "spawn"),
@@ -208,10 +238,4 @@ def p1t(cfg: Config) -> list[Row] | str:
         None,
         note=how,
     )
-    rows += rows_from(
-        "P1t template start-up, preload=[torch]",
-        pair(lambda loop: ours[loop]["import"], "template"),
-        None,
-        note=f'baseline: 1 x `python -c "import torch"`; {how}',
-    )
-    return rows
+    return rows + template

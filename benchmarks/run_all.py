@@ -37,7 +37,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--only",
         default="",
         help="comma-separated subset: p1,p2,p1b,memory,p3,p5,p6,p4,worker,p9,leak,rss,stall,"
-        "p7,mem1024,cluster,p1t,torch (default: all)",
+        "p7,mem1024,cluster,p1t,torch (default: all), and p1t-fork (P1t's forkserver rows only)",
     )
     p.add_argument("--no-torch", action="store_true", help="skip the torch comparison and P1t")
     args = p.parse_args(argv)
@@ -161,17 +161,20 @@ def main(argv: list[str]) -> int:
         # P1t and torch start torch's launchers: its stdlib forkserver (stopped
         # again by P1t), its resource tracker and signal handlers
         "p1t": bench_p1t.p1t,
+        "p1t-fork": bench_p1t.p1t_fork,  # only when asked: p1t has these rows
         # last: torch's spawn context starts a resource-tracker child and
         # installs signal handlers; nothing measured after it
         "torch": bench_torch.torch_rows,
     }
-    only = [s.strip() for s in args.only.split(",") if s.strip()] or list(benches)
+    only = [s.strip() for s in args.only.split(",") if s.strip()] or [
+        k for k in benches if k != "p1t-fork"
+    ]
     unknown = set(only) - set(benches)
     if unknown:
         print(f"unknown benchmark(s): {sorted(unknown)}", file=sys.stderr)
         return 2
-    if args.no_torch and {"p1t", "torch"} & set(only):
-        only = [k for k in only if k not in ("p1t", "torch")]
+    if args.no_torch and {"p1t", "p1t-fork", "torch"} & set(only):
+        only = [k for k in only if k not in ("p1t", "p1t-fork", "torch")]
         notes.append("torch comparison and P1t skipped (--no-torch)")
 
     rows: list[_util.Row] = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -47,6 +48,26 @@ SEED = int(os.environ.get("AIOPROC_FAULT_SEED", random.randrange(1 << 30)))
 
 def no_template_left() -> None:
     assert _template._templates == {}
+
+
+def collapse_supported() -> bool:
+    """Whether this kernel has MADV_COLLAPSE (6.1+) and transparent huge pages on."""
+    release = tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            enabled = f.read()
+    except OSError:
+        return False
+    return release >= (6, 1) and "[never]" not in enabled
+
+
+def anon_huge_bytes(pid: int) -> int:
+    """How much of ``pid``'s anonymous memory is mapped in transparent huge pages."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -446,4 +467,27 @@ async def test_fork_requests_sent_together_are_answered_in_order(tmp_path: Path)
         "a worker forked by the template failed to start: FileNotFoundError: "
         f"[Errno 2] No such file or directory: '{tmp_path / 'gone'}'"
     )
+    no_template_left()
+
+
+async def test_a_large_template_forks_from_huge_pages_and_each_worker_keeps_its_copy() -> None:
+    """A template that preloaded 48 MiB maps it in 2 MiB pages (where the kernel can),
+    so that a fork copies ~24 page-table entries for it instead of ~12,000; every
+    worker still finds the preload's memory as it was, whatever the others wrote."""
+    async with open_forkserver(["fork_big_mod"]) as server:
+        if collapse_supported():
+            assert anon_huge_bytes(server.pid) >= 32 << 20
+        seen: list[tuple[bool, bool, int]] = []
+        for _ in range(2):  # the second group after the first one's writes
+            result = await run(
+                fork_funcs.scribble,
+                4,
+                {r: (r,) for r in range(4)},
+                start_method="forkserver",
+                preload=["fork_big_mod"],
+            )
+            seen.extend(result.return_values.values())
+    assert [(intact, numbers) for intact, numbers, _ in seen] == [(True, True)] * 8
+    pids = {pid for *_, pid in seen}
+    assert len(pids) == 8 and server.pid not in pids
     no_template_left()

@@ -95,3 +95,24 @@ def register_exit_hooks(log_file: str) -> int:
     logger.addHandler(logging.FileHandler(log_file, delay=False))
     logger.warning("logged by %d", os.getpid())  # flushed by logging.shutdown at exit
     return os.getpid()
+
+
+def scribble(rank: int) -> tuple[bool, bool, int]:
+    """Write ``rank`` into every 2 MiB of the preloaded ``fork_big_mod.BLOCK``.
+
+    ``(found the preload's data, its numbers intact, this pid)``: a worker
+    forked from the template must see the template's memory as it was at
+    preload, whatever other workers wrote to their copies of it.
+    """
+    import fork_big_mod
+
+    block = fork_big_mod.BLOCK
+    import hashlib
+
+    intact = hashlib.sha256(block).hexdigest() == fork_big_mod.DIGEST
+    numbers = fork_big_mod.NUMBERS[123_456] == "123456" and len(fork_big_mod.NUMBERS) == 200_000
+    for offset in range(0, len(block), 2 << 20):
+        block[offset : offset + 4096] = bytes([rank + 1]) * 4096
+    fork_big_mod.NUMBERS.append(str(rank))
+    time.sleep(0.2)  # the group's workers scribble at the same time
+    return intact, numbers, os.getpid()
