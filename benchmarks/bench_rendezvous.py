@@ -216,7 +216,8 @@ def measure(
 
 
 def rdzv_rows(cfg: Any) -> list[Any] | str:
-    """run_all's ``rdzv``: completion time per N, requests per node against N = 8's.
+    """run_all's ``rdzv``: completion time per N, requests and watch events per node
+    against N = 8's.
 
     ``--quick``: N = 8, 32, one round (a few seconds).  Without etcd or
     aetcd, a message saying so instead of rows.
@@ -232,8 +233,8 @@ def rdzv_rows(cfg: Any) -> list[Any] | str:
     out: list[Any] = []
     for loop in cfg.loops:
         rows = measure(sizes, rounds, 8, loop)
-        base_n, _, base_req, _, _ = rows[0]
-        for n, seconds, per_node, _, _ in rows:
+        base_n, _, base_req, _, base_events = rows[0]
+        for n, seconds, per_node, _, events in rows:
             note = f"median of {rounds} round(s), agents on 8 processes"
             out.append(
                 Row(
@@ -256,6 +257,18 @@ def rdzv_rows(cfg: Any) -> list[Any] | str:
                     "requests",
                     Target("ratio", 1.5),
                     note="a ratio near 1: O(N) requests per round in total",
+                    timed=False,
+                )
+            )
+            out.append(
+                Row(
+                    f"rdzv: watch events per node per round, {n} agents (baseline N={base_n})",
+                    loop,
+                    events,
+                    base_events,
+                    "events",
+                    Target("ratio", 1.5),
+                    note="a ratio near 1: O(N) watch events per round in total",
                     timed=False,
                 )
             )

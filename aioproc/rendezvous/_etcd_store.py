@@ -142,11 +142,9 @@ class EtcdSession:
             host, port, timeout=max(1, ttl), options=_CHANNEL_OPTIONS
         )
         self.keys: dict[bytes, KeyValue] = {}
-        # the same keys by directory (up to the last "/"), and how many
-        # deletions each directory saw: callers cache what they derive from
-        # a directory until it loses a key, so an event costs O(1), not O(N)
+        # the same keys by directory (up to the last "/"): the leader counts
+        # the round's joins at every join without going over all of them
         self.dirs: dict[bytes, dict[bytes, KeyValue]] = {}
-        self.deletions: dict[bytes, int] = {}
         # liveness: the names listed at ``alive_at``, and those deleted since
         self.alive: frozenset[bytes] = frozenset()
         self.alive_at = 0
@@ -271,7 +269,6 @@ class EtcdSession:
             children.pop(key[cut:], None)
             if not children:
                 del self.dirs[directory]
-        self.deletions[directory] = self.deletions.get(directory, 0) + 1
 
     def _replace(self, copied: _Range, kvs: Any, revision: int) -> None:
         """Make the copy of ``copied``'s range what a list at ``revision`` returned."""
@@ -279,8 +276,6 @@ class EtcdSession:
             self._pop(key)
         for kv in kvs:
             self._set(kv.key, KeyValue(kv.value, kv.create_revision, kv.mod_revision, kv.lease))
-        for directory in self.deletions:
-            self.deletions[directory] += 1  # a fresh list may have lost any key
         copied.revision = revision
         self._notify()
 
