@@ -768,6 +768,7 @@ class _Session:
         h = self._handler
         h._session = None
         h._info = h._world_now = None
+        h._claimed, h._lead_seen = -1, (-1, 0)
         await self._open.__aexit__(*exc)
 
 
