@@ -38,6 +38,10 @@ Every agent learns of losses from a watch that delivers only deletions of
 barrier counts the done keys with one read per agent.  A round costs O(1)
 requests and O(1) watch events per agent (the leader: O(N) events, one per
 join): O(N) in total, where following every agent's keys costs O(N^2).
+
+This module is the handler (torch's API, the running world, the exit
+barrier); ``_etcd_round`` joins a round and, on its leader, completes it;
+``_etcd_store`` holds the session: the lease and the copies of the keys.
 """
 
 from __future__ import annotations
@@ -49,11 +53,11 @@ import secrets
 import socket
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
+from ._etcd_round import Joining, World
 from ._etcd_store import EtcdSession, KeyValue, import_aetcd, prefix_end, ttl_seconds
 from .api import (
     RendezvousClosedError,
@@ -72,22 +76,6 @@ __all__ = ["EtcdRendezvousHandler"]
 logger = logging.getLogger("aioproc.rendezvous")
 
 KEY_ROOT = "/aioproc/rdzv/"
-
-
-@dataclass(frozen=True)
-class _World:
-    """A completed round as ``completed/<r>`` holds it."""
-
-    round: int
-    nodes: tuple[RendezvousNode, ...]
-    # each node's join revision: its liveness key existed then (``gone_since``)
-    revs: Mapping[str, int]
-
-    def info_for(self, node_id: str) -> RendezvousInfo | None:
-        for rank, node in enumerate(self.nodes):
-            if node.node_id == node_id:
-                return RendezvousInfo(self.round, rank, self.nodes)
-        return None
 
 
 class EtcdRendezvousHandler:
@@ -125,13 +113,8 @@ class EtcdRendezvousHandler:
         self._session: EtcdSession | None = None
         self._nproc = 1
         self._info: RendezvousInfo | None = None
-        self._world_now: _World | None = None  # the world of ``_info``
-        self._worlds: dict[bytes, tuple[int, _World]] = {}  # parsed, by key and revision
-        # the round this node claimed the lead of (the copy may not show it yet)
-        self._claimed = -1
-        # (round, revision) of a lead this node was told of: until the copy
-        # caught up with it, its absence there is no reason to claim
-        self._lead_seen = (-1, 0)
+        self._world_now: World | None = None  # the world of ``_info``
+        self._worlds: dict[bytes, tuple[int, World]] = {}  # parsed, by key and revision
         self._lost_cache: tuple[tuple[int, int], list[RendezvousNode]] | None = None
 
     def __repr__(self) -> str:
@@ -213,7 +196,7 @@ class EtcdRendezvousHandler:
         leased), so a cancelled join leaves nothing behind.
         """
         store = self._store()
-        prev = self._info
+        joining = Joining(self, self._info)
         self._info = self._world_now = None
         deadline = time.monotonic() + self.join_timeout
         joined = -1  # the round this node's join key is in
@@ -224,18 +207,18 @@ class EtcdRendezvousHandler:
                 current, current_rev = self._current()
                 r = current + 1
                 if joined != r:
-                    if not await self._join(r, current_rev, prev):
+                    if not await joining.join(r, current_rev):
                         await store.changed(seen)  # ``current`` moved meanwhile: look again
                         continue
                     joined = r
-                world = await self._wait_round(r, current_rev, deadline)
+                world = await joining.wait(r, current_rev, deadline)
                 if world is not None:
                     info = world.info_for(self.node_id)
                     if info is not None:
                         self._info, self._world_now = info, world
                         return info
                 # the round completed without this node: wait for the next one
-        joins = await self._leave(self._current()[0] + 1, joined)
+        joins = await joining.leave(self._current()[0] + 1, joined)
         raise RendezvousTimeoutError(
             f"the rendezvous of job {self._params.run_id!r} did not complete within "
             f"{self.join_timeout:g} s (join_timeout): {joins} node(s) joined, "
@@ -311,12 +294,12 @@ class EtcdRendezvousHandler:
         await self._close("succeeded")
         return None
 
-    def _running(self) -> _World:
+    def _running(self) -> World:
         if self._info is None or self._world_now is None:
             raise RuntimeError(f"{self!r}: no completed rendezvous")
         return self._world_now
 
-    async def _change(self, world: _World) -> WorldChange | None:
+    async def _change(self, world: World) -> WorldChange | None:
         """Why ``world`` must be re-formed now, if it must.
 
         Decided on a fresh list of the live nodes (one read), so a loss that
@@ -382,162 +365,7 @@ class EtcdRendezvousHandler:
 
     # ---------------------------------------------------------- protocol
 
-    async def _join(self, r: int, current_rev: int, prev: RendezvousInfo | None) -> bool:
-        """Write this node's join key of round ``r`` (False: ``current`` moved).
-
-        In the same transaction: claim ``lead/<r>`` unless the copy shows a
-        leader, and write ``change/<r>`` if this join makes the running
-        world re-form.
-        """
-        store = self._store()
-        port = _free_port(self.addr)
-        prev_rank = None
-        if prev is not None and prev.round == r - 1:
-            prev_rank = prev.group_rank
-        value = json.dumps(
-            {"addr": self.addr, "port": port, "nproc": self._nproc, "prev_rank": prev_rank}
-        ).encode()
-        tx = store.client.transactions
-        success = [
-            tx.put(self._key(f"rounds/{r}/join/{self.node_id}"), value, lease=store.lease_id)
-        ]
-        claim = self._get(f"lead/{r}") is None
-        if claim:
-            success.append(self._claim_op(r))
-        why = self._change_made(r, prev)
-        if why is not None:
-            change = self._key(f"change/{r}")
-            success.append(
-                tx.txn(
-                    compare=[tx.create(change) == 0],
-                    success=[tx.put(change, json.dumps(why).encode())],
-                    failure=[],
-                )
-            )
-        current = self._key("current")
-        ok, responses = await store.call(
-            lambda: store.client.transaction(
-                compare=[tx.mod(current) == current_rev], success=success, failure=[]
-            )
-        )
-        if ok and claim:
-            self._claimed_or_seen(r, responses[1].response_txn)
-        return bool(ok)
-
-    def _change_made(self, r: int, prev: RendezvousInfo | None) -> dict[str, Any] | None:
-        """Why a join of round ``r`` makes the running world re-form, if it does."""
-        if self._get(f"change/{r}") is not None:
-            return None  # the running world's members know already
-        world = self._world(r - 1)
-        if world is None:
-            return None  # no world runs
-        if self.node_id in world.revs:
-            return {"host": self.addr, "member": True}  # its workers failed: all re-join
-        if len(world.nodes) < self.max_nodes:
-            return {"host": self.addr, "member": False}  # room for it: grow the world
-        return None  # a full world: wait for a place
-
-    def _claim_op(self, r: int) -> Any:
-        """A nested transaction: take ``lead/<r>`` if free, else read who holds it."""
-        store = self._store()
-        tx = store.client.transactions
-        lead = self._key(f"lead/{r}")
-        return tx.txn(
-            compare=[tx.create(lead) == 0],
-            success=[tx.put(lead, self.node_id.encode(), lease=store.lease_id)],
-            failure=[tx.get(lead)],
-        )
-
-    def _claimed_or_seen(self, r: int, result: Any) -> None:
-        """Note what a claim of ``lead/<r>`` found (``result``: its TxnResponse)."""
-        if result.succeeded:
-            self._claimed = r
-            return
-        for response in result.responses:
-            for kv in response.response_range.kvs:
-                if kv.value == self.node_id.encode():
-                    self._claimed = r  # a retried call: the first try had claimed it
-                else:
-                    self._lead_seen = (r, int(kv.mod_revision))
-
-    async def _leads(self, r: int, current_rev: int) -> bool:
-        """Whether this node leads round ``r``; claims it if it has no leader."""
-        lead = self._get(f"lead/{r}")
-        if lead is not None:
-            return lead.value == self.node_id.encode()
-        if self._claimed == r:
-            return True  # the copy does not show the claim yet
-        seen_round, seen_rev = self._lead_seen
-        if seen_round == r and self._store().control.revision < seen_rev:
-            return False  # the copy does not show that leader yet
-        # no leader: none yet, or it died (its lease took the key along)
-        store = self._store()
-        tx = store.client.transactions
-        current = self._key("current")
-        ok, responses = await store.call(
-            lambda: store.client.transaction(
-                compare=[tx.mod(current) == current_rev], success=[self._claim_op(r)], failure=[]
-            )
-        )
-        if ok:
-            self._claimed_or_seen(r, responses[0].response_txn)
-        return self._claimed == r
-
-    async def _wait_round(self, r: int, current_rev: int, deadline: float) -> _World | None:
-        """Round ``r``'s world once it completed (None: superseded before this node saw it).
-
-        Cancellation: the joins followed while leading are unfollowed.
-        """
-        store = self._store()
-        joins_dir = self._key(f"rounds/{r}/join/")
-        ready_since: float | None = None
-        frozen = False
-        try:
-            while True:
-                seen = store.version
-                self._raise_if_over()
-                current = self._current()[0]
-                if current >= r:
-                    return self._world(r)  # completed (and superseded, when None)
-                wake_at = deadline
-                leading = not frozen and await self._leads(r, current_rev)
-                if not leading:
-                    ready_since = None
-                else:
-                    await store.follow(joins_dir, prefix_end(joins_dir))
-                    joins = store.children(joins_dir)
-                    if len(joins) >= self.max_nodes:
-                        frozen = await self._freeze(r, current_rev, joins)
-                    elif len(joins) >= self.min_nodes and not self._members_pending(r, joins):
-                        now = time.monotonic()
-                        ready_since = now if ready_since is None else ready_since
-                        if now >= ready_since + self.last_call_timeout:
-                            frozen = await self._freeze(r, current_rev, joins)
-                        wake_at = min(deadline, ready_since + self.last_call_timeout)
-                    else:
-                        ready_since = None
-                    if frozen:
-                        # its world arrives in the copy: stop following the joins now
-                        await store.unfollow(joins_dir, prefix_end(joins_dir))
-                with anyio.move_on_at(wake_at):
-                    await store.changed(seen)
-        finally:
-            await store.unfollow(joins_dir, prefix_end(joins_dir))
-
-    def _members_pending(self, r: int, joins: Mapping[bytes, KeyValue]) -> list[str]:
-        """Live members of the running world (round r - 1) that have not joined round r."""
-        world = self._world(r - 1)
-        if world is None:
-            return []
-        store = self._store()
-        return [
-            n.node_id
-            for n in world.nodes
-            if n.node_id.encode() not in joins
-            and not store.gone_since(n.node_id.encode(), world.revs[n.node_id])
-        ]
-
-    def _lost(self, world: _World) -> list[RendezvousNode]:
+    def _lost(self, world: World) -> list[RendezvousNode]:
         """Members of ``world`` whose lease is gone; cached until liveness news arrive."""
         store = self._store()
         key = (world.round, store.liveness_version)
@@ -550,57 +378,7 @@ class EtcdRendezvousHandler:
             self._lost_cache = (key, lost)
         return self._lost_cache[1]
 
-    async def _freeze(self, r: int, current_rev: int, joins: Mapping[bytes, KeyValue]) -> bool:
-        """Complete round ``r`` with ``joins`` (True), unless another write came first."""
-        store = self._store()
-
-        def order(item: tuple[bytes, KeyValue]) -> tuple[int, int]:
-            value = json.loads(item[1].value)
-            if value.get("prev_rank") is not None:
-                return (0, int(value["prev_rank"]))  # stable group ranks
-            return (1, item[1].create_revision)
-
-        chosen = sorted(joins.items(), key=order)[: self.max_nodes]
-        nodes = []
-        for name, kv in chosen:
-            value = json.loads(kv.value)
-            nodes.append(
-                {
-                    "id": name.decode(),
-                    "addr": value["addr"],
-                    "port": value["port"],
-                    "nproc": value["nproc"],
-                    "rev": kv.create_revision,
-                }
-            )
-        world = json.dumps({"round": r, "nodes": nodes}).encode()
-        tx = store.client.transactions
-        world_key = self._key(f"completed/{r}")
-        success = [
-            tx.put(world_key, world),
-            tx.put(self._key("current"), str(r).encode()),
-            tx.delete(self._key(f"lead/{r}")),
-            tx.delete(self._key(f"change/{r}")),
-        ]
-        if r > 0:
-            old = self._key(f"rounds/{r - 1}/")
-            success.append(tx.delete(old, range_end=prefix_end(old)))
-            success.append(tx.delete(self._key(f"completed/{r - 1}")))
-        seen = store.version
-        ok, _ = await store.call(
-            lambda: store.client.transaction(
-                compare=[tx.create(world_key) == 0, tx.mod(self._key("current")) == current_rev],
-                success=success,
-                failure=[],
-            )
-        )
-        if ok:
-            logger.info("rendezvous round %d completed with %d node(s)", r, len(nodes))
-        else:
-            await store.changed(seen)  # another agent's write came first: see it
-        return bool(ok)
-
-    def _world(self, r: int) -> _World | None:
+    def _world(self, r: int) -> World | None:
         """Round ``r``'s world from the copy (parsed once per version of its key)."""
         key = self._key(f"completed/{r}")
         kv = self._store().keys.get(key)
@@ -608,48 +386,10 @@ class EtcdRendezvousHandler:
             return None
         cached = self._worlds.get(key)
         if cached is None or cached[0] != kv.mod_revision:
-            value = json.loads(kv.value)
-            world = _World(
-                r,
-                tuple(
-                    RendezvousNode(n["id"], n["addr"], int(n["port"]), int(n["nproc"]))
-                    for n in value["nodes"]
-                ),
-                {n["id"]: int(n["rev"]) for n in value["nodes"]},
-            )
+            world = World.parse(r, kv.value)
             self._worlds = {key: (kv.mod_revision, world)}  # one at a time is all it takes
             cached = self._worlds[key]
         return cached[1]
-
-    async def _leave(self, r: int, joined: int) -> str:
-        """After a join timeout: drop this node's join and lead; how many nodes had joined.
-
-        Cancellation: shielded and bounded; the lease takes the keys away anyway.
-        """
-        store = self._store()
-        tx = store.client.transactions
-        joins = self._key(f"rounds/{r}/join/")
-        ops = [tx.get(joins, prefix_end(joins))]
-        if joined >= 0:
-            lead = self._key(f"lead/{joined}")
-            ops.append(tx.delete(self._key(f"rounds/{joined}/join/{self.node_id}")))
-            ops.append(
-                tx.txn(
-                    compare=[tx.value(lead) == self.node_id.encode()],
-                    success=[tx.delete(lead)],
-                    failure=[],
-                )
-            )
-        self._claimed = -1
-        with anyio.CancelScope(shield=True), anyio.move_on_after(self.lease_ttl):
-            try:
-                _, responses = await store.call(
-                    lambda: store.client.transaction(compare=[], success=ops, failure=[])
-                )
-                return str(len(responses[0]))
-            except Exception as e:  # the lease takes them away anyway
-                logger.debug("leaving round %d failed: %r", r, e)
-        return "an unknown number of"
 
     async def _count(self, directory: str) -> int:
         """How many keys are in ``directory`` now (one read)."""
@@ -768,12 +508,4 @@ class _Session:
         h = self._handler
         h._session = None
         h._info = h._world_now = None
-        h._claimed, h._lead_seen = -1, (-1, 0)
         await self._open.__aexit__(*exc)
-
-
-def _free_port(addr: str) -> int:
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return int(s.getsockname()[1])
