@@ -14,6 +14,9 @@ started on a free port in a temp data dir.  For each N the table gives, as media
   every call an agent makes), and their ratio to N = 8's, the baseline
   measured in the same run: a ratio near 1 means O(N) requests per round in
   total;
+- watch events per node for the round (every event an agent's watches
+  delivered): flat in N means O(N) events per round in total, where an
+  agent that watched every agent's keys would receive O(N) itself;
 - the whole lifetime per node (session open, round, exit barrier, close).
 
 Targets (issue 11): O(N) requests per round in total; < 2 s for 256 nodes.
@@ -96,7 +99,8 @@ async def _agents(port: int, n: int, count: int, job: str) -> None:
     """``count`` of the job's ``n`` agents in this process; talks to the parent on stdio.
 
     Prints ``open`` once every session is open, waits for ``go`` on stdin,
-    then prints ``done <last completion, wall clock> <round requests> <life requests>``.
+    then prints ``done <last completion, wall clock> <round requests> <life requests>
+    <round events>``.
     """
     handlers: list[EtcdRendezvousHandler] = []
     for _ in range(count):
@@ -119,6 +123,7 @@ async def _agents(port: int, n: int, count: int, job: str) -> None:
     go = asyncio.Event()
     during = [0] * count
     life = [0] * count
+    events = [0] * count
     done_at = [0.0] * count
 
     async def agent(i: int) -> None:
@@ -129,10 +134,11 @@ async def _agents(port: int, n: int, count: int, job: str) -> None:
             if opened == count:
                 all_open.set()
             await go.wait()
-            before = h.requests
+            before, events_before = h.requests, h.events
             info = await h.next_rendezvous()
             done_at[i] = time.time()
             during[i] = h.requests - before
+            events[i] = h.events - events_before
             assert info.group_world_size == n
             await h.exit_barrier(60)
             life[i] = h.requests + 1  # and the lease's revoke on leaving
@@ -143,11 +149,12 @@ async def _agents(port: int, n: int, count: int, job: str) -> None:
     await loop.run_in_executor(None, sys.stdin.readline)
     go.set()
     await asyncio.gather(*tasks)
-    print(f"done {max(done_at)!r} {sum(during)} {sum(life)}", flush=True)
+    print(f"done {max(done_at)!r} {sum(during)} {sum(life)} {sum(events)}", flush=True)
 
 
-def _round(port: int, n: int, job: str, procs: int, loop: str) -> tuple[float, float, float]:
-    """(completion s, requests per node for the round, whole-life requests per node)."""
+def _round(port: int, n: int, job: str, procs: int, loop: str) -> tuple[float, float, float, float]:
+    """(completion s, requests per node for the round, whole-life requests per node,
+    watch events per node for the round)."""
     procs = min(procs, n)
     counts = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
     children = [
@@ -168,14 +175,15 @@ def _round(port: int, n: int, job: str, procs: int, loop: str) -> tuple[float, f
             assert child.stdin is not None
             child.stdin.write("go\n")
             child.stdin.flush()
-        last, during, life = 0.0, 0, 0
+        last, during, life, events = 0.0, 0, 0, 0
         for child in children:
             assert child.stdout is not None
-            word, at, d, lf = child.stdout.readline().split()
+            word, at, d, lf, ev = child.stdout.readline().split()
             assert word == "done"
             last, during, life = max(last, float(at)), during + int(d), life + int(lf)
+            events += int(ev)
             child.wait(60)
-        return last - start, during / n, life / n
+        return last - start, during / n, life / n, events / n
     finally:
         for child in children:
             if child.poll() is None:
@@ -185,8 +193,9 @@ def _round(port: int, n: int, job: str, procs: int, loop: str) -> tuple[float, f
 
 def measure(
     sizes: list[int], rounds: int, procs: int, loop: str
-) -> list[tuple[int, float, float, float]]:
-    """(N, completion s, requests/node for the round, whole-life requests/node), medians."""
+) -> list[tuple[int, float, float, float, float]]:
+    """(N, completion s, requests/node for the round, whole-life requests/node,
+    watch events/node for the round), medians."""
     etcd = _Etcd()
     try:
         rows = []
@@ -198,6 +207,7 @@ def measure(
                     statistics.median(s[0] for s in samples),
                     statistics.median(s[1] for s in samples),
                     statistics.median(s[2] for s in samples),
+                    statistics.median(s[3] for s in samples),
                 )
             )
         return rows
@@ -206,7 +216,8 @@ def measure(
 
 
 def rdzv_rows(cfg: Any) -> list[Any] | str:
-    """run_all's ``rdzv``: completion time per N, requests per node against N = 8's.
+    """run_all's ``rdzv``: completion time per N, requests and watch events per node
+    against N = 8's.
 
     ``--quick``: N = 8, 32, one round (a few seconds).  Without etcd or
     aetcd, a message saying so instead of rows.
@@ -222,8 +233,8 @@ def rdzv_rows(cfg: Any) -> list[Any] | str:
     out: list[Any] = []
     for loop in cfg.loops:
         rows = measure(sizes, rounds, 8, loop)
-        base_n, _, base_req, _ = rows[0]
-        for n, seconds, per_node, _ in rows:
+        base_n, _, base_req, _, base_events = rows[0]
+        for n, seconds, per_node, _, events in rows:
             note = f"median of {rounds} round(s), agents on 8 processes"
             out.append(
                 Row(
@@ -246,6 +257,18 @@ def rdzv_rows(cfg: Any) -> list[Any] | str:
                     "requests",
                     Target("ratio", 1.5),
                     note="a ratio near 1: O(N) requests per round in total",
+                    timed=False,
+                )
+            )
+            out.append(
+                Row(
+                    f"rdzv: watch events per node per round, {n} agents (baseline N={base_n})",
+                    loop,
+                    events,
+                    base_events,
+                    "events",
+                    Target("ratio", 1.5),
+                    note="a ratio near 1: O(N) watch events per round in total",
                     timed=False,
                 )
             )
@@ -281,11 +304,14 @@ def main() -> None:
     )
     print(
         f"| N | completion | requests/node (round) | ratio to N={rows[0][0]} "
-        "| requests/node (life) |"
+        "| watch events/node (round) | requests/node (life) |"
     )
-    print("|---:|---:|---:|---:|---:|")
-    for n, seconds, per_node, life in rows:
-        print(f"| {n} | {seconds:.3f} s | {per_node:.2f} | {per_node / base:.2f} | {life:.2f} |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for n, seconds, per_node, life, events in rows:
+        print(
+            f"| {n} | {seconds:.3f} s | {per_node:.2f} | {per_node / base:.2f} "
+            f"| {events:.2f} | {life:.2f} |"
+        )
     last = rows[-1]
     if last[0] >= 256:
         verdict = "PASS" if last[1] < 2.0 else "FAIL"

@@ -41,6 +41,7 @@ pytestmark = [
 ]
 
 WORKER = os.path.join(CHILDREN_DIR, "mh_worker.py")
+AGENTS = os.path.join(CHILDREN_DIR, "rdzv_agents.py")
 PROXY = os.path.join(CHILDREN_DIR, "tcp_proxy.py")
 TTL = 3
 PARTITIONED = "127.0.0.4"  # the host the partition tests cut off
@@ -460,6 +461,118 @@ def test_first_joiner_lost_mid_round_the_next_completes_it(etcd: Etcd, tmp_path:
     # 127.0.0.3, now the earliest joiner, completed the round, keeping the join order
     assert [r["host"] for r in recs] == ["127.0.0.3"] * 2 + ["127.0.0.4"] * 2 + ["127.0.0.5"] * 2
     assert all(pid_gone(r["pid"]) for r in recs)
+    assert_only_closed(etcd, job)
+
+
+@contextlib.contextmanager
+def _many_agents(etcd: Etcd, job: str, count: int, nnodes: str, held: int = 0) -> Iterator[Any]:
+    """``children/rdzv_agents.py``: ``count`` agents as coroutines of one process."""
+    proc = subprocess.Popen(
+        [sys.executable, AGENTS, etcd.endpoint, job, str(count), nnodes, str(held)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=REPO_ROOT),
+        cwd=REPO_ROOT,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def _opened(proc: Any) -> list[str]:
+    """The node ids of the agents, once their sessions are open."""
+    line = proc.stdout.readline()
+    assert line, proc.communicate()[1]
+    return list(json.loads(line)["open"])
+
+
+def _agents_report(proc: Any) -> list[dict[str, Any]]:
+    """Each agent's account of its round, once every agent is through the exit barrier."""
+    out, err = proc.communicate(timeout=50)
+    assert proc.returncode == 0, err
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def _assert_one_world(recs: list[dict[str, Any]], members: list[str]) -> None:
+    """Every agent holds the same world of ``members``, at its own group rank."""
+    assert sorted(r["node"] for r in recs) == sorted(members)
+    worlds = {tuple(r["world"]) for r in recs}
+    assert len(worlds) == 1, worlds
+    assert sorted(worlds.pop()) == sorted(members)
+    assert sorted(r["rank"] for r in recs) == list(range(len(members)))
+    assert all(r["world"][r["rank"]] == r["node"] for r in recs)
+
+
+def test_many_agents_meet_each_hearing_of_the_round_through_a_few_keys(
+    etcd: Etcd, tmp_path: Any
+) -> None:
+    """Only the round's leader follows the joins: O(1) watch events for every other agent."""
+    job, n = "many", 24
+    with _many_agents(etcd, job, n, f"{n}:{n}") as proc:
+        ids = _opened(proc)
+        recs = _agents_report(proc)
+    _assert_one_world(recs, ids)
+    # every agent but the leader hears of the round through the control keys
+    # (lead, completed, current): following every join would be n - 1 events each
+    events = sorted(r["events"] for r in recs)
+    assert events[-2] <= 6, events
+    # and writes its join in one transaction (the leader also lists, watches, completes)
+    requests = sorted(r["requests"] for r in recs)
+    assert requests[-2] <= 2 and requests[-1] <= 6, requests
+    assert_only_closed(etcd, job)
+
+
+def _wait_for(etcd: Etcd, job: str, proc: Any, what: str, ready: Any) -> dict[str, Any]:
+    """The job's keys once ``ready(keys)`` holds (``what`` names it on failure)."""
+    deadline = time.monotonic() + 3 * TTL + 10
+    while True:
+        keys = etcd.keys(f"/aioproc/rdzv/{job}/")
+        if ready(keys):
+            return keys
+        if time.monotonic() > deadline or proc.poll() is not None:
+            pytest.fail(f"waiting for {what}: {sorted(keys)}")
+        time.sleep(0.05)  # the agents join, or claim the round
+
+
+def test_leader_leaving_mid_round_another_joiner_claims_and_completes_it(
+    etcd: Etcd, tmp_path: Any
+) -> None:
+    job = "leaderleft"
+    prefix = f"/aioproc/rdzv/{job}/"
+
+    def joins(keys: dict[str, Any]) -> int:
+        return sum(k.startswith(prefix + "rounds/0/join/") for k in keys)
+
+    # 10 of 12 agents join a round of 11; the other 2 join after the leader left
+    with _many_agents(etcd, job, 12, "11:11", held=2) as proc:
+        assert proc.stdin is not None
+        ids = _opened(proc)
+        keys = _wait_for(
+            etcd, job, proc, "10 joins", lambda k: joins(k) == 10 and prefix + "lead/0" in k
+        )
+        leader = keys[prefix + "lead/0"]
+        assert leader in ids[:10]
+        proc.stdin.write(f"leave {leader}\n")
+        proc.stdin.flush()
+        keys = _wait_for(
+            etcd,
+            job,
+            proc,
+            "9 joins and another leader",
+            lambda k: joins(k) == 9 and k.get(prefix + "lead/0", leader) != leader,
+        )
+        successor = keys[prefix + "lead/0"]
+        proc.stdin.write("join\n")
+        proc.stdin.flush()
+        recs = _agents_report(proc)
+    members = [i for i in ids if i != leader]
+    assert successor in members[:9]
+    _assert_one_world(recs, members)
     assert_only_closed(etcd, job)
 
 

@@ -1,29 +1,47 @@
 """Dynamic rendezvous through etcd v3: agents on many hosts agree on a world.
 
 The semantics are those of torch's ``DynamicRendezvousHandler``; the
-protocol is aioproc's own.  Keys under ``/aioproc/rdzv/<run_id>/``:
+protocol is aioproc's own.  Keys under ``/aioproc/rdzv/<run_id>/``, the
+control keys first (every agent copies them: a few writes per round):
+
+``change/<r>``            a join that makes the running world (round r - 1) re-form
+``closed``                the job is over (finished, or stopped by a signal)
+``completed/<r>``         round r's world: its nodes in group-rank order
+``current``               the number of the last completed round
+``failed``                the job failed for good: the root cause
+``lead/<r>``              (leased) the joiner that completes round r
+
+then the keys written by every agent, which no agent copies in full:
 
 ``nodes/<id>``            (leased) one per live agent: its lease is its liveness
-``current``               the number of the last completed round
-``rounds/<r>/join/<id>``  (leased) an agent waiting for round ``r``
-``rounds/<r>/world``      the completed round: its nodes in group-rank order
+``rounds/<r>/join/<id>``  (leased) an agent waiting for round r
 ``rounds/<r>/done/<id>``  (leased) an agent whose workers finished (exit barrier)
-``failed``                the job failed for good: the root cause
-``closed``                the job is over (finished, or stopped by a signal)
 
 A round ``r`` is open while ``current`` is ``r - 1``.  An agent joins by
-writing its join key in a transaction that checks ``current`` did not move;
-the first of the joiners (lowest creation revision) completes the round when
+writing its join key in a transaction that checks ``current`` did not move
+and, in the same transaction, claims ``lead/<r>`` if it is free and writes
+``change/<r>`` if its join must make the running world re-form (it is a
+member of that world: its workers failed; or that world has room).  The
+leader alone follows the round's joins: it completes the round when
 ``max_nodes`` joined, or when ``min_nodes`` joined, every live member of the
-running world joined too, and ``last_call_timeout`` passed; it writes the
-world and ``current`` and drops the previous round's keys in one
-transaction.  So a node arriving while a full world runs waits; a node
-arriving while a world below ``max_nodes`` runs makes its members re-join
-(a re-rendezvous that costs no restart); a member lost (its lease expired)
+running world joined too, and ``last_call_timeout`` passed, by writing the
+world and ``current`` and dropping the previous round's keys in one
+transaction.  A leader that dies takes ``lead/<r>`` with its lease; the
+other joiners see it go and one of them claims the round (the world keeps
+the join order either way).  So a node arriving while a full world runs
+waits; a node arriving while a world below ``max_nodes`` runs makes its
+members re-join (a re-rendezvous that costs no restart); a member lost
 makes the others re-join, or fail if fewer than ``min_nodes`` are left.
 
-Each agent decides from its live copy of these keys (list once, then watch)
-and writes O(1) keys per round: O(N) requests per round in total.
+Every agent learns of losses from a watch that delivers only deletions of
+``nodes/`` keys, and of everything else from the control keys; the exit
+barrier counts the done keys with one read per agent.  A round costs O(1)
+requests and O(1) watch events per agent (the leader: O(N) events, one per
+join): O(N) in total, where following every agent's keys costs O(N^2).
+
+This module is the handler (torch's API, the running world, the exit
+barrier); ``_etcd_round`` joins a round and, on its leader, completes it;
+``_etcd_store`` holds the session: the lease and the copies of the keys.
 """
 
 from __future__ import annotations
@@ -39,7 +57,8 @@ from typing import Any
 
 import anyio
 
-from ._etcd_store import EtcdSession, KeyValue, import_aetcd, ttl_seconds
+from ._etcd_round import Joining, World
+from ._etcd_store import EtcdSession, KeyValue, import_aetcd, prefix_end, ttl_seconds
 from .api import (
     RendezvousClosedError,
     RendezvousInfo,
@@ -94,7 +113,8 @@ class EtcdRendezvousHandler:
         self._session: EtcdSession | None = None
         self._nproc = 1
         self._info: RendezvousInfo | None = None
-        self._first_cache: tuple[tuple[bytes, int], str | None] | None = None
+        self._world_now: World | None = None  # the world of ``_info``
+        self._worlds: dict[bytes, tuple[int, World]] = {}  # parsed, by key and revision
         self._lost_cache: tuple[tuple[int, int], list[RendezvousNode]] | None = None
 
     def __repr__(self) -> str:
@@ -130,14 +150,29 @@ class EtcdRendezvousHandler:
         """Calls this agent made to etcd so far (the scale benchmark counts them)."""
         return self._session.requests if self._session is not None else 0
 
+    @property
+    def events(self) -> int:
+        """Watch events this agent received so far (the scale benchmark counts them)."""
+        return self._session.events if self._session is not None else 0
+
     def is_closed(self) -> bool:
         return self._get("closed") is not None
 
     def num_nodes_waiting(self) -> int:
-        """Agents waiting for the next round while this node's world runs."""
+        """Agents waiting for the next round while this node's world runs.
+
+        Exact where this node follows the next round's joins (its leader);
+        elsewhere 1 when some node waits, else 0: a member learns that a node
+        waits from the round's lead key, not from every join.
+        """
         if self._info is None:
             return 0
-        return len(self._joins(self._info.round + 1))
+        r = self._info.round + 1
+        start = self._key(f"rounds/{r}/join/")
+        store = self._store()
+        if store.follows(start, prefix_end(start)):
+            return len(store.children(start))
+        return 1 if self._get(f"lead/{r}") is not None else 0
 
     def session(self, local_world_size: int) -> _Session:
         """Connect, take a lease, follow the job's keys, for the agent's run.
@@ -161,28 +196,29 @@ class EtcdRendezvousHandler:
         leased), so a cancelled join leaves nothing behind.
         """
         store = self._store()
-        prev = self._info
-        self._info = None
+        joining = Joining(self, self._info)
+        self._info = self._world_now = None
         deadline = time.monotonic() + self.join_timeout
-        joined: tuple[int, bytes] | None = None
+        joined = -1  # the round this node's join key is in
         with anyio.move_on_at(deadline):
             while True:
+                seen = store.version
                 self._raise_if_over()
                 current, current_rev = self._current()
                 r = current + 1
-                if joined is None or joined[0] != r:
-                    joined = await self._join(r, current_rev, prev)
-                    if joined is None:
-                        await store.changed()  # ``current`` moved meanwhile: look again
+                if joined != r:
+                    if not await joining.join(r, current_rev):
+                        await store.changed(seen)  # ``current`` moved meanwhile: look again
                         continue
-                info = await self._wait_round(r, deadline)
-                if info is not None:
-                    self._info = info
-                    return info
+                    joined = r
+                world = await joining.wait(r, current_rev, deadline)
+                if world is not None:
+                    info = world.info_for(self.node_id)
+                    if info is not None:
+                        self._info, self._world_now = info, world
+                        return info
                 # the round completed without this node: wait for the next one
-        joins = len(self._joins(self._current()[0] + 1))
-        if joined is not None:
-            await self._delete(joined[1])
+        joins = await joining.leave(self._current()[0] + 1, joined)
         raise RendezvousTimeoutError(
             f"the rendezvous of job {self._params.run_id!r} did not complete within "
             f"{self.join_timeout:g} s (join_timeout): {joins} node(s) joined, "
@@ -203,13 +239,14 @@ class EtcdRendezvousHandler:
             RendezvousLeaseLostError: this node lost its lease (fenced).
         """
         store = self._store()
-        info = self._running()
+        world = self._running()
         while True:
+            seen = store.version
             self._raise_if_over()
-            change = self._change(info)
+            change = await self._change(world)
             if change is not None:
                 return change
-            await store.changed()
+            await store.changed(seen)
 
     async def exit_barrier(self, timeout: float) -> WorldChange | None:
         """After this node's workers succeeded: wait for the other members' workers.
@@ -220,66 +257,82 @@ class EtcdRendezvousHandler:
         after its workers failed, a member was lost): this node's workers
         then run again in the new world, as everyone's do.
 
+        Each member writes its done key, then counts the round's done keys
+        with one read; the member whose key came last counts them all and
+        closes the job, which every member sees.  A member lost meanwhile
+        makes every member count again.
+
         Raises:
             RendezvousJobFailedError: the job failed on another host.
             RendezvousLeaseLostError: this node lost its lease.
         """
         store = self._store()
-        info = self._running()
-        await self._put(f"rounds/{info.round}/done/{self.node_id}", b"1", leased=True)
+        world = self._running()
+        done_dir = f"rounds/{world.round}/done/"
+        await self._put(done_dir + self.node_id, b"1", leased=True)
+        counted = -1  # how many lost members the last count allowed for
         with anyio.move_on_after(timeout) as scope:
             while True:
+                seen = store.version
                 closed = self._get("closed")
                 if closed is not None and json.loads(closed.value).get("reason") == "succeeded":
-                    break  # the last member to finish closed it
+                    return None  # the member that counted them all closed it
                 self._raise_if_over()
-                # only members write done keys, and a lost member's go with its lease
-                done = len(self._store().children(self._key(f"rounds/{info.round}/done/")))
-                if done >= len(info.nodes) - len(self._lost(info)):
-                    break
-                change = self._change(info)
+                lost = self._lost(world)
+                if len(lost) != counted:
+                    counted = len(lost)
+                    # only members write done keys, and a lost member's go with its lease
+                    if await self._count(done_dir) >= len(world.nodes) - counted:
+                        break
+                    continue
+                change = await self._change(world)
                 if change is not None:
                     return change
-                await store.changed()
+                await store.changed(seen)
         if scope.cancelled_caught:
             logger.warning("exit barrier: timed out after %g s waiting for other hosts", timeout)
         await self._close("succeeded")
         return None
 
-    def _running(self) -> RendezvousInfo:
-        if self._info is None:
+    def _running(self) -> World:
+        if self._info is None or self._world_now is None:
             raise RuntimeError(f"{self!r}: no completed rendezvous")
-        return self._info
+        return self._world_now
 
-    def _change(self, info: RendezvousInfo) -> WorldChange | None:
-        """Why the world ``info`` must be re-formed now, if it must.
+    async def _change(self, world: World) -> WorldChange | None:
+        """Why ``world`` must be re-formed now, if it must.
+
+        Decided on a fresh list of the live nodes (one read), so a loss that
+        caused the change is reported as one even before its watch event.
 
         Raises:
             RendezvousJobFailedError: a member was lost and fewer than
                 ``min_nodes`` nodes are left.
         """
-        lost = self._lost(info)
+        moved = self._current()[0] != world.round
+        change = self._get(f"change/{world.round + 1}")
+        if not (moved or change is not None or self._lost(world)):
+            return None
+        alive = await self._store().refresh_liveness()
+        lost = self._lost(world)
         if lost:
+            # a stop or a failure elsewhere ends agents too: if one came
+            # first, it is the news (its watch event may trail the loss's)
+            await self._raise_if_over_now()
             hosts = ", ".join(f"{n.addr} ({n.node_id})" for n in lost)
-            alive = self._alive()
-            if len(alive) < self.min_nodes:
+            if alive < self.min_nodes:
                 raise RendezvousJobFailedError(
-                    f"lost host {hosts}: {len(alive)} node(s) left, fewer than "
+                    f"lost host {hosts}: {alive} node(s) left, fewer than "
                     f"min_nodes={self.min_nodes}"
                 )
             return WorldChange(f"lost host {hosts}", lost=tuple(n.addr for n in lost))
-        if self._current()[0] != info.round:
+        if moved:
             return WorldChange("the job re-formed its world without this node")
-        joins = self._joins(info.round + 1)
-        if not joins:
-            return None
-        members = {n.node_id: n for n in info.nodes}
-        again = [members[i].addr for i in joins if i in members]
-        if again:
-            return WorldChange(f"host {', '.join(again)} re-joined (its workers failed)")
-        if len(members) < self.max_nodes:
-            return WorldChange(f"{len(joins)} node(s) waiting to join")
-        return None
+        assert change is not None
+        why = json.loads(change.value)
+        if why.get("member"):
+            return WorldChange(f"host {why['host']} re-joined (its workers failed)")
+        return WorldChange(f"host {why['host']} is waiting to join")
 
     async def report_failure(self, failure: Mapping[str, Any]) -> None:
         """Tell every agent that the job failed here, for good (``failure``: its root cause)."""
@@ -312,163 +365,53 @@ class EtcdRendezvousHandler:
 
     # ---------------------------------------------------------- protocol
 
-    async def _join(
-        self, r: int, current_rev: int, prev: RendezvousInfo | None
-    ) -> tuple[int, bytes] | None:
+    def _lost(self, world: World) -> list[RendezvousNode]:
+        """Members of ``world`` whose lease is gone; cached until liveness news arrive."""
         store = self._store()
-        port = _free_port(self.addr)
-        prev_rank = None
-        if prev is not None and prev.round == r - 1:
-            prev_rank = prev.group_rank
-        value = json.dumps(
-            {"addr": self.addr, "port": port, "nproc": self._nproc, "prev_rank": prev_rank}
-        ).encode()
-        key = self._key(f"rounds/{r}/join/{self.node_id}")
-        current = self._key("current")
-        tx = store.client.transactions
-        ok, _ = await store.call(
-            lambda: store.client.transaction(
-                compare=[tx.mod(current) == current_rev],
-                success=[tx.put(key, value, lease=store.lease_id)],
-                failure=[],
-            )
-        )
-        return (r, key) if ok else None
-
-    async def _wait_round(self, r: int, deadline: float) -> RendezvousInfo | None:
-        """This node's info once round ``r`` completed (None: completed without it)."""
-        store = self._store()
-        ready_since: float | None = None
-        while True:
-            self._raise_if_over()
-            world = self._get(f"rounds/{r}/world")
-            if world is not None:
-                return self._info_from(r, world)
-            if self._current()[0] >= r:
-                return None  # completed and already superseded
-            joins = self._store().children(self._key(f"rounds/{r}/join/"))
-            freeze_at = deadline
-            if self._first_joiner(r) == self.node_id:
-                if len(joins) >= self.max_nodes:
-                    await self._freeze(r, self._joins(r))
-                    continue
-                if len(joins) >= self.min_nodes and not self._members_pending(r):
-                    now = time.monotonic()
-                    ready_since = now if ready_since is None else ready_since
-                    if now >= ready_since + self.last_call_timeout:
-                        await self._freeze(r, self._joins(r))
-                        continue
-                    freeze_at = min(deadline, ready_since + self.last_call_timeout)
-                else:
-                    ready_since = None
-            else:
-                ready_since = None
-            with anyio.move_on_at(freeze_at):
-                await store.changed()
-
-    def _members_pending(self, r: int) -> list[str]:
-        """Live members of the running world (round r - 1) that have not joined round r."""
-        world = self._get(f"rounds/{r - 1}/world")
-        if world is None:
-            return []
-        store = self._store()
-        alive = store.children(self._key("nodes/"))
-        joins = store.children(self._key(f"rounds/{r}/join/"))
-        nodes = json.loads(world.value)["nodes"]
-        return [
-            n["id"] for n in nodes if n["id"].encode() in alive and n["id"].encode() not in joins
-        ]
-
-    def _first_joiner(self, r: int) -> str | None:
-        """The node id of round ``r``'s earliest live join (the one that completes it).
-
-        Cached until a join of the round is deleted: a new join is never earlier.
-        """
-        store = self._store()
-        directory = self._key(f"rounds/{r}/join/")
-        key = (directory, store.deletions.get(directory, 0))
-        cached = self._first_cache
-        joins = store.children(directory)
-        if cached is None or cached[0] != key or cached[1] is None:
-            first = min(joins.items(), key=lambda kv: kv[1].create_revision)[0] if joins else None
-            cached = self._first_cache = (key, first.decode() if first is not None else None)
-        return cached[1]
-
-    def _lost(self, info: RendezvousInfo) -> list[RendezvousNode]:
-        """Members of ``info``'s world whose lease is gone; cached until a node key goes."""
-        store = self._store()
-        directory = self._key("nodes/")
-        key = (info.round, store.deletions.get(directory, 0))
+        key = (world.round, store.liveness_version)
         if self._lost_cache is None or self._lost_cache[0] != key:
-            alive = store.children(directory)
-            lost = [n for n in info.nodes if n.node_id.encode() not in alive]
+            lost = [
+                n
+                for n in world.nodes
+                if store.gone_since(n.node_id.encode(), world.revs[n.node_id])
+            ]
             self._lost_cache = (key, lost)
         return self._lost_cache[1]
 
-    async def _freeze(self, r: int, joins: Mapping[str, tuple[str, KeyValue]]) -> None:
+    def _world(self, r: int) -> World | None:
+        """Round ``r``'s world from the copy (parsed once per version of its key)."""
+        key = self._key(f"completed/{r}")
+        kv = self._store().keys.get(key)
+        if kv is None:
+            return None
+        cached = self._worlds.get(key)
+        if cached is None or cached[0] != kv.mod_revision:
+            world = World.parse(r, kv.value)
+            self._worlds = {key: (kv.mod_revision, world)}  # one at a time is all it takes
+            cached = self._worlds[key]
+        return cached[1]
+
+    async def _count(self, directory: str) -> int:
+        """How many keys are in ``directory`` now (one read)."""
         store = self._store()
-
-        def order(item: tuple[str, tuple[str, KeyValue]]) -> tuple[int, int]:
-            value = json.loads(item[1][1].value)
-            if value.get("prev_rank") is not None:
-                return (0, int(value["prev_rank"]))  # stable group ranks
-            return (1, item[1][1].create_revision)
-
-        chosen = sorted(joins.items(), key=order)[: self.max_nodes]
-        nodes = []
-        for node_id, (_, kv) in chosen:
-            value = json.loads(kv.value)
-            nodes.append(
-                {
-                    "id": node_id,
-                    "addr": value["addr"],
-                    "port": value["port"],
-                    "nproc": value["nproc"],
-                }
-            )
-        world = json.dumps({"round": r, "nodes": nodes}).encode()
-        current, current_rev = self._current()
-        tx = store.client.transactions
-        world_key = self._key(f"rounds/{r}/world")
-        success = [tx.put(world_key, world), tx.put(self._key("current"), str(r).encode())]
-        if current >= 0:
-            old = self._key(f"rounds/{current}/")
-            success.append(tx.delete(old, range_end=_prefix_end(old)))
-        ok, _ = await store.call(
-            lambda: store.client.transaction(
-                compare=[tx.create(world_key) == 0, tx.mod(self._key("current")) == current_rev],
-                success=success,
-                failure=[],
-            )
-        )
-        if ok:
-            logger.info("rendezvous round %d completed with %d node(s)", r, len(nodes))
-        else:
-            await store.changed()  # another agent's write came first: see it
-
-    def _info_from(self, r: int, world: KeyValue) -> RendezvousInfo | None:
-        nodes = tuple(
-            RendezvousNode(n["id"], n["addr"], int(n["port"]), int(n["nproc"]))
-            for n in json.loads(world.value)["nodes"]
-        )
-        for rank, node in enumerate(nodes):
-            if node.node_id == self.node_id:
-                return RendezvousInfo(r, rank, nodes)
-        return None
+        key = self._key(directory)
+        result = await store.call(lambda: store.client.get_prefix(key, keys_only=True))
+        return len(result.kvs)
 
     async def _close(self, reason: str) -> None:
         store = self._store()
         tx = store.client.transactions
         closed = self._key("closed")
-        rounds = self._key("rounds/")
         value = json.dumps({"reason": reason, "host": self.addr, "node": self.node_id}).encode()
+        # everything but the liveness keys (they go with their leases) and ``failed``
+        dirs = [self._key(d) for d in ("change/", "completed/", "lead/", "rounds/")]
         await store.call(
             lambda: store.client.transaction(
                 compare=[tx.create(closed) == 0],
                 success=[
                     tx.put(closed, value),
-                    tx.delete(rounds, range_end=_prefix_end(rounds)),
                     tx.delete(self._key("current")),
+                    *(tx.delete(d, range_end=prefix_end(d)) for d in dirs),
                 ],
                 failure=[],
             )
@@ -478,17 +421,36 @@ class EtcdRendezvousHandler:
         store = self._store()
         if store.lost is not None:
             raise RendezvousLeaseLostError(store.lost)
-        failed = self._get("failed")
+        failed, closed = self._get("failed"), self._get("closed")
+        self._raise_if_ended(
+            failed.value if failed is not None else None,
+            closed.value if closed is not None else None,
+        )
+
+    async def _raise_if_over_now(self) -> None:
+        """``_raise_if_over`` on what etcd holds now rather than on the copy (one read)."""
+        store = self._store()
+        tx = store.client.transactions
+        _, responses = await store.call(
+            lambda: store.client.transaction(
+                compare=[],
+                success=[tx.get(self._key("failed")), tx.get(self._key("closed"))],
+                failure=[],
+            )
+        )
+        failed, closed = (r[0][0] if r else None for r in responses)
+        self._raise_if_ended(failed, closed)
+
+    def _raise_if_ended(self, failed: bytes | None, closed: bytes | None) -> None:
         if failed is not None:
-            failure = json.loads(failed.value)
+            failure = json.loads(failed)
             raise RendezvousJobFailedError(
                 f"the job failed on host {failure.get('host')}: rank {failure.get('rank')} "
                 f"(local_rank {failure.get('local_rank')}) {failure.get('how', 'failed')}",
                 failure,
             )
-        closed = self._get("closed")
         if closed is not None:
-            value = json.loads(closed.value)
+            value = json.loads(closed)
             finished = value.get("reason") == "succeeded"
             how = "already finished" if finished else f"was stopped on host {value.get('host')}"
             raise RendezvousClosedError(
@@ -513,25 +475,10 @@ class EtcdRendezvousHandler:
         kv = self._get("current")
         return (int(kv.value), kv.mod_revision) if kv is not None else (-1, 0)
 
-    def _alive(self) -> set[str]:
-        return {k.decode() for k in self._store().children(self._key("nodes/"))}
-
-    def _joins(self, r: int) -> dict[str, tuple[str, KeyValue]]:
-        children = self._store().children(self._key(f"rounds/{r}/join/"))
-        return {k.decode(): (k.decode(), kv) for k, kv in children.items()}
-
     async def _put(self, name: str, value: bytes, *, leased: bool) -> None:
         store = self._store()
         lease = store.lease_id if leased else None
         await store.call(lambda: store.client.put(self._key(name), value, lease=lease))
-
-    async def _delete(self, key: bytes) -> None:
-        store = self._store()
-        with anyio.CancelScope(shield=True), anyio.move_on_after(self.lease_ttl):
-            try:
-                await store.call(lambda: store.client.delete(key))
-            except Exception as e:  # the lease takes it away anyway
-                logger.debug("deleting %r failed: %r", key, e)
 
 
 class _Session:
@@ -543,7 +490,8 @@ class _Session:
         h = self._handler
         if h._session is not None:
             raise RuntimeError(f"{h!r} already has a session")
-        session = EtcdSession(h._host, h._port, h._prefix.encode(), h.lease_ttl, h.addr)
+        prefix = h._prefix.encode()
+        session = EtcdSession(h._host, h._port, prefix, prefix + b"nodes/", h.lease_ttl, h.addr)
         self._open = session.open()
         await self._open.__aenter__()
         h._session = session
@@ -559,16 +507,5 @@ class _Session:
     async def __aexit__(self, *exc: Any) -> None:
         h = self._handler
         h._session = None
-        h._info = None
+        h._info = h._world_now = None
         await self._open.__aexit__(*exc)
-
-
-def _prefix_end(prefix: bytes) -> bytes:
-    return prefix[:-1] + bytes([prefix[-1] + 1])
-
-
-def _free_port(addr: str) -> int:
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return int(s.getsockname()[1])
