@@ -402,3 +402,39 @@ async def test_run_blocking_cancelled_finishes_the_job_then_raises() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert finished == ["job"]
+
+
+async def test_an_unreadable_error_file_is_reported_with_the_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The supervisor's read (on its helper thread) fails: the failure says so, and why."""
+    from aioproc import _errorfile
+
+    def denied(name: str, *args: object) -> tuple[bytes, int]:
+        raise PermissionError(13, "Permission denied", name)
+
+    monkeypatch.setattr(_errorfile, "read_capped", denied)
+    writes_and_fails = (
+        "import os, sys\n"
+        "with open(os.environ['TORCHELASTIC_ERROR_FILE'], 'w') as f:\n"
+        "    f.write('{}')\n"
+        "sys.exit(2)\n"
+    )
+    with pytest.raises(aioproc.ChildFailedError) as info:
+        await aioproc.run(
+            sys.executable,
+            nprocs=1,
+            args=("-c", writes_and_fails),
+            logs_specs=DefaultLogsSpecs(log_dir=tmp_path / "logs"),
+        )
+    failure = info.value.failures[0]
+    assert failure.exitcode == 2
+    assert failure.message == (
+        f"Process {failure.pid} exited with code 2; its error file {failure.error_file} "
+        "holds no message"
+    )
+    assert os.path.isfile(failure.error_file)
+    assert [r.getMessage() for r in caplog.records if "error file" in r.getMessage()] == [
+        f"could not read error file {failure.error_file} of local_rank 0 (pid {failure.pid}): "
+        f"[Errno 13] Permission denied: '{failure.error_file}'"
+    ]
