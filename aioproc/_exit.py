@@ -148,7 +148,7 @@ class _ExitMux:
     closed as soon as no pidfd is left in it.
     """
 
-    BATCH = 8
+    BATCH = 4
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop

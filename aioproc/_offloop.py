@@ -9,17 +9,26 @@ than a service embedding aioproc can afford (issue 12's P7: no callback
 over 5 ms).  They run here instead, in order, on one thread that exists
 only while some start or stop holds it: the supervisor's thread count does
 not grow with its workers, and an idle supervisor has no extra thread.
+
+``run_blocking``'s results come back to the loop in bounded batches
+(``Delivery``): when a group of hundreds is closed, the helper thread
+finishes one short job per stopped worker (its error file) far faster than
+the loop resumes their callers, and handing every result over in the loop
+iteration after it was posted would resume all those callers in one
+iteration.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ._shield import shielded
 
@@ -55,22 +64,116 @@ def helper() -> Iterator[ThreadPoolExecutor]:
             pool.shutdown(wait=True)  # nothing queued: the thread exits at once
 
 
+class Delivery:
+    """Hands the helper thread's results to one loop, at most ``BATCH`` per iteration.
+
+    The helper thread appends each finished job to a queue and wakes the
+    loop only when the queue was idle: one ``call_soon_threadsafe`` per
+    burst, not per job.  On the loop, ``_drain`` resolves at most ``BATCH``
+    futures and, if more are queued, runs again in the next iteration, so
+    the callers resumed by one iteration are bounded and other callbacks
+    (timers, I/O) run in between.
+    """
+
+    BATCH = 4
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        # weak: the registry below is keyed by the loop, which must stay collectable
+        self._loop = weakref.ref(loop)
+        self._lock = threading.Lock()
+        self._done: collections.deque[_Outcome] = collections.deque()
+        self._scheduled = False
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> Delivery:
+        """The loop's delivery, made on first use."""
+        with _lock:
+            delivery = _deliveries.get(loop)
+            if delivery is None:
+                delivery = _deliveries[loop] = cls(loop)
+            return delivery
+
+    def job(
+        self, fn: Callable[..., T], args: tuple[object, ...]
+    ) -> tuple[Callable[[], None], asyncio.Future[T]]:
+        """A job for the helper thread, and the future its outcome resolves on the loop.
+
+        Call it on the loop's thread.
+        """
+        loop = self._loop()
+        assert loop is not None  # called on the running loop
+        future: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(*args)
+            except BaseException as e:  # the caller's to handle, as with an executor
+                self.post(future, None, e)
+            else:
+                self.post(future, result, None)
+
+        return run, future
+
+    def post(self, future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+        """Queue ``future``'s outcome (from any thread); wake the loop unless it is draining."""
+        with self._lock:
+            self._done.append((future, result, error))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        loop = self._loop()
+        try:
+            if loop is not None:
+                loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is waiting any more
+
+    def _drain(self) -> None:
+        for _ in range(self.BATCH):
+            with self._lock:
+                if not self._done:
+                    self._scheduled = False
+                    return
+                future, result, error = self._done.popleft()
+            if future.cancelled():
+                continue
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+        loop = self._loop()
+        if loop is not None:
+            loop.call_soon(self._drain)  # the rest in the next iteration
+
+
+_Outcome = tuple["asyncio.Future[Any]", Any, "BaseException | None"]
+
+_deliveries: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Delivery] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 async def run_blocking(fn: Callable[..., T], /, *args: object) -> T:
     """Run ``fn(*args)`` on the helper thread and return its result.
+
+    The result reaches the loop through ``Delivery``: a burst of finished
+    jobs resumes at most ``Delivery.BATCH`` callers per loop iteration.
 
     Cancellation: ``fn`` runs to completion even if the caller is cancelled
     (a half-made log tree or a half-read ``/proc`` helps nobody); the
     cancellation is re-raised once it has returned.
     """
-    loop = asyncio.get_running_loop()
+    job, future = Delivery.of(asyncio.get_running_loop()).job(fn, args)
     with helper() as pool:
-        return await shielded(loop.run_in_executor(pool, fn, *args))
+        pool.submit(job)
+        return await shielded(future)
 
 
 def _after_fork_in_child() -> None:
     # the thread does not exist in a forked child: it starts its own
     global _pool, _users, _lock
     _pool, _users, _lock = None, 0, threading.Lock()
+    _deliveries.clear()  # their locks may have been held by a thread that is gone
 
 
 if hasattr(os, "register_at_fork"):

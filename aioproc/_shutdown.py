@@ -37,7 +37,7 @@ KILL_WAIT = 5.0
 """Seconds to wait for SIGKILLed workers to exit before reporting them."""
 
 
-_SIGNAL_BATCH = 16
+_SIGNAL_BATCH = 8
 """Groups signalled per loop iteration (a signal to a group costs tens of us)."""
 
 

@@ -50,7 +50,7 @@ from ._validate import check_filters as _check_filters
 from ._validate import check_kwargs as _check_kwargs
 from ._validate import check_signal as _validate_signal
 from ._validate import validate_group as _validate
-from .errors import ProcessFailure
+from .errors import ProcessFailure, read_error_file
 from .logs import LogsDest, LogsSpecs
 from .results import DEFAULT_GRACE_PERIOD, RunProcsResult, WorkerEvent
 from .signals import SignalException, pending_signal
@@ -67,7 +67,7 @@ _FORK_WINDOW = 32
 """The same for workers forked from a template: their requests go out together,
 and the template forks them all before it waits for the first (see ``_template``)."""
 
-_RELEASE_BATCH = 16
+_RELEASE_BATCH = 8
 """Workers whose pipes are closed, or leaders reaped, per loop iteration at close."""
 
 _DRAIN_TIMEOUT = 2.0
@@ -424,16 +424,20 @@ class PContext:
                     if settled:
                         await asyncio.wait(settled, timeout=_DRAIN_TIMEOUT)
                     if code != 0:
-                        # the error file is read off the loop (capped, see errors.py)
-                        with helper() as pool:
-                            failure = await ProcessFailure.load(
-                                rank,
-                                child.pid,
-                                code,
-                                self.error_files.get(rank, ""),
-                                child.stop_requested,
-                                executor=pool,
-                            )
+                        # read off the loop, capped (see errors.py), in one helper
+                        # job whose result comes back in bounded batches (_offloop)
+                        error_file = self.error_files.get(rank, "")
+                        observed = time.time()  # orders the failure, as load() would
+                        content = await run_blocking(read_error_file, error_file)
+                        failure = ProcessFailure._from_content(
+                            observed,
+                            content,
+                            rank,
+                            child.pid,
+                            code,
+                            error_file,
+                            child.stop_requested,
+                        )
                 except OSError:
                     logger.exception("reading the outcome of %s failed", child.label)
             if not scope.cancelled_caught:

@@ -199,16 +199,7 @@ class ProcessFailure:
         self.message = ""
         self.timestamp = int(self._observed_at)
         self.error_file_data = {}
-        content: tuple[bytes, int] | OSError | None
-        if _preread is not None:
-            content = _preread[1]
-        elif os.path.isfile(self.error_file):
-            try:
-                content = _errorfile.read_capped(self.error_file)
-            except OSError as e:
-                content = e
-        else:
-            content = None
+        content = read_error_file(self.error_file) if _preread is None else _preread[1]
         if content is None:
             self.error_file = _NOT_AVAILABLE
             self.error_file_data = _no_error_file_data()
@@ -253,6 +244,25 @@ class ProcessFailure:
             content = await load_error_file(error_file, executor=executor)
         except OSError as e:
             content = e
+        return cls._from_content(observed, content, local_rank, pid, exitcode, error_file, stopped)
+
+    @classmethod
+    def _from_content(
+        cls,
+        observed: float,
+        content: tuple[bytes, int] | OSError | None,
+        local_rank: int,
+        pid: int,
+        exitcode: int,
+        error_file: str,
+        stopped: bool = False,
+    ) -> ProcessFailure:
+        """Like the constructor, with the error file already read by ``read_error_file``.
+
+        For a supervisor that reads the files of many exits off the loop in
+        its own way; ``observed`` (``time.time()`` when the exit was
+        noticed) orders the failure, as ``load``'s call time does.
+        """
         token = _PREREAD.set((observed, content))
         try:
             return cls(local_rank, pid, exitcode, error_file, stopped)
@@ -359,6 +369,22 @@ def _too_large(path: str, head: bytes, size: int) -> str:
         f"error file {path} is too large to read: {size} bytes, over the "
         f"{MAX_ERROR_FILE_SIZE}-byte limit (aioproc.errors.MAX_ERROR_FILE_SIZE); {begins}"
     )
+
+
+def read_error_file(path: str) -> tuple[bytes, int] | OSError | None:
+    """Read an error file in the calling thread, capped, as the constructor does.
+
+    Returns:
+        ``(data, size)`` as ``load_error_file`` returns it; None when
+        ``path`` is not a regular file (no error file written); the
+        ``OSError`` that reading it raised, for the failure to report.
+    """
+    if not os.path.isfile(path):
+        return None
+    try:
+        return _errorfile.read_capped(path)
+    except OSError as e:
+        return e
 
 
 async def load_error_file(

@@ -27,7 +27,15 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from aioproc._leakcheck import child_pids as child_pids
+# This checkout's aioproc, not an installed one: a benchmark's child process
+# runs as a script (sys.path[0] is benchmarks/), and its first aioproc import
+# is the one below, which would otherwise find whatever aioproc is installed
+# (e.g. another checkout's editable install) and measure that code instead.
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _CHECKOUT not in sys.path:
+    sys.path.insert(1, _CHECKOUT)
+
+from aioproc._leakcheck import child_pids as child_pids  # noqa: E402
 
 T = TypeVar("T")
 

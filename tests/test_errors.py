@@ -325,6 +325,25 @@ async def test_load_with_an_oversized_missing_or_unreadable_error_file(
     ]
 
 
+def test_read_error_file_returns_the_content_none_or_the_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the supervisor reads on its helper thread, as the constructor reads it."""
+    path = write_json(tmp_path / "error.json", {"message": "m"})
+    assert errors.read_error_file(path) == (b'{"message": "m"}', 16)
+    assert errors.read_error_file(str(tmp_path / "missing.json")) is None
+    assert errors.read_error_file(str(tmp_path)) is None  # a directory is no error file
+    assert errors.read_error_file("") is None
+
+    def denied(name: str, *args: Any) -> tuple[bytes, int]:
+        raise PermissionError(13, "Permission denied", name)
+
+    monkeypatch.setattr(errors._errorfile, "read_capped", denied)
+    error = errors.read_error_file(path)
+    assert isinstance(error, PermissionError)
+    assert str(error) == f"[Errno 13] Permission denied: '{path}'"
+
+
 async def test_load_error_file_is_capped(tmp_path: Path) -> None:
     small = write_json(tmp_path / "small.json", {"message": "m"})
     assert await errors.load_error_file(small) == (b'{"message": "m"}', 16)

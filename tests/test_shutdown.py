@@ -259,3 +259,182 @@ async def test_unkillable_worker_is_reported_as_running_and_reaped_when_it_exits
             assert _lifeline.current_pid() is None
         finally:
             await pc.close(timeout=1)
+
+
+# SIGTERM: even ranks write their error file (torch's flat layout), odd ranks
+# write none; every rank then exits with 3.
+WRITES_ERROR_FILE_ON_TERM = (
+    "import json, os, signal, sys\n"
+    "rank = int(sys.argv[2])\n"
+    "def term(*_):\n"
+    "    if rank % 2 == 0:\n"
+    "        with open(os.environ['TORCHELASTIC_ERROR_FILE'], 'w') as f:\n"
+    "            json.dump({'message': f'rank {rank} was stopped', 'timestamp': 1234}, f)\n"
+    "    os._exit(3)\n"
+    "signal.signal(signal.SIGTERM, term)\n"
+    "with open(sys.argv[1], 'w') as f:\n"
+    "    f.write(f'{os.getpid()} 0\\n')\n"
+    "while True:\n"
+    "    signal.pause()\n"
+)
+
+
+async def test_close_reports_every_error_file_written_on_sigterm(tmp_path: Path) -> None:
+    """More stopped workers than one delivery batch: each failure has its own error file."""
+    from aioproc import _offloop
+    from aioproc.errors import ProcessFailure
+
+    n = 5 * _offloop.Delivery.BATCH + 1
+    async with Fifo(tmp_path / "fifo") as fifo:
+        pc = await aioproc.start_processes(
+            "writers",
+            sys.executable,
+            {r: ("-c", WRITES_ERROR_FILE_ON_TERM, fifo.path, str(r)) for r in range(n)},
+            envs(n),
+            DefaultLogsSpecs(log_dir=tmp_path / "logs"),
+        )
+        try:
+            await fifo.pid_pairs(n)  # every handler is installed
+            await pc.close(timeout=10)
+        finally:
+            await pc.close(timeout=1)
+    result = pc.poll()
+    assert result is not None
+    assert sorted(result.failures) == list(range(n))
+    for rank, failure in result.failures.items():
+        pid = pc.pids()[rank]
+        assert (failure.pid, failure.exitcode, failure.stopped) == (pid, 3, True)
+        written = pc.error_files[rank]
+        if rank % 2 == 0:
+            assert failure.error_file == written
+            assert failure.message == f"rank {rank} was stopped"
+            assert failure.timestamp == 1234
+            assert failure.error_file_data == {
+                "message": f"rank {rank} was stopped",
+                "timestamp": 1234,
+            }
+        else:
+            assert failure.error_file == "<N/A>"
+            assert not os.path.exists(written)
+        # as a failure built the synchronous way from the same file reports it
+        expected = ProcessFailure(rank, pid, 3, written, stopped=True)
+        assert (failure.message, failure.error_file, failure.error_file_data) == (
+            expected.message,
+            expected.error_file,
+            expected.error_file_data,
+        )
+    assert all(reaped(pid) for pid in pc.pids().values())
+
+
+async def test_helper_results_reach_the_loop_a_bounded_batch_per_iteration() -> None:
+    """A burst of finished helper jobs resumes at most ``Delivery.BATCH`` callers per
+    loop iteration, in the order they were submitted, each with its own result."""
+    from aioproc import _offloop
+
+    loop = asyncio.get_running_loop()
+    n = 5 * _offloop.Delivery.BATCH
+    iteration = 0
+    counting = True
+
+    def tick() -> None:  # runs once per loop iteration
+        nonlocal iteration
+        iteration += 1
+        if counting:
+            loop.call_soon(tick)
+
+    resumed: list[tuple[int, int]] = []
+
+    async def caller(i: int) -> int:
+        value = await _offloop.run_blocking(lambda: i * i)
+        resumed.append((i, iteration))
+        return value
+
+    with _offloop.helper() as pool:
+        callers = [asyncio.ensure_future(caller(i)) for i in range(n)]
+        await asyncio.sleep(0)  # every caller has submitted its job
+        # hold the loop until the helper thread (FIFO) has finished them all:
+        # their results are all waiting when the loop next looks
+        pool.submit(lambda: None).result(timeout=10)
+        loop.call_soon(tick)
+        try:
+            values = await asyncio.wait_for(asyncio.gather(*callers), 10)
+        finally:
+            counting = False
+    assert values == [i * i for i in range(n)]
+    assert [i for i, _ in resumed] == list(range(n))
+    per_iteration: dict[int, int] = {}
+    for _, at in resumed:
+        per_iteration[at] = per_iteration.get(at, 0) + 1
+    assert max(per_iteration.values()) <= _offloop.Delivery.BATCH
+    assert len(per_iteration) >= n // _offloop.Delivery.BATCH
+
+
+async def test_run_blocking_raises_what_the_job_raised() -> None:
+    from aioproc import _offloop
+
+    def fails() -> None:
+        raise PermissionError(13, "Permission denied", "/x")
+
+    with pytest.raises(PermissionError, match=r"\[Errno 13\] Permission denied: '/x'"):
+        await _offloop.run_blocking(fails)
+
+
+async def test_run_blocking_cancelled_finishes_the_job_then_raises() -> None:
+    from aioproc import _offloop
+
+    started = threading.Event()
+    release = threading.Event()
+    finished: list[str] = []
+
+    def job() -> str:
+        started.set()
+        release.wait(10)
+        finished.append("job")
+        return "done"
+
+    task = asyncio.ensure_future(_offloop.run_blocking(job))
+    await asyncio.to_thread(started.wait, 10)
+    task.cancel()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not task.done()  # the cancellation waits for the job
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert finished == ["job"]
+
+
+async def test_an_unreadable_error_file_is_reported_with_the_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The supervisor's read (on its helper thread) fails: the failure says so, and why."""
+    from aioproc import _errorfile
+
+    def denied(name: str, *args: object) -> tuple[bytes, int]:
+        raise PermissionError(13, "Permission denied", name)
+
+    monkeypatch.setattr(_errorfile, "read_capped", denied)
+    writes_and_fails = (
+        "import os, sys\n"
+        "with open(os.environ['TORCHELASTIC_ERROR_FILE'], 'w') as f:\n"
+        "    f.write('{}')\n"
+        "sys.exit(2)\n"
+    )
+    with pytest.raises(aioproc.ChildFailedError) as info:
+        await aioproc.run(
+            sys.executable,
+            nprocs=1,
+            args=("-c", writes_and_fails),
+            logs_specs=DefaultLogsSpecs(log_dir=tmp_path / "logs"),
+        )
+    failure = info.value.failures[0]
+    assert failure.exitcode == 2
+    assert failure.message == (
+        f"Process {failure.pid} exited with code 2; its error file {failure.error_file} "
+        "holds no message"
+    )
+    assert os.path.isfile(failure.error_file)
+    assert [r.getMessage() for r in caplog.records if "error file" in r.getMessage()] == [
+        f"could not read error file {failure.error_file} of local_rank 0 (pid {failure.pid}): "
+        f"[Errno 13] Permission denied: '{failure.error_file}'"
+    ]
