@@ -170,10 +170,10 @@ class WorkerProcess:
     def _send(
         self, kind: int, parts: list[bytes], segments: list[_shm.Segment] | None = None
     ) -> asyncio.Future[tuple[int, bytearray]]:
-        """Write a request now (before any await) and return the future of its reply.
+        """Write a request at once and return the future its reply resolves.
 
-        The caller holds the lock, awaits the future through ``_answer`` and
-        clears ``_reply`` however that ends.
+        The caller holds the lock, awaits the future, calls ``_abandon`` if
+        that is cancelled and clears ``_reply`` however it ends.
         """
         if self._child.returncode is not None:
             code = self._child.returncode
@@ -240,10 +240,10 @@ class WorkerProcess:
         # large arguments go to shared memory, closed however the call ends
         segments: list[_shm.Segment] | None = [] if self._channel.fd_socket is not None else None
         parts = CallEncoder(fn).encode(args, kwargs, segments)
-        # The request is written before the first suspension when the worker
-        # is idle, and the reply future is awaited right here: a call costs
-        # one loop iteration on each side of the worker's turn (no task, no
-        # timeout scope; ``_request`` inlined, it is this path's only await).
+        # The hot path (``_request`` inlined): an idle worker's request is
+        # written before anything suspends, the protocol resolves the reply
+        # future as the frame is read, and this coroutine resumes in the next
+        # loop iteration; no task, timeout scope or queue in between.
         lock = self._lock
         try:
             await lock.acquire()
