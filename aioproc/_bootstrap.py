@@ -341,9 +341,19 @@ def _serve(fd: int, has_init: bool) -> None:
     global STATE, _SERVING
     _SERVING = True
     first = has_init
+    # Wait for requests in poll(), not in read(): a task blocked in read() on
+    # a Unix stream socket is also woken each time the parent consumes one
+    # of its replies (the socket's "writable again" wakeup reaches every
+    # sleeper), so every call cost a spurious wakeup of this process, which
+    # preempted the parent or crossed to another CPU.  poll() wakes for
+    # input (or hangup) only.
+    import select
+
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
     while True:
         try:
-            kind, body = _wire.read_frame(fd)
+            kind, body = _wire.read_frame(fd, poller)
         except (_wire.ChannelClosed, OSError):
             os._exit(0)
         if kind == _wire.PING:
