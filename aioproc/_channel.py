@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import socket
+import struct
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -39,6 +40,12 @@ from .errors import BrokenWorkerError
 
 FrameHandler = Callable[[int, bytearray], None]
 ErrorHandler = Callable[[BrokenWorkerError], None]
+
+_HEADER = struct.Struct(">BQ")
+"""``_wire``'s frame header (kind, body length): one C call to parse or build
+it, where the child, which imports no ``struct``, slices and converts."""
+assert _HEADER.size == _wire.HEADER_SIZE
+_SHM_BYTE = _wire.SHM[0]
 
 
 class _ChannelProtocol(asyncio.BufferedProtocol):
@@ -78,9 +85,10 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
         # uvloop's transports do not subclass asyncio.Transport, but have its API
         self._transport = cast(asyncio.Transport, transport)
 
-    def get_buffer(self, sizehint: int) -> memoryview:
+    def get_buffer(self, sizehint: int) -> bytearray | memoryview:
         if self._body is None:
-            return memoryview(self._scratch)[self._have :]
+            # the usual case (no partial header held) needs no new view
+            return self._scratch if not self._have else memoryview(self._scratch)[self._have :]
         return memoryview(self._body)[self._pos :]
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -102,7 +110,7 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
         """Deliver every whole frame in the scratch buffer; keep what is left."""
         scratch, have, start = self._scratch, self._have, 0
         while have - start >= _wire.HEADER_SIZE and not self.failed.done():
-            kind, length = _wire.parse_header(scratch[start : start + _wire.HEADER_SIZE])
+            kind, length = _HEADER.unpack_from(scratch, start)
             problem = self._check(kind, length)
             if problem:
                 self._fail(problem)
@@ -116,7 +124,7 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
             body[: have - begin] = memoryview(scratch)[begin:have]
             self._kind, self._body, self._pos = kind, body, have - begin
             start = have
-        if start:
+        if start and start < have:
             scratch[: have - start] = scratch[start:have]
         self._have = have - start
 
@@ -146,7 +154,7 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
             self._on_error(error)
 
     def _deliver(self, kind: int, body: bytearray) -> None:
-        if kind == _wire.RESULT and body[:1] == _wire.SHM:
+        if kind == _wire.RESULT and body and body[0] == _SHM_BYTE:
             try:
                 if self._fd_socket is None:
                     raise ValueError("this channel passes no file descriptors")
@@ -277,12 +285,12 @@ class Channel:
             except OSError:
                 self._transport.abort()
                 return
-        size = sum(len(p) for p in parts)
+        size = sum(map(len, parts))
         if size <= _wire.JOIN_LIMIT:
             # one write, so one send(): the worker wakes once per small frame
-            self._transport.write(b"".join((_wire.header(kind, size), *parts)))
+            self._transport.write(b"".join((_HEADER.pack(kind, size), *parts)))
             return
-        self._transport.write(_wire.header(kind, size))
+        self._transport.write(_HEADER.pack(kind, size))
         for part in parts:
             if part:
                 self._transport.write(part)

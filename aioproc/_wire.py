@@ -383,9 +383,16 @@ _pending = b""
 """Bytes the child read past the last frame it returned (it has one channel)."""
 
 
-def read_frame(fd: int) -> tuple[int, bytes | bytearray]:
-    """Block until one whole frame arrives on ``fd``; return (kind, body)."""
+def read_frame(fd: int, poller: Any = None) -> tuple[int, bytes | bytearray]:
+    """Block until one whole frame arrives on ``fd``; return (kind, body).
+
+    ``poller``: a ``select.poll`` object watching ``fd`` for input; when no
+    bytes are buffered here, the wait for the frame happens in it rather
+    than in ``read`` (see ``_bootstrap._serve`` for why).
+    """
     global _pending
+    if poller is not None and not _pending:
+        poller.poll()
     buf = _pending or os.read(fd, READ_SIZE)
     while len(buf) < HEADER_SIZE:
         chunk = os.read(fd, READ_SIZE)

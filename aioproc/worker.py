@@ -87,7 +87,8 @@ class WorkerProcess:
         self._closed = False
         self._killed = False
         self.calls = 0
-        self._exit_task = asyncio.get_running_loop().create_task(self._watch_exit())
+        self._loop = asyncio.get_running_loop()
+        self._exit_task = self._loop.create_task(self._watch_exit())
         channel.failed.add_done_callback(self._on_channel_failed)
 
     def __repr__(self) -> str:
@@ -166,26 +167,39 @@ class WorkerProcess:
         tail = f"; last lines of its stderr:\n{tail}" if tail else "; its stderr was empty"
         return error(f"worker {self.name} (pid {self.pid}) {how} {when}{tail}")
 
-    async def _request(
+    def _send(
         self, kind: int, parts: list[bytes], segments: list[_shm.Segment] | None = None
-    ) -> tuple[int, bytearray]:
+    ) -> asyncio.Future[tuple[int, bytearray]]:
+        """Write a request at once and return the future its reply resolves.
+
+        The caller holds the lock, awaits the future, calls ``_abandon`` if
+        that is cancelled and clears ``_reply`` however it ends.
+        """
         if self._child.returncode is not None:
             code = self._child.returncode
             raise self._broken(code, "before this request (while idle)", _Undelivered)
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
-        if self._channel.error is not None:
-            raise BrokenWorkerError(f"worker {self.name} (pid {self.pid}): {self._channel.error}")
-        reply: asyncio.Future[tuple[int, bytearray]] = asyncio.get_running_loop().create_future()
+        failed = self._channel.failed
+        if failed.done():
+            raise BrokenWorkerError(f"worker {self.name} (pid {self.pid}): {failed.result()}")
+        reply: asyncio.Future[tuple[int, bytearray]] = self._loop.create_future()
         self._reply = reply
         self._channel.send(kind, *parts, segments=segments or ())
+        return reply
+
+    def _abandon(self) -> None:
+        # The worker is busy with a request nobody waits for: kill it
+        # (like anyio's cancellable=True) rather than let it run on.
+        self._killed = True
+        self._child.signal_group(signal.SIGKILL)
+
+    async def _request(self, kind: int, parts: list[bytes]) -> tuple[int, bytearray]:
+        reply = self._send(kind, parts)
         try:
             return await reply
         except asyncio.CancelledError:
-            # The worker is busy with a request nobody waits for: kill it
-            # (like anyio's cancellable=True) rather than let it run on.
-            self._killed = True
-            self._child.signal_group(signal.SIGKILL)
+            self._abandon()
             raise
         finally:
             self._reply = None
@@ -226,13 +240,29 @@ class WorkerProcess:
         # large arguments go to shared memory, closed however the call ends
         segments: list[_shm.Segment] | None = [] if self._channel.fd_socket is not None else None
         parts = CallEncoder(fn).encode(args, kwargs, segments)
+        # The hot path (``_request`` inlined): an idle worker's request is
+        # written before anything suspends, the protocol resolves the reply
+        # future as the frame is read, and this coroutine resumes in the next
+        # loop iteration; no task, timeout scope or queue in between.
+        lock = self._lock
         try:
-            async with self._lock:
-                kind, body = await self._request(_wire.CALL, parts, segments)
+            await lock.acquire()
+            try:
+                reply = self._send(_wire.CALL, parts, segments)
+                try:
+                    kind, body = await reply
+                except asyncio.CancelledError:
+                    self._abandon()
+                    raise
+                finally:
+                    self._reply = None
                 self.calls += 1
+            finally:
+                lock.release()
         finally:
-            for segment in segments or ():
-                segment.close()
+            if segments:
+                for segment in segments:
+                    segment.close()
         if kind == _wire.ERROR:
             exc = rebuild_exception(body)
             if exc is None:

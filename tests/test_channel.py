@@ -14,6 +14,7 @@ import gc
 import importlib
 import multiprocessing
 import os
+import select
 import shutil
 import socket
 import tracemalloc
@@ -242,6 +243,53 @@ def test_child_reads_back_to_back_frames_one_at_a_time(
     parent.shutdown(socket.SHUT_WR)
     with pytest.raises(_wire.ChannelClosed, match="channel closed after 4 of 10 body bytes"):
         _wire.read_frame(fd)
+
+
+class _StrictPoller:
+    """A ``select.poll`` on one fd that fails instead of blocking when nothing is readable."""
+
+    def __init__(self, fd: int) -> None:
+        self._poller = select.poll()
+        self._poller.register(fd, select.POLLIN)
+        self.waits = 0
+
+    def poll(self) -> list[tuple[int, int]]:
+        self.waits += 1
+        ready = self._poller.poll(0)
+        assert ready, "waited for input while a whole frame was already buffered"
+        return ready
+
+
+def test_persistent_worker_waits_in_poll_only_when_nothing_is_buffered(
+    raw_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    # A persistent worker waits for requests in poll() (see _bootstrap._serve):
+    # frames that came in the same read are served without waiting again.
+    parent, child = raw_pair
+    fd = child.fileno()
+    poller = _StrictPoller(fd)
+    parent.sendall(
+        _wire.header(_wire.INIT, 3)
+        + b"abc"
+        + _wire.header(_wire.PING, 0)
+        + _wire.header(_wire.CALL, 2)
+        + b"de"
+    )
+    got = [_wire.read_frame(fd, poller) for _ in range(3)]
+    assert [(kind, bytes(body)) for kind, body in got] == [
+        (_wire.INIT, b"abc"),
+        (_wire.PING, b""),
+        (_wire.CALL, b"de"),
+    ]
+    assert poller.waits == 1
+    parent.sendall(_wire.header(_wire.PING, 0))
+    assert _wire.read_frame(fd, poller) == (_wire.PING, b"")
+    assert poller.waits == 2
+    # the supervisor gone: poll() reports the hangup and the read says so
+    parent.close()
+    with pytest.raises(_wire.ChannelClosed, match="channel closed after 0 of 9 header bytes"):
+        _wire.read_frame(fd, poller)
+    assert poller.waits == 3
 
 
 def test_child_eof_inside_a_header_is_channel_closed(

@@ -10,6 +10,7 @@ files; the fd socket for shared memory is a SOCK_SEQPACKET one), so
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import stat
 from typing import Any
@@ -40,7 +41,7 @@ def forge_header_then_block(kind: int, length: int) -> None:
     """Like :func:`forge_header`, then wait forever (until killed)."""
     forge_header(kind, length)
     while True:
-        os.pause()
+        signal.pause()
 
 
 def make_bytes(n: int) -> bytes:
