@@ -67,6 +67,13 @@ _FORK_WINDOW = 32
 """The same for workers forked from a template: their requests go out together,
 and the template forks them all before it waits for the first (see ``_template``)."""
 
+_BINARY_BATCH = 16
+"""Binary workers started by one helper job (one hand-over between thread and loop)."""
+
+_BATCHES_IN_FLIGHT = 2
+"""Batches of binary workers queued at once: the helper thread starts one while
+the loop wires up the other."""
+
 _RELEASE_BATCH = 16
 """Workers whose pipes are closed, or leaders reaped, per loop iteration at close."""
 
@@ -345,7 +352,20 @@ class PContext:
             head = script_dirs(self.entrypoint, self.args)
             template = await _template.acquire(self.preload, head)
         errors: list[Exception] = []
-        window = anyio.Semaphore(_LAUNCH_WINDOW if template is None else _FORK_WINDOW)
+        # binary workers start in batches, one helper job each (see
+        # _spawn.spawn_binaries); others one by one, a few in flight
+        batch = _BINARY_BATCH if template is None and not self.is_function else 1
+        in_flight = _FORK_WINDOW if template is not None else _LAUNCH_WINDOW
+        window = anyio.Semaphore(_BATCHES_IN_FLIGHT if batch > 1 else in_flight)
+
+        def started(rank: int, child: Child) -> None:
+            self._children[rank] = child
+            self._watched[rank] = asyncio.Event()
+            if self._hub is not None and child.channel is not None:
+                key = self._hub_keys.get(rank, rank)
+                self._hub.attach(key, child.channel, key if isinstance(key, str) else child.label)
+            self._notify(WorkerEvent("started", rank, child.pid, None, time.time()))
+            tg.start_soon(self._watch, rank, child, name=f"aioproc-watch-{child.label}")
 
         async def launch(rank: int) -> None:
             try:
@@ -357,24 +377,33 @@ class PContext:
                 return
             finally:
                 window.release()
-            self._children[rank] = child
-            self._watched[rank] = asyncio.Event()
-            if self._hub is not None and child.channel is not None:
-                key = self._hub_keys.get(rank, rank)
-                self._hub.attach(key, child.channel, key if isinstance(key, str) else child.label)
-            self._notify(WorkerEvent("started", rank, child.pid, None, time.time()))
-            tg.start_soon(self._watch, rank, child, name=f"aioproc-watch-{child.label}")
+            started(rank, child)
+
+        async def launch_batch(ranks: range) -> None:
+            try:
+                children, error = await self._ranks.launch_binaries(ranks, dest)
+            finally:
+                window.release()
+            for rank, child in children.items():
+                started(rank, child)
+            if error is not None:
+                errors.append(error)
 
         try:
-            # a few launches in flight: the helper thread forks the next worker
-            # while the loop wires up the last one (no round trip per worker)
+            # a few launches in flight: the helper thread starts the next
+            # workers while the loop wires up the last ones
             async with anyio.create_task_group() as launching:
-                for rank in range(self.nprocs):
+                for first in range(0, self.nprocs, batch):
                     await window.acquire()
                     if self._close_request.done() or errors:
                         window.release()
                         break
-                    launching.start_soon(launch, rank, name=f"aioproc-launch-{self.name}/{rank}")
+                    name = f"aioproc-launch-{self.name}/{first}"
+                    if batch > 1:
+                        ranks = range(first, min(first + batch, self.nprocs))
+                        launching.start_soon(launch_batch, ranks, name=name)
+                    else:
+                        launching.start_soon(launch, first, name=name)
             if errors:
                 raise errors[0]
         finally:
