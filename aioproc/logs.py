@@ -30,7 +30,6 @@ import logging
 import os
 import re
 import shutil
-import stat
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -370,20 +369,7 @@ class DefaultLogsSpecs(LogsSpecs):
         root = self._ephemeral_root
         if root is None:
             return
-        for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
-            for name in filenames:
-                path = os.path.join(dirpath, name)
-                try:
-                    # lstat: a symlink is never followed, nor removed.
-                    st = os.lstat(path)
-                    if stat.S_ISREG(st.st_mode) and st.st_size == 0:
-                        os.unlink(path)
-                except OSError:
-                    continue  # vanished meanwhile or not ours to remove: leave it
-            try:
-                os.rmdir(dirpath)
-            except OSError:
-                pass  # still holds logs (or is gone already)
+        _prune_tree(root)
         if not os.path.lexists(root):
             # Never recreate a deleted name in a shared temp dir: start afresh.
             self._root_log_dir = self._ephemeral_root = self._run_log_dir = None
@@ -428,6 +414,41 @@ class DefaultLogsSpecs(LogsSpecs):
             dest.error_files[rank] = os.devnull
             envs[rank][ERROR_FILE_ENV] = ""
         return dest
+
+
+def _prune_tree(path: str) -> None:
+    """Remove the empty files and dirs under the dir ``path``, then ``path`` if empty.
+
+    An empty dir (the rank dir of a worker that wrote no file, the usual
+    case) goes in one ``rmdir``, without being listed first: a group of
+    1024 workers is pruned in a third of the system calls of ``os.walk``.
+    Symlinks are never followed, nor removed.
+    """
+    try:
+        os.rmdir(path)
+        return
+    except OSError:
+        pass  # not empty (or gone, or not ours to remove)
+    try:
+        with os.scandir(path) as it:
+            entries = list(it)
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                _prune_tree(entry.path)
+            elif (
+                entry.is_file(follow_symlinks=False)
+                and entry.stat(follow_symlinks=False).st_size == 0
+            ):
+                os.unlink(entry.path)
+        except OSError:
+            continue  # vanished meanwhile or not ours to remove: leave it
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass  # still holds logs (or is gone already)
 
 
 def _is_rank(value: object) -> bool:
