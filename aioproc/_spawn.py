@@ -1,17 +1,19 @@
-"""Launch ONE worker process in a session of its own, known to the guardian first.
+"""Launch worker processes in sessions of their own, known to the guardian first.
 
 A worker is started with ``subprocess.Popen`` in its own session (so stop and
-kill reach its whole process group).  Its exit is noticed through a pidfd on
+kill reach its whole process group); binary workers are started in batches
+(``spawn_binaries``), with ``posix_spawn`` where it gives the same
+(``_binspawn``).  Its exit is noticed through a pidfd on
 the loop (``_exit``), which needs no thread per child, unlike asyncio's
 default child watcher on Python < 3.12; that is why workers are not started
 through ``loop.subprocess_exec``.
 
-``Popen`` runs on the helper thread (``_offloop``): it returns only once the
+The start runs on the helper thread (``_offloop``): it returns only once the
 child has exec'd, which on a busy machine held the loop for tens of
 milliseconds per worker.
 
 No orphan window: the guardian (``_lifeline``) is told of the new group by
-that thread as ``Popen`` returns, before anything else runs there, and the
+that thread as the start returns, before anything else runs there, and the
 loop registers it again (a no-op) when it resumes.  A function worker runs
 nothing of the user's until the supervisor sends its boot code over the
 channel.  A binary worker runs from its ``exec``, so for

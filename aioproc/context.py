@@ -382,6 +382,9 @@ class PContext:
         async def launch_batch(ranks: range) -> None:
             try:
                 children, error = await self._ranks.launch_binaries(ranks, dest)
+            except Exception as e:  # nothing of the batch is left running
+                errors.append(e)
+                return
             finally:
                 window.release()
             for rank, child in children.items():
