@@ -295,6 +295,19 @@ class DefaultLogsSpecs(LogsSpecs):
         Raises:
             ValueError, NotADirectoryError: as ``validate``; nothing is created.
         """
+        dest, rank_dirs = self._reify_deferred(envs)
+        for path in rank_dirs.values():
+            os.mkdir(path)
+        return dest
+
+    def _reify_deferred(self, envs: dict[int, dict[str, str]]) -> tuple[LogsDest, dict[int, str]]:
+        """``reify`` without making the rank dirs: returns them, to be made in rank order.
+
+        The supervisor makes them while the first workers start (see
+        ``PContext``): thousands of ``mkdir`` next to each other cost
+        milliseconds each on some file systems.  A rank's dir must exist
+        before anything of the rank is opened or started.
+        """
         self.validate(envs)
         nprocs = len(envs)
         env0 = envs[0] if nprocs else {}
@@ -302,7 +315,7 @@ class DefaultLogsSpecs(LogsSpecs):
         tee = to_map(self._tee, nprocs)
 
         if self._root_log_dir == os.devnull:
-            return self._reify_devnull(envs, tee)
+            return self._reify_devnull(envs, tee), {}
 
         run_id = env0.get(RUN_ID_ENV, DEFAULT_RUN_ID)
         restart_count = env0.get(RESTART_COUNT_ENV, "0")
@@ -315,9 +328,9 @@ class DefaultLogsSpecs(LogsSpecs):
             filtered_stdout=os.path.join(attempt_dir, "filtered_stdout.log"),
             filtered_stderr=os.path.join(attempt_dir, "filtered_stderr.log"),
         )
+        rank_dirs: dict[int, str] = {}
         for rank in range(nprocs):
-            rank_dir = os.path.join(attempt_dir, str(rank))
-            os.mkdir(rank_dir)
+            rank_dir = rank_dirs[rank] = os.path.join(attempt_dir, str(rank))
             # tee is a redirect plus a copy on the console, so it implies the file.
             to_file = redirects[rank] | tee[rank]
             stdout = os.path.join(rank_dir, "stdout.log") if to_file & Std.OUT else _CONSOLE
@@ -336,7 +349,7 @@ class DefaultLogsSpecs(LogsSpecs):
             error_file = os.path.join(rank_dir, "error.json")
             dest.error_files[rank] = error_file
             envs[rank][ERROR_FILE_ENV] = error_file
-        return dest
+        return dest, rank_dirs
 
     def validate(self, envs: Mapping[int, Mapping[str, str]]) -> None:
         """Check what becomes a path before anything is created.

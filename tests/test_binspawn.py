@@ -7,15 +7,17 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import types
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import child_pids, pid_gone, write_file
+from helpers import aioproc_temp_dirs, child_pids, pid_gone, write_file
 
 import aioproc
-from aioproc import DefaultLogsSpecs, Std, _binspawn, _lifeline
+from aioproc import DefaultLogsSpecs, Std, _binspawn, _lifeline, context
 from aioproc._spawn import BinaryStart, discard, spawn_binaries
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -247,3 +249,57 @@ async def test_cancelling_a_start_of_several_batches_leaves_nothing() -> None:
         6, SEED, phases=("start", "start-await"), kinds=("binary",), nprocs=40
     )
     assert found.total() == 0, f"seed {SEED}: {found.summary()}\n" + "\n".join(found.details)
+
+
+async def test_rank_dirs_exist_before_each_worker_starts_and_their_thread_goes(
+    tmp_path: Path, no_popen: None
+) -> None:
+    # each worker writes its error file into its rank dir, made during the launch
+    n = 40  # three batches
+    code = 'echo "{\\"rank\\": $LOCAL_RANK}" > "$TORCHELASTIC_ERROR_FILE"'
+    async with aioproc.start_processes(
+        "dirs",
+        "/bin/sh",
+        {r: ("-c", code) for r in range(n)},
+        {r: {"LOCAL_RANK": str(r)} for r in range(n)},
+        DefaultLogsSpecs(tmp_path),
+    ) as pc:
+        assert not [t for t in threading.enumerate() if t.name.startswith("aioproc-dirs")]
+        result = await pc.wait()
+    assert result is not None and not result.failures
+    for r in range(n):
+        assert Path(pc.error_files[r]).read_text() == f'{{"rank": {r}}}\n'
+
+
+async def test_a_rank_dir_that_cannot_be_made_fails_the_start_and_leaves_nothing(
+    monkeypatch: pytest.MonkeyPatch, no_popen: None
+) -> None:
+    made: list[str] = []
+
+    def make_dirs(paths: list[str]) -> None:
+        if made:  # the second batch
+            raise OSError(28, "No space left on device", paths[0])
+        for path in paths:
+            os.mkdir(path)
+            made.append(path)
+
+    monkeypatch.setattr(context, "_make_dirs", make_dirs)
+    temp_before = aioproc_temp_dirs(tempfile.gettempdir())
+    pc = aioproc.PContext(
+        "nospace",
+        "/bin/sleep",
+        {r: ("1000",) for r in range(40)},
+        {r: {} for r in range(40)},
+        DefaultLogsSpecs(),
+    )
+    with pytest.raises(OSError, match="No space left on device") as info:
+        await pc.start()
+    assert info.value.filename == os.path.join(os.path.dirname(made[0]), "16")
+    assert len(made) == 16
+    assert child_pids() == set()
+    assert _lifeline.registered_groups() == frozenset()
+    assert not [t for t in threading.enumerate() if t.name.startswith("aioproc-dirs")]
+    assert aioproc_temp_dirs(tempfile.gettempdir()) == temp_before  # pruned
+    result = pc.poll()
+    assert result is not None
+    assert len(result.failures) == 40  # 16 killed, 24 never started
