@@ -372,7 +372,13 @@ class PContext:
         batch = _BINARY_BATCH if self._batched else 1
         in_flight = _FORK_WINDOW if template is not None else _LAUNCH_WINDOW
         window = anyio.Semaphore(_BATCHES_IN_FLIGHT if batch > 1 else in_flight)
-        dirs = _RankDirs(self._rank_dirs, batch)
+        # rank 0 alone first: its "started" event (the CLI names the log dir
+        # then) comes before the other workers' output, as one by one
+        units = [range(0, min(1, self.nprocs))] if batch > 1 else []
+        units += [
+            range(i, min(i + batch, self.nprocs)) for i in range(len(units), self.nprocs, batch)
+        ]
+        dirs = _RankDirs(self._rank_dirs, units)
 
         def started(rank: int, child: Child) -> None:
             self._children[rank] = child
@@ -413,17 +419,16 @@ class PContext:
             # a few launches in flight: the helper thread starts the next
             # workers while the loop wires up the last ones
             async with anyio.create_task_group() as launching:
-                for first in range(0, self.nprocs, batch):
+                for ranks in units:
                     await window.acquire()
                     if self._close_request.done() or errors:
                         window.release()
                         break
-                    name = f"aioproc-launch-{self.name}/{first}"
+                    name = f"aioproc-launch-{self.name}/{ranks.start}"
                     if batch > 1:
-                        ranks = range(first, min(first + batch, self.nprocs))
                         launching.start_soon(launch_batch, ranks, name=name)
                     else:
-                        launching.start_soon(launch, first, name=name)
+                        launching.start_soon(launch, ranks.start, name=name)
             if errors:
                 raise errors[0]
         finally:
@@ -714,16 +719,15 @@ class _RankDirs:
     exists only during the launch.
     """
 
-    def __init__(self, rank_dirs: Mapping[int, str], batch: int) -> None:
+    def __init__(self, rank_dirs: Mapping[int, str], units: Sequence[range]) -> None:
         self._made: dict[int, concurrent.futures.Future[None]] = {}
         self._pool: ThreadPoolExecutor | None = None
         if not rank_dirs:
             return
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="aioproc-dirs")
-        ranks = sorted(rank_dirs)
-        for i in range(0, len(ranks), batch):
-            paths = [rank_dirs[r] for r in ranks[i : i + batch]]
-            self._made[ranks[i]] = self._pool.submit(_make_dirs, paths)
+        for ranks in units:
+            paths = [rank_dirs[r] for r in ranks if r in rank_dirs]
+            self._made[ranks.start] = self._pool.submit(_make_dirs, paths)
 
     async def ready(self, first: int) -> None:
         """Until the dirs of the batch starting at rank ``first`` exist; raises OSError."""
