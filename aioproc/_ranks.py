@@ -21,7 +21,7 @@ from ._boot import CallEncoder, init_frame
 from ._launch import launch_function
 from ._output import TeeProtocol
 from ._script import ScriptCommand, script_command
-from ._spawn import Child, spawn
+from ._spawn import BinaryStart, Child, adopt, discard, spawn, spawn_binaries
 from .logs import LogsDest
 from .sinks import CallbackSink, ConsoleSink, FileSink, Sink, _FilteredFileSink
 
@@ -122,6 +122,42 @@ class RankLauncher:
             local_rank=str(rank),
         )
 
+    def _env(self, rank: int) -> dict[str, str]:
+        if self._environ is None:
+            # one snapshot per group: os.environ decodes every entry on each read
+            self._environ = dict(os.environ)
+        return {**self._environ, **self.envs[rank]}
+
+    def _streams(
+        self, rank: int, dest: LogsDest, files: list[Any], tees: dict[str, TeeProtocol]
+    ) -> dict[str, Any]:
+        """Open ``rank``'s log files: ``{"stdout": ..., "stderr": ...}`` for ``spawn``.
+
+        A redirected stream's file is appended to ``files`` (the caller
+        closes it once the child has its copy); a tee'd one goes to a pipe
+        read by the protocol put in ``tees``, which owns its file.
+        """
+        streams: dict[str, Any] = {}
+        for key, path, tee_map in (
+            ("stdout", dest.stdouts.get(rank, ""), dest.tee_stdouts),
+            ("stderr", dest.stderrs.get(rank, ""), dest.tee_stderrs),
+        ):
+            if not path:
+                streams[key] = None
+                continue
+            sinks = list(self.sinks) if rank in tee_map else []
+            if key in self.filter_sinks:
+                sinks.append(self.filter_sinks[key])
+            # a local open(); the tee owns it or the caller closes it
+            f = open(path, "wb", buffering=0)  # noqa: SIM115
+            if sinks:
+                streams[key] = subprocess.PIPE
+                tees[key] = TeeProtocol(f, rank, key, self.prefix(rank), sinks)
+            else:
+                streams[key] = f
+                files.append(f)
+        return streams
+
     async def launch(
         self,
         rank: int,
@@ -138,34 +174,12 @@ class RankLauncher:
 
         Cancellation: see ``spawn``: the half-started worker's group is killed.
         """
-        if self._environ is None:
-            # one snapshot per group: os.environ decodes every entry on each read
-            self._environ = dict(os.environ)
-        env = {**self._environ, **self.envs[rank]}
+        env = self._env(rank)
         label = f"{self.name}/{rank}"
-        prefix = self.prefix(rank)
         files: list[Any] = []
         tees: dict[str, TeeProtocol] = {}
         try:
-            streams: dict[str, Any] = {}
-            for key, path, tee_map in (
-                ("stdout", dest.stdouts.get(rank, ""), dest.tee_stdouts),
-                ("stderr", dest.stderrs.get(rank, ""), dest.tee_stderrs),
-            ):
-                if not path:
-                    streams[key] = None
-                    continue
-                sinks = list(self.sinks) if rank in tee_map else []
-                if key in self.filter_sinks:
-                    sinks.append(self.filter_sinks[key])
-                # a local open(); the tee owns it or it is closed below
-                f = open(path, "wb", buffering=0)  # noqa: ASYNC230, SIM115
-                if sinks:
-                    streams[key] = subprocess.PIPE
-                    tees[key] = TeeProtocol(f, rank, key, prefix, sinks)
-                else:
-                    streams[key] = f
-                    files.append(f)
+            streams = self._streams(rank, dest, files, tees)
             if payload is not None:
                 init, *call = payload
                 segments = self._segments.pop(rank, [])
@@ -222,6 +236,70 @@ class RankLauncher:
         finally:
             for f in files:
                 f.close()  # the child has its own copy
+
+    async def launch_binaries(
+        self, ranks: Sequence[int], dest: LogsDest
+    ) -> tuple[dict[int, Child], Exception | None]:
+        """Start the binary workers of ``ranks``, in order, in one batch (``spawn_binaries``).
+
+        Returns the workers started, and the error that stopped the batch
+        (the ranks after the failed one are not started), if any.
+
+        Cancellation: the batch's workers are killed with their groups.
+        """
+        files: list[Any] = []
+        tees: list[dict[str, TeeProtocol]] = []
+        starts: list[BinaryStart] = []
+        children: dict[int, Child] = {}
+        error: Exception | None = None
+        try:
+            for rank in ranks:
+                rank_tees: dict[str, TeeProtocol] = {}
+                tees.append(rank_tees)
+                try:
+                    streams = self._streams(rank, dest, files, rank_tees)
+                except OSError as e:
+                    error = e  # this rank's log file: start the ones before it
+                    break
+                argv = [str(self.entrypoint), *map(str, self.args[rank])]
+                starts.append(
+                    BinaryStart(argv, self._env(rank), streams["stdout"], streams["stderr"])
+                )
+            procs, failed = await spawn_binaries(starts, self.pass_fds)
+            error = failed or error
+            pending = list(zip(ranks, procs, tees, strict=False))
+            try:
+                while pending:
+                    rank, proc, rank_tees = pending.pop(0)
+                    try:
+                        # connects the tee pipes; kills the worker if that fails
+                        children[rank] = await adopt(
+                            f"{self.name}/{rank}",
+                            proc,
+                            None,
+                            rank_tees.get("stdout"),
+                            rank_tees.get("stderr"),
+                        )
+                    except Exception as e:
+                        error = error or e
+                        break
+            except BaseException:
+                for child in children.values():
+                    child.abandon()  # never reported as started: not ours to keep
+                children.clear()
+                raise
+            finally:
+                for _, proc, _ in pending:
+                    discard(proc)
+        finally:
+            for f in files:
+                f.close()  # the children have their own copies
+            for rank, rank_tees in zip(ranks, tees, strict=False):
+                if rank not in children:
+                    for t in rank_tees.values():
+                        if t.log_file is not None:
+                            t.log_file.close()
+        return children, error
 
 
 def make_sinks(sinks: Sequence[SinkLike] | None) -> list[Sink]:

@@ -1,17 +1,19 @@
-"""Launch ONE worker process in a session of its own, known to the guardian first.
+"""Launch worker processes in sessions of their own, known to the guardian first.
 
 A worker is started with ``subprocess.Popen`` in its own session (so stop and
-kill reach its whole process group).  Its exit is noticed through a pidfd on
+kill reach its whole process group); binary workers are started in batches
+(``spawn_binaries``), with ``posix_spawn`` where it gives the same
+(``_binspawn``).  Its exit is noticed through a pidfd on
 the loop (``_exit``), which needs no thread per child, unlike asyncio's
 default child watcher on Python < 3.12; that is why workers are not started
 through ``loop.subprocess_exec``.
 
-``Popen`` runs on the helper thread (``_offloop``): it returns only once the
+The start runs on the helper thread (``_offloop``): it returns only once the
 child has exec'd, which on a busy machine held the loop for tens of
 milliseconds per worker.
 
 No orphan window: the guardian (``_lifeline``) is told of the new group by
-that thread as ``Popen`` returns, before anything else runs there, and the
+that thread as the start returns, before anything else runs there, and the
 loop registers it again (a no-op) when it resumes.  A function worker runs
 nothing of the user's until the supervisor sends its boot code over the
 channel.  A binary worker runs from its ``exec``, so for
@@ -34,9 +36,10 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import IO, Any, TypeVar
 
-from . import _lifeline
+from . import _binspawn, _lifeline
 from ._channel import Channel
 from ._exit import ExitWatcher, Proc
 from ._offloop import helper
@@ -106,6 +109,11 @@ class Child:
         except (ProcessLookupError, PermissionError):
             return False
         return True
+
+    def abandon(self) -> None:
+        """Kill and reap a worker whose start was abandoned, and close its pipes."""
+        self.watcher.detach()
+        discard(self.popen, self._tee_transports)
 
     def release(self) -> None:
         """After the last signal to the group: forget it and reap the leader.
@@ -286,8 +294,63 @@ async def spawn(
         _lifeline.register_from_thread(popen.pid)  # at once: see the module docstring
         return popen
 
-    popen = await start_off_loop(lambda pool: pool.submit(start), lambda p: p.pid, _discard)
+    popen = await start_off_loop(lambda pool: pool.submit(start), lambda p: p.pid, discard)
     return await adopt(label, popen, channel, tee_out, tee_err)
+
+
+@dataclass(frozen=True)
+class BinaryStart:
+    """How to start one binary worker (see ``spawn_binaries``).
+
+    ``stdout``/``stderr`` as for ``spawn``; ``env`` is the worker's whole
+    environment (the lifeline token is added at the start).
+    """
+
+    argv: list[str]
+    env: Mapping[str, str]
+    stdout: int | IO[Any] | None
+    stderr: int | IO[Any] | None
+
+
+async def spawn_binaries(
+    starts: Sequence[BinaryStart], pass_fds: Sequence[int] = ()
+) -> tuple[list[Proc], Exception | None]:
+    """Start binary workers in their own sessions, in order, in one helper job.
+
+    One job for the batch: the helper thread and the loop hand over once per
+    batch, not once per worker.  Each worker is registered with the guardian
+    as it starts (see ``start_off_loop``).  Stops at the first start that
+    fails: returns the workers started before it, still to be adopted (see
+    ``adopt``), and that error, whose worker left nothing behind.
+
+    Cancellation: the batch runs to completion; its workers are then killed
+    and reaped before the cancellation propagates.
+    """
+    token = _lifeline.token()
+    keep = tuple(pass_fds)
+
+    def start_all() -> tuple[list[Proc], Exception | None]:
+        procs: list[Proc] = []
+        batch = _binspawn.Batch()
+        for start in starts:
+            env = {**start.env, _lifeline.TOKEN_VAR: token}
+            try:
+                proc = _binspawn.exec_binary(
+                    start.argv, env, start.stdout, start.stderr, keep, batch
+                )
+            except Exception as e:
+                return procs, e
+            _lifeline.register_from_thread(proc.pid)  # at once: see the module docstring
+            procs.append(proc)
+        return procs, None
+
+    def discard_all(started: tuple[list[Proc], Exception | None]) -> None:
+        for proc in started[0]:
+            discard(proc)
+
+    return await start_off_loop(
+        lambda pool: pool.submit(start_all), lambda s: [p.pid for p in s[0]], discard_all
+    )
 
 
 T = TypeVar("T")
@@ -295,7 +358,7 @@ T = TypeVar("T")
 
 async def start_off_loop(
     submit: Callable[[Executor], concurrent.futures.Future[T]],
-    pid_of: Callable[[T], int],
+    pid_of: Callable[[T], int | Sequence[int]],
     discard: Callable[[T], None],
 ) -> T:
     """Start a worker on the helper thread: ``submit(pool)`` queues the start there.
@@ -320,7 +383,9 @@ async def start_off_loop(
                 if starting.done() and not starting.cancelled() and not starting.exception():
                     discard(starting.result())  # started after all: not ours to keep
                 raise
-        _lifeline.register(pid_of(started))
+        pids = pid_of(started)
+        for pid in [pids] if isinstance(pids, int) else pids:
+            _lifeline.register(pid)
     finally:
         _lifeline.unhold()  # dismisses the guardian if the start failed and it is idle
     return started
@@ -353,12 +418,12 @@ async def adopt(
     except BaseException:
         if child is not None:
             child.watcher.detach()
-        _discard(popen, transports)
+        discard(popen, transports)
         raise
     return child
 
 
-def _discard(popen: Proc, transports: Sequence[asyncio.BaseTransport] = ()) -> None:
+def discard(popen: Proc, transports: Sequence[asyncio.BaseTransport] = ()) -> None:
     """Kill and reap a worker whose start was abandoned, and close its pipes."""
     try:
         os.killpg(popen.pid, signal.SIGKILL)  # the leader is unreaped: still ours

@@ -20,11 +20,14 @@ never signalled) and lets the guardian forget their groups.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
@@ -51,7 +54,7 @@ from ._validate import check_kwargs as _check_kwargs
 from ._validate import check_signal as _validate_signal
 from ._validate import validate_group as _validate
 from .errors import ProcessFailure, read_error_file
-from .logs import LogsDest, LogsSpecs
+from .logs import DefaultLogsSpecs, LogsDest, LogsSpecs
 from .results import DEFAULT_GRACE_PERIOD, RunProcsResult, WorkerEvent
 from .signals import SignalException, pending_signal
 from .sinks import close_sinks
@@ -66,6 +69,13 @@ _LAUNCH_WINDOW = 8
 _FORK_WINDOW = 32
 """The same for workers forked from a template: their requests go out together,
 and the template forks them all before it waits for the first (see ``_template``)."""
+
+_BINARY_BATCH = 16
+"""Binary workers started by one helper job (one hand-over between thread and loop)."""
+
+_BATCHES_IN_FLIGHT = 2
+"""Batches of binary workers queued at once: the helper thread starts one while
+the loop wires up the other."""
 
 _RELEASE_BATCH = 8
 """Workers whose pipes are closed, or leaders reaped, per loop iteration at close."""
@@ -184,6 +194,12 @@ class PContext:
         self._watched: dict[int, asyncio.Event] = {}
         self._auto_stop: anyio.CancelScope | None = None
         self._auto_stopped: asyncio.Event | None = None
+        # binary workers start in batches, one helper job each (see
+        # _spawn.spawn_binaries); a forkserver template runs scripts itself
+        self._batched = not self.is_function and not (
+            start_method == "forkserver" and self._ranks.scripts
+        )
+        self._rank_dirs: dict[int, str] = {}  # rank dirs reify left to the launch
         # reads failed ranks' error files off the loop; shut down at close,
         # so no thread outlives the group (the default executor's would)
 
@@ -252,9 +268,15 @@ class PContext:
             await self._start(payloads)
 
     async def _start(self, payloads: dict[int, list[bytes]]) -> None:
+        specs = self.logs_specs
         try:
-            # a directory per rank: off the loop (see _offloop)
-            dest = await run_blocking(self.logs_specs.reify, self.envs)
+            # a directory per rank: off the loop (see _offloop); for binary
+            # workers in the default layout, made while the first ones start
+            if self._batched and type(specs).reify is DefaultLogsSpecs.reify:
+                assert isinstance(specs, DefaultLogsSpecs)
+                dest, self._rank_dirs = await run_blocking(specs._reify_deferred, self.envs)
+            else:
+                dest = await run_blocking(specs.reify, self.envs)
         except BaseException as e:
             self._ranks.discard_segments()  # large args in shared memory
             if isinstance(e, asyncio.CancelledError):
@@ -345,7 +367,27 @@ class PContext:
             head = script_dirs(self.entrypoint, self.args)
             template = await _template.acquire(self.preload, head)
         errors: list[Exception] = []
-        window = anyio.Semaphore(_LAUNCH_WINDOW if template is None else _FORK_WINDOW)
+        # binary workers start in batches, one helper job each (see
+        # _spawn.spawn_binaries); others one by one, a few in flight
+        batch = _BINARY_BATCH if self._batched else 1
+        in_flight = _FORK_WINDOW if template is not None else _LAUNCH_WINDOW
+        window = anyio.Semaphore(_BATCHES_IN_FLIGHT if batch > 1 else in_flight)
+        # rank 0 alone first: its "started" event (the CLI names the log dir
+        # then) comes before the other workers' output, as one by one
+        units = [range(0, min(1, self.nprocs))] if batch > 1 else []
+        units += [
+            range(i, min(i + batch, self.nprocs)) for i in range(len(units), self.nprocs, batch)
+        ]
+        dirs = _RankDirs(self._rank_dirs, units)
+
+        def started(rank: int, child: Child) -> None:
+            self._children[rank] = child
+            self._watched[rank] = asyncio.Event()
+            if self._hub is not None and child.channel is not None:
+                key = self._hub_keys.get(rank, rank)
+                self._hub.attach(key, child.channel, key if isinstance(key, str) else child.label)
+            self._notify(WorkerEvent("started", rank, child.pid, None, time.time()))
+            tg.start_soon(self._watch, rank, child, name=f"aioproc-watch-{child.label}")
 
         async def launch(rank: int) -> None:
             try:
@@ -357,27 +399,40 @@ class PContext:
                 return
             finally:
                 window.release()
-            self._children[rank] = child
-            self._watched[rank] = asyncio.Event()
-            if self._hub is not None and child.channel is not None:
-                key = self._hub_keys.get(rank, rank)
-                self._hub.attach(key, child.channel, key if isinstance(key, str) else child.label)
-            self._notify(WorkerEvent("started", rank, child.pid, None, time.time()))
-            tg.start_soon(self._watch, rank, child, name=f"aioproc-watch-{child.label}")
+            started(rank, child)
+
+        async def launch_batch(ranks: range) -> None:
+            try:
+                await dirs.ready(ranks.start)
+                children, error = await self._ranks.launch_binaries(ranks, dest)
+            except Exception as e:  # nothing of the batch is left running
+                errors.append(e)
+                return
+            finally:
+                window.release()
+            for rank, child in children.items():
+                started(rank, child)
+            if error is not None:
+                errors.append(error)
 
         try:
-            # a few launches in flight: the helper thread forks the next worker
-            # while the loop wires up the last one (no round trip per worker)
+            # a few launches in flight: the helper thread starts the next
+            # workers while the loop wires up the last ones
             async with anyio.create_task_group() as launching:
-                for rank in range(self.nprocs):
+                for ranks in units:
                     await window.acquire()
                     if self._close_request.done() or errors:
                         window.release()
                         break
-                    launching.start_soon(launch, rank, name=f"aioproc-launch-{self.name}/{rank}")
+                    name = f"aioproc-launch-{self.name}/{ranks.start}"
+                    if batch > 1:
+                        launching.start_soon(launch_batch, ranks, name=name)
+                    else:
+                        launching.start_soon(launch, ranks.start, name=name)
             if errors:
                 raise errors[0]
         finally:
+            await shielded(dirs.aclose())  # none is made after this (prune comes later)
             # forked workers do not need the template: it is closed now unless
             # somebody else (an agent, a pool, open_forkserver) holds it
             if template is not None:
@@ -655,6 +710,49 @@ class PContext:
         self._state = _State.CLOSED
         await run_blocking(self.logs_specs.prune)
         warn_forced(forced, sig, granted)
+
+
+class _RankDirs:
+    """Makes the rank dirs ``reify`` left to the launch, batch by batch, on a thread of its own.
+
+    ``mkdir`` next to thousands of siblings costs this much kernel CPU on
+    some file systems (0.76 ms each for 1024 on ext4, growing with their
+    number) that making them all before the first worker starts was most of
+    what 1024 binary workers took to start.  Made here, in rank order, while
+    the helper thread starts the workers whose dirs exist.  The thread
+    exists only during the launch.
+    """
+
+    def __init__(self, rank_dirs: Mapping[int, str], units: Sequence[range]) -> None:
+        self._made: dict[int, concurrent.futures.Future[None]] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        if not rank_dirs:
+            return
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="aioproc-dirs")
+        for ranks in units:
+            paths = [rank_dirs[r] for r in ranks if r in rank_dirs]
+            self._made[ranks.start] = self._pool.submit(_make_dirs, paths)
+
+    async def ready(self, first: int) -> None:
+        """Until the dirs of the batch starting at rank ``first`` exist; raises OSError."""
+        made = self._made.get(first)
+        if made is not None:
+            await shielded(asyncio.wrap_future(made))
+
+    async def aclose(self) -> None:
+        """Cancel the batches not begun and wait for the one being made."""
+        if self._pool is None:
+            return
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        running = [asyncio.wrap_future(f) for f in self._made.values() if not f.cancelled()]
+        if running:
+            await asyncio.wait(running)
+        self._pool.shutdown(wait=True)  # idle now: the thread exits at once
+
+
+def _make_dirs(paths: Sequence[str]) -> None:
+    for path in paths:
+        os.mkdir(path)
 
 
 async def close_on_exit(pc: PContext, exc: BaseException | None) -> None:

@@ -30,7 +30,6 @@ import logging
 import os
 import re
 import shutil
-import stat
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -296,6 +295,19 @@ class DefaultLogsSpecs(LogsSpecs):
         Raises:
             ValueError, NotADirectoryError: as ``validate``; nothing is created.
         """
+        dest, rank_dirs = self._reify_deferred(envs)
+        for path in rank_dirs.values():
+            os.mkdir(path)
+        return dest
+
+    def _reify_deferred(self, envs: dict[int, dict[str, str]]) -> tuple[LogsDest, dict[int, str]]:
+        """``reify`` without making the rank dirs: returns them, to be made in rank order.
+
+        The supervisor makes them while the first workers start (see
+        ``PContext``): thousands of ``mkdir`` next to each other cost
+        milliseconds each on some file systems.  A rank's dir must exist
+        before anything of the rank is opened or started.
+        """
         self.validate(envs)
         nprocs = len(envs)
         env0 = envs[0] if nprocs else {}
@@ -303,7 +315,7 @@ class DefaultLogsSpecs(LogsSpecs):
         tee = to_map(self._tee, nprocs)
 
         if self._root_log_dir == os.devnull:
-            return self._reify_devnull(envs, tee)
+            return self._reify_devnull(envs, tee), {}
 
         run_id = env0.get(RUN_ID_ENV, DEFAULT_RUN_ID)
         restart_count = env0.get(RESTART_COUNT_ENV, "0")
@@ -316,9 +328,9 @@ class DefaultLogsSpecs(LogsSpecs):
             filtered_stdout=os.path.join(attempt_dir, "filtered_stdout.log"),
             filtered_stderr=os.path.join(attempt_dir, "filtered_stderr.log"),
         )
+        rank_dirs: dict[int, str] = {}
         for rank in range(nprocs):
-            rank_dir = os.path.join(attempt_dir, str(rank))
-            os.mkdir(rank_dir)
+            rank_dir = rank_dirs[rank] = os.path.join(attempt_dir, str(rank))
             # tee is a redirect plus a copy on the console, so it implies the file.
             to_file = redirects[rank] | tee[rank]
             stdout = os.path.join(rank_dir, "stdout.log") if to_file & Std.OUT else _CONSOLE
@@ -337,7 +349,7 @@ class DefaultLogsSpecs(LogsSpecs):
             error_file = os.path.join(rank_dir, "error.json")
             dest.error_files[rank] = error_file
             envs[rank][ERROR_FILE_ENV] = error_file
-        return dest
+        return dest, rank_dirs
 
     def validate(self, envs: Mapping[int, Mapping[str, str]]) -> None:
         """Check what becomes a path before anything is created.
@@ -370,20 +382,7 @@ class DefaultLogsSpecs(LogsSpecs):
         root = self._ephemeral_root
         if root is None:
             return
-        for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
-            for name in filenames:
-                path = os.path.join(dirpath, name)
-                try:
-                    # lstat: a symlink is never followed, nor removed.
-                    st = os.lstat(path)
-                    if stat.S_ISREG(st.st_mode) and st.st_size == 0:
-                        os.unlink(path)
-                except OSError:
-                    continue  # vanished meanwhile or not ours to remove: leave it
-            try:
-                os.rmdir(dirpath)
-            except OSError:
-                pass  # still holds logs (or is gone already)
+        _prune_tree(root)
         if not os.path.lexists(root):
             # Never recreate a deleted name in a shared temp dir: start afresh.
             self._root_log_dir = self._ephemeral_root = self._run_log_dir = None
@@ -428,6 +427,41 @@ class DefaultLogsSpecs(LogsSpecs):
             dest.error_files[rank] = os.devnull
             envs[rank][ERROR_FILE_ENV] = ""
         return dest
+
+
+def _prune_tree(path: str) -> None:
+    """Remove the empty files and dirs under the dir ``path``, then ``path`` if empty.
+
+    An empty dir (the rank dir of a worker that wrote no file, the usual
+    case) goes in one ``rmdir``, without being listed first: a group of
+    1024 workers is pruned in a third of the system calls of ``os.walk``.
+    Symlinks are never followed, nor removed.
+    """
+    try:
+        os.rmdir(path)
+        return
+    except OSError:
+        pass  # not empty (or gone, or not ours to remove)
+    try:
+        with os.scandir(path) as it:
+            entries = list(it)
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                _prune_tree(entry.path)
+            elif (
+                entry.is_file(follow_symlinks=False)
+                and entry.stat(follow_symlinks=False).st_size == 0
+            ):
+                os.unlink(entry.path)
+        except OSError:
+            continue  # vanished meanwhile or not ours to remove: leave it
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass  # still holds logs (or is gone already)
 
 
 def _is_rank(value: object) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -74,11 +75,16 @@ async def aioproc_functions(fn: Callable[[int], int], n: int) -> float:
     return dt
 
 
-async def aioproc_binaries(entrypoint: str, n: int) -> float:
-    """Start ``n`` binary workers and wait for all of them to succeed."""
+async def aioproc_binaries(entrypoint: str, n: int, log_tree: bool = True) -> float:
+    """Start ``n`` binary workers and wait for all of them to succeed.
+
+    ``log_tree=False``: ``log_dir=os.devnull``, no log dir per rank (made at
+    start, pruned at close): what P2 costs without the torch log layout.
+    """
     t0 = time.perf_counter()
+    specs = {} if log_tree else {"logs_specs": aioproc.DefaultLogsSpecs(log_dir=os.devnull)}
     pc = await aioproc.start_processes(
-        "p2", entrypoint, args={r: () for r in range(n)}, envs={r: {} for r in range(n)}
+        "p2", entrypoint, args={r: () for r in range(n)}, envs={r: {} for r in range(n)}, **specs
     )
     try:
         result = await pc.wait()
@@ -131,4 +137,18 @@ def p2(cfg: Config) -> list[Row]:
             + ", ".join(f"{loop} {v}" for loop, v in per_worker.items()),
             cpu_note=True,
         )
+    # the largest N again without the per-rank log dirs: what the log tree costs
+    n = max(cfg.p2_ns)
+    series = interleaved(
+        cfg,
+        lambda: raw_concurrent([TRUE], n),
+        lambda: aioproc_binaries(TRUE, n, log_tree=False),
+    )
+    rows += rows_from(
+        f"P2 {n} binary workers {TRUE}, log_dir=os.devnull (no log dir per rank)",
+        series,
+        None,
+        note=f"baseline: {n} x create_subprocess_exec; info: P2 less the log tree",
+        cpu_note=True,
+    )
     return rows
