@@ -152,27 +152,32 @@ async def test_close_never_signals_a_stranger_that_took_an_exited_workers_pid(
     strangers: list[subprocess.Popen[bytes]],
 ) -> None:
     """1: close() signals a worker's group only while the group is provably the worker's."""
-    pc = await aioproc.start_processes("reuse", "/bin/true", {0: ()}, envs(1))
-    try:
-        result = await pc.wait(timeout=LIMIT)
-        assert result is not None and not result.is_failed()
-        pid = pc.pids()[0]
-        stranger = start_stranger_on(pid)
-        if stranger is None:
-            # aioproc still holds the pid (the exited leader, unreaped): fine, and no
-            # stranger can be hurt; it must be aioproc's own zombie, though
-            assert holder_of(pid) == f"a zombie (state Z) child of {os.getpid()}"
+    for _ in range(5):
+        pc = await aioproc.start_processes("reuse", "/bin/true", {0: ()}, envs(1))
+        try:
+            result = await pc.wait(timeout=LIMIT)
+            assert result is not None and not result.is_failed()
+            pid = pc.pids()[0]
+            stranger = start_stranger_on(pid)
+            if stranger is None:
+                holder = holder_of(pid)
+                if holder.endswith(f" child of {os.getpid()}"):
+                    # aioproc still holds the pid (the exited leader, unreaped): fine,
+                    # and no stranger can be hurt; it must be aioproc's own zombie
+                    assert holder == f"a zombie (state Z) child of {os.getpid()}"
+                    return
+                continue  # another program on the machine took the pid first: again
+            strangers.append(stranger)
             await pc.close(timeout=5)
+            assert await stranger_survives(stranger), (
+                f"close() signalled the process group of pid {pid}, which a stranger "
+                f"took after the worker had exited and been reaped "
+                f"(stranger's exit status {stranger.poll()})"
+            )
             return
-        strangers.append(stranger)
-        await pc.close(timeout=5)
-        assert await stranger_survives(stranger), (
-            f"close() signalled the process group of pid {pid}, which a stranger "
-            f"took after the worker had exited and been reaped "
-            f"(stranger's exit status {stranger.poll()})"
-        )
-    finally:
-        await pc.close(timeout=5)
+        finally:
+            await pc.close(timeout=5)
+    pytest.skip("other programs took every freed worker pid first (a busy machine)")
 
 
 @needs_pid_forcing
