@@ -39,6 +39,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
+from ._exit import PidProc
+
 _CLOSEFROM: int | None = getattr(os, "POSIX_SPAWN_CLOSEFROM", None)
 _USABLE = hasattr(os, "posix_spawn") and sys.platform.startswith("linux")
 _DEFAULT_SIGNALS = tuple(
@@ -52,23 +54,6 @@ SCAN_LIMIT = 256
 SCAN_BACKOFF = 8
 
 _skip_scans = 0  # batches left that use Popen without scanning (helper thread only)
-
-
-class Started:
-    """A binary worker started by ``posix_spawn``: the ``Proc`` that ``Child`` watches."""
-
-    def __init__(self, pid: int, stdout: IO[bytes] | None, stderr: IO[bytes] | None) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
-        self.stdout = stdout
-        self.stderr = stderr
-
-    def wait(self) -> int:
-        """Block until the worker exits and reap it (only after SIGKILL)."""
-        if self.returncode is None:
-            _, status = os.waitpid(self.pid, 0)
-            self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
 
 
 class Batch:
@@ -134,7 +119,7 @@ def exec_binary(
     stderr: int | IO[Any] | None,
     pass_fds: tuple[int, ...],
     batch: Batch,
-) -> subprocess.Popen[bytes] | Started:
+) -> subprocess.Popen[bytes] | PidProc:
     """Start ``argv`` in a new session, as ``Popen(..., close_fds=True)`` would.
 
     ``stdout``/``stderr``: ``None`` (this process's), an open file, or
@@ -188,4 +173,4 @@ def exec_binary(
     finally:
         for w in writers:
             os.close(w)
-    return Started(pid, readers.get(1), readers.get(2))
+    return PidProc(pid, readers.get(1), readers.get(2))

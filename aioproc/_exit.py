@@ -30,7 +30,7 @@ _WNOWAIT = getattr(os, "WNOWAIT", 0)
 
 
 class Proc(Protocol):
-    """What is watched: a ``subprocess.Popen``, or a worker forked by the template."""
+    """What is watched: a ``subprocess.Popen``, or a ``PidProc``."""
 
     pid: int
     returncode: int | None
@@ -38,6 +38,27 @@ class Proc(Protocol):
     stderr: IO[bytes] | None
 
     def wait(self) -> int: ...
+
+
+class PidProc:
+    """A child known by its pid and output pipes, started without ``Popen``.
+
+    Binary workers started by ``posix_spawn`` and workers the template forks
+    (with this process as their parent) are watched through it.
+    """
+
+    def __init__(self, pid: int, stdout: IO[bytes] | None, stderr: IO[bytes] | None) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self.stdout = stdout
+        self.stderr = stderr
+
+    def wait(self) -> int:
+        """Block until the worker exits and reap it (only after SIGKILL)."""
+        if self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
 
 
 class ExitWatcher:

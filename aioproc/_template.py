@@ -50,7 +50,7 @@ from typing import IO, Any
 from . import _lifeline
 from ._boot import boot_blob
 from ._channel import Channel
-from ._exit import ExitWatcher
+from ._exit import ExitWatcher, PidProc
 from ._output import TeeProtocol
 from ._script import ScriptCommand
 from ._shield import shielded
@@ -81,23 +81,6 @@ def _script_runner() -> bytes:
     """``_script_child`` compiled and marshalled: the template builds it once."""
     path = Path(__file__).parent / "_script_child.py"
     return marshal.dumps(compile(path.read_text(), str(path), "exec"))
-
-
-class Forked:
-    """A worker forked by the template: the ``Proc`` that ``Child`` watches."""
-
-    def __init__(self, pid: int, stdout: IO[bytes] | None, stderr: IO[bytes] | None) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
-        self.stdout = stdout
-        self.stderr = stderr
-
-    def wait(self) -> int:
-        """Block until the worker exits and reap it (only after SIGKILL)."""
-        if self.returncode is None:
-            _, status = os.waitpid(self.pid, 0)
-            self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
 
 
 _Request = tuple[bytes, list[int], "concurrent.futures.Future[int]"]
@@ -507,7 +490,7 @@ async def spawn_forked(
     finally:
         for fd in mine:
             os.close(fd)
-    proc = Forked(pid, readers.get(1), readers.get(2))
+    proc = PidProc(pid, readers.get(1), readers.get(2))
     return await adopt(label, proc, channel, tee_out, tee_err)
 
 

@@ -221,24 +221,25 @@ def raw_pair() -> Iterator[tuple[socket.socket, socket.socket]]:
         b.close()
 
 
+# three frames sent back to back, and what reading them one at a time gives
+THREE_FRAMES = (
+    _wire.header(_wire.INIT, 3)
+    + b"abc"
+    + _wire.header(_wire.PING, 0)
+    + _wire.header(_wire.CALL, 2)
+    + b"de"
+)
+THREE_DECODED = [(_wire.INIT, b"abc"), (_wire.PING, b""), (_wire.CALL, b"de")]
+
+
 def test_child_reads_back_to_back_frames_one_at_a_time(
     raw_pair: tuple[socket.socket, socket.socket],
 ) -> None:
     parent, child = raw_pair
-    parent.sendall(
-        _wire.header(_wire.INIT, 3)
-        + b"abc"
-        + _wire.header(_wire.PING, 0)
-        + _wire.header(_wire.CALL, 2)
-        + b"de"
-    )
+    parent.sendall(THREE_FRAMES)
     fd = child.fileno()
     got = [_wire.read_frame(fd) for _ in range(3)]
-    assert [(kind, bytes(body)) for kind, body in got] == [
-        (_wire.INIT, b"abc"),
-        (_wire.PING, b""),
-        (_wire.CALL, b"de"),
-    ]
+    assert [(kind, bytes(body)) for kind, body in got] == THREE_DECODED
     parent.sendall(_wire.header(_wire.CALL, 10) + b"part")
     parent.shutdown(socket.SHUT_WR)
     with pytest.raises(_wire.ChannelClosed, match="channel closed after 4 of 10 body bytes"):
@@ -268,19 +269,9 @@ def test_persistent_worker_waits_in_poll_only_when_nothing_is_buffered(
     parent, child = raw_pair
     fd = child.fileno()
     poller = _StrictPoller(fd)
-    parent.sendall(
-        _wire.header(_wire.INIT, 3)
-        + b"abc"
-        + _wire.header(_wire.PING, 0)
-        + _wire.header(_wire.CALL, 2)
-        + b"de"
-    )
+    parent.sendall(THREE_FRAMES)
     got = [_wire.read_frame(fd, poller) for _ in range(3)]
-    assert [(kind, bytes(body)) for kind, body in got] == [
-        (_wire.INIT, b"abc"),
-        (_wire.PING, b""),
-        (_wire.CALL, b"de"),
-    ]
+    assert [(kind, bytes(body)) for kind, body in got] == THREE_DECODED
     assert poller.waits == 1
     parent.sendall(_wire.header(_wire.PING, 0))
     assert _wire.read_frame(fd, poller) == (_wire.PING, b"")
