@@ -79,6 +79,10 @@ async def launch_function(
         if template is not None:
             from ._template import spawn_forked
 
+            # queued before the fork: the worker finds them at once, while
+            # the template forks the next requests, and no send of ours
+            # wakes it (see the module docstring for the guardian)
+            _queue(channel, frames, extra_fds, segments, forked=True)
             child = await spawn_forked(
                 template,
                 label,
@@ -119,20 +123,31 @@ async def launch_function(
         child_sock.close()
         if child_fd_socket is not None:
             child_fd_socket.close()
+    if template is None:
+        _queue(channel, frames, extra_fds, segments, forked=False)
+    return child
+
+
+def _queue(
+    channel: Channel,
+    frames: Sequence[Frame],
+    extra_fds: Sequence[int],
+    segments: Sequence[_shm.Segment],
+    forked: bool,
+) -> None:
+    """Queue the boot code (unless ``forked``: the template has it) and ``frames``."""
     queued: list[Frame] = list(frames)
     if extra_fds:
         queued.insert(0, (_wire.FD_SOCKET, [str(extra_fds[0]).encode()]))
-    # a forked worker has the boot modules already
-    head = [boot_blob()] if template is None else []
+    head = [] if forked else [boot_blob()]
     if not segments and sum(len(p) for _, parts in queued for p in parts) <= _wire.JOIN_LIMIT:
         # small frames in one write: one send, one wake-up of the worker
         for kind, parts in queued:
             head += [_wire.header(kind, sum(map(len, parts))), *parts]
         channel.send_raw(b"".join(head))
-        return child
+        return
     if head:
         channel.send_raw(head[0])
     for i, (kind, parts) in enumerate(queued):
         # fds queue in order and each SHM frame takes the next: all go first
         channel.send(kind, *parts, segments=segments if i == int(bool(extra_fds)) else ())
-    return child

@@ -145,7 +145,13 @@ async def stop_groups(
 
 
 def group_members(pgids: Iterable[int]) -> list[int]:
-    """Live (non-zombie) processes in the given process groups, from ``/proc``."""
+    """Live (non-zombie) processes in the given process groups, leaders apart.
+
+    The leaders themselves (pid == pgid) are not listed: the caller knows
+    them and waits on them itself.  Each ``/proc`` entry costs one
+    ``getpgid`` (no file is opened); only a member's ``stat`` is read, to
+    leave out zombies.
+    """
     wanted = set(pgids)
     if not wanted:
         return []
@@ -157,22 +163,32 @@ def group_members(pgids: Iterable[int]) -> list[int]:
     for entry in entries:
         if not entry.isdigit():
             continue
+        pid = int(entry)
+        if pid in wanted:
+            continue
         try:
-            # os.open/os.read: a third of the cost of open() on a few hundred files
-            fd = os.open(f"/proc/{entry}/stat", os.O_RDONLY)
+            if os.getpgid(pid) not in wanted:
+                continue
         except OSError:
             continue  # exited meanwhile
-        try:
-            stat = os.read(fd, 1024)
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
-        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parens
-        fields = stat[stat.rfind(b")") + 2 :].split(b" ", 3)
-        if len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) in wanted:
-            members.append(int(entry))
+        if not _is_zombie(pid):
+            members.append(pid)
     return members
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+    except OSError:
+        return True  # reaped meanwhile: nothing to wait for
+    try:
+        stat = os.read(fd, 1024)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    state = stat.rfind(b")") + 2  # "pid (comm) state ...": comm may hold spaces and parens
+    return stat[state : state + 1] == b"Z"
 
 
 async def _wait_descendants(pgids: set[int], deadline: Deadline) -> None:

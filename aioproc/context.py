@@ -20,14 +20,11 @@ never signalled) and lets the guardian forget their groups.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import enum
 import logging
-import os
 import signal
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
@@ -40,6 +37,7 @@ from ._loops import check_loop
 from ._offloop import helper, run_blocking
 from ._outcomes import NEVER_STARTED as NEVER_STARTED
 from ._outcomes import Outcomes
+from ._rankdirs import EmptyDirSweeper, RankDirs
 from ._ranks import RankLauncher, SinkLike
 from ._ranks import make_sinks as _make_sinks
 from ._script import script_dirs
@@ -200,6 +198,9 @@ class PContext:
             start_method == "forkserver" and self._ranks.scripts
         )
         self._rank_dirs: dict[int, str] = {}  # rank dirs reify left to the launch
+        # rank dirs removed as their workers exit, if still empty (see _rankdirs)
+        self._empty_dirs: dict[int, str] = {}
+        self._sweeper = EmptyDirSweeper()
         # reads failed ranks' error files off the loop; shut down at close,
         # so no thread outlives the group (the default executor's would)
 
@@ -292,6 +293,8 @@ class PContext:
         self.stdouts = dict(dest.stdouts)
         self.stderrs = dict(dest.stderrs)
         self.error_files = dict(dest.error_files)
+        if isinstance(specs, DefaultLogsSpecs):
+            self._empty_dirs = specs._empty_rank_dirs(dest)
         self._ranks.add_filters(dest, self._filters)
         if "stdout" in self._ranks.filter_sinks:
             self.filtered_stdout = dest.filtered_stdout
@@ -378,7 +381,7 @@ class PContext:
         units += [
             range(i, min(i + batch, self.nprocs)) for i in range(len(units), self.nprocs, batch)
         ]
-        dirs = _RankDirs(self._rank_dirs, units)
+        dirs = RankDirs(self._rank_dirs, units)
 
         def started(rank: int, child: Child) -> None:
             self._children[rank] = child
@@ -495,6 +498,9 @@ class PContext:
                         )
                 except OSError:
                     logger.exception("reading the outcome of %s failed", child.label)
+                empty_dir = self._empty_dirs.get(rank)
+                if empty_dir is not None:
+                    self._sweeper.add(empty_dir)  # its error file, if any, is read
             if not scope.cancelled_caught:
                 # the outcome is recorded whatever the drain did, or wait() would hang
                 try:
@@ -708,51 +714,9 @@ class PContext:
         await _lifeline.settle()
         self._outcomes.check_finished()
         self._state = _State.CLOSED
+        await self._sweeper.settle()
         await run_blocking(self.logs_specs.prune)
         warn_forced(forced, sig, granted)
-
-
-class _RankDirs:
-    """Makes the rank dirs ``reify`` left to the launch, batch by batch, on a thread of its own.
-
-    ``mkdir`` next to thousands of siblings costs this much kernel CPU on
-    some file systems (0.76 ms each for 1024 on ext4, growing with their
-    number) that making them all before the first worker starts was most of
-    what 1024 binary workers took to start.  Made here, in rank order, while
-    the helper thread starts the workers whose dirs exist.  The thread
-    exists only during the launch.
-    """
-
-    def __init__(self, rank_dirs: Mapping[int, str], units: Sequence[range]) -> None:
-        self._made: dict[int, concurrent.futures.Future[None]] = {}
-        self._pool: ThreadPoolExecutor | None = None
-        if not rank_dirs:
-            return
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="aioproc-dirs")
-        for ranks in units:
-            paths = [rank_dirs[r] for r in ranks if r in rank_dirs]
-            self._made[ranks.start] = self._pool.submit(_make_dirs, paths)
-
-    async def ready(self, first: int) -> None:
-        """Until the dirs of the batch starting at rank ``first`` exist; raises OSError."""
-        made = self._made.get(first)
-        if made is not None:
-            await shielded(asyncio.wrap_future(made))
-
-    async def aclose(self) -> None:
-        """Cancel the batches not begun and wait for the one being made."""
-        if self._pool is None:
-            return
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        running = [asyncio.wrap_future(f) for f in self._made.values() if not f.cancelled()]
-        if running:
-            await asyncio.wait(running)
-        self._pool.shutdown(wait=True)  # idle now: the thread exits at once
-
-
-def _make_dirs(paths: Sequence[str]) -> None:
-    for path in paths:
-        os.mkdir(path)
 
 
 async def close_on_exit(pc: PContext, exc: BaseException | None) -> None:

@@ -387,6 +387,30 @@ class DefaultLogsSpecs(LogsSpecs):
             # Never recreate a deleted name in a shared temp dir: start afresh.
             self._root_log_dir = self._ephemeral_root = self._run_log_dir = None
 
+    def _empty_rank_dirs(self, dest: LogsDest) -> dict[int, str]:
+        """The rank dirs of ``dest`` that stay empty unless an error file is written.
+
+        Only in the temp dir this spec made (and only if ``prune`` and
+        ``reify`` are this class's own): the ranks none of whose stream
+        files is in its dir.  The supervisor removes such a dir as soon as
+        its worker has exited and its error file, if any, has been read
+        (see ``_rankdirs.EmptyDirSweeper``).
+        """
+        cls = type(self)
+        if (
+            self._ephemeral_root is None
+            or cls.prune is not DefaultLogsSpecs.prune
+            or cls.reify is not DefaultLogsSpecs.reify
+        ):
+            return {}
+        empty = {}
+        for rank, error_file in dest.error_files.items():
+            rank_dir = os.path.dirname(error_file)
+            streams = (dest.stdouts.get(rank, ""), dest.stderrs.get(rank, ""))
+            if not any(os.path.dirname(path) == rank_dir for path in streams):
+                empty[rank] = rank_dir
+        return empty
+
     def __repr__(self) -> str:
         return (
             f"DefaultLogsSpecs(log_dir={self._root_log_dir!r}, redirects={self._redirects!r}, "

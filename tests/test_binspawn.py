@@ -17,7 +17,7 @@ import pytest
 from helpers import aioproc_temp_dirs, child_pids, pid_gone, write_file
 
 import aioproc
-from aioproc import DefaultLogsSpecs, Std, _binspawn, _lifeline, context
+from aioproc import DefaultLogsSpecs, Std, _binspawn, _lifeline, _rankdirs
 from aioproc._spawn import BinaryStart, discard, spawn_binaries
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -283,7 +283,7 @@ async def test_a_rank_dir_that_cannot_be_made_fails_the_start_and_leaves_nothing
             os.mkdir(path)
             made.append(path)
 
-    monkeypatch.setattr(context, "_make_dirs", make_dirs)
+    monkeypatch.setattr(_rankdirs, "_make_dirs", make_dirs)
     temp_before = aioproc_temp_dirs(tempfile.gettempdir())
     pc = aioproc.PContext(
         "nospace",

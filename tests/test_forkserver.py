@@ -491,3 +491,41 @@ async def test_a_large_template_forks_from_huge_pages_and_each_worker_keeps_its_
     pids = {pid for *_, pid in seen}
     assert len(pids) == 8 and server.pid not in pids
     no_template_left()
+
+
+async def test_a_forked_worker_runs_before_the_template_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its frames are queued before the fork request goes out: a worker runs its
+    function as soon as it is forked, however late its pid reaches the supervisor."""
+    import threading
+
+    gate = threading.Event()
+    read_answer = _template.Template._read_answer
+
+    def late_answer(self: _template.Template) -> Any:
+        assert gate.wait(30), "the test never released the answer"
+        return read_answer(self)
+
+    async with open_forkserver() as server, Fifo(tmp_path / "fifo") as fifo:
+        monkeypatch.setattr(_template.Template, "_read_answer", late_answer)
+        starting = asyncio.ensure_future(
+            start_processes(
+                "early",
+                fork_funcs.say_running,
+                {0: (fifo.path,)},
+                {0: {}},
+                start_method="forkserver",
+            )
+        )
+        try:
+            (line,) = await fifo.lines(1, timeout=20)  # while the answer is held back
+            assert not starting.done()
+        finally:
+            gate.set()
+        pc = await starting
+        result = await pc.wait()
+        assert result is not None and result.return_values == {0: pc.pids()[0]}
+        assert line == f"running {pc.pids()[0]}"
+        assert server.pid != pc.pids()[0]
+    no_template_left()

@@ -553,3 +553,74 @@ def test_prune_before_reify_does_nothing() -> None:
     spec = DefaultLogsSpecs()
     spec.prune()
     assert aioproc_temp_dirs() == before
+
+
+def test_empty_rank_dirs_are_those_of_the_temp_dir_without_stream_files(tmp_path: Path) -> None:
+    spec = DefaultLogsSpecs(redirects={0: Std.NONE, 1: Std.OUT, 2: Std.NONE}, tee={2: Std.ERR})
+    dest = spec.reify(envs_for(3))
+    assert spec._empty_rank_dirs(dest) == {0: os.path.dirname(dest.error_files[0])}
+    spec.prune()
+
+    given = DefaultLogsSpecs(log_dir=str(tmp_path))
+    assert given._empty_rank_dirs(given.reify(envs_for(2))) == {}  # the user's: never swept
+
+    class OwnPrune(DefaultLogsSpecs):
+        def prune(self) -> None:
+            pass  # keeps everything: nothing is swept either
+
+    own = OwnPrune()
+    assert own._empty_rank_dirs(own.reify(envs_for(1))) == {}
+    DefaultLogsSpecs.prune(own)
+
+
+async def test_an_exited_workers_empty_rank_dir_goes_before_close(tmp_path: Path) -> None:
+    """In the group's temp dir, a rank dir nothing was written to is removed once its
+    worker has exited (not at close, after the last one); one with an error file
+    stays, with the file, and a given log_dir is never touched."""
+    import asyncio
+    import sys
+
+    import aioproc
+
+    write_error = (
+        "import json, os; "
+        "open(os.environ['TORCHELASTIC_ERROR_FILE'], 'w').write(json.dumps({'message': 'x'}))"
+    )
+    for log_dir in (None, str(tmp_path)):
+        exited: set[int] = set()
+        done = asyncio.Event()
+
+        def on_event(
+            event: aioproc.WorkerEvent, exited: set[int] = exited, done: asyncio.Event = done
+        ) -> None:
+            if event.kind == "exited":
+                exited.add(event.local_rank)
+                if exited == {0, 2}:
+                    done.set()
+
+        pc = await aioproc.start_processes(
+            "sweep",
+            sys.executable,
+            {0: ("-c", "pass"), 1: ("-c", "import time; time.sleep(60)"), 2: ("-c", write_error)},
+            {r: {} for r in range(3)},
+            DefaultLogsSpecs(log_dir),
+            on_event=on_event,
+        )
+        try:
+            await asyncio.wait_for(done.wait(), 30)
+            await pc._sweeper.settle()
+            rank_dirs = [os.path.dirname(pc.error_files[r]) for r in range(3)]
+            if log_dir is None:
+                assert not os.path.exists(rank_dirs[0])
+            else:
+                assert os.path.isdir(rank_dirs[0])
+            assert os.path.isdir(rank_dirs[1])  # its worker runs
+            assert os.path.isfile(pc.error_files[2])
+        finally:
+            await pc.close()
+        if log_dir is None:
+            assert not os.path.exists(rank_dirs[1])  # pruned at close
+        else:
+            assert all(os.path.isdir(d) for d in rank_dirs)
+        assert os.path.isfile(pc.error_files[2])
+        assert '"x"' in Path(pc.error_files[2]).read_text()

@@ -438,3 +438,45 @@ async def test_an_unreadable_error_file_is_reported_with_the_failure(
         f"could not read error file {failure.error_file} of local_rank 0 (pid {failure.pid}): "
         f"[Errno 13] Permission denied: '{failure.error_file}'"
     ]
+
+
+async def test_group_members_lists_live_descendants_not_the_leader_nor_zombies() -> None:
+    """The /proc scan behind close()'s wait for what workers left in their groups."""
+    from aioproc._shutdown import group_members
+
+    # a leader in a session of its own with two live children and one zombie
+    # (a child it never reaps), and one child that leaves for a group of its own
+    script = (
+        "import os, subprocess, sys, time\n"
+        "live = [subprocess.Popen(['sleep', '30']) for _ in range(2)]\n"
+        "zombie = subprocess.Popen(['true'])\n"
+        "away = subprocess.Popen(['sleep', '30'], start_new_session=True)\n"
+        "while open(f'/proc/{zombie.pid}/stat').read().split(') ')[1][0] != 'Z':\n"
+        "    time.sleep(0.01)\n"
+        "print(*(p.pid for p in live), zombie.pid, away.pid, flush=True)\n"
+        "sys.stdin.read()\n"
+        "away.kill()\n"
+    )
+    import subprocess
+
+    leader = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    live: list[int] = []
+    try:
+        assert leader.stdout is not None
+        *live, zombie, away = map(int, leader.stdout.readline().split())
+        members = group_members([leader.pid])
+        assert sorted(members) == sorted(live)
+        assert leader.pid not in members and zombie not in members and away not in members
+        assert group_members([]) == []
+    finally:
+        leader.stdin.close()  # type: ignore[union-attr]
+        leader.stdout.close()  # type: ignore[union-attr]
+        leader.wait(timeout=10)
+        os.killpg(leader.pid, signal.SIGKILL)  # the leader is reaped: its group is the sleeps
+        assert await still_alive_after(live, 10) == set()
+    assert group_members([leader.pid]) == []

@@ -116,3 +116,13 @@ def scribble(rank: int) -> tuple[bool, bool, int]:
     fork_big_mod.NUMBERS.append(str(rank))
     time.sleep(0.2)  # the group's workers scribble at the same time
     return intact, numbers, os.getpid()
+
+
+def say_running(fifo: str) -> int:
+    """Write "running <pid>" to the FIFO ``fifo`` (the function has begun); return the pid."""
+    fd = os.open(fifo, os.O_WRONLY)
+    try:
+        os.write(fd, f"running {os.getpid()}\n".encode())
+    finally:
+        os.close(fd)
+    return os.getpid()
