@@ -286,11 +286,21 @@ def forget(*pgids: int) -> None:
 
 def release(children: Iterable[ExitWatcherOwner]) -> None:
     """Forget the groups of exited leaders in one write, then reap the leaders."""
+    for c in forget_exited(children):
+        c.watcher.reap()
+
+
+def forget_exited(children: Iterable[ExitWatcherOwner]) -> list[ExitWatcherOwner]:
+    """Forget the groups of the exited, unreaped leaders in one write; return them to reap.
+
+    Each write wakes the guardian, and a shell takes a while over each
+    line: a close forgets all its groups at once and then reaps the leaders
+    a batch per loop iteration.
+    """
     done = [c for c in children if c.watcher.future.done() and not c.watcher.reaped]
     if done:
         forget(*(c.pgid for c in done))
-        for c in done:
-            c.watcher.reap()
+    return done
 
 
 async def settle() -> None:

@@ -28,11 +28,12 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ._shield import shielded
 
 T = TypeVar("T")
+A = TypeVar("A")
 
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -169,11 +170,72 @@ async def run_blocking(fn: Callable[..., T], /, *args: object) -> T:
         return await shielded(future)
 
 
+class Batched(Generic[A, T]):
+    """``fn(arg)`` for many callers, run together: one helper-thread job per burst.
+
+    When a group's workers exit together, each exit's blocking call (its
+    error file) would otherwise be a job of its own: a hand-over to the
+    helper thread and back per worker, and a queue of them that delays
+    whatever the stop sends there next (the ``/proc`` scan).  Calls made
+    while a job runs are run by that job, one after the other; results
+    come back through ``Delivery``, as ``run_blocking``'s do.
+    """
+
+    def __init__(self, fn: Callable[[A], T]) -> None:
+        self._fn = fn
+        self._lock = threading.Lock()
+        self._queue: list[tuple[A, asyncio.Future[T], Delivery]] = []
+        self._running = False
+        _batched.add(self)
+
+    def _after_fork(self) -> None:
+        # the job and its thread do not exist in a forked child
+        self._lock = threading.Lock()
+        self._queue = []
+        self._running = False
+
+    async def __call__(self, arg: A) -> T:
+        """``fn(arg)`` on the helper thread.
+
+        Cancellation: as ``run_blocking``: the call runs to completion and
+        the cancellation is re-raised once it has returned.
+        """
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        with helper() as pool:  # held until the result is in: the job ends before the thread
+            with self._lock:
+                self._queue.append((arg, future, Delivery.of(loop)))
+                start, self._running = not self._running, True
+            if start:
+                pool.submit(self._drain)
+            return await shielded(future)
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                batch, self._queue = self._queue, []
+                if not batch:
+                    self._running = False
+                    return
+            for arg, future, delivery in batch:
+                try:
+                    result = self._fn(arg)
+                except BaseException as e:  # the caller's to handle
+                    delivery.post(future, None, e)
+                else:
+                    delivery.post(future, result, None)
+
+
 def _after_fork_in_child() -> None:
     # the thread does not exist in a forked child: it starts its own
     global _pool, _users, _lock
     _pool, _users, _lock = None, 0, threading.Lock()
     _deliveries.clear()  # their locks may have been held by a thread that is gone
+    for batched in list(_batched):
+        batched._after_fork()
+
+
+_batched: weakref.WeakSet[Batched[Any, Any]] = weakref.WeakSet()
 
 
 if hasattr(os, "register_at_fork"):

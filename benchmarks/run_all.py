@@ -85,7 +85,31 @@ def _header(argv: list[str]) -> list[str]:
         f"machine: nproc={os.cpu_count()} ({len(os.sched_getaffinity(0))} usable), "
         f"{platform.machine()} Linux {platform.release()}",
         f"python: {platform.python_version()} ({sys.executable}); uvloop {uv}",
+        f"temp dir (log trees without log_dir): {_temp_fs()}",
     ]
+
+
+def _temp_fs() -> str:
+    """The temp dir, and the file system and mount options it is on.
+
+    P2 and P6 make and remove a directory per rank there; what that costs
+    depends on both (``benchmarks/RESULTS.md``: ``discard`` makes each
+    ``rmdir`` wait on the disk).
+    """
+    import tempfile
+
+    tmp = os.path.realpath(tempfile.gettempdir())
+    best = ("?", "?", "")
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                _, point, fstype, options, *_ = line.split()
+                inside = tmp == point or tmp.startswith(point.rstrip("/") + "/")
+                if inside and len(point) > len(best[2]):
+                    best = (fstype, options, point)
+    except OSError:
+        pass
+    return f"{tmp} ({best[0]}, {best[1]})"
 
 
 def main(argv: list[str]) -> int:

@@ -480,3 +480,80 @@ async def test_group_members_lists_live_descendants_not_the_leader_nor_zombies()
         os.killpg(leader.pid, signal.SIGKILL)  # the leader is reaped: its group is the sleeps
         assert await still_alive_after(live, 10) == set()
     assert group_members([leader.pid]) == []
+
+
+async def test_batched_calls_made_together_run_in_one_helper_job() -> None:
+    """Many exits read their error files in one helper-thread job, not one job each;
+    every caller gets its own result or exception."""
+    from aioproc import _offloop
+
+    threads: set[int] = set()
+    jobs = 0
+    drain = _offloop.Batched._drain
+
+    def counting_drain(self: _offloop.Batched[int, int]) -> None:
+        nonlocal jobs
+        jobs += 1
+        drain(self)
+
+    def square(x: int) -> int:
+        threads.add(threading.get_ident())
+        if x == 3:
+            raise ValueError("three")
+        return x * x
+
+    batched = _offloop.Batched(square)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_offloop.Batched, "_drain", counting_drain)
+        with _offloop.helper() as pool:
+            gate = threading.Event()
+            pool.submit(gate.wait, 10)  # the helper thread is busy while all queue
+            calls = [asyncio.ensure_future(batched(x)) for x in range(20)]
+            await asyncio.sleep(0)
+            gate.set()
+            results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10)
+    assert jobs == 1
+    assert threads != {threading.get_ident()} and len(threads) == 1  # off the loop
+    assert [r for i, r in enumerate(results) if i != 3] == [x * x for x in range(20) if x != 3]
+    assert isinstance(results[3], ValueError) and str(results[3]) == "three"
+    assert await batched(5) == 25  # a later burst starts a job of its own
+
+
+def test_batched_works_in_a_child_forked_while_it_ran() -> None:
+    """A process forked while a job ran must not wait for that job, which its
+    child does not have."""
+    from aioproc import _offloop
+
+    batched = _offloop.Batched(lambda x: x + 1)
+    release = threading.Event()
+    running = threading.Event()
+
+    def slow(x: int) -> int:
+        running.set()
+        release.wait(10)
+        return x
+
+    slow_batched = _offloop.Batched(slow)
+
+    async def parent() -> None:
+        call = asyncio.ensure_future(slow_batched(1))
+        await asyncio.to_thread(running.wait, 10)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                release.set()  # this process's copy: the child's own calls return at once
+                got = asyncio.run(asyncio.wait_for(slow_batched(41), 5))
+                code = 0 if got == 41 and asyncio.run(batched(1)) == 2 else 2
+            finally:
+                os._exit(code)
+        release.set()
+        assert await call == 1
+        hung = await still_alive_after([pid], 20)
+        if hung:
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        assert not hung, "the child's call waited for the parent's job"
+        assert os.waitstatus_to_exitcode(status) == 0
+
+    asyncio.run(parent())
