@@ -277,9 +277,9 @@ class PContext:
     async def _start(self, payloads: dict[int, list[bytes]]) -> None:
         specs = self.logs_specs
         try:
-            # a directory per rank: off the loop (see _offloop); for binary
-            # workers in the default layout, made while the first ones start
-            if self._batched and type(specs).reify is DefaultLogsSpecs.reify:
+            # a directory per rank: off the loop (see _offloop); in the
+            # default layout, made while the first workers start
+            if type(specs).reify is DefaultLogsSpecs.reify:
                 assert isinstance(specs, DefaultLogsSpecs)
                 dest, self._rank_dirs = await run_blocking(specs._reify_deferred, self.envs)
             else:
@@ -400,6 +400,7 @@ class PContext:
 
         async def launch(rank: int) -> None:
             try:
+                await dirs.ready(rank)
                 child = await self._ranks.launch(
                     rank, dest, payloads.get(rank), self._frame_handler(rank), template
                 )

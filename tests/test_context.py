@@ -1085,3 +1085,39 @@ async def test_failure_during_start_stops_later_ranks(
         }
     finally:
         await pc.close(timeout=1)
+
+
+async def test_function_workers_start_as_their_own_rank_dir_exists(
+    workers: types.ModuleType,
+) -> None:
+    """The rank dirs of a function group are made on a thread of their own while the
+    first workers start; one that cannot be made fails the start with its path,
+    and nothing is left: no worker, no thread, no temp dir."""
+    from aioproc import _lifeline, _rankdirs
+
+    made: list[str] = []
+
+    def make_dirs(paths: list[str]) -> None:
+        for path in paths:
+            if os.path.basename(path) == "3":
+                raise OSError(28, "No space left on device", path)
+            os.mkdir(path)
+            made.append(path)
+
+    args = {r: (r,) for r in range(6)}
+    envs = {r: {} for r in range(6)}
+    temp_before = aioproc_temp_dirs(tempfile.gettempdir())
+    pc = PContext("nospace", workers.square, args, envs, DefaultLogsSpecs())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_rankdirs, "_make_dirs", make_dirs)
+        with pytest.raises(OSError, match="No space left on device") as info:
+            await pc.start()
+    assert info.value.filename == os.path.join(os.path.dirname(made[0]), "3")
+    assert child_pids() == set()
+    assert _lifeline.registered_groups() == frozenset()
+    assert not [t for t in threading.enumerate() if t.name.startswith("aioproc-dirs")]
+    assert aioproc_temp_dirs(tempfile.gettempdir()) == temp_before  # pruned
+
+    # and when they can all be made, every rank runs with its own dir
+    result = await (await aioproc.start_processes("dirs", workers.square, args, envs)).wait()
+    assert result is not None and result.return_values == {r: r * r for r in range(6)}
