@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import tempfile
 import time
 
 import _workers
@@ -25,13 +26,14 @@ import aioproc
 READY_TIMEOUT = 60.0
 
 
-async def aioproc_close(n: int) -> float:
+async def aioproc_close(n: int, log_dir: str | None = None) -> float:
     with ReadyFifo(n) as fifo:
         pc = await aioproc.start_processes(
             "p6",
             _workers.ready_then_sleep,
             args={r: (fifo.path,) for r in range(n)},
             envs={r: {} for r in range(n)},
+            logs_specs=aioproc.DefaultLogsSpecs(log_dir),
         )
         try:
             await fifo.wait(READY_TIMEOUT)
@@ -74,9 +76,19 @@ async def raw_close(n: int) -> float:
 def p6(cfg: Config) -> list[Row]:
     n = cfg.p6_n
     series = interleaved(cfg, lambda: raw_close(n), lambda: aioproc_close(n))
-    return rows_from(
+    rows = rows_from(
         f"P6 close() of {n} running function workers",
         series,
         Target("ratio", 1.1),  # raised from "<= 50 ms" (issue 12)
         note="baseline: raw subprocesses, SIGTERM each -> all awaited",
+    )
+    # the same with a log_dir of the caller's, which close() never prunes:
+    # what the stop costs apart from removing a directory per rank
+    with tempfile.TemporaryDirectory(prefix="p6-logs-") as given:
+        series = interleaved(cfg, lambda: raw_close(n), lambda: aioproc_close(n, given))
+    return rows + rows_from(
+        f"P6 close() of {n} running function workers, log_dir given (nothing pruned)",
+        series,
+        None,
+        note="info: P6 less the temp dir's rank-dir removal; baseline as above",
     )
