@@ -489,8 +489,9 @@ class PContext:
                     if settled:
                         await asyncio.wait(settled, timeout=_DRAIN_TIMEOUT)
                     if code != 0:
-                        # read off the loop, capped (see errors.py), in one helper
-                        # job whose result comes back in bounded batches (_offloop)
+                        # read off the loop, capped (see errors.py), by a helper job
+                        # that reads a burst of exits' files; results come back in
+                        # bounded batches (_offloop)
                         error_file = self.error_files.get(rank, "")
                         observed = time.time()  # orders the failure, as load() would
                         content = await _read_error_file(error_file)
@@ -669,6 +670,7 @@ class PContext:
             else:
                 c.release_when_exited()
         await _lifeline.settle()
+        await self._sweeper.settle()  # its thread must not outlive the group
 
     async def _shutdown(self, sig: int, timeout: float) -> None:
         with helper():  # one helper thread for the whole shutdown (see _offloop)
