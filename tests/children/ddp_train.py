@@ -3,6 +3,7 @@
 argv: [--fail-rank N]  (that rank raises under torch's @record at step 2)
 """
 
+import gc
 import os
 import sys
 
@@ -37,9 +38,13 @@ def main() -> None:
     dist.all_reduce(total)
     if rank == 0:
         print(f"final_loss={total.item() / dist.get_world_size():.8f}", flush=True)
-    # tear down together: a rank leaving while its peer still talks to it can
-    # abort inside gloo ("terminate called without an active exception")
+    # Tear down together, and let the process group really go before the
+    # interpreter finalizes: while DDP holds it, its gloo threads live on, and
+    # one dropping the last collective's tensors during finalization needs the
+    # GIL and aborts the process ("terminate called without an active exception").
     dist.barrier()
+    del model, opt, loss, total
+    gc.collect()
     dist.destroy_process_group()
 
 
