@@ -1,14 +1,10 @@
-"""A group's rank dirs: made during the launch, removed as their workers exit.
+"""A group's rank dirs, made during the launch.
 
 torch's log layout gives every rank a directory (``attempt_<n>/<rank>/``),
-made before the rank starts and, in the private temp dir a group makes when
-no ``log_dir`` is given, pruned at close.  On this kind of file system a
-``mkdir`` or ``rmdir`` next to many siblings costs tens of microseconds of
-kernel time or more, so hundreds of them are worth keeping off the loop and
-off the critical path: ``RankDirs`` makes them on a thread of its own while
-the first workers start; ``EmptyDirSweeper`` removes the empty ones of the
-temp dir, on another, as their workers exit, instead of all of them after
-the last exit.
+made before the rank starts.  A ``mkdir`` next to many siblings costs tens
+of microseconds of kernel time or more on some file systems, so hundreds of
+them are worth keeping off the loop and off the critical path: ``RankDirs``
+makes them on a thread of its own while the first workers start.
 """
 
 from __future__ import annotations
@@ -63,65 +59,3 @@ class RankDirs:
 def _make_dirs(paths: Sequence[str]) -> None:
     for path in paths:
         os.mkdir(path)
-
-
-class EmptyDirSweeper:
-    """Removes rank dirs left empty by their exited workers, in batches on a thread of its own.
-
-    Only dirs the group's own temp dir holds and that no stream file of the
-    group is in are given to ``add`` (see ``DefaultLogsSpecs``): such a dir
-    holds a file only if the worker wrote its error file, which was read
-    before the dir is offered, and then the ``rmdir`` fails and the dir
-    stays for the final prune.  Exits are queued as they come and one job
-    at a time removes what is queued (one hand-over per burst, not per
-    worker).  Not the helper thread: a batch of ``rmdir`` there would delay
-    the ``/proc`` scan and error-file reads of the stop behind it.  The
-    thread exists from the first exit until ``settle``.
-    """
-
-    def __init__(self) -> None:
-        self._queued: list[str] = []
-        self._task: asyncio.Task[None] | None = None
-        self._pool: ThreadPoolExecutor | None = None
-
-    def add(self, path: str) -> None:
-        """Queue ``path`` for removal if it is empty; call on the loop."""
-        self._queued.append(path)
-        if self._task is None:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="aioproc-sweep")
-            self._task = asyncio.get_running_loop().create_task(
-                self._drain(self._pool), name="aioproc-rank-dirs"
-            )
-
-    async def _drain(self, pool: ThreadPoolExecutor) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            while self._queued:
-                batch, self._queued = self._queued, []
-                await shielded(loop.run_in_executor(pool, _remove_empty, batch))
-        finally:
-            self._task = None
-
-    async def settle(self) -> None:
-        """Until what is queued has been removed (or found not empty); then the thread exits.
-
-        Cancellation: the removal in progress finishes first (a half-swept
-        batch is left to the final prune) and the cancellation is re-raised.
-        """
-        task = self._task
-        try:
-            if task is not None:
-                await shielded(task)
-        finally:
-            pool, self._pool = self._pool, None
-            if pool is not None:
-                pool.shutdown(wait=True)  # idle now: the thread exits at once
-
-
-def _remove_empty(paths: Sequence[str]) -> None:
-    for path in paths:
-        try:
-            os.rmdir(path)
-        except OSError:
-            pass  # holds an error file (kept for the prune to report), or gone

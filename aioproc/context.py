@@ -37,7 +37,7 @@ from ._loops import check_loop
 from ._offloop import Batched, helper, run_blocking
 from ._outcomes import NEVER_STARTED as NEVER_STARTED
 from ._outcomes import Outcomes
-from ._rankdirs import EmptyDirSweeper, RankDirs
+from ._rankdirs import RankDirs
 from ._ranks import RankLauncher, SinkLike
 from ._ranks import make_sinks as _make_sinks
 from ._script import script_dirs
@@ -204,9 +204,6 @@ class PContext:
             start_method == "forkserver" and self._ranks.scripts
         )
         self._rank_dirs: dict[int, str] = {}  # rank dirs reify left to the launch
-        # rank dirs removed as their workers exit, if still empty (see _rankdirs)
-        self._empty_dirs: dict[int, str] = {}
-        self._sweeper = EmptyDirSweeper()
         # reads failed ranks' error files off the loop; shut down at close,
         # so no thread outlives the group (the default executor's would)
 
@@ -299,8 +296,6 @@ class PContext:
         self.stdouts = dict(dest.stdouts)
         self.stderrs = dict(dest.stderrs)
         self.error_files = dict(dest.error_files)
-        if isinstance(specs, DefaultLogsSpecs):
-            self._empty_dirs = specs._empty_rank_dirs(dest)
         self._ranks.add_filters(dest, self._filters)
         if "stdout" in self._ranks.filter_sinks:
             self.filtered_stdout = dest.filtered_stdout
@@ -506,9 +501,6 @@ class PContext:
                         )
                 except OSError:
                     logger.exception("reading the outcome of %s failed", child.label)
-                empty_dir = self._empty_dirs.get(rank)
-                if empty_dir is not None:
-                    self._sweeper.add(empty_dir)  # its error file, if any, is read
             if not scope.cancelled_caught:
                 # the outcome is recorded whatever the drain did, or wait() would hang
                 try:
@@ -670,7 +662,6 @@ class PContext:
             else:
                 c.release_when_exited()
         await _lifeline.settle()
-        await self._sweeper.settle()  # its thread must not outlive the group
 
     async def _shutdown(self, sig: int, timeout: float) -> None:
         with helper():  # one helper thread for the whole shutdown (see _offloop)
@@ -725,7 +716,6 @@ class PContext:
         await _lifeline.settle()
         self._outcomes.check_finished()
         self._state = _State.CLOSED
-        await self._sweeper.settle()
         await run_blocking(self.logs_specs.prune)
         warn_forced(forced, sig, granted)
 

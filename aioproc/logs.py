@@ -18,6 +18,12 @@ that read torchrun's logs read ours::
             stderr.log               if redirects | tee has Std.ERR for the rank
             error.json               written by the worker if it fails
 
+In the private temp dir (no ``log_dir``), a rank whose streams all stay on
+the console gets no ``<local_rank>/`` dir: its error file is
+``attempt_<restart_count>/error_<local_rank>.json``.  Such a dir would hold
+nothing but a failed worker's error file, and on some file systems (ext4
+mounted with ``discard``) making and removing it costs about as much as
+starting a small binary worker.  A given ``log_dir`` always has torch's layout.
 An empty string as a stdout/stderr destination means "the console"; tee is a
 redirect to the file plus a copy of it on the console.  ``log_dir=os.devnull``
 writes no files at all.  This module is synchronous and stdlib-only: it runs
@@ -280,7 +286,7 @@ class DefaultLogsSpecs(LogsSpecs):
         return run_dir if run_dir is not None and os.path.isdir(run_dir) else ""
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
-        """Create ``attempt_<restart_count>/<rank>/`` dirs and return their paths.
+        """Create ``attempt_<restart_count>/<rank>/`` dirs and return the ranks' paths.
 
         The run id and restart count come from rank 0's ``TORCHELASTIC_RUN_ID``
         and ``TORCHELASTIC_RESTART_COUNT``.  Sets ``TORCHELASTIC_ERROR_FILE`` in
@@ -329,8 +335,12 @@ class DefaultLogsSpecs(LogsSpecs):
             filtered_stderr=os.path.join(attempt_dir, "filtered_stderr.log"),
         )
         rank_dirs: dict[int, str] = {}
+        # In the temp dir a rank that writes no stream file gets no dir of its
+        # own: on some file systems a mkdir and its rmdir cost a fraction of a
+        # millisecond each, as much as starting the worker (see the docstring).
+        flat = self._ephemeral_root is not None and self._root_log_dir == self._ephemeral_root
         for rank in range(nprocs):
-            rank_dir = rank_dirs[rank] = os.path.join(attempt_dir, str(rank))
+            rank_dir = os.path.join(attempt_dir, str(rank))
             # tee is a redirect plus a copy on the console, so it implies the file.
             to_file = redirects[rank] | tee[rank]
             stdout = os.path.join(rank_dir, "stdout.log") if to_file & Std.OUT else _CONSOLE
@@ -346,7 +356,11 @@ class DefaultLogsSpecs(LogsSpecs):
                 stderr = stderr or os.devnull
             dest.stdouts[rank] = stdout
             dest.stderrs[rank] = stderr
-            error_file = os.path.join(rank_dir, "error.json")
+            if flat and not to_file:
+                error_file = os.path.join(attempt_dir, f"error_{rank}.json")
+            else:
+                rank_dirs[rank] = rank_dir
+                error_file = os.path.join(rank_dir, "error.json")
             dest.error_files[rank] = error_file
             envs[rank][ERROR_FILE_ENV] = error_file
         return dest, rank_dirs
@@ -386,30 +400,6 @@ class DefaultLogsSpecs(LogsSpecs):
         if not os.path.lexists(root):
             # Never recreate a deleted name in a shared temp dir: start afresh.
             self._root_log_dir = self._ephemeral_root = self._run_log_dir = None
-
-    def _empty_rank_dirs(self, dest: LogsDest) -> dict[int, str]:
-        """The rank dirs of ``dest`` that stay empty unless an error file is written.
-
-        Only in the temp dir this spec made (and only if ``prune`` and
-        ``reify`` are this class's own): the ranks none of whose stream
-        files is in its dir.  The supervisor removes such a dir as soon as
-        its worker has exited and its error file, if any, has been read
-        (see ``_rankdirs.EmptyDirSweeper``).
-        """
-        cls = type(self)
-        if (
-            self._ephemeral_root is None
-            or cls.prune is not DefaultLogsSpecs.prune
-            or cls.reify is not DefaultLogsSpecs.reify
-        ):
-            return {}
-        empty = {}
-        for rank, error_file in dest.error_files.items():
-            rank_dir = os.path.dirname(error_file)
-            streams = (dest.stdouts.get(rank, ""), dest.stderrs.get(rank, ""))
-            if not any(os.path.dirname(path) == rank_dir for path in streams):
-                empty[rank] = rank_dir
-        return empty
 
     def __repr__(self) -> str:
         return (

@@ -290,7 +290,7 @@ async def test_a_rank_dir_that_cannot_be_made_fails_the_start_and_leaves_nothing
         "/bin/sleep",
         {r: ("1000",) for r in range(40)},
         {r: {} for r in range(40)},
-        DefaultLogsSpecs(),
+        DefaultLogsSpecs(redirects=Std.OUT),  # a rank dir each, for its stdout.log
     )
     with pytest.raises(OSError, match="No space left on device") as info:
         await pc.start()

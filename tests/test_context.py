@@ -1107,7 +1107,8 @@ async def test_function_workers_start_as_their_own_rank_dir_exists(
     args = {r: (r,) for r in range(6)}
     envs = {r: {} for r in range(6)}
     temp_before = aioproc_temp_dirs(tempfile.gettempdir())
-    pc = PContext("nospace", workers.square, args, envs, DefaultLogsSpecs())
+    # a rank dir each for the stream files (without them, no rank has a dir)
+    pc = PContext("nospace", workers.square, args, envs, DefaultLogsSpecs(redirects=Std.ALL))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_rankdirs, "_make_dirs", make_dirs)
         with pytest.raises(OSError, match="No space left on device") as info:
@@ -1119,5 +1120,6 @@ async def test_function_workers_start_as_their_own_rank_dir_exists(
     assert aioproc_temp_dirs(tempfile.gettempdir()) == temp_before  # pruned
 
     # and when they can all be made, every rank runs with its own dir
-    result = await (await aioproc.start_processes("dirs", workers.square, args, envs)).wait()
+    specs = DefaultLogsSpecs(redirects=Std.ALL)
+    result = await (await aioproc.start_processes("dirs", workers.square, args, envs, specs)).wait()
     assert result is not None and result.return_values == {r: r * r for r in range(6)}

@@ -555,72 +555,63 @@ def test_prune_before_reify_does_nothing() -> None:
     assert aioproc_temp_dirs() == before
 
 
-def test_empty_rank_dirs_are_those_of_the_temp_dir_without_stream_files(tmp_path: Path) -> None:
-    spec = DefaultLogsSpecs(redirects={0: Std.NONE, 1: Std.OUT, 2: Std.NONE}, tee={2: Std.ERR})
-    dest = spec.reify(envs_for(3))
-    assert spec._empty_rank_dirs(dest) == {0: os.path.dirname(dest.error_files[0])}
+def test_the_temp_dir_gives_a_dir_only_to_ranks_that_write_stream_files(tmp_path: Path) -> None:
+    spec = DefaultLogsSpecs(
+        redirects={0: Std.NONE, 1: Std.OUT, 2: Std.NONE, 3: Std.NONE},
+        tee={2: Std.ERR},
+        local_ranks_filter={0, 1, 2},
+    )
+    dest = spec.reify(envs_for(4))
+    attempt = Path(spec.run_log_dir) / "attempt_0"
+    assert dest.error_files[0] == str(attempt / "error_0.json")
+    assert dest.error_files[3] == str(attempt / "error_3.json")  # filtered out: no file either
+    assert dest.error_files[1] == str(attempt / "1" / "error.json")
+    assert dest.error_files[2] == str(attempt / "2" / "error.json")
+    assert sorted(p.name for p in attempt.iterdir()) == ["1", "2"]
     spec.prune()
 
-    given = DefaultLogsSpecs(log_dir=str(tmp_path))
-    assert given._empty_rank_dirs(given.reify(envs_for(2))) == {}  # the user's: never swept
-
-    class OwnPrune(DefaultLogsSpecs):
-        def prune(self) -> None:
-            pass  # keeps everything: nothing is swept either
-
-    own = OwnPrune()
-    assert own._empty_rank_dirs(own.reify(envs_for(1))) == {}
-    DefaultLogsSpecs.prune(own)
+    given = DefaultLogsSpecs(log_dir=str(tmp_path))  # the user's: torch's layout
+    dest = given.reify(envs_for(2))
+    attempt = Path(given.run_log_dir) / "attempt_0"
+    assert dest.error_files == {r: str(attempt / str(r) / "error.json") for r in range(2)}
+    assert sorted(p.name for p in attempt.iterdir()) == ["0", "1"]
 
 
-async def test_an_exited_workers_empty_rank_dir_goes_before_close(tmp_path: Path) -> None:
-    """In the group's temp dir, a rank dir nothing was written to is removed once its
-    worker has exited (not at close, after the last one); one with an error file
-    stays, with the file, and a given log_dir is never touched."""
-    import asyncio
+async def test_a_console_ranks_error_file_in_the_temp_dir_is_reported_and_kept(
+    tmp_path: Path,
+) -> None:
+    """Without a log_dir, ranks whose output stays on the console share the attempt
+    dir: the one that writes its error file is reported with it, the file outlives
+    close, and a given log_dir keeps torch's rank dirs."""
     import sys
 
     import aioproc
 
     write_error = (
-        "import json, os; "
-        "open(os.environ['TORCHELASTIC_ERROR_FILE'], 'w').write(json.dumps({'message': 'x'}))"
+        "import json, os, sys; "
+        "open(os.environ['TORCHELASTIC_ERROR_FILE'], 'w').write("
+        "json.dumps({'message': {'message': 'RuntimeError: boom', 'extraInfo': "
+        "{'py_callstack': 'Traceback: boom', 'timestamp': '1'}}})); sys.exit(3)"
     )
     for log_dir in (None, str(tmp_path)):
-        exited: set[int] = set()
-        done = asyncio.Event()
-
-        def on_event(
-            event: aioproc.WorkerEvent, exited: set[int] = exited, done: asyncio.Event = done
-        ) -> None:
-            if event.kind == "exited":
-                exited.add(event.local_rank)
-                if exited == {0, 2}:
-                    done.set()
-
         pc = await aioproc.start_processes(
-            "sweep",
+            "flat",
             sys.executable,
-            {0: ("-c", "pass"), 1: ("-c", "import time; time.sleep(60)"), 2: ("-c", write_error)},
-            {r: {} for r in range(3)},
+            {0: ("-c", "pass"), 1: ("-c", write_error)},
+            {r: {} for r in range(2)},
             DefaultLogsSpecs(log_dir),
-            on_event=on_event,
         )
         try:
-            await asyncio.wait_for(done.wait(), 30)
-            await pc._sweeper.settle()
-            rank_dirs = [os.path.dirname(pc.error_files[r]) for r in range(3)]
-            if log_dir is None:
-                assert not os.path.exists(rank_dirs[0])
-            else:
-                assert os.path.isdir(rank_dirs[0])
-            assert os.path.isdir(rank_dirs[1])  # its worker runs
-            assert os.path.isfile(pc.error_files[2])
+            result = await pc.wait()
         finally:
             await pc.close()
-        if log_dir is None:
-            assert not os.path.exists(rank_dirs[1])  # pruned at close
-        else:
-            assert all(os.path.isdir(d) for d in rank_dirs)
-        assert os.path.isfile(pc.error_files[2])
-        assert '"x"' in Path(pc.error_files[2]).read_text()
+        assert result is not None
+        failure = result.failures[1]
+        assert failure.exitcode == 3
+        assert failure.message["message"] == "RuntimeError: boom"  # torch keeps the dict
+        name = "error_1.json" if log_dir is None else os.path.join("1", "error.json")
+        assert failure.error_file == os.path.join(pc.logs_specs.run_log_dir, "attempt_0", name)
+        assert "boom" in Path(failure.error_file).read_text()
+        attempt = Path(failure.error_file).parent if log_dir is None else None
+        if attempt is not None:
+            assert [p.name for p in attempt.iterdir()] == ["error_1.json"]  # rest pruned
