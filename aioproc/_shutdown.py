@@ -37,8 +37,15 @@ KILL_WAIT = 5.0
 """Seconds to wait for SIGKILLed workers to exit before reporting them."""
 
 
-_SIGNAL_BATCH = 8
-"""Groups signalled per loop iteration (a signal to a group costs tens of us)."""
+_SIGNAL_BATCH = 32
+"""Groups signalled per loop iteration.
+
+A signal to a group costs ~10 us of the loop's CPU, up to ~80 us while the
+workers it stops are exiting on the same CPUs.  Fewer per iteration spread a
+stop over more iterations, each of which also runs the exits noticed so far:
+closing 64 function workers took 38 ms with 8 per iteration, 31 ms with 32
+(asyncio; no clear difference on uvloop).
+"""
 
 
 class Deadline:
