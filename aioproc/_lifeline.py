@@ -27,6 +27,12 @@ while the supervisor lives.)
 A guardian that dies while groups are registered (killed from outside) is
 noticed through its pidfd on the loop: a warning is logged and a replacement
 takes over every registered group.
+
+The guardian also knows the private temp log dirs of the running groups
+(``d/PATH``, sent with the next group's registration): after the sweeps it
+removes every empty file and directory under them, what a close would have
+pruned, so a SIGKILLed supervisor leaves behind only output and error
+files with content.
 """
 
 from __future__ import annotations
@@ -47,12 +53,15 @@ logger = logging.getLogger("aioproc")
 _SCRIPT = """\
 trap '' HUP INT TERM QUIT PIPE
 groups=" "
+dirs=""
 while IFS= read -r line; do
   case $line in
     done) exit 0 ;;
     -*) g=${line#-}
         case $groups in *" $g "*) groups="${groups%% $g *} ${groups#* $g }" ;; esac ;;
     +*) groups="$groups${line#+} " ;;
+    d/*) dirs="$dirs${line#d}
+" ;;
   esac
 done
 for g in $groups; do kill -s KILL -- "-$g" 2>/dev/null; done
@@ -62,6 +71,9 @@ for pause in 0 0 0.05 0.1 0.2 0.4 0.8; do
     p=${f#/proc/}; p=${p%/environ}
     kill -s KILL -- "-$p" 2>/dev/null; kill -s KILL "$p" 2>/dev/null
   done
+done
+printf '%s' "$dirs" | while IFS= read -r d; do
+  find "$d" -depth \\( -type f -o -type d \\) -empty -delete 2>/dev/null
 done
 """
 
@@ -105,8 +117,10 @@ class _Guardian:
         self.dismissed = False
         self.watcher = ExitWatcher(self.popen, reap=True)
         self.watcher.future.add_done_callback(self._exited)
-        if groups:
-            self.write("".join(f"+{g}\n" for g in sorted(groups)))
+        lines = [f"+{g}\n" for g in sorted(groups)] + [f"d{d}\n" for d in sorted(_dirs)]
+        self.dirs = set(_dirs)
+        if lines:
+            self.write("".join(lines))
 
     def rewatch(self) -> None:
         self.watcher.detach()
@@ -151,6 +165,10 @@ def token() -> str:
 
 
 _dismissed: list[_Guardian] = []
+_dirs: set[str] = set()  # private temp log dirs of the groups (see tidy_after_crash)
+if hasattr(os, "register_at_fork"):
+    # a forked child's guardian must not tidy its parent's dirs
+    os.register_at_fork(after_in_child=_dirs.clear)
 
 
 def _replace(dead: _Guardian, code: int) -> None:
@@ -232,10 +250,36 @@ def _add_locked(guardian: _Guardian, pgid: int) -> None:
     if pgid in guardian.groups:
         return
     guardian.groups.add(pgid)
-    if not guardian.write(f"+{pgid}\n"):
+    # temp dirs made since the last write go with it: no wake-up of their own
+    new_dirs = _dirs - guardian.dirs
+    guardian.dirs |= new_dirs
+    if not guardian.write("".join(f"d{d}\n" for d in sorted(new_dirs)) + f"+{pgid}\n"):
         # died before noticing: the exit watcher starts a replacement that
         # already knows this group
         logger.debug("guardian write failed for group %d; a replacement will take it", pgid)
+
+
+def tidy_after_crash(path: str) -> None:
+    """Have the guardian remove what is empty under ``path`` if this process dies.
+
+    For the private temp log dir of a group, before its workers start: sent
+    with the next registration (a group's first worker follows at once).
+    Paths holding a newline are not sent (the protocol is line-based).
+    """
+    if "\n" in path or not path.startswith("/"):
+        return
+    with _lock:
+        _dirs.add(path)
+
+
+def untidy(path: str) -> None:
+    """``path`` was pruned by its group's close: a new guardian need not know it.
+
+    A running guardian keeps it (it removes only what is empty, and the name
+    came from ``mkdtemp``): forgetting it would cost a wake-up.
+    """
+    with _lock:
+        _dirs.discard(path)
 
 
 def hold() -> None:

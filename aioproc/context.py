@@ -286,6 +286,8 @@ class PContext:
             if isinstance(e, asyncio.CancelledError):
                 self.logs_specs.prune()  # nothing was started: take the empty tree back
             raise
+        if isinstance(specs, DefaultLogsSpecs) and specs._ephemeral_root is not None:
+            _lifeline.tidy_after_crash(specs._ephemeral_root)
         self._state = _State.RUNNING
         loop = asyncio.get_running_loop()
         self._outcomes.start()
@@ -716,7 +718,11 @@ class PContext:
         await _lifeline.settle()
         self._outcomes.check_finished()
         self._state = _State.CLOSED
-        await run_blocking(self.logs_specs.prune)
+        specs = self.logs_specs
+        temp_root = specs._ephemeral_root if isinstance(specs, DefaultLogsSpecs) else None
+        await run_blocking(specs.prune)
+        if temp_root is not None:
+            _lifeline.untidy(temp_root)
         warn_forced(forced, sig, granted)
 
 

@@ -179,3 +179,111 @@ async def test_a_group_registered_twice_is_forgotten_by_one_forget(tmp_path: Pat
                     os.killpg(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+
+TIDY = textwrap.dedent(
+    """
+    import asyncio, sys
+    import aioproc
+    from aioproc import DefaultLogsSpecs, Std
+
+    async def main():
+        # rank 0 writes to its stdout.log, rank 1 writes nothing (console, no dir)
+        pc = await aioproc.start_processes(
+            "tidy",
+            sys.executable,
+            {r: ("-c", f"print('kept {r}', flush=True); import time; time.sleep(3600)"
+                 if r == 0 else "import time; time.sleep(3600)") for r in range(2)},
+            {r: {} for r in range(2)},
+            DefaultLogsSpecs(redirects={0: Std.ALL, 1: Std.NONE}),
+        )
+        print(pc.logs_specs.root_log_dir, pc.stdouts[0], *pc.pids().values(), flush=True)
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_a_sigkilled_supervisors_temp_log_dir_keeps_only_what_was_written(
+    tmp_path: Path,
+) -> None:
+    """The guardian prunes the group's private temp dir as close() would: the
+    stdout.log with content and its dirs stay, every empty file and dir goes."""
+    sup = subprocess.Popen(
+        [sys.executable, "-c", TIDY],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    assert sup.stdout is not None
+    try:
+        root, stdout_log, *pids = sup.stdout.readline().split()
+        guards = [p for p in all_pids() if guardian_of(p, sup.pid)]
+        assert len(guards) == 1, guards
+        for _ in range(100):
+            if Path(stdout_log).read_text() == "kept 0\n":
+                break
+            await asyncio.sleep(0.05)
+        assert Path(stdout_log).read_text() == "kept 0\n"
+        os.kill(sup.pid, signal.SIGKILL)
+        sup.wait()
+        assert await still_alive_after([*map(int, pids), *guards], 10) == set()
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait()
+        sup.stdout.close()
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    rank0 = Path(stdout_log).parent
+    assert left == sorted(
+        str(p.relative_to(tmp_path))
+        for p in [*rank0.parents, rank0, Path(stdout_log)]
+        if p.is_relative_to(tmp_path) and p != tmp_path
+    )
+    assert Path(stdout_log).read_text() == "kept 0\n"
+    assert Path(root).is_dir()
+
+
+async def test_a_sigkilled_supervisors_empty_temp_log_dir_is_removed(tmp_path: Path) -> None:
+    sup = subprocess.Popen(
+        [sys.executable, "-c", TIDY.replace("{0: Std.ALL, 1: Std.NONE}", "Std.NONE")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    assert sup.stdout is not None
+    try:
+        root, _, *pids = sup.stdout.readline().split()
+        assert Path(root).is_dir()
+        guards = [p for p in all_pids() if guardian_of(p, sup.pid)]
+        assert len(guards) == 1, guards
+        os.kill(sup.pid, signal.SIGKILL)
+        sup.wait()
+        assert await still_alive_after([*map(int, pids), *guards], 10) == set()
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait()
+        sup.stdout.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def all_pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def guardian_of(pid: int, supervisor: int) -> bool:
+    """The guardian shell of ``supervisor``: its token starts with the supervisor's pid."""
+    argv = cmdline(pid).split(b"\0")
+    return b"aioproc-guardian" in argv and any(
+        a.startswith(f"{supervisor}-".encode()) for a in argv
+    )
