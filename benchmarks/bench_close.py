@@ -83,12 +83,12 @@ def p6(cfg: Config) -> list[Row]:
         note="baseline: raw subprocesses, SIGTERM each -> all awaited",
     )
     # the same with a log_dir of the caller's, which close() never prunes:
-    # what the stop costs apart from removing a directory per rank
+    # what the stop costs apart from pruning the temp dir
     with tempfile.TemporaryDirectory(prefix="p6-logs-") as given:
         series = interleaved(cfg, lambda: raw_close(n), lambda: aioproc_close(n, given))
     return rows + rows_from(
         f"P6 close() of {n} running function workers, log_dir given (nothing pruned)",
         series,
         None,
-        note="info: P6 less the temp dir's rank-dir removal; baseline as above",
+        note="info: P6 less the temp dir's prune; baseline as above",
     )
