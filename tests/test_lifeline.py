@@ -188,16 +188,23 @@ TIDY = textwrap.dedent(
     from aioproc import DefaultLogsSpecs, Std
 
     async def main():
-        # rank 0 writes to its stdout.log, rank 1 writes nothing (console, no dir)
+        exited = asyncio.Event()
+
+        def on_event(event):
+            if event.kind == "exited" and event.local_rank == 0:
+                exited.set()
+
+        # rank 0 prints a line and exits; rank 1 stays (console output: no dir)
         pc = await aioproc.start_processes(
             "tidy",
             sys.executable,
-            {r: ("-c", f"print('kept {r}', flush=True); import time; time.sleep(3600)"
-                 if r == 0 else "import time; time.sleep(3600)") for r in range(2)},
+            {0: ("-c", "print('kept 0')"), 1: ("-c", "import time; time.sleep(3600)")},
             {r: {} for r in range(2)},
-            DefaultLogsSpecs(redirects={0: Std.ALL, 1: Std.NONE}),
+            DefaultLogsSpecs(redirects=REDIRECTS),
+            on_event=on_event,
         )
-        print(pc.logs_specs.root_log_dir, pc.stdouts[0], *pc.pids().values(), flush=True)
+        await exited.wait()
+        print("ready", pc.logs_specs.root_log_dir, pc.stdouts[0] or "-", pc.pids()[1], flush=True)
         await asyncio.sleep(3600)
 
     asyncio.run(main())
@@ -205,67 +212,53 @@ TIDY = textwrap.dedent(
 )
 
 
-async def test_a_sigkilled_supervisors_temp_log_dir_keeps_only_what_was_written(
-    tmp_path: Path,
-) -> None:
-    """The guardian prunes the group's private temp dir as close() would: the
-    stdout.log with content and its dirs stay, every empty file and dir goes."""
+async def sigkill_after_rank_0(tmp_path: Path, redirects: str) -> tuple[Path, str]:
+    """Run TIDY with ``redirects`` in TMPDIR=tmp_path and SIGKILL it once rank 0 has
+    exited; return its temp root and rank 0's stdout file once rank 1 and the
+    supervisor's guardian are gone."""
     sup = subprocess.Popen(
-        [sys.executable, "-c", TIDY],
+        [sys.executable, "-c", TIDY.replace("REDIRECTS", redirects)],
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     assert sup.stdout is not None
     try:
-        root, stdout_log, *pids = sup.stdout.readline().split()
-        guards = [p for p in all_pids() if guardian_of(p, sup.pid)]
-        assert len(guards) == 1, guards
-        for _ in range(100):
-            if Path(stdout_log).read_text() == "kept 0\n":
-                break
-            await asyncio.sleep(0.05)
-        assert Path(stdout_log).read_text() == "kept 0\n"
-        os.kill(sup.pid, signal.SIGKILL)
-        sup.wait()
-        assert await still_alive_after([*map(int, pids), *guards], 10) == set()
-    finally:
-        if sup.poll() is None:
-            sup.kill()
-            sup.wait()
-        sup.stdout.close()
-    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
-    rank0 = Path(stdout_log).parent
-    assert left == sorted(
-        str(p.relative_to(tmp_path))
-        for p in [*rank0.parents, rank0, Path(stdout_log)]
-        if p.is_relative_to(tmp_path) and p != tmp_path
-    )
-    assert Path(stdout_log).read_text() == "kept 0\n"
-    assert Path(root).is_dir()
-
-
-async def test_a_sigkilled_supervisors_empty_temp_log_dir_is_removed(tmp_path: Path) -> None:
-    sup = subprocess.Popen(
-        [sys.executable, "-c", TIDY.replace("{0: Std.ALL, 1: Std.NONE}", "Std.NONE")],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "TMPDIR": str(tmp_path)},
-    )
-    assert sup.stdout is not None
-    try:
-        root, _, *pids = sup.stdout.readline().split()
+        # rank 0's line comes first when its output stays on the console
+        line = next(line for line in sup.stdout if line.startswith("ready "))
+        root, stdout_log, rank1 = line.split()[1:]
         assert Path(root).is_dir()
         guards = [p for p in all_pids() if guardian_of(p, sup.pid)]
         assert len(guards) == 1, guards
         os.kill(sup.pid, signal.SIGKILL)
         sup.wait()
-        assert await still_alive_after([*map(int, pids), *guards], 10) == set()
+        # the guardian prunes after its kill sweeps (~1.5 s), then exits
+        assert await still_alive_after([int(rank1), *guards], 10) == set()
     finally:
         if sup.poll() is None:
             sup.kill()
             sup.wait()
         sup.stdout.close()
+    return Path(root), stdout_log
+
+
+async def test_a_sigkilled_supervisors_temp_log_dir_keeps_only_what_was_written(
+    tmp_path: Path,
+) -> None:
+    """The guardian prunes the group's private temp dir as close() would: the
+    stdout.log with content and its dirs stay, every empty file and dir goes."""
+    root, stdout_log = await sigkill_after_rank_0(tmp_path, "{0: Std.ALL, 1: Std.NONE}")
+    assert Path(stdout_log).read_text() == "kept 0\n"
+    rank0 = Path(stdout_log).parent
+    kept = [p for p in [*rank0.parents, rank0, Path(stdout_log)] if tmp_path in p.parents]
+    assert sorted(tmp_path.rglob("*")) == sorted(kept)
+    assert root in kept
+
+
+async def test_a_sigkilled_supervisors_empty_temp_log_dir_is_removed(tmp_path: Path) -> None:
+    root, stdout_log = await sigkill_after_rank_0(tmp_path, "Std.NONE")
+    assert stdout_log == "-"  # rank 0's output went to the console
+    assert not root.exists()
     assert list(tmp_path.iterdir()) == []
 
 
