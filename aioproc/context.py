@@ -204,8 +204,6 @@ class PContext:
             start_method == "forkserver" and self._ranks.scripts
         )
         self._rank_dirs: dict[int, str] = {}  # rank dirs reify left to the launch
-        # reads failed ranks' error files off the loop; shut down at close,
-        # so no thread outlives the group (the default executor's would)
 
     @property
     def _finished(self) -> asyncio.Future[None] | None:
