@@ -78,11 +78,25 @@ the loop wires up the other."""
 _RELEASE_BATCH = 8
 """Workers whose pipes are closed per loop iteration at close."""
 
-_REAP_BATCH = 32
-"""Leaders reaped per loop iteration at close (~20 us each)."""
+_RECORD_BATCH = 16
+"""Exits recorded per loop iteration when a close records them together."""
 
 _read_error_file = Batched(read_error_file)
 """Error files of exited workers, read a burst per helper-thread job."""
+
+
+ErrorFileContent = tuple[bytes, int] | OSError | None
+"""What ``read_error_file`` returns."""
+
+
+def _read_error_files(paths: list[str]) -> list[ErrorFileContent]:
+    return [read_error_file(path) for path in paths]
+
+
+def _reap(children: list[Child]) -> None:
+    for c in children:
+        c.watcher.reap()
+
 
 _DRAIN_TIMEOUT = 2.0
 """Bound on waiting for EOF of a killed group's pipes (a setsid'd descendant may hold them)."""
@@ -196,6 +210,8 @@ class PContext:
         self._grace_end = Deadline()  # a later close() can bring it forward
         self._watching: dict[int, anyio.CancelScope] = {}
         self._watched: dict[int, asyncio.Event] = {}
+        # ranks whose exit their watcher leaves to close() (_record_stopped)
+        self._left_to_close: frozenset[int] = frozenset()
         self._auto_stop: anyio.CancelScope | None = None
         self._auto_stopped: asyncio.Event | None = None
         # binary workers start in batches, one helper job each (see
@@ -478,6 +494,8 @@ class PContext:
                 self._watching[rank] = scope
                 # shield: cancelling this watcher must not cancel the exit future
                 code = await asyncio.shield(child.watcher.future)
+                if rank in self._left_to_close:
+                    return  # close() records it with the others in one pass
                 failure: ProcessFailure | None = None
                 try:
                     settled = child.output_settled()
@@ -510,6 +528,62 @@ class PContext:
                     self._outcomes.fallback(rank, child, code)
         finally:
             self._watched[rank].set()
+
+    async def _read_stop_errors(self, ranks: frozenset[int]) -> dict[int, ErrorFileContent]:
+        """The error files of those of ``ranks`` that have exited with an error.
+
+        One helper job for all; ``rank -> read_error_file``'s result.
+        """
+        failed = [r for r in sorted(ranks) if self._children[r].returncode not in (0, None)]
+        if not failed:
+            return {}
+        paths = [self.error_files.get(rank, "") for rank in failed]
+        return dict(zip(failed, await run_blocking(_read_error_files, paths), strict=True))
+
+    async def _record_stopped(
+        self, ranks: frozenset[int], early: dict[int, ErrorFileContent]
+    ) -> None:
+        """Record the exits of ``ranks``, which a close stopped, in one pass.
+
+        One wait for all their output, the error files of those that failed
+        (``early`` has those read while the stop went on), then the records
+        a batch per loop iteration: what ``_watch`` does per exit, done once
+        for all.  Each failure is ordered by the time its exit was noticed.
+        Ranks still running (unkillable) are left out.
+        """
+        stopped = [
+            (rank, self._children[rank])
+            for rank in sorted(ranks)
+            if self._children[rank].watcher.future.done()
+        ]
+        # by now most outputs have settled: wait only on the others
+        settled = [f for _, c in stopped for f in c.output_settled() if not f.done()]
+        if settled:
+            await asyncio.wait(settled, timeout=_DRAIN_TIMEOUT)
+        # a worker SIGKILLed after the grace period exited after the early read
+        failures = early | await self._read_stop_errors(
+            frozenset(rank for rank, _ in stopped if rank not in early)
+        )
+        for i, (rank, child) in enumerate(stopped):
+            if i and not i % _RECORD_BATCH:
+                await asyncio.sleep(0)  # a record is ~30 us: let the loop breathe
+            code = child.watcher.future.result()
+            failure: ProcessFailure | None = None
+            try:
+                if rank in failures:
+                    failure = ProcessFailure._from_content(
+                        child.watcher.exit_time or time.time(),
+                        failures[rank],
+                        rank,
+                        child.pid,
+                        code,
+                        self.error_files.get(rank, ""),
+                        child.stop_requested,
+                    )
+                self._record(rank, child, code, failure)
+            except Exception:  # a bug here must not take the supervisor down
+                logger.exception("recording the exit of %s failed", child.label)
+                self._outcomes.fallback(rank, child, code)
 
     def _record(
         self, rank: int, child: Child, code: int, failure: ProcessFailure | None = None
@@ -677,8 +751,22 @@ class PContext:
         children = list(self._children.values())
         forced: list[Child] = []
         began = time.monotonic()
+        # The exits this stop causes are recorded together once it is over:
+        # per exit, a watcher would wait for the output and read the error
+        # file on its own, competing with the exiting workers for the CPUs.
+        self._left_to_close = stopping = frozenset(
+            rank for rank, c in self._children.items() if not c.watcher.future.done()
+        )
+        reading: list[asyncio.Future[dict[int, ErrorFileContent]]] = []
+
+        def leaders_done() -> None:
+            # their error files are read while the stop looks for descendants
+            reading.append(asyncio.ensure_future(self._read_stop_errors(stopping)))
+
         if children:
-            forced = await stop_groups(children, sig, timeout, deadline=self._grace_end)
+            forced = await stop_groups(
+                children, sig, timeout, deadline=self._grace_end, leaders_done=leaders_done
+            )
         granted = max(0.0, min(timeout, self._grace_end.at - began))
         watched = [e for e in self._watched.values() if not e.is_set()]
         if watched:
@@ -687,12 +775,24 @@ class PContext:
                 # in one step would hold the loop for milliseconds
                 for event in watched:
                     await event.wait()
+        early = await reading[0] if reading else {}
+        await self._record_stopped(stopping, early)
         for rank, scope in self._watching.items():
             if not self._watched[rank].is_set():
-                # only an unkillable worker keeps its watcher waiting
                 scope.cancel()
                 child = self._children[rank]
-                self._outcomes.unkillable(rank, child, self.error_files.get(rank, ""))
+                if rank not in stopping or not child.watcher.future.done():
+                    # only an unkillable worker keeps its watcher waiting
+                    self._outcomes.unkillable(rank, child, self.error_files.get(rank, ""))
+        # The groups get no more signals: forget them (one write to the
+        # guardian, which exits if it guards nothing else) and reap their
+        # leaders now, so that the guardian's exit overlaps what follows.
+        exited = _lifeline.forget_exited(children)
+        # ~15 us each: the helper thread reaps while the loop closes the pipes
+        reaping = asyncio.ensure_future(run_blocking(_reap, exited))
+        for c in children:
+            if not c.watcher.future.done():
+                c.release_when_exited()
         # wait for every pipe's EOF together, then close them a batch per
         # iteration: hundreds of closes at once would hold the loop
         eofs = [f for c in children for f in c.streams_eof()]
@@ -704,21 +804,17 @@ class PContext:
         own_sinks = self._ranks.sinks if self._close_sinks else []
         # bounded, and never raises: the cleanup below always runs
         await close_sinks([*own_sinks, *self._ranks.filter_sinks.values()])
-        exited = _lifeline.forget_exited(children)  # one write to the guardian
-        for i in range(0, len(exited), _REAP_BATCH):
-            if i:
-                await asyncio.sleep(0)  # a reap is a syscall: let the loop breathe
-            for c in exited[i : i + _REAP_BATCH]:
-                c.watcher.reap()
-        for c in children:
-            if not c.watcher.future.done():
-                c.release_when_exited()
-        await _lifeline.settle()
+        await reaping
         self._outcomes.check_finished()
         self._state = _State.CLOSED
         specs = self.logs_specs
         temp_root = specs._ephemeral_root if isinstance(specs, DefaultLogsSpecs) else None
-        await run_blocking(specs.prune)
+        # the helper thread prunes while the loop waits for the guardian
+        pruned = asyncio.ensure_future(run_blocking(specs.prune))
+        try:
+            await _lifeline.settle()
+        finally:
+            await pruned
         if temp_root is not None:
             _lifeline.untidy(temp_root)
         warn_forced(forced, sig, granted)

@@ -53,6 +53,8 @@ class WorkerEvent(NamedTuple):
     ``kind`` is "started" (``exitcode`` None), "exited", or "stopping": a
     signal (``exitcode`` is minus its number) is about to stop the group,
     sent before any worker is signalled (``local_rank`` and ``pid`` are -1).
+    The "exited" events of the workers a close stops come together once
+    the stop is over; ``time`` is when each exit was noticed.
     """
 
     kind: str  # "started" | "exited" | "stopping"

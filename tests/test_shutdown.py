@@ -279,6 +279,64 @@ WRITES_ERROR_FILE_ON_TERM = (
 )
 
 
+PRINTS_ON_TERM = (
+    "import os, signal, sys\n"
+    "rank = int(sys.argv[2])\n"
+    "def term(*_):\n"
+    "    sys.stdout.write(''.join(f'rank {rank} line {i}\\n' for i in range(3000)))\n"
+    "    sys.stdout.flush()\n"
+    "    os._exit(rank % 3)\n"
+    "signal.signal(signal.SIGTERM, term)\n"
+    "with open(sys.argv[1], 'w') as f:\n"
+    "    f.write(f'{os.getpid()} 0\\n')\n"
+    "if rank < 3:\n"
+    "    sys.exit(0)\n"
+    "while True:\n"
+    "    signal.pause()\n"
+)
+
+
+async def test_close_records_each_exit_once_with_all_its_output(tmp_path: Path) -> None:
+    """A close records the exits it causes together: each rank has one "exited"
+    event with its own pid and code, every line written on SIGTERM is in its
+    file, and the ranks that had exited before the close keep their outcome
+    (recorded as they exited)."""
+    n = 19
+    events: list[aioproc.WorkerEvent] = []
+    async with Fifo(tmp_path / "fifo") as fifo:
+        pc = await aioproc.start_processes(
+            "printers",
+            sys.executable,
+            {r: ("-c", PRINTS_ON_TERM, fifo.path, str(r)) for r in range(n)},
+            envs(n),
+            DefaultLogsSpecs(log_dir=tmp_path / "logs", redirects=Std.OUT),
+            on_event=events.append,
+        )
+        try:
+            await fifo.pid_pairs(n)  # every handler is installed
+            early = [pc.pids()[r] for r in range(3)]
+            assert await still_alive_after(early, 10) == set()
+            await pc.close(timeout=10)
+        finally:
+            await pc.close(timeout=1)
+    result = pc.poll()
+    assert result is not None
+    exited = [e for e in events if e.kind == "exited"]
+    assert sorted(e.local_rank for e in exited) == list(range(n))
+    for e in exited:
+        assert e.pid == pc.pids()[e.local_rank]
+        assert e.exitcode == (0 if e.local_rank < 3 else e.local_rank % 3)
+    succeeded = [r for r in range(n) if r < 3 or r % 3 == 0]
+    assert sorted(result.return_values) == succeeded
+    assert sorted(result.failures) == sorted(set(range(n)) - set(succeeded))
+    for rank, failure in result.failures.items():
+        assert (failure.exitcode, failure.stopped) == (rank % 3, True)
+    for rank in range(3, n):
+        lines = Path(pc.stdouts[rank]).read_text().splitlines()
+        assert lines == [f"rank {rank} line {i}" for i in range(3000)]
+    assert all(reaped(pid) for pid in pc.pids().values())
+
+
 async def test_close_reports_every_error_file_written_on_sigterm(tmp_path: Path) -> None:
     """More stopped workers than one delivery batch: each failure has its own error file."""
     from aioproc import _offloop
@@ -469,17 +527,17 @@ async def test_group_members_lists_live_descendants_not_the_leader_nor_zombies()
     try:
         assert leader.stdout is not None
         *live, zombie, away = map(int, leader.stdout.readline().split())
-        members = group_members([leader.pid])
+        members = await group_members([leader.pid])
         assert sorted(members) == sorted(live)
         assert leader.pid not in members and zombie not in members and away not in members
-        assert group_members([]) == []
+        assert await group_members([]) == []
     finally:
         leader.stdin.close()  # type: ignore[union-attr]
         leader.stdout.close()  # type: ignore[union-attr]
         leader.wait(timeout=10)
         os.killpg(leader.pid, signal.SIGKILL)  # the leader is reaped: its group is the sleeps
         assert await still_alive_after(live, 10) == set()
-    assert group_members([leader.pid]) == []
+    assert await group_members([leader.pid]) == []
 
 
 async def test_batched_calls_made_together_run_in_one_helper_job() -> None:
