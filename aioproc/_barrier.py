@@ -1,7 +1,8 @@
 """The barrier of a group of function workers, and the supervisor's other requests.
 
 A worker that calls ``barrier()`` sends ARRIVE on its private control channel
-and blocks until its lifeline thread reads RELEASE (see ``_bootstrap``).  The
+and blocks until RELEASE comes: it reads the channel itself, or in a cluster
+run its lifeline thread reads it and wakes it (see ``_bootstrap``).  The
 supervisor side is a ``ControlHub``: every worker of the group (a rank of a
 ``PContext``, or a task of a cluster run whose tasks are groups of their own)
 is a *member* known by a key.  When ``parties`` members have arrived, each of
@@ -14,9 +15,11 @@ the barrier breaks: every waiter, and every later arrival, gets a RELEASE that
 carries the reason, and ``barrier()`` raises ``threading.BrokenBarrierError``
 with it instead of hanging.
 
-The hub also carries stack dumps: ``dump_stacks`` sends DUMP, the worker's
-lifeline writes a faulthandler dump of every thread into its stderr and
-answers STACKS with the same text.
+The hub also carries stack dumps, for cluster runs: ``dump_stacks`` sends
+DUMP, the worker's lifeline thread writes a faulthandler dump of every
+thread into its stderr and answers STACKS with the same text.  Workers of
+other groups run no such thread (``PContext`` tells them so in INIT) and
+are never sent DUMP.
 """
 
 from __future__ import annotations

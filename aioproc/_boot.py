@@ -81,7 +81,11 @@ def boot_argv(fd: int) -> list[str]:
 
 
 def init_frame(
-    *, serve: bool = False, has_init: bool = False, max_frame_size: int | None = None
+    *,
+    serve: bool = False,
+    has_init: bool = False,
+    max_frame_size: int | None = None,
+    lifeline: bool = True,
 ) -> bytes:
     """Body of the INIT frame: what a worker needs before it runs user code.
 
@@ -90,6 +94,9 @@ def init_frame(
     parent's ``multiprocessing`` authkey, so that Manager proxies passed to
     the worker can authenticate as they do in ``multiprocessing`` children.
     The key travels only over the private channel, never in env or argv.
+    ``lifeline``: whether a one-shot worker reads its channel with a thread
+    of its own (needed where the supervisor may ask for its stacks at any
+    time; see ``_bootstrap``).
     """
     # imported here, once per supervisor: ~7 ms that `import aioproc` need not pay
     from multiprocessing import process
@@ -100,6 +107,7 @@ def init_frame(
             "sys_path": paths,
             "serve": serve,
             "has_init": has_init,
+            "lifeline": lifeline,
             "max_frame": _wire.MAX_FRAME_SIZE if max_frame_size is None else max_frame_size,
             "authkey": bytes(process.current_process().authkey),
         }

@@ -17,9 +17,16 @@ such a worker never even imports ``pickle``; everything else is pickled
 module); cloudpickle is imported by the unpickler only for what
 ``_funcpickle`` leaves to it (classes defined in ``__main__``, for one).
 
-Lifeline: a daemon thread blocks on the channel; EOF means the supervisor is
-gone, and the worker then SIGKILLs its own process group (itself and every
-descendant) so nothing outlives an abruptly killed supervisor.
+Lifeline: in a worker of a cluster run, whose supervisor may ask for its
+stacks at any time, a daemon thread blocks on the channel; EOF means the
+supervisor is gone, and the worker then SIGKILLs its own process group
+(itself and every descendant).  Any other one-shot worker runs no thread of
+its own: the supervisor sends it nothing but RELEASE after CALL, which
+``barrier()`` reads in the thread that waits; a dead supervisor's groups
+are killed by its guardian (``_lifeline``), as binary workers' are, and a
+channel the supervisor closes on a protocol error comes with a SIGKILL to
+the group.  A second thread costs every exit: 64 workers exit 2.5-4.4 ms
+later with one blocked in ``read()`` (``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
@@ -44,30 +51,41 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
 
 def _lifeline(fd: int, started: Any) -> None:
-    """Serve the supervisor's requests; kill this worker's group when it goes away.
+    """The lifeline thread: serve the supervisor's requests until it goes away."""
+    started.release()
+    _serve_requests(fd, until_release=False)
+
+
+def _serve_requests(fd: int, *, until_release: bool) -> str:
+    """Read the supervisor's requests; kill this worker's group when it goes away.
 
     After CALL the supervisor sends only RELEASE (a barrier passed or broke)
-    and DUMP (print every thread's stack); EOF means it is gone.
+    and DUMP (print every thread's stack); EOF means it is gone.  Returns
+    RELEASE's text if ``until_release`` (a waiter at the barrier reading for
+    itself); otherwise hands it to the waiter.
     """
-    started.release()
     try:
         while True:
             kind, body = _wire.read_frame(fd)
             if kind == _wire.RELEASE:
-                _BARRIER["answer"] = bytes(body).decode("utf-8", "replace")
+                answer = bytes(body).decode("utf-8", "replace")
+                if until_release:
+                    return answer
+                _BARRIER["answer"] = answer
                 _BARRIER["lock"].release()
             elif kind == _wire.DUMP:
                 _dump_stacks(fd)
     except (_wire.ChannelClosed, OSError):
         pass
     os.killpg(os.getpgid(0), _signal.SIGKILL)
+    os._exit(137)  # not reached: SIGKILL is not blocked
 
 
 _WRITE_LOCK = _thread.allocate_lock()
 """Frames come from the main thread, the lifeline and any thread at a barrier."""
 
 _ONE_SHOT_FD: int | None = None
-"""The channel of a one-shot function worker once its lifeline serves it."""
+"""The channel of a one-shot function worker once it runs its function."""
 
 _BARRIER: dict[str, Any] = {"lock": None, "answer": ""}
 
@@ -109,8 +127,11 @@ def barrier_wait() -> None:
         )
     with _BARRIER_CALL:  # one waiter per worker: the supervisor counts workers
         _write(fd, _wire.ARRIVE)
-        _BARRIER["lock"].acquire()
-        answer = _BARRIER["answer"]
+        if _BARRIER["lock"] is None:
+            answer = _serve_requests(fd, until_release=True)  # no lifeline thread reads
+        else:
+            _BARRIER["lock"].acquire()
+            answer = _BARRIER["answer"]
     if answer:
         import threading
 
@@ -300,7 +321,7 @@ def _fail(fd: int, exc: BaseException, *, record: bool = True) -> NoReturn:
     try:
         _write(fd, _wire.ERROR, _error_frame(exc))
     except OSError:
-        pass  # supervisor gone: the lifeline is already ending us
+        pass  # supervisor gone: its guardian (or our lifeline) is ending us
     # exit like a script with an uncaught exception: atexit handlers run
     raise SystemExit(1)
 
@@ -413,15 +434,16 @@ def main(fd: int) -> None:
     kind, body = _wire.read_frame(fd)
     if kind != _wire.CALL:
         raise RuntimeError(f"aioproc worker: expected CALL frame, got kind {kind}")
-    # Wait until the thread runs: a thread still starting up when a quick
-    # function returns and the interpreter finalizes crashes Python 3.10
-    # (SIGSEGV in the new thread); one blocked in read() is safe.
-    started = _thread.allocate_lock()
-    started.acquire()
-    _BARRIER["lock"] = _thread.allocate_lock()
-    _BARRIER["lock"].acquire()  # released by the lifeline on RELEASE
-    _thread.start_new_thread(_lifeline, (fd, started))
-    started.acquire()
+    if init.get("lifeline", True):
+        # Wait until the thread runs: a thread still starting up when a quick
+        # function returns and the interpreter finalizes crashes Python 3.10
+        # (SIGSEGV in the new thread); one blocked in read() is safe.
+        started = _thread.allocate_lock()
+        started.acquire()
+        _BARRIER["lock"] = _thread.allocate_lock()
+        _BARRIER["lock"].acquire()  # released by the lifeline on RELEASE
+        _thread.start_new_thread(_lifeline, (fd, started))
+        started.acquire()
     global _ONE_SHOT_FD
     _ONE_SHOT_FD = fd
     try:

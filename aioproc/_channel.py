@@ -13,8 +13,9 @@ most ``max_frame_size``) before its body's buffer is allocated.  A bad one
 fails the channel: ``Channel.failed`` resolves with a ``BrokenWorkerError``
 saying what was wrong, ``on_error`` (if given) is called with it, and the
 connection is aborted, so nothing more is read from a worker that broke the
-protocol.  A function worker's lifeline then sees EOF and ends its group; a
-persistent worker busy in a call does not read the channel, so its owner
+protocol.  A one-shot function worker may not be reading its channel
+either, so its launcher's ``on_error`` SIGKILLs its group (see ``_launch``);
+a persistent worker busy in a call does not read the channel, so its owner
 must stop waiting and kill it (see ``worker``).
 
 Large values travel in shared memory (see ``_shm``): their memfds come on a

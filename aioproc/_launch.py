@@ -15,8 +15,10 @@ sent before the caller's frames.
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import subprocess
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
@@ -26,6 +28,7 @@ from ._channel import Channel
 from ._output import TeeProtocol
 from ._shield import shielded
 from ._spawn import Child, spawn
+from .errors import BrokenWorkerError
 
 if TYPE_CHECKING:
     from ._template import Template
@@ -47,11 +50,15 @@ async def launch_function(
     tee_err: TeeProtocol | None = None,
     template: Template | None = None,
     segments: Sequence[_shm.Segment] = (),
+    one_shot: bool = False,
 ) -> Child:
     """Start one function worker and queue its boot code and ``frames``.
 
     With a ``template`` (``start_method="forkserver"``) the worker is forked
-    from it instead of spawned; everything else is the same.
+    from it instead of spawned; everything else is the same.  A ``one_shot``
+    worker (one CALL, then it exits) is SIGKILLed with its group if the
+    supervisor closes its channel on a protocol error: it may not be reading
+    the channel to see it close.
 
     Returns the ``Child``, whose ``channel`` delivers the worker's frames to
     ``on_frame``.  Raises what ``spawn`` raises, with nothing left running
@@ -72,8 +79,11 @@ async def launch_function(
     fd_socket, child_fd_socket = fd_pair if fd_pair is not None else (None, None)
     extra_fds = () if child_fd_socket is None else (child_fd_socket.fileno(),)
     channel: Channel | None = None
+    ender = _EndOnChannelError() if one_shot else None
     # shielded: a cancelled connect could orphan a registered transport
-    opening = asyncio.ensure_future(Channel.open(parent_sock, on_frame, fd_socket=fd_socket))
+    opening = asyncio.ensure_future(
+        Channel.open(parent_sock, on_frame, fd_socket=fd_socket, on_error=ender)
+    )
     try:
         channel = await shielded(opening)
         if template is not None:
@@ -123,9 +133,36 @@ async def launch_function(
         child_sock.close()
         if child_fd_socket is not None:
             child_fd_socket.close()
+    if ender is not None:
+        ender.attach(child)
     if template is None:
         _queue(channel, frames, extra_fds, segments, forked=False)
     return child
+
+
+class _EndOnChannelError:
+    """A one-shot worker's channel error handler: SIGKILL the worker's group.
+
+    The channel may fail before the launch has its ``Child``: the kill then
+    comes as soon as it does.  The child is held weakly: it holds the
+    channel, which holds this handler, and a cycle would keep the channel's
+    buffers (a result's shared memory among them) until the next GC.
+    """
+
+    def __init__(self) -> None:
+        self._child: weakref.ref[Child] | None = None
+        self._failed = False
+
+    def __call__(self, error: BrokenWorkerError) -> None:
+        self._failed = True
+        child = self._child() if self._child is not None else None
+        if child is not None:
+            child.signal_group(signal.SIGKILL)
+
+    def attach(self, child: Child) -> None:
+        self._child = weakref.ref(child)
+        if self._failed:
+            child.signal_group(signal.SIGKILL)
 
 
 def _queue(

@@ -73,8 +73,11 @@ class RankLauncher:
             if filters[stream] and path:
                 self.filter_sinks[stream] = _FilteredFileSink(path, filters[stream])
 
-    def payloads(self) -> dict[int, list[bytes]]:
+    def payloads(self, *, lifeline: bool = True) -> dict[int, list[bytes]]:
         """Encode the INIT and CALL frames of every rank, before anything starts.
+
+        ``lifeline``: whether each worker reads its channel with a thread of
+        its own (see ``_boot.init_frame``).
 
         Large arguments are written to shared memory now (see ``_shm``); the
         launcher keeps those memfds until the rank is launched, or until
@@ -82,7 +85,7 @@ class RankLauncher:
         """
         if isinstance(self.entrypoint, str):
             return {}
-        init = init_frame()
+        init = init_frame(lifeline=lifeline)
         encoder = CallEncoder(self.entrypoint)
         out: dict[int, list[bytes]] = {}
         try:
@@ -196,6 +199,7 @@ class RankLauncher:
                         tee_err=tees.get("stderr"),
                         template=template,
                         segments=segments,
+                        one_shot=True,
                     )
                 finally:
                     for segment in segments:

@@ -191,7 +191,9 @@ class PContext:
         )
         self._outcomes = Outcomes(self.nprocs)
         # barrier() and stack dumps of function workers; a cluster run shares
-        # one hub among its tasks' groups, keyed by task
+        # one hub among its tasks' groups, keyed by task, and only it asks
+        # for stacks: only its workers need a thread reading their channel
+        self._lifeline_threads = hub is not None
         if hub is None and self.is_function:
             hub = ControlHub(self.nprocs)
         self._hub = hub
@@ -274,7 +276,7 @@ class PContext:
             )
         # everything that can reject the input runs before anything is created
         check_start(self.entrypoint, self.args, self.envs, self.logs_specs)
-        payloads = self._ranks.payloads()
+        payloads = self._ranks.payloads(lifeline=self._lifeline_threads)
         try:
             if not self.is_function:
                 _check_executable(str(self.entrypoint), self.envs)

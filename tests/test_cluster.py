@@ -667,6 +667,22 @@ async def test_barrier_in_forkserver_workers(cf: ModuleType) -> None:
     assert result.return_values == {0: 0, 1: 1}
 
 
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+async def test_group_workers_run_no_thread_of_their_own(cf: ModuleType, start_method: str) -> None:
+    # only a cluster run asks for stacks at any time; a group's worker reads
+    # its channel only at the barrier, in the thread that waits there
+    result = await aioproc.run(cf.threads_then_barrier, 3, start_method=start_method)
+    assert result.return_values == {0: 1, 1: 1, 2: 1}
+
+
+async def test_cluster_workers_keep_a_thread_that_answers_stack_requests(
+    cf: ModuleType,
+) -> None:
+    spec = create_cluster_spec(has_chief=True, num_workers=2)
+    result = await cluster.run(cf.threads_then_barrier, spec, stream_output=False)
+    assert result.return_value == [2, 2, 2]
+
+
 async def test_rank_that_returns_breaks_the_barrier_in_run(cf: ModuleType) -> None:
     with pytest.raises(aioproc.ChildFailedError) as info:
         await aioproc.run(

@@ -338,11 +338,12 @@ async def test_close_records_each_exit_once_with_all_its_output(tmp_path: Path) 
 
 
 async def test_close_reports_every_error_file_written_on_sigterm(tmp_path: Path) -> None:
-    """More stopped workers than one delivery batch: each failure has its own error file."""
-    from aioproc import _offloop
+    """More stopped workers than a close records per loop iteration: each failure
+    has its own error file, read in the close's one pass."""
+    from aioproc import context
     from aioproc.errors import ProcessFailure
 
-    n = 5 * _offloop.Delivery.BATCH + 1
+    n = context._RECORD_BATCH + 5
     async with Fifo(tmp_path / "fifo") as fifo:
         pc = await aioproc.start_processes(
             "writers",

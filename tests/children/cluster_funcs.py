@@ -234,3 +234,12 @@ def with_barrier_unless_chief() -> str:
     if task_type() == "chief":
         return "chief"
     return with_barrier()
+
+
+def threads_then_barrier(*_: Any) -> int:
+    """The worker's thread count, then the barrier (which must still work)."""
+    from aioproc import cluster
+
+    threads = len(os.listdir("/proc/self/task"))
+    cluster.barrier()
+    return threads
