@@ -338,17 +338,26 @@ def serve(fd: int) -> tuple[Any, ...]:
     # answers go back in request order.
     requests = _Requests(sock)
     pending: list[tuple[Any, int]] = []  # (an answer, or the pid whose report to await; its pipe)
+    batch: list[tuple[Any, list[int]]] = []
     while True:
-        got = requests.next(block=not pending)
-        if got is None:
-            if requests.eof:
-                os._exit(0)  # the supervisor closed us, or died
-            answer, read_end = pending.pop(0)
-            if read_end >= 0:
-                answer = _await_report(answer, read_end)
-            _send(sock, answer)
-            continue
-        (targets, channel, env, cwd, script), fds = got
+        if not batch:
+            got = requests.next(block=not pending)
+            if got is None:
+                if requests.eof:
+                    os._exit(0)  # the supervisor closed us, or died
+                answer, read_end = pending.pop(0)
+                if read_end >= 0:
+                    answer = _await_report(answer, read_end)
+                _send(sock, answer)
+                continue
+            # Every request already here is parsed before the first fork:
+            # what the template writes between two forks (a page each) is
+            # copied on write, as every fork shares its pages anew.
+            batch.append(got)
+            while (got := requests.next(block=False)) is not None:
+                batch.append(got)
+            batch.reverse()
+        (targets, channel, env, cwd, script), fds = batch.pop()
         read_end, write_end = os.pipe()
         try:
             if len(fds) != len(targets):
