@@ -17,6 +17,7 @@ import contextlib
 import signal
 import tempfile
 import time
+from collections.abc import AsyncIterator
 
 import _workers
 from _util import Config, ReadyFifo, Row, Target, assert_gone, interleaved, rows_from
@@ -26,7 +27,9 @@ import aioproc
 READY_TIMEOUT = 60.0
 
 
-async def aioproc_close(n: int, log_dir: str | None = None) -> float:
+@contextlib.asynccontextmanager
+async def aioproc_workers(n: int, log_dir: str | None = None) -> AsyncIterator[aioproc.PContext]:
+    """P6's group, every worker inside its function; closed on the way out."""
     with ReadyFifo(n) as fifo:
         pc = await aioproc.start_processes(
             "p6",
@@ -39,16 +42,14 @@ async def aioproc_close(n: int, log_dir: str | None = None) -> float:
             await fifo.wait(READY_TIMEOUT)
             if pc.poll() is not None:
                 raise AssertionError(f"P6: workers ended before close(): {pc.poll()}")
-            t0 = time.perf_counter()
-            await pc.close()
-            dt = time.perf_counter() - t0
+            yield pc
         finally:
             await pc.close()
-        assert_gone(list(pc.pids().values()), "P6 aioproc: after close()")
-        return dt
 
 
-async def raw_close(n: int) -> float:
+@contextlib.asynccontextmanager
+async def raw_workers(n: int) -> AsyncIterator[list[asyncio.subprocess.Process]]:
+    """P6's baseline processes, each inside its function; killed and awaited on the way out."""
     with ReadyFifo(n) as fifo:
         procs = [
             await asyncio.create_subprocess_exec(
@@ -58,19 +59,33 @@ async def raw_close(n: int) -> float:
         ]
         try:
             await fifo.wait(READY_TIMEOUT)
-            t0 = time.perf_counter()
-            for p in procs:
-                p.send_signal(signal.SIGTERM)
-            await asyncio.gather(*(p.wait() for p in procs))
-            dt = time.perf_counter() - t0
+            yield procs
         finally:
             for p in procs:
                 if p.returncode is None:
                     with contextlib.suppress(ProcessLookupError):
                         p.kill()
             await asyncio.gather(*(p.wait() for p in procs))
-        assert_gone([p.pid for p in procs], "P6 baseline")
-        return dt
+
+
+async def aioproc_close(n: int, log_dir: str | None = None) -> float:
+    async with aioproc_workers(n, log_dir) as pc:
+        t0 = time.perf_counter()
+        await pc.close()
+        dt = time.perf_counter() - t0
+    assert_gone(list(pc.pids().values()), "P6 aioproc: after close()")
+    return dt
+
+
+async def raw_close(n: int) -> float:
+    async with raw_workers(n) as procs:
+        t0 = time.perf_counter()
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        await asyncio.gather(*(p.wait() for p in procs))
+        dt = time.perf_counter() - t0
+    assert_gone([p.pid for p in procs], "P6 baseline")
+    return dt
 
 
 def p6(cfg: Config) -> list[Row]:

@@ -23,7 +23,6 @@ worker adds is the second row minus the first.  Medians over rounds, in ms.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import select
 import signal
@@ -32,11 +31,8 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 
-import _workers
-from _util import LOOPS, ReadyFifo, run_on, uvloop_available
-from bench_close import READY_TIMEOUT, aioproc_close, raw_close
-
-import aioproc
+from _util import LOOPS, run_on, uvloop_available
+from bench_close import READY_TIMEOUT, aioproc_close, aioproc_workers, raw_close, raw_workers
 
 N = 64
 
@@ -63,40 +59,14 @@ def _kill_and_wait(pids: list[int], kill: Callable[[int, int], None]) -> float:
 
 
 async def raw_exits(n: int) -> float:
-    with ReadyFifo(n) as fifo:
-        procs = [
-            await asyncio.create_subprocess_exec(
-                *_workers.script("ready_then_sleep", fifo.path, "60")
-            )
-            for _ in range(n)
-        ]
-        try:
-            await fifo.wait(READY_TIMEOUT)
-            return _kill_and_wait([p.pid for p in procs], os.kill)
-        finally:
-            for p in procs:
-                if p.returncode is None:
-                    try:
-                        p.kill()
-                    except ProcessLookupError:
-                        pass
-            await asyncio.gather(*(p.wait() for p in procs))
+    async with raw_workers(n) as procs:
+        return _kill_and_wait([p.pid for p in procs], os.kill)
 
 
 async def aioproc_exits(n: int) -> float:
-    with ReadyFifo(n) as fifo:
-        pc = await aioproc.start_processes(
-            "split",
-            _workers.ready_then_sleep,
-            args={r: (fifo.path,) for r in range(n)},
-            envs={r: {} for r in range(n)},
-        )
-        try:
-            await fifo.wait(READY_TIMEOUT)
-            # each worker leads its own group, which close() signals
-            return _kill_and_wait(list(pc.pids().values()), os.killpg)
-        finally:
-            await pc.close()
+    async with aioproc_workers(n) as pc:
+        # each worker leads its own group, which close() signals
+        return _kill_and_wait(list(pc.pids().values()), os.killpg)
 
 
 ROWS: dict[str, Callable[[int], Awaitable[float]]] = {
