@@ -338,10 +338,22 @@ class Channel:
             return self._protocol.closed
         return self.progress.reached(self._fd)
 
-    def abort(self) -> None:
-        """Close at once, dropping unsent bytes (``aclose`` also waits for it)."""
+    def close_when_settled(self) -> None:
+        """Close once what the worker wrote before exiting has been read (see ``settled``)."""
+        settled = self.settled()
+        if settled.done():
+            self.abort()
+        else:
+            settled.add_done_callback(lambda _: self.abort())
+
+    def abort(self) -> asyncio.Future[None]:
+        """Close at once, dropping unsent bytes; ``aclose`` also waits for it.
+
+        Returns the future that resolves once the transport has let go of
+        the socket (a later loop iteration).
+        """
         self._transport.abort()
+        return self._protocol.closed
 
     async def aclose(self) -> None:
-        self._transport.abort()
-        await self._protocol.closed
+        await self.abort()

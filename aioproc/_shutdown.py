@@ -156,7 +156,7 @@ async def stop_groups(
     return forced
 
 
-_SCAN_BATCH = 128
+_SCAN_BATCH = 256
 """``/proc`` entries looked at per loop iteration by ``group_members``."""
 
 
@@ -168,31 +168,34 @@ async def group_members(pgids: Iterable[int]) -> list[int]:
     ``getpgid`` (~1 us, no file is opened); only a member's ``stat`` is
     read, to leave out zombies.  The scan runs on the loop, a slice of
     entries per iteration: a hand-over to the helper thread and back took
-    longer than the scan of a few hundred entries.
+    longer than the scan of a few hundred entries.  ``listdir`` rather than
+    ``scandir``: one call, and no object per entry (a sixth of the scan).
     """
     wanted = set(pgids)
     if not wanted:
         return []
-    members = []
     try:
-        with os.scandir("/proc") as entries:  # read a chunk at a time, as iterated
-            for i, entry in enumerate(entries):
-                if i and not i % _SCAN_BATCH:
-                    await asyncio.sleep(0)  # a machine may run thousands of processes
-                if not entry.name.isdigit():
-                    continue
-                pid = int(entry.name)
-                if pid in wanted:
-                    continue
-                try:
-                    if os.getpgid(pid) not in wanted:
-                        continue
-                except OSError:
-                    continue  # exited meanwhile
-                if not _is_zombie(pid):
-                    members.append(pid)
+        names = os.listdir("/proc")
     except OSError:
-        return members  # no /proc: nothing to wait for
+        return []  # no /proc: nothing to wait for
+    members = []
+    getpgid = os.getpgid
+    for i in range(0, len(names), _SCAN_BATCH):
+        if i:
+            await asyncio.sleep(0)  # a machine may run thousands of processes
+        for name in names[i : i + _SCAN_BATCH]:
+            if not name.isdigit():
+                continue
+            pid = int(name)
+            if pid in wanted:
+                continue
+            try:
+                if getpgid(pid) not in wanted:
+                    continue
+            except OSError:
+                continue  # exited meanwhile
+            if not _is_zombie(pid):
+                members.append(pid)
     return members
 
 

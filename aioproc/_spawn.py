@@ -152,12 +152,21 @@ class Child:
         pending = self.streams_eof()
         if pending:
             await asyncio.wait(pending, timeout=timeout)
-        for tr in self._tee_transports:
-            tr.close()
+        closing = self.cut_streams()
         if pending:
             await asyncio.wait(pending, timeout=timeout)
-        if self.channel is not None:
-            await self.channel.aclose()
+        if closing:
+            await closing[0]
+
+    def cut_streams(self) -> list[asyncio.Future[None]]:
+        """Cut the output pipes and the channel now, without waiting.
+
+        Returns the channel's closed future (none without a channel): it
+        resolves in a later loop iteration, once the socket is closed.
+        """
+        for tr in self._tee_transports:
+            tr.close()
+        return [self.channel.abort()] if self.channel is not None else []
 
 
 _late: set[Child] = set()

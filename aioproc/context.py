@@ -1,14 +1,15 @@
 """The supervisor of one worker group: ``PContext`` (built by ``start_processes``).
 
 A ``PContext`` owns its work in ONE supervisor task and the anyio task group
-inside it: the launch of every rank, one watcher per worker, the stop after
-a first failure, and the final shutdown.  ``start()`` creates the supervisor
+inside it: the launch of every rank, the stop after a first failure, and the
+final shutdown.  ``start()`` creates the supervisor
 and waits until every rank is launched; ``close()`` (from any task, any
 number of times) asks it to stop and waits until it has finished; the
 ``await`` and ``async with`` forms of ``start_processes`` are thin wrappers.
 
-A watcher awaits its worker's exit (a pidfd, not polling), then the bytes the
-worker wrote before exiting (``_drain``), and records the outcome.  The first
+A worker's exit (a pidfd, not polling) starts a watcher task, which waits
+for the bytes the worker wrote before exiting (``_drain``) and records the
+outcome; the shutdown waits for the watchers, bounded.  The first
 failure makes the supervisor stop every other worker (all-or-nothing); the
 group's result is final when every rank is done.  ``close()`` stops whatever
 still runs, gracefully then by force (``_shutdown``), during a launch too
@@ -21,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -89,8 +92,35 @@ ErrorFileContent = tuple[bytes, int] | OSError | None
 """What ``read_error_file`` returns."""
 
 
+_LIST_DIR_FROM = 8
+"""Error files in one dir from which ``_read_error_files`` lists the dir first."""
+
+
 def _read_error_files(paths: list[str]) -> list[ErrorFileContent]:
-    return [read_error_file(path) for path in paths]
+    """``read_error_file`` of each path (a stopped group's: most were never written).
+
+    A dir holding many of them (``error_<rank>.json`` side by side) is
+    listed once, and only the files in it are looked at: one system call
+    instead of a ``stat`` per absent file.
+    """
+    by_dir: dict[str, list[str]] = {}
+    for path in paths:
+        by_dir.setdefault(os.path.dirname(path), []).append(path)
+    absent: set[str] = set()
+    for folder, inside in by_dir.items():
+        if len(inside) >= _LIST_DIR_FROM:
+            try:
+                present = set(os.listdir(folder))
+            except OSError:
+                continue  # looked at one by one below
+            absent.update(p for p in inside if os.path.basename(p) not in present)
+    return [None if path in absent else read_error_file(path) for path in paths]
+
+
+async def _prune_after(reads: Sequence[asyncio.Future[Any]], specs: LogsSpecs) -> None:
+    if reads:
+        await asyncio.wait(reads)
+    await run_blocking(specs.prune)
 
 
 def _reap(children: list[Child]) -> None:
@@ -212,7 +242,8 @@ class PContext:
         self._grace_end = Deadline()  # a later close() can bring it forward
         self._watching: dict[int, anyio.CancelScope] = {}
         self._watched: dict[int, asyncio.Event] = {}
-        # ranks whose exit their watcher leaves to close() (_record_stopped)
+        self._watchers: set[asyncio.Task[None]] = set()
+        # ranks whose exit close() records (_record_stopped), with no watcher
         self._left_to_close: frozenset[int] = frozenset()
         self._auto_stop: anyio.CancelScope | None = None
         self._auto_stopped: asyncio.Event | None = None
@@ -404,12 +435,11 @@ class PContext:
 
         def started(rank: int, child: Child) -> None:
             self._children[rank] = child
-            self._watched[rank] = asyncio.Event()
             if self._hub is not None and child.channel is not None:
                 key = self._hub_keys.get(rank, rank)
                 self._hub.attach(key, child.channel, key if isinstance(key, str) else child.label)
             self._notify(WorkerEvent("started", rank, child.pid, None, time.time()))
-            tg.start_soon(self._watch, rank, child, name=f"aioproc-watch-{child.label}")
+            child.watcher.future.add_done_callback(functools.partial(self._exited, rank, child))
 
         async def launch(rank: int) -> None:
             try:
@@ -490,14 +520,34 @@ class PContext:
 
     # ------------------------------------------------------------ supervision
 
-    async def _watch(self, rank: int, child: Child) -> None:
+    def _exited(self, rank: int, child: Child, exit: asyncio.Future[int]) -> None:
+        """A worker's exit was noticed: record it, unless a close is under way.
+
+        A done callback, not a task per worker: a close records the exits it
+        causes in one pass (``_record_stopped``), so the exits of a group
+        being closed cost no task switch each.  Only an exit noticed before
+        any close starts a task, to wait for its output and error file.  A
+        plain task (anyio's ``start_soon`` needs to be called from a task):
+        the shutdown waits for it, bounded, and cancels it if it is late.
+        """
+        if rank in self._left_to_close:
+            # close() records it with the others once the stop is over; its
+            # channel is closed now, while the other workers are still exiting
+            if child.channel is not None:
+                child.channel.close_when_settled()
+            return
+        if self._tg is None or self._state is _State.CLOSED:
+            return  # recorded already (a close noticed it first)
+        self._watched[rank] = asyncio.Event()
+        name = f"aioproc-watch-{child.label}"
+        task = child.watcher.loop.create_task(self._watch(rank, child, exit.result()), name=name)
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+
+    async def _watch(self, rank: int, child: Child, code: int) -> None:
         try:
             with anyio.CancelScope() as scope:
                 self._watching[rank] = scope
-                # shield: cancelling this watcher must not cancel the exit future
-                code = await asyncio.shield(child.watcher.future)
-                if rank in self._left_to_close:
-                    return  # close() records it with the others in one pass
                 failure: ProcessFailure | None = None
                 try:
                     settled = child.output_settled()
@@ -519,7 +569,7 @@ class PContext:
                             error_file,
                             child.stop_requested,
                         )
-                except OSError:
+                except Exception:  # recorded below without the error file's content
                     logger.exception("reading the outcome of %s failed", child.label)
             if not scope.cancelled_caught:
                 # the outcome is recorded whatever the drain did, or wait() would hang
@@ -598,9 +648,9 @@ class PContext:
         if failed and not self._stopping and self._tg is not None:
             self._stopping = True
             self._tg.start_soon(self._stop_after_failure, name=f"aioproc-stop-{self.name}")
-        self._notify(
-            WorkerEvent("exited", rank, child.pid, code, child.watcher.exit_time or time.time())
-        )
+        if self._on_event is not None:
+            exited = child.watcher.exit_time or time.time()
+            self._notify(WorkerEvent("exited", rank, child.pid, code, exited))
 
     async def _stop_after_failure(self) -> None:
         assert self._launch_done is not None
@@ -729,6 +779,8 @@ class PContext:
         await asyncio.wait({self._supervisor})
 
     async def _emergency_stop(self) -> None:
+        for task in self._watchers:
+            task.cancel()
         children = list(self._children.values())
         await stop_groups(children, signal.SIGKILL, 0.0)
         for c in children:
@@ -756,8 +808,9 @@ class PContext:
         # The exits this stop causes are recorded together once it is over:
         # per exit, a watcher would wait for the output and read the error
         # file on its own, competing with the exiting workers for the CPUs.
+        # They are those whose exit was not noticed yet (see _exited).
         self._left_to_close = stopping = frozenset(
-            rank for rank, c in self._children.items() if not c.watcher.future.done()
+            rank for rank in self._children if rank not in self._watched
         )
         reading: list[asyncio.Future[dict[int, ErrorFileContent]]] = []
 
@@ -770,6 +823,17 @@ class PContext:
                 children, sig, timeout, deadline=self._grace_end, leaders_done=leaders_done
             )
         granted = max(0.0, min(timeout, self._grace_end.at - began))
+        specs = self.logs_specs
+        temp_root = specs._ephemeral_root if isinstance(specs, DefaultLogsSpecs) else None
+        pruned: asyncio.Future[None] | None = None
+        watching = any(not e.is_set() for e in self._watched.values())
+        if not forced and not watching and not any(c.tees for c in children):
+            # Nothing writes in the log tree any more: the groups are empty
+            # and no pipe of ours feeds a file.  Once the stopped workers'
+            # error files are read (and no other read is due: none was
+            # forced, no watcher is reading), the helper thread prunes it
+            # while the loop records the exits.
+            pruned = asyncio.ensure_future(_prune_after(reading, specs))
         watched = [e for e in self._watched.values() if not e.is_set()]
         if watched:
             with anyio.move_on_after(_DRAIN_TIMEOUT + 1):
@@ -778,45 +842,58 @@ class PContext:
                 for event in watched:
                     await event.wait()
         early = await reading[0] if reading else {}
-        await self._record_stopped(stopping, early)
-        for rank, scope in self._watching.items():
-            if not self._watched[rank].is_set():
-                scope.cancel()
-                child = self._children[rank]
-                if rank not in stopping or not child.watcher.future.done():
-                    # only an unkillable worker keeps its watcher waiting
-                    self._outcomes.unkillable(rank, child, self.error_files.get(rank, ""))
         # The groups get no more signals: forget them (one write to the
         # guardian, which exits if it guards nothing else) and reap their
         # leaders now, so that the guardian's exit overlaps what follows.
         exited = _lifeline.forget_exited(children)
-        # ~15 us each: the helper thread reaps while the loop closes the pipes
+        # ~15 us each: the helper thread reaps while the loop records the
+        # exits and closes the pipes
         reaping = asyncio.ensure_future(run_blocking(_reap, exited))
+        await self._record_stopped(stopping, early)
+        for rank, scope in self._watching.items():
+            if not self._watched[rank].is_set():
+                # it exited, but its output or error file took too long
+                scope.cancel()
+                child = self._children[rank]
+                self._outcomes.fallback(rank, child, child.watcher.future.result())
+        for rank in stopping:
+            child = self._children[rank]
+            if not child.watcher.future.done():
+                # survived SIGKILL: recorded as such now, its exit whenever it comes
+                self._outcomes.unkillable(rank, child, self.error_files.get(rank, ""))
         for c in children:
             if not c.watcher.future.done():
                 c.release_when_exited()
-        # wait for every pipe's EOF together, then close them a batch per
-        # iteration: hundreds of closes at once would hold the loop
-        eofs = [f for c in children for f in c.streams_eof()]
-        if eofs:
-            await asyncio.wait(eofs, timeout=_DRAIN_TIMEOUT)
-        for i in range(0, len(children), _RELEASE_BATCH):
-            batch = children[i : i + _RELEASE_BATCH]
-            await asyncio.gather(*(c.close_streams(_DRAIN_TIMEOUT) for c in batch))
-        own_sinks = self._ranks.sinks if self._close_sinks else []
-        # bounded, and never raises: the cleanup below always runs
-        await close_sinks([*own_sinks, *self._ranks.filter_sinks.values()])
-        await reaping
-        self._outcomes.check_finished()
-        self._state = _State.CLOSED
-        specs = self.logs_specs
-        temp_root = specs._ephemeral_root if isinstance(specs, DefaultLogsSpecs) else None
-        # the helper thread prunes while the loop waits for the guardian
-        pruned = asyncio.ensure_future(run_blocking(specs.prune))
         try:
+            # wait for every pipe's EOF together, then close them a batch per
+            # iteration: hundreds of closes at once would hold the loop
+            eofs = [f for c in children for f in c.streams_eof()]
+            if eofs:
+                await asyncio.wait(eofs, timeout=_DRAIN_TIMEOUT)
+            for i in range(0, len(children), _RELEASE_BATCH):
+                batch = children[i : i + _RELEASE_BATCH]
+                # those at EOF are cut at once, with no task each; the others
+                # (a descendant holds a pipe) get one more drain timeout
+                late = [c.close_streams(_DRAIN_TIMEOUT) for c in batch if c.streams_eof()]
+                closing = [f for c in batch if not c.streams_eof() for f in c.cut_streams()]
+                if late:
+                    await asyncio.gather(*late)
+                if closing:
+                    await asyncio.wait(closing)
+            own_sinks = self._ranks.sinks if self._close_sinks else []
+            # bounded, and never raises: the cleanup below always runs
+            await close_sinks([*own_sinks, *self._ranks.filter_sinks.values()])
+            await reaping
+            self._outcomes.check_finished()
+            self._state = _State.CLOSED
+            if pruned is None:
+                # the sinks wrote into the tree until now: prune it only now,
+                # while the loop waits for the guardian
+                pruned = asyncio.ensure_future(run_blocking(specs.prune))
             await _lifeline.settle()
         finally:
-            await pruned
+            if pruned is not None:
+                await pruned
         if temp_root is not None:
             _lifeline.untidy(temp_root)
         warn_forced(forced, sig, granted)

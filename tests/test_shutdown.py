@@ -337,20 +337,28 @@ async def test_close_records_each_exit_once_with_all_its_output(tmp_path: Path) 
     assert all(reaped(pid) for pid in pc.pids().values())
 
 
-async def test_close_reports_every_error_file_written_on_sigterm(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["rank dirs", "temp dir"])
+async def test_close_reports_every_error_file_written_on_sigterm(
+    tmp_path: Path, layout: str
+) -> None:
     """More stopped workers than a close records per loop iteration: each failure
-    has its own error file, read in the close's one pass."""
+    has its own error file, read in the close's one pass.  Without a log_dir the
+    files lie side by side in the temp dir (the close lists it once instead of
+    looking for each file) and the prune, done while the exits are recorded,
+    keeps exactly the files written."""
     from aioproc import context
     from aioproc.errors import ProcessFailure
 
     n = context._RECORD_BATCH + 5
+    assert n >= context._LIST_DIR_FROM
+    log_dir = tmp_path / "logs" if layout == "rank dirs" else None
     async with Fifo(tmp_path / "fifo") as fifo:
         pc = await aioproc.start_processes(
             "writers",
             sys.executable,
             {r: ("-c", WRITES_ERROR_FILE_ON_TERM, fifo.path, str(r)) for r in range(n)},
             envs(n),
-            DefaultLogsSpecs(log_dir=tmp_path / "logs"),
+            DefaultLogsSpecs(log_dir=log_dir),
         )
         try:
             await fifo.pid_pairs(n)  # every handler is installed
@@ -382,7 +390,37 @@ async def test_close_reports_every_error_file_written_on_sigterm(tmp_path: Path)
             expected.error_file,
             expected.error_file_data,
         )
+    if log_dir is None:
+        attempt = Path(pc.error_files[0]).parent
+        written = sorted(f"error_{r}.json" for r in range(0, n, 2))
+        assert sorted(p.name for p in attempt.iterdir()) == written
+        for r in range(0, n, 2):
+            Path(pc.error_files[r]).unlink()
+        pc.logs_specs.prune()  # nothing else was left behind
+        assert not attempt.parent.parent.exists()
     assert all(reaped(pid) for pid in pc.pids().values())
+
+
+def test_error_files_read_together_as_one_by_one(tmp_path: Path) -> None:
+    """A stopped group's error files, read with their dir listed once, come back as
+    ``read_error_file`` reads each: absent, empty, with content, a dir of that
+    name, in a dir that does not exist, and no path at all."""
+    from aioproc import context
+    from aioproc.errors import read_error_file
+
+    flat = tmp_path / "attempt_0"
+    flat.mkdir()
+    paths = [str(flat / f"error_{r}.json") for r in range(context._LIST_DIR_FROM + 4)]
+    Path(paths[1]).write_text("")
+    Path(paths[2]).write_text('{"message": "boom", "timestamp": 7}')
+    Path(paths[3]).mkdir()
+    paths += [str(tmp_path / "gone" / "error.json"), "", str(tmp_path / "other.json")]
+    Path(paths[-1]).write_text('{"message": "alone"}')
+    together = context._read_error_files(paths)
+    assert together == [read_error_file(p) for p in paths]
+    assert [c is None for c in together] == [
+        p not in (paths[1], paths[2], paths[-1]) for p in paths
+    ]
 
 
 async def test_helper_results_reach_the_loop_a_bounded_batch_per_iteration() -> None:
