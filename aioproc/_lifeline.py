@@ -93,6 +93,21 @@ DISMISS_WAIT = 5.0
 """Seconds a dismissed guardian gets to exit before it is killed."""
 
 
+def _guardian_env() -> dict[str, str]:
+    """What the guardian's shell needs of the environment, and no more.
+
+    Its ``PATH`` (for ``sleep``, ``grep``, ``find``), and the lifeline of a
+    supervisor that runs this one as a worker, so that one's guardian finds
+    it too.  Nothing else: a variable exec refuses (one over the
+    per-string limit, say) must not keep the guardian from starting when
+    every rank overrides it.
+    """
+    env = {"PATH": os.environ.get("PATH", os.defpath)}
+    if TOKEN_VAR in os.environ:
+        env[TOKEN_VAR] = os.environ[TOKEN_VAR]
+    return env
+
+
 class _Guardian:
     """One guardian process and the groups it knows."""
 
@@ -106,6 +121,7 @@ class _Guardian:
                 stderr=subprocess.DEVNULL,
                 start_new_session=True,
                 close_fds=True,
+                env=_guardian_env(),
             )
         except BaseException:
             os.close(self.write_fd)

@@ -20,7 +20,7 @@ from . import _shm, _wire
 from ._boot import CallEncoder, init_frame
 from ._launch import launch_function
 from ._output import TeeProtocol
-from ._script import ScriptCommand, script_command
+from ._script import ScriptCommand, script_commands
 from ._spawn import BinaryStart, Child, adopt, discard, spawn, spawn_binaries
 from .logs import LogsDest
 from .sinks import CallbackSink, ConsoleSink, FileSink, Sink, _FilteredFileSink
@@ -60,11 +60,7 @@ class RankLauncher:
         self._environ: dict[str, str] | None = None
         # ranks whose binary is this interpreter running a script: a forkserver
         # template can run those itself (see _script)
-        self.scripts: dict[int, ScriptCommand] = {}
-        for rank, rank_args in args.items():
-            command = script_command(entrypoint, rank_args)
-            if command is not None:
-                self.scripts[rank] = command
+        self.scripts: dict[int, ScriptCommand] = script_commands(entrypoint, args)
         self._segments: dict[int, list[_shm.Segment]] = {}
 
     def add_filters(self, dest: LogsDest, filters: Mapping[str, tuple[str, ...]]) -> None:

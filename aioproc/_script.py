@@ -50,6 +50,28 @@ def script_command(entrypoint: object, args: Sequence[object]) -> ScriptCommand 
     """The script ``entrypoint args`` runs, if it is this interpreter running one."""
     if not isinstance(entrypoint, str) or not _is_this_interpreter(entrypoint):
         return None
+    return _script_of(entrypoint, args)
+
+
+def script_commands(
+    entrypoint: object, args: Mapping[int, Sequence[object]]
+) -> dict[int, ScriptCommand]:
+    """``script_command`` of every rank: ``{rank: command}`` for those running one.
+
+    The entrypoint is compared with this interpreter once for all ranks
+    (two ``abspath``, each a ``getcwd``: most of the cost per rank).
+    """
+    if not isinstance(entrypoint, str) or not _is_this_interpreter(entrypoint):
+        return {}
+    commands = {}
+    for rank, rank_args in args.items():
+        command = _script_of(entrypoint, rank_args)
+        if command is not None:
+            commands[rank] = command
+    return commands
+
+
+def _script_of(entrypoint: str, args: Sequence[object]) -> ScriptCommand | None:
     argv = [str(a) for a in args]
     i = 0
     while i < len(argv) and argv[i] in _OPTIONS:
@@ -77,9 +99,5 @@ def script_dirs(entrypoint: object, args: Mapping[int, Sequence[object]]) -> tup
     A forkserver template for these workers searches them first, so a
     module next to the script can be preloaded.
     """
-    dirs: dict[str, None] = {}
-    for rank_args in args.values():
-        command = script_command(entrypoint, rank_args)
-        if command is not None:
-            dirs[command.import_dir()] = None
+    dirs = {command.import_dir(): None for command in script_commands(entrypoint, args).values()}
     return tuple(dirs)

@@ -384,9 +384,14 @@ def _size(n: int) -> str:
     return f"{n} bytes"
 
 
+def _encoded_len(text: str) -> int:
+    """Bytes of ``text`` as exec gets it (``os.fsencode``), ASCII without a copy."""
+    return len(text) if text.isascii() else len(os.fsencode(text))
+
+
 def _entry(key: str, value: str) -> int:
     """Bytes of ``KEY=VALUE`` in an environment block, without its NUL."""
-    return len(os.fsencode(key)) + 1 + len(os.fsencode(value))
+    return _encoded_len(key) + 1 + _encoded_len(value)
 
 
 def check_exec_size(
@@ -399,6 +404,9 @@ def check_exec_size(
     A rank's environment is the parent's ``os.environ`` plus ``envs[rank]``,
     as at launch; ``EXEC_MARGIN`` bytes are kept for what the launch adds.
     Run it after ``validate_group`` (the strings are known to be encodable).
+    Each rank costs a sum and a max of string lengths; the strings are
+    named only for a rank over a limit (hundreds of ranks are checked on
+    the caller's loop, before anything starts).
 
     Args:
         entrypoint: the executable (binary workers) or the callable.
@@ -416,48 +424,71 @@ def check_exec_size(
     arg_max, max_strlen = limits
     inherited = {key: _entry(key, value) for key, value in os.environ.items()}
     inherited_total = sum(size + 1 + _POINTER for size in inherited.values())
-    biggest_inherited = sorted(inherited.items(), key=lambda item: item[1], reverse=True)
-    if isinstance(entrypoint, str):
-        binary = True
-        boot: list[str] = []
+    biggest_inherited = max(inherited.values(), default=0)
+    binary = isinstance(entrypoint, str)
+    fixed: list[int] = []  # the sizes every rank has: the entrypoint, or the boot command
+    if binary:
+        fixed.append(_encoded_len(str(entrypoint)))
     else:
         from ._boot import boot_argv
 
-        binary = False
-        boot = boot_argv(0)
+        fixed += [_encoded_len(s) for s in boot_argv(0)]
+    fixed_total = sum(size + 1 + _POINTER for size in fixed)
     for rank in sorted(envs):
-        strings: list[tuple[str, int]] = []  # (what, bytes without the NUL)
-        if binary:
-            strings.append(("the entrypoint", len(os.fsencode(str(entrypoint)))))
-            strings += [
-                (f"args[{rank}][{i}]", len(os.fsencode(str(a)))) for i, a in enumerate(args[rank])
-            ]
-        else:
-            strings += [("the function worker's command line", len(os.fsencode(s))) for s in boot]
         own = envs[rank]
-        strings += [(f"envs[{rank}][{key!r}]", _entry(key, value)) for key, value in own.items()]
-        total = inherited_total
+        sizes = [_encoded_len(str(a)) for a in args[rank]] if binary else []
+        sizes += [_entry(key, value) for key, value in own.items()]
+        total = inherited_total + fixed_total + sum(sizes) + len(sizes) * (1 + _POINTER)
         for key in own:
             if key in inherited:  # overridden: the rank's value replaces it
                 total -= inherited[key] + 1 + _POINTER
-        total += sum(size + 1 + _POINTER for _, size in strings)
+        # an upper bound: the biggest inherited string may be overridden
+        largest = max(max(sizes, default=0), max(fixed, default=0), biggest_inherited)
+        if largest + 1 > max_strlen or total > arg_max - EXEC_MARGIN:
+            _check_rank_closely(rank, entrypoint, args, own, inherited, total, arg_max, max_strlen)
 
-        what, size = max(strings, key=lambda s: s[1])
-        # the biggest inherited variable this rank does not override
-        key, entry = next(((k, e) for k, e in biggest_inherited if k not in own), ("", 0))
-        if entry > size:
-            what, size = f"os.environ[{key!r}] (inherited)", entry
-        if size + 1 > max_strlen:
-            raise ValueError(
-                f"local rank {rank}: {what} takes {_size(size)}, over the system limit "
-                f"MAX_ARG_STRLEN of {_size(max_strlen - 1)} for one argument or variable"
-            )
-        if total > arg_max - EXEC_MARGIN:
-            raise ValueError(
-                f"local rank {rank}: argv and environment take {_size(total)} ({total} bytes), "
-                f"over the system limit ARG_MAX of {_size(arg_max)} less {_size(EXEC_MARGIN)} "
-                f"kept for the launch (largest: {what}, {_size(size)})"
-            )
+
+def _check_rank_closely(
+    rank: int,
+    entrypoint: object,
+    args: Mapping[int, Sequence[object]],
+    own: Mapping[str, str],
+    inherited: Mapping[str, int],
+    total: int,
+    arg_max: int,
+    max_strlen: int,
+) -> None:
+    """Raise the ValueError for a rank over a limit, naming its biggest string.
+
+    Returns if the rank fits after all (its biggest string was an inherited
+    variable that it overrides).
+    """
+    strings: list[tuple[str, int]] = []  # (what, bytes without the NUL)
+    if isinstance(entrypoint, str):
+        strings.append(("the entrypoint", _encoded_len(entrypoint)))
+        strings += [(f"args[{rank}][{i}]", _encoded_len(str(a))) for i, a in enumerate(args[rank])]
+    else:
+        from ._boot import boot_argv
+
+        strings += [("the function worker's command line", _encoded_len(s)) for s in boot_argv(0)]
+    strings += [(f"envs[{rank}][{key!r}]", _entry(key, value)) for key, value in own.items()]
+    what, size = max(strings, key=lambda s: s[1])
+    # the biggest inherited variable this rank does not override
+    kept = [(key, entry) for key, entry in inherited.items() if key not in own]
+    key, entry = max(kept, key=lambda item: item[1], default=("", 0))
+    if entry > size:
+        what, size = f"os.environ[{key!r}] (inherited)", entry
+    if size + 1 > max_strlen:
+        raise ValueError(
+            f"local rank {rank}: {what} takes {_size(size)}, over the system limit "
+            f"MAX_ARG_STRLEN of {_size(max_strlen - 1)} for one argument or variable"
+        )
+    if total > arg_max - EXEC_MARGIN:
+        raise ValueError(
+            f"local rank {rank}: argv and environment take {_size(total)} ({total} bytes), "
+            f"over the system limit ARG_MAX of {_size(arg_max)} less {_size(EXEC_MARGIN)} "
+            f"kept for the launch (largest: {what}, {_size(size)})"
+        )
 
 
 # ---------------------------------------------------------------- paths

@@ -134,6 +134,7 @@ _DRAIN_TIMEOUT = 2.0
 
 class _State(enum.Enum):
     NEW = "new"
+    STARTING = "starting"  # the log tree is being made; no worker yet
     RUNNING = "running"
     CLOSED = "closed"
 
@@ -235,6 +236,9 @@ class PContext:
         self._supervisor: asyncio.Task[None] | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._launched: asyncio.Future[None] | None = None
+        # resolved when start() leaves STARTING (launch begun, or start failed)
+        self._starting: asyncio.Future[None] | None = None
+        self._early_close: tuple[int, float] | None = None  # a close() during STARTING
         self._launching = True
         self._launch_done: asyncio.Event | None = None
         self._launch_scope: anyio.CancelScope | None = None
@@ -302,21 +306,31 @@ class PContext:
         returns and the ranks that were never launched are reported as such.
         """
         if self._state is not _State.NEW:
-            raise _AlreadyStartedError(
-                f"{self!r} was already started; a PContext can be started once"
-            )
-        # everything that can reject the input runs before anything is created
-        check_start(self.entrypoint, self.args, self.envs, self.logs_specs)
-        payloads = self._ranks.payloads(lifeline=self._lifeline_threads)
+            done = "was closed" if self._state is _State.CLOSED else "was already started"
+            raise _AlreadyStartedError(f"{self!r} {done}; a PContext can be started once")
+        self._state = _State.STARTING
+        self._starting = asyncio.get_running_loop().create_future()
         try:
-            if not self.is_function:
-                _check_executable(str(self.entrypoint), self.envs)
-        except BaseException:
-            self._ranks.discard_segments()  # large args in shared memory
-            raise
-        # the helper thread (see _offloop) is held until the launch is over
-        with helper():
-            await self._start(payloads)
+            # everything that can reject the input runs before anything is created
+            check_start(self.entrypoint, self.args, self.envs, self.logs_specs)
+            # the checks of hundreds of ranks take a millisecond or two, and
+            # so does what follows: not in one callback (see P7)
+            await asyncio.sleep(0)
+            payloads = self._ranks.payloads(lifeline=self._lifeline_threads)
+            try:
+                if not self.is_function:
+                    _check_executable(str(self.entrypoint), self.envs)
+            except BaseException:
+                self._ranks.discard_segments()  # large args in shared memory
+                raise
+            # the helper thread (see _offloop) is held until the launch is over
+            with helper():
+                await self._start(payloads)
+        finally:
+            if self._state is _State.STARTING:
+                self._state = _State.NEW  # failed before the launch: nothing was started
+            if not self._starting.done():
+                self._starting.set_result(None)
 
     async def _start(self, payloads: dict[int, list[bytes]]) -> None:
         specs = self.logs_specs
@@ -340,6 +354,8 @@ class PContext:
         self._outcomes.start()
         self._launched = loop.create_future()
         self._close_request = loop.create_future()
+        if self._early_close is not None:
+            self._close_request.set_result(self._early_close)  # no worker is launched
         self._launch_done = asyncio.Event()
         self._auto_stopped = asyncio.Event()
         self.stdouts = dict(dest.stdouts)
@@ -353,6 +369,8 @@ class PContext:
         self._supervisor = loop.create_task(
             self._supervise(dest, payloads), name=f"aioproc-supervisor-{self.name}"
         )
+        assert self._starting is not None
+        self._starting.set_result(None)  # a close() waiting for the launch stops it now
         try:
             await asyncio.shield(self._launched)
         except asyncio.CancelledError:
@@ -756,6 +774,13 @@ class PContext:
         check_loop(self._supervisor.get_loop() if self._supervisor else None, self)
         sig = _validate_signal(signal.SIGTERM if death_sig is None else death_sig)
         timeout = check_duration("close(timeout=...)", timeout)
+        if self._state is _State.STARTING:
+            # start() is making the log tree: the launch it begins next stops
+            # before its first worker; wait for that (or for start to fail)
+            assert self._starting is not None
+            if self._early_close is None:
+                self._early_close = (sig, float(timeout))
+            await shielded(asyncio.wait({self._starting}))
         if self._state is _State.NEW:
             self._state = _State.CLOSED
             return

@@ -295,6 +295,40 @@ async def test_close_while_start_is_launching_stops_everything_truthfully() -> N
     assert claimed == {}, f"ranks that never started are reported as killed by a signal: {claimed}"
 
 
+@pytest.mark.parametrize("kind", ["binary", "function"])
+async def test_close_before_the_log_tree_is_made_launches_nothing(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """6: a close() that comes while start() makes the log tree (its first
+    await) returns with no worker ever started, leaves no temp dir, and
+    start() then returns with every rank reported as never started."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    entrypoint: Any = "sleep" if kind == "binary" else os.getpid
+    args = {r: ("1000",) if kind == "binary" else () for r in range(3)}
+    before = child_pids()
+    for spins in range(1, 5):  # 0: close() before start(), covered elsewhere
+        pc = PContext("early", entrypoint, args, envs(3), DefaultLogsSpecs())
+        start = asyncio.create_task(pc.start())
+        for _ in range(spins):
+            await asyncio.sleep(0)
+        await pc.close(timeout=5)
+        assert pc.pids() == {}, f"{spins} spins: close() let workers start: {pc.pids()}"
+        assert child_pids() == before
+        assert list(tmp_path.iterdir()) == [], f"{spins} spins: a log tree is left"
+        await asyncio.wait_for(start, LIMIT)  # returns: the close is not its failure
+        result = pc.poll()
+        assert result is not None
+        assert result.return_values == {}
+        assert {r: (f.pid, f.exitcode, f.stopped) for r, f in result.failures.items()} == {
+            r: (-1, 127, True) for r in range(3)
+        }
+        assert "was never started: the group was closed while it was being launched" in (
+            result.failures[0].message
+        )
+        with pytest.raises(RuntimeError, match="was closed; a PContext can be started once"):
+            await pc.start()
+
+
 async def test_concurrent_close_calls_return_only_when_everything_is_stopped(
     tmp_path: Path,
 ) -> None:

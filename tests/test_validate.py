@@ -317,6 +317,36 @@ async def test_argv_and_env_just_under_the_limit_start(log_dir: Path) -> None:
     assert result.return_values == {0: None}
 
 
+async def test_an_oversized_inherited_variable_fails_only_ranks_that_keep_it(
+    log_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A variable of the parent's that exec would refuse is named for the
+    first rank that inherits it; a rank that overrides it is fine."""
+    children_before = child_pids()  # (ps itself could not start with the variable)
+    monkeypatch.setenv("AIOPROC_TEST_HUGE", "z" * MAX_ARG_STRLEN)
+    with pytest.raises(ValueError, match="MAX_ARG_STRLEN") as info:
+        await aioproc.run(
+            "/bin/true",
+            3,
+            envs={0: {"AIOPROC_TEST_HUGE": "small"}, 1: {}, 2: {}},
+            logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
+        )
+    message = str(info.value)
+    assert message.startswith("local rank 1: os.environ['AIOPROC_TEST_HUGE'] (inherited)")
+    assert "MAX_ARG_STRLEN" in message
+    assert list(log_dir.iterdir()) == []
+    # every rank overrides it: nothing refused, and the workers run
+    result = await aioproc.run(
+        "/bin/true",
+        3,
+        envs={r: {"AIOPROC_TEST_HUGE": "small"} for r in range(3)},
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
+    )
+    assert result.return_values == {0: None, 1: None, 2: None}
+    monkeypatch.delenv("AIOPROC_TEST_HUGE")
+    assert child_pids() == children_before
+
+
 async def test_bytes_args_are_checked_as_their_str(log_dir: Path) -> None:
     """A binary gets ``str(arg)``: ``b"a\\0"`` is the text ``b'a\\x00'``, which is fine."""
     out = log_dir / "out"
