@@ -43,8 +43,10 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import collections
 import contextlib
 import errno
+import itertools
 import os
 import shutil
 import socket
@@ -55,6 +57,9 @@ from ._flow import HARD_LIMIT, HIGH_WATER, LOW_WATER, Flow
 
 STALL_TIMEOUT = 0.5
 """At close: seconds a console may accept nothing before its buffer is given up."""
+
+_IOV_CHUNKS = 64
+"""Pending chunks handed to one ``writev`` (a pipe takes 64 KiB at a time)."""
 
 _RETRY_MIN = 0.001
 _RETRY_MAX = 0.05
@@ -81,6 +86,12 @@ class _Backend:
         if self._sock is not None:
             return self._sock.send(data, socket.MSG_DONTWAIT)
         return os.write(self.fd, data)
+
+    def send_chunks(self, chunks: list[bytes]) -> int:
+        """``send`` of the chunks one after the other, in one system call."""
+        if self._sock is not None:
+            return self._sock.sendmsg(chunks, (), socket.MSG_DONTWAIT)
+        return os.writev(self.fd, chunks)
 
     def close(self) -> None:
         if self._sock is not None:
@@ -131,7 +142,11 @@ class ConsoleWriter:
         self._src_fd = fd
         self._st = st
         self._backend: _Backend | None = None
-        self._buf = bytearray()
+        # what the console has not taken yet: the chunks as queued, never
+        # joined (appending to one growing buffer copied up to HIGH_WATER
+        # bytes at a time when it was reallocated: ms on the loop)
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._pending = 0
         self._watching = False
         self._retry: asyncio.TimerHandle | None = None  # sockets: the next try
         self._backoff = _RETRY_MIN
@@ -140,12 +155,12 @@ class ConsoleWriter:
         self.dropped_lines = 0
 
     def __repr__(self) -> str:
-        return f"<ConsoleWriter fd={self._src_fd} pending={len(self._buf)}>"
+        return f"<ConsoleWriter fd={self._src_fd} pending={self._pending}>"
 
     @property
     def pending(self) -> int:
         """Bytes accepted but not yet written."""
-        return len(self._buf)
+        return self._pending
 
     def write(self, data: bytes) -> bool:
         """Queue ``data``; False if this console cannot be written without blocking.
@@ -153,7 +168,7 @@ class ConsoleWriter:
         Never blocks.  Past ``HARD_LIMIT`` pending bytes the data is dropped
         and its lines counted in ``dropped_lines``.
         """
-        if self._buf:
+        if self._pending:
             self._enqueue(data)
             return True
         if self._backend is None:
@@ -178,11 +193,12 @@ class ConsoleWriter:
         return True
 
     def _enqueue(self, data: bytes) -> None:
-        if len(self._buf) + len(data) > HARD_LIMIT:
+        if self._pending + len(data) > HARD_LIMIT:
             self.dropped_lines += data.count(b"\n")
             return
-        self._buf += data
-        if len(self._buf) >= HIGH_WATER:
+        self._chunks.append(data)
+        self._pending += len(data)
+        if self._pending >= HIGH_WATER:
             self.flow.hold(self)
 
     def _start_watching(self) -> None:
@@ -203,23 +219,35 @@ class ConsoleWriter:
         assert self._backend is not None
         self._retry = None
         try:
-            n = self._backend.send(self._buf)
+            n = self._backend.send_chunks(list(itertools.islice(self._chunks, _IOV_CHUNKS)))
         except BlockingIOError:
             n = 0
         except OSError:
-            n = len(self._buf)  # console gone: nothing can be delivered any more
+            n = self._pending  # console gone: nothing can be delivered any more
         if n:
-            del self._buf[:n]
+            self._written(n)
             self._backoff = _RETRY_MIN
             self._wake()
-            if len(self._buf) < LOW_WATER:
+            if self._pending < LOW_WATER:
                 self.flow.release(self)
-        if not self._buf:
+        if not self._pending:
             self._close_backend()
         elif not self._backend.private:
             if not n:
                 self._backoff = min(self._backoff * 2, _RETRY_MAX)
             self._retry = self.loop.call_later(self._backoff, self._on_writable)
+
+    def _written(self, n: int) -> None:
+        """Forget the first ``n`` pending bytes: the console took them."""
+        self._pending -= n
+        chunks = self._chunks
+        while n:
+            head = chunks[0]
+            if n < len(head):
+                chunks[0] = head[n:]  # a chunk is a slice of lines: a small copy
+                return
+            n -= len(head)
+            chunks.popleft()
 
     def _wake(self) -> None:
         waiters, self._waiters = self._waiters, []
@@ -243,7 +271,7 @@ class ConsoleWriter:
     async def drain(self, stall: float = STALL_TIMEOUT) -> bool:
         """Wait until everything is written; False once the console accepted
         nothing for ``stall`` seconds (it is stuck: see ``abandon``)."""
-        while self._buf:
+        while self._pending:
             fut = self.loop.create_future()
             self._waiters.append(fut)
             # each wake-up is progress; a timeout means the console is stuck
@@ -255,9 +283,10 @@ class ConsoleWriter:
 
     def abandon(self) -> int:
         """Drop everything pending and release the fd; the number of lines dropped."""
-        dropped = self.dropped_lines + self._buf.count(b"\n")
+        dropped = self.dropped_lines + sum(chunk.count(b"\n") for chunk in self._chunks)
         self.dropped_lines = 0
-        self._buf = bytearray()
+        self._chunks.clear()
+        self._pending = 0
         self._close_backend()
         self._wake()
         self.flow.release(self)

@@ -25,6 +25,8 @@ import asyncio
 import collections
 import errno
 import logging
+import time
+import weakref
 from typing import TYPE_CHECKING, BinaryIO
 
 from ._drain import ReadProgress
@@ -36,12 +38,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("aioproc")
 
-FAIR_CHUNK = 32 * 1024
-"""A chunk this big means the pipe is flooded: its reader then skips one loop
-iteration, so one worker's output cannot starve the rest of the loop.  A
-bigger chunk (asyncio reads up to 256 KiB, uvloop about as much) reaches the
-sinks a ``FAIR_CHUNK`` per loop iteration (~0.3 ms of splitting and
-writing), reading paused meanwhile."""
+FAIR_CHUNK = 8 * 1024
+"""Bytes of one slice: a read bigger than this (asyncio reads up to 256 KiB,
+uvloop about as much) reaches the sinks a slice at a time, the pipe's
+reading paused until its last slice is out (~0.15-0.5 ms of splitting and
+writing each, depending on the machine)."""
+
+SLICE_BUDGET = 0.0005
+"""Seconds of slices run per loop iteration, every stream of every group
+together (at least one slice runs each iteration).  Without it, a dozen
+flooded pipes readable at once would each hand a slice to the sinks in
+the same iteration, and the loop would answer nothing else meanwhile."""
 
 MAX_LINE = 64 * 1024
 """Longest line held back, in bytes; longer lines reach the sinks in pieces."""
@@ -184,6 +191,76 @@ class LineFramer:
         return "".join(f"{p}{line}\n" for line in lines)
 
 
+class _Slicer:
+    """Hands the slices of every flooded stream of one loop to the sinks.
+
+    Round robin, a slice per stream in turn, until ``SLICE_BUDGET`` is
+    spent; the rest waits for the next loop iteration.  A small read is
+    handed over at once while this iteration's budget lasts and no stream
+    waits, so a chatty worker's lines are not delayed.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._waiting: collections.deque[TeeProtocol] = collections.deque()
+        self._scheduled = False
+        self._budget_end = 0.0  # this iteration's: set by its first slice or direct read
+
+    def admits(self) -> bool:
+        """Whether a small read may go to the sinks now, in this iteration."""
+        if self._waiting:
+            return False
+        now = time.perf_counter()
+        if not self._scheduled:
+            # the first work of this iteration opens its budget; the next
+            # iteration (the call below) opens a fresh one
+            self._scheduled = True
+            self._budget_end = now + SLICE_BUDGET
+            self._loop.call_soon(self._run)
+        return now < self._budget_end
+
+    def enqueue(self, tee: TeeProtocol) -> None:
+        self._waiting.append(tee)
+        if not self._scheduled:
+            self._scheduled = True
+            self._budget_end = time.perf_counter() + SLICE_BUDGET
+            self._loop.call_soon(self._run)
+
+    def _run(self) -> None:
+        self._budget_end = time.perf_counter() + SLICE_BUDGET
+        waiting = self._waiting
+        try:
+            while waiting:
+                tee = waiting.popleft()
+                try:
+                    more = tee._next_slice()
+                except Exception:  # a bug here must not stop every stream's output
+                    logger.exception("handing a slice of %r to its sinks failed", tee)
+                    more = bool(tee._backlog)
+                if more:
+                    waiting.append(tee)  # its next slice after the others'
+                if time.perf_counter() >= self._budget_end:
+                    break
+        finally:
+            if waiting:
+                self._loop.call_soon(self._run)
+            else:
+                self._scheduled = False
+
+
+_slicers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Slicer] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _slicer() -> _Slicer:
+    loop = asyncio.get_running_loop()
+    slicer = _slicers.get(loop)
+    if slicer is None:
+        slicer = _slicers[loop] = _Slicer(loop)
+    return slicer
+
+
 class TeeProtocol(asyncio.Protocol):
     """Reads one worker stream from a pipe into its log file and the sinks.
 
@@ -223,11 +300,10 @@ class TeeProtocol(asyncio.Protocol):
         self._blocked: set[Flow] = set()  # the sinks' flows that are held
         self._paused = False
         self._draining = False  # the worker exited: read to EOF, ignore backpressure
-        self._yielding = False  # paused for one loop iteration after a big chunk
-        # slices of a big chunk whose lines the sinks have not had yet (reading
-        # is paused until they have), and whether a slice is scheduled
+        # slices whose lines the sinks have not had yet (reading is paused
+        # until they have); the loop's slicer hands them over
         self._backlog: collections.deque[bytes] = collections.deque()
-        self._slicing = False
+        self._slicer = _slicer()
         self._flows = [f for f in (s._backpressure for s in sinks) if f is not None]
         for flow in self._flows:
             flow.watch(self._on_flow)
@@ -253,9 +329,7 @@ class TeeProtocol(asyncio.Protocol):
         tr = self._transport
         if tr is None or tr.is_closing():
             return
-        want_paused = (
-            (bool(self._blocked) and not self._draining) or self._yielding or bool(self._backlog)
-        )
+        want_paused = (bool(self._blocked) and not self._draining) or bool(self._backlog)
         if want_paused and not self._paused:
             tr.pause_reading()
             self._paused = True
@@ -280,26 +354,19 @@ class TeeProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.log_file is not None and self.write_error is None:
             self._write_log(data)
-        if self._backlog or (len(data) > FAIR_CHUNK and self._splitter is not None):
-            # its lines go out a slice per loop iteration, in order
-            self._backlog.extend(data[i : i + FAIR_CHUNK] for i in range(0, len(data), FAIR_CHUNK))
-            self._update_reading()
-            if not self._slicing:
-                self._slicing = True
-                asyncio.get_running_loop().call_soon(self._next_slice)
+        if self._splitter is None:
+            self.progress.advance(len(data))  # no sink: nothing to slice
             return
-        self._consume(data)
-        if len(data) >= FAIR_CHUNK and not self._yielding:
-            # A flooding worker: let everything else on the loop run before the
-            # next chunk (uvloop would otherwise read up to 32 chunks at once,
-            # and a launch waiting for its next iteration would crawl).
-            self._yielding = True
-            self._update_reading()
-            asyncio.get_running_loop().call_soon(self._end_yield)
-
-    def _end_yield(self) -> None:
-        self._yielding = False
+        if not self._backlog and len(data) <= FAIR_CHUNK and self._slicer.admits():
+            self._consume(data)
+            return
+        # its lines go out a slice at a time, in order, with the other
+        # flooded streams' (see _Slicer); reading waits until they are out
+        was_idle = not self._backlog
+        self._backlog.extend(data[i : i + FAIR_CHUNK] for i in range(0, len(data), FAIR_CHUNK))
         self._update_reading()
+        if was_idle:
+            self._slicer.enqueue(self)
 
     def _consume(self, data: bytes) -> None:
         """Lines (and progress) of ``data`` to the sinks; then count it as read."""
@@ -315,14 +382,14 @@ class TeeProtocol(asyncio.Protocol):
         # counted once the sinks have the lines: settled() means they have them
         self.progress.advance(len(data))
 
-    def _next_slice(self) -> None:
+    def _next_slice(self) -> bool:
+        """Hand the next slice to the sinks; whether more are left."""
         if self._backlog:
-            self._consume(self._backlog.popleft())
+            self._consume(self._backlog.popleft())  # taken first: a failing slice is not retried
         if self._backlog:
-            asyncio.get_running_loop().call_soon(self._next_slice)
-        else:
-            self._slicing = False
-            self._update_reading()
+            return True
+        self._update_reading()
+        return False
 
     def _write_log(self, data: bytes) -> None:
         assert self.log_file is not None

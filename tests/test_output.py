@@ -1034,9 +1034,36 @@ class _ChunkCounter(Sink):
         self.chunks += 1
 
 
-async def test_a_flooding_worker_does_not_starve_the_loop(tmp_path: Path) -> None:
-    """A worker that floods its tee'd stdout gets one chunk read per loop iteration,
-    so the rest of the loop keeps running (uvloop would read up to 32 chunks at once)."""
+class _BudgetClock:
+    """Stands in for ``time`` in ``aioproc._output``: each reading of the clock
+    is one ``SLICE_BUDGET`` later, as if each slice took the whole budget."""
+
+    def __init__(self) -> None:
+        from aioproc._output import SLICE_BUDGET
+
+        self.now = 0.0
+        self.step = SLICE_BUDGET
+
+    def perf_counter(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+@pytest.fixture
+def budget_clock(monkeypatch: pytest.MonkeyPatch) -> _BudgetClock:
+    clock = _BudgetClock()
+    monkeypatch.setattr("aioproc._output.time", clock)
+    return clock
+
+
+async def test_a_flooding_worker_does_not_starve_the_loop(
+    tmp_path: Path, budget_clock: _BudgetClock
+) -> None:
+    """A worker that floods its tee'd stdout gets a bounded share of each loop
+    iteration, so the rest of the loop keeps running (uvloop would read up to 32
+    chunks at once).  With each slice taking the whole budget: at most the
+    iteration's one slice, and a read let through before the budget was known
+    spent."""
     counter = _ChunkCounter()
     spec = logs(tmp_path, tee=Std.OUT)
     async with aioproc.start_processes("flood", "yes", {0: ()}, {0: {}}, spec, sinks=[counter]):
@@ -1047,8 +1074,7 @@ async def test_a_flooding_worker_does_not_starve_the_loop(tmp_path: Path) -> Non
         for _ in range(iterations):
             await asyncio.sleep(0)  # one loop iteration each
         read = counter.chunks - before
-    # at most one chunk per iteration (plus the slack of the first and last one)
-    assert 0 < read <= iterations + 2, f"{read} chunks read in {iterations} iterations"
+    assert 0 < read <= 2 * iterations + 2, f"{read} chunks read in {iterations} iterations"
 
 
 class _BatchRecorder(Sink):
@@ -1062,9 +1088,12 @@ class _BatchRecorder(Sink):
         self.batches.append((self.iteration, list(lines)))
 
 
-async def test_a_big_chunk_reaches_the_sinks_a_slice_per_loop_iteration(tmp_path: Path) -> None:
+async def test_a_big_chunk_reaches_the_sinks_a_slice_per_loop_iteration(
+    tmp_path: Path, budget_clock: _BudgetClock
+) -> None:
     """One read of 256 KiB of lines (asyncio's and uvloop's size) is not handed to the
-    sinks in one callback: a ``FAIR_CHUNK`` of it per loop iteration, every line in order."""
+    sinks in one callback: a ``FAIR_CHUNK`` of it at a time, as many per loop
+    iteration as ``SLICE_BUDGET`` allows (one here), every line in order."""
     from aioproc._output import FAIR_CHUNK
 
     n = 4000  # 4000 x 65 bytes: one write, far more than FAIR_CHUNK
