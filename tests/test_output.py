@@ -1137,6 +1137,60 @@ async def test_a_big_chunk_reaches_the_sinks_a_slice_per_loop_iteration(
     assert max(per_iteration.values()) <= 2 * per_slice, per_iteration
 
 
+class _PerRank(Sink):
+    def __init__(self) -> None:
+        self.got: dict[int, list[str]] = {}
+
+    def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
+        self.got.setdefault(rank, []).extend(lines)
+
+
+async def test_a_slice_that_fails_is_logged_and_every_other_slice_still_goes_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug while one slice is handed to the sinks loses that slice only: the
+    stream's later slices and the other streams' output still arrive, in order,
+    and the log files keep every byte."""
+    from aioproc import _output
+
+    n = 4000
+    code = (
+        "import os, sys\n"
+        f"data = b''.join(b'%05d ' % i + b'y' * 58 + b'\\n' for i in range({n}))\n"
+        "view = memoryview(data)\n"
+        "while view:\n"
+        "    view = view[os.write(1, view):]\n"
+    )
+    real = _output.TeeProtocol._consume
+    calls = {0: 0}
+
+    def failing_once(self: Any, data: bytes) -> None:
+        if self._rank == 0:
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("a bug in the second slice")
+        real(self, data)
+
+    monkeypatch.setattr(_output.TeeProtocol, "_consume", failing_once)
+    sink = _PerRank()
+    spec = logs(tmp_path, tee=Std.OUT)
+    with caplog.at_level(logging.ERROR, logger="aioproc"):
+        result = await aioproc.run(sys.executable, 2, ("-c", code), logs_specs=spec, sinks=[sink])
+    assert result.return_values == {0: None, 1: None}
+    want = [f"{i:05d} " + "y" * 58 for i in range(n)]
+    assert sink.got[1] == want
+    # one slice lost (and the line it cut in two joined from its ends), the
+    # rest went out, in order
+    known = set(want)
+    good = [line for line in sink.got[0] if line in known]
+    assert len(sink.got[0]) - len(good) <= 1, sink.got[0]
+    assert 0 < len(good) < n and good[-1] == want[-1]
+    assert good == [line for line in want if line in set(good)]
+    assert any("a bug in the second slice" in r.exc_text for r in caplog.records if r.exc_text)
+    for rank in (0, 1):
+        assert Path(result.stdouts[rank]).read_text().splitlines() == want
+
+
 async def test_logging_sink_sends_every_line_with_rank_and_stream(tmp_path: Path) -> None:
     records: list[logging.LogRecord] = []
 
