@@ -774,14 +774,11 @@ class PContext:
         check_loop(self._supervisor.get_loop() if self._supervisor else None, self)
         sig = _validate_signal(signal.SIGTERM if death_sig is None else death_sig)
         timeout = check_duration("close(timeout=...)", timeout)
-        if self._state is _State.STARTING:
-            # start() is making the log tree: the launch it begins next stops
-            # before its first worker; wait for that (or for start to fail)
-            assert self._starting is not None
-            if self._early_close is None:
-                self._early_close = (sig, float(timeout))
-            await shielded(asyncio.wait({self._starting}))
-        if self._state is _State.NEW:
+        if self._state is _State.STARTING and self._early_close is None:
+            # start() is making the log tree: the launch it begins next
+            # stops before its first worker
+            self._early_close = (sig, float(timeout))
+        elif self._state is _State.NEW:
             self._state = _State.CLOSED
             return
         await shielded(self._close(sig, float(timeout)))
@@ -797,7 +794,17 @@ class PContext:
         if self._launch_scope is not None:
             self._launch_scope.cancel()
 
+    def _start_failed(self) -> bool:
+        # (a method: mypy would keep the state narrowed across the await)
+        return self._state is _State.NEW
+
     async def _close(self, sig: int, timeout: float) -> None:
+        if self._state is _State.STARTING:
+            assert self._starting is not None
+            await asyncio.wait({self._starting})  # the launch began, or start() failed
+            if self._start_failed():
+                self._state = _State.CLOSED
+                return
         if self._supervisor is None:
             return
         self._request_close(sig, timeout)

@@ -329,6 +329,28 @@ async def test_close_before_the_log_tree_is_made_launches_nothing(
             await pc.start()
 
 
+async def test_a_cancelled_close_during_the_log_tree_step_still_finishes_the_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """6: close() is shielded from the start: cancelled while start() makes
+    the log tree, it re-raises only once the group is closed and gone."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    before = child_pids()
+    pc = PContext("early", "sleep", {r: ("1000",) for r in range(3)}, envs(3), DefaultLogsSpecs())
+    start = asyncio.create_task(pc.start())
+    await asyncio.sleep(0)
+    closing = asyncio.create_task(pc.close(timeout=5))
+    await asyncio.sleep(0)
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert repr(pc).endswith(" closed>"), repr(pc)
+    assert pc.pids() == {}
+    assert child_pids() == before
+    assert list(tmp_path.iterdir()) == []
+    await asyncio.wait_for(start, LIMIT)
+
+
 async def test_concurrent_close_calls_return_only_when_everything_is_stopped(
     tmp_path: Path,
 ) -> None:
