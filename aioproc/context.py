@@ -315,7 +315,7 @@ class PContext:
             check_start(self.entrypoint, self.args, self.envs, self.logs_specs)
             # the checks of hundreds of ranks take a millisecond or two, and
             # so does what follows: not in one callback (see P7)
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # a turn for the loop, not a wait for a state
             payloads = self._ranks.payloads(lifeline=self._lifeline_threads)
             try:
                 if not self.is_function:

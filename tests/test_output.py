@@ -1088,6 +1088,17 @@ class _BatchRecorder(Sink):
         self.batches.append((self.iteration, list(lines)))
 
 
+def _one_write_of_lines(n: int) -> str:
+    """A worker's code: ``n`` numbered lines of 65 bytes to stdout in one write."""
+    return (
+        "import os, sys\n"
+        f"data = b''.join(b'%05d ' % i + b'y' * 58 + b'\\n' for i in range({n}))\n"
+        "view = memoryview(data)\n"
+        "while view:\n"
+        "    view = view[os.write(1, view):]\n"
+    )
+
+
 async def test_a_big_chunk_reaches_the_sinks_a_slice_per_loop_iteration(
     tmp_path: Path, budget_clock: _BudgetClock
 ) -> None:
@@ -1097,13 +1108,7 @@ async def test_a_big_chunk_reaches_the_sinks_a_slice_per_loop_iteration(
     from aioproc._output import FAIR_CHUNK
 
     n = 4000  # 4000 x 65 bytes: one write, far more than FAIR_CHUNK
-    code = (
-        "import os, sys\n"
-        f"data = b''.join(b'%05d ' % i + b'y' * 58 + b'\\n' for i in range({n}))\n"
-        "view = memoryview(data)\n"
-        "while view:\n"
-        "    view = view[os.write(1, view):]\n"
-    )
+    code = _one_write_of_lines(n)
     recorder = _BatchRecorder()
     stop = False
 
@@ -1154,13 +1159,7 @@ async def test_a_slice_that_fails_is_logged_and_every_other_slice_still_goes_out
     from aioproc import _output
 
     n = 4000
-    code = (
-        "import os, sys\n"
-        f"data = b''.join(b'%05d ' % i + b'y' * 58 + b'\\n' for i in range({n}))\n"
-        "view = memoryview(data)\n"
-        "while view:\n"
-        "    view = view[os.write(1, view):]\n"
-    )
+    code = _one_write_of_lines(n)
     real = _output.TeeProtocol._consume
     calls = {0: 0}
 
