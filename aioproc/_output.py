@@ -211,19 +211,19 @@ class _Slicer:
         if self._waiting:
             return False
         now = time.perf_counter()
-        if not self._scheduled:
-            # the first work of this iteration opens its budget; the next
-            # iteration (the call below) opens a fresh one
-            self._scheduled = True
-            self._budget_end = now + SLICE_BUDGET
-            self._loop.call_soon(self._run)
+        self._open_budget(now)
         return now < self._budget_end
 
     def enqueue(self, tee: TeeProtocol) -> None:
         self._waiting.append(tee)
+        self._open_budget(time.perf_counter())
+
+    def _open_budget(self, now: float) -> None:
+        # the first work of an iteration opens its budget; the next
+        # iteration (the call below) opens a fresh one
         if not self._scheduled:
             self._scheduled = True
-            self._budget_end = time.perf_counter() + SLICE_BUDGET
+            self._budget_end = now + SLICE_BUDGET
             self._loop.call_soon(self._run)
 
     def _run(self) -> None:

@@ -46,17 +46,11 @@ class ScriptCommand:
         return {"argv": list(self.argv), "unbuffered": self.unbuffered, "orig": list(self.orig)}
 
 
-def script_command(entrypoint: object, args: Sequence[object]) -> ScriptCommand | None:
-    """The script ``entrypoint args`` runs, if it is this interpreter running one."""
-    if not isinstance(entrypoint, str) or not _is_this_interpreter(entrypoint):
-        return None
-    return _script_of(entrypoint, args)
-
-
 def script_commands(
     entrypoint: object, args: Mapping[int, Sequence[object]]
 ) -> dict[int, ScriptCommand]:
-    """``script_command`` of every rank: ``{rank: command}`` for those running one.
+    """The script each rank's ``entrypoint args`` runs, if it is this
+    interpreter running one: ``{rank: command}`` for those ranks.
 
     The entrypoint is compared with this interpreter once for all ranks
     (two ``abspath``, each a ``getcwd``: most of the cost per rank).
@@ -72,6 +66,7 @@ def script_commands(
 
 
 def _script_of(entrypoint: str, args: Sequence[object]) -> ScriptCommand | None:
+    """The script ``entrypoint args`` runs (``entrypoint`` is this interpreter)."""
     argv = [str(a) for a in args]
     i = 0
     while i < len(argv) and argv[i] in _OPTIONS:

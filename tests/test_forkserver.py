@@ -435,11 +435,11 @@ async def test_forked_workers_run_their_own_exit_hooks_not_the_templates(
 async def test_fork_requests_sent_together_are_answered_in_order(tmp_path: Path) -> None:
     """The template forks every queued request before awaiting the first: answers keep order."""
     from aioproc import _lifeline, _offloop
-    from aioproc._script import script_command
+    from aioproc._script import script_commands
 
     script = tmp_path / "quiet.py"
     script.write_text("")
-    command = script_command(sys.executable, [str(script)])
+    command = script_commands(sys.executable, {0: [str(script)]})[0]
     cwds = [str(tmp_path), str(tmp_path / "gone"), str(tmp_path), str(tmp_path)]
     results: list[int | OSError] = []
     async with open_forkserver() as server:
