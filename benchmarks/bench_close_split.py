@@ -18,58 +18,122 @@ function when the clock starts):
 The first two rows are the floor for each kind of worker on this machine:
 what ``close()`` adds is the last row minus the second, what the kind of
 worker adds is the second row minus the first.  Medians over rounds, in ms.
+
+Two more columns say whether the time is the CPUs' or the waits': the
+benchmark process's own CPU over the window (``RUSAGE_SELF``: the loop and
+aioproc's helper thread; the blocking ``poll`` rows spend next to none),
+and the machine's idle CPU over it (``/proc/stat``, both CPUs, counted in
+10 ms ticks, so a mean over rounds rather than a median).  When the
+baseline leaves no CPU idle, whatever the supervisor spends beyond the
+baseline's own CPU can only be paid for by a longer window: at best half
+of it on two CPUs, all of it when spent after the last exit.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import os
+import resource
 import select
 import signal
 import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 
-from _util import LOOPS, run_on, uvloop_available
-from bench_close import READY_TIMEOUT, aioproc_close, aioproc_workers, raw_close, raw_workers
+from _util import LOOPS, assert_gone, run_on, uvloop_available
+from bench_close import READY_TIMEOUT, aioproc_workers, raw_workers
 
 N = 64
+_TICK = 1 / os.sysconf("SC_CLK_TCK")
 
 
-def _kill_and_wait(pids: list[int], kill: Callable[[int, int], None]) -> float:
-    """SIGTERM every pid, then block until every one has exited; seconds taken."""
+@dataclass
+class Window:
+    """What one timed stop cost: wall time, own CPU, the machine's idle CPU (s)."""
+
+    wall: float = 0.0
+    cpu: float = 0.0
+    idle: float = 0.0
+
+
+def _idle() -> float:
+    """Idle CPU since boot, all CPUs together, in seconds (``/proc/stat``)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        fields = f.readline().split()
+    return (int(fields[4]) + int(fields[5])) * _TICK  # idle + iowait
+
+
+def _own_cpu() -> float:
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return me.ru_utime + me.ru_stime
+
+
+@contextlib.contextmanager
+def window() -> Iterator[Window]:
+    """Time the block: wall, this process's CPU and the machine's idle CPU."""
+    w = Window()
+    idle0, cpu0, t0 = _idle(), _own_cpu(), time.perf_counter()
+    yield w
+    w.wall = time.perf_counter() - t0
+    w.cpu, w.idle = _own_cpu() - cpu0, _idle() - idle0
+
+
+def _kill_and_wait(pids: list[int], kill: Callable[[int, int], None]) -> Window:
+    """SIGTERM every pid, then block until every one has exited."""
     fds = [os.pidfd_open(pid) for pid in pids]
     try:
         poller = select.poll()
         for fd in fds:
             poller.register(fd, select.POLLIN)
         left = len(fds)
-        t0 = time.perf_counter()
-        for pid in pids:
-            kill(pid, signal.SIGTERM)
-        while left:
-            for fd, _ in poller.poll(READY_TIMEOUT * 1000):
-                poller.unregister(fd)
-                left -= 1
-        return time.perf_counter() - t0
+        with window() as w:
+            for pid in pids:
+                kill(pid, signal.SIGTERM)
+            while left:
+                for fd, _ in poller.poll(READY_TIMEOUT * 1000):
+                    poller.unregister(fd)
+                    left -= 1
+        return w
     finally:
         for fd in fds:
             os.close(fd)
 
 
-async def raw_exits(n: int) -> float:
+async def raw_exits(n: int) -> Window:
     async with raw_workers(n) as procs:
         return _kill_and_wait([p.pid for p in procs], os.kill)
 
 
-async def aioproc_exits(n: int) -> float:
+async def aioproc_exits(n: int) -> Window:
     async with aioproc_workers(n) as pc:
         # each worker leads its own group, which close() signals
         return _kill_and_wait(list(pc.pids().values()), os.killpg)
 
 
-ROWS: dict[str, Callable[[int], Awaitable[float]]] = {
+async def raw_close(n: int) -> Window:
+    """P6's baseline, as ``bench_close.raw_close``."""
+    async with raw_workers(n) as procs:
+        with window() as w:
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
+            await asyncio.gather(*(p.wait() for p in procs))
+    return w
+
+
+async def aioproc_close(n: int) -> Window:
+    """P6's candidate, as ``bench_close.aioproc_close``."""
+    async with aioproc_workers(n) as pc:
+        with window() as w:
+            await pc.close()
+    assert_gone(list(pc.pids().values()), "P6 aioproc: after close()")
+    return w
+
+
+ROWS: dict[str, Callable[[int], Awaitable[Window]]] = {
     "exits, raw workers": raw_exits,
     "exits, aioproc workers": aioproc_exits,
     "P6 raw": raw_close,
@@ -85,24 +149,27 @@ def main(argv: list[str]) -> int:
     loops: tuple[str, ...] = LOOPS if args.loop == "both" else (args.loop,)
     if "uvloop" in loops and not uvloop_available():
         loops = tuple(lp for lp in loops if lp != "uvloop")
-    print(f"- {N} workers, {args.rounds} rounds (+1 warm-up), medians in ms")
+    print(f"- {N} workers, {args.rounds} rounds (+1 warm-up), medians in ms (idle: mean)")
     print()
-    print("| loop | what | time |")
-    print("|---|---|---|")
+    print("| loop | what | time | own CPU | idle CPU (mean) |")
+    print("|---|---|---|---|---|")
     for loop in loops:
 
-        async def rounds() -> dict[str, list[float]]:
-            times: dict[str, list[float]] = {name: [] for name in ROWS}
+        async def rounds() -> dict[str, list[Window]]:
+            times: dict[str, list[Window]] = {name: [] for name in ROWS}
             for i in range(args.rounds + 1):
                 for name, fn in ROWS.items():
-                    dt = await fn(N)
+                    w = await fn(N)
                     if i:  # the first round warms the caches up
-                        times[name].append(dt)
+                        times[name].append(w)
             return times
 
         times = run_on(loop, rounds)
-        for name, samples in times.items():
-            print(f"| {loop} | {name} | {statistics.median(samples) * 1e3:.1f} |")
+        for name, ws in times.items():
+            wall = statistics.median(w.wall for w in ws) * 1e3
+            cpu = statistics.median(w.cpu for w in ws) * 1e3
+            idle = statistics.mean(w.idle for w in ws) * 1e3
+            print(f"| {loop} | {name} | {wall:.1f} | {cpu:.1f} | {idle:.1f} |")
     print()
     print(f"- python {sys.version.split()[0]}, load average {os.getloadavg()[0]:.1f}")
     return 0
