@@ -18,8 +18,10 @@ signals.  So writes to consoles that can block go through a ``ConsoleWriter``:
   Past ``HIGH_WATER`` bytes its ``Flow`` is held, so the output readers
   pause and workers block on their own pipes; below ``LOW_WATER`` they
   resume.
-* The private fd is opened when a write starts and closed as soon as the
-  buffer is empty, so an idle console holds no fd.
+* The private fd is opened by a write and closed in the first loop
+  iteration that neither writes nor has bytes pending, so an idle console
+  holds no fd, and a console that keeps up with a stream of writes is not
+  reopened for each (an open of ``/proc/self/fd/N`` costs ~17 us).
 * Regular files, block devices and ``/dev/null`` never block for long: they
   are written directly, as are streams without an fd (``io.StringIO``,
   pytest's capture) since nothing in the OS can stall them.  Where no private
@@ -150,6 +152,9 @@ class ConsoleWriter:
         self._watching = False
         self._retry: asyncio.TimerHandle | None = None  # sockets: the next try
         self._backoff = _RETRY_MIN
+        # the private fd is kept while writes come (see _keep_open)
+        self._idle_check: asyncio.Handle | None = None
+        self._written_since_check = False
         self._waiters: list[asyncio.Future[None]] = []
         self.flow = Flow()
         self.dropped_lines = 0
@@ -189,8 +194,33 @@ class ConsoleWriter:
             self._enqueue(data[n:])
             self._start_watching()
         else:
-            self._close_backend()
+            self._keep_open()
         return True
+
+    def _keep_open(self) -> None:
+        """Keep the private fd for the writes to come; closed once an iteration brings none."""
+        self._written_since_check = True
+        if self._idle_check is None:
+            self._idle_check = self.loop.call_soon(self._check_idle)
+
+    def release(self) -> None:
+        """Close the private fd now if nothing is pending (the next write reopens it).
+
+        For a sink that closes: the console's reader may be waiting for EOF
+        once the host closes its own end.
+        """
+        if not self._pending:
+            self._close_backend()
+
+    def _check_idle(self) -> None:
+        self._idle_check = None
+        if self._backend is None or self._pending:
+            return  # closed already, or _on_writable owns the fd until drained
+        if self._written_since_check:
+            self._written_since_check = False
+            self._idle_check = self.loop.call_soon(self._check_idle)
+        else:
+            self._close_backend()
 
     def _enqueue(self, data: bytes) -> None:
         if self._pending + len(data) > HARD_LIMIT:
@@ -231,7 +261,8 @@ class ConsoleWriter:
             if self._pending < LOW_WATER:
                 self.flow.release(self)
         if not self._pending:
-            self._close_backend()
+            self._stop_watching()
+            self._keep_open()
         elif not self._backend.private:
             if not n:
                 self._backoff = min(self._backoff * 2, _RETRY_MAX)
@@ -255,8 +286,7 @@ class ConsoleWriter:
             if not fut.done():
                 fut.set_result(None)
 
-    def _close_backend(self) -> None:
-        """Release the private fd (idle, gone or abandoned)."""
+    def _stop_watching(self) -> None:
         be = self._backend
         if self._watching and be is not None and be.private and not self.loop.is_closed():
             self.loop.remove_writer(be.fd)
@@ -264,6 +294,13 @@ class ConsoleWriter:
             self._retry.cancel()
             self._retry = None
         self._watching = False
+
+    def _close_backend(self) -> None:
+        """Release the private fd (idle, gone or abandoned)."""
+        self._stop_watching()
+        if self._idle_check is not None:
+            self._idle_check.cancel()
+            self._idle_check = None
         if self._backend is not None:
             self._backend.close()
             self._backend = None
@@ -305,6 +342,23 @@ def _writer_for(fd: int, st: os.stat_result) -> ConsoleWriter:
     if writer is None:
         writer = _writers[key] = ConsoleWriter(loop, fd, st)
     return writer
+
+
+def release_consoles() -> None:
+    """Close the private fds that idle consoles keep for the next writes (this loop's).
+
+    Called when sinks close and when a group's close is done: a host that
+    then closes its own end of a pipe and waits for the reader's EOF
+    without running the loop again must not find a descriptor of ours
+    still open.  A later write reopens one.
+    """
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    for writer in list(_writers.values()):
+        if writer.loop is loop:
+            writer.release()
 
 
 def _may_block(st: os.stat_result) -> bool:

@@ -36,6 +36,7 @@ import anyio.abc
 
 from . import _lifeline, _template, _wire
 from ._barrier import ControlHub
+from ._console import release_consoles
 from ._loops import check_loop
 from ._offloop import Batched, helper, run_blocking
 from ._outcomes import NEVER_STARTED as NEVER_STARTED
@@ -915,6 +916,7 @@ class PContext:
             own_sinks = self._ranks.sinks if self._close_sinks else []
             # bounded, and never raises: the cleanup below always runs
             await close_sinks([*own_sinks, *self._ranks.filter_sinks.values()])
+            release_consoles()  # the host's sinks stay open, not our fds on its console
             await reaping
             self._outcomes.check_finished()
             self._state = _State.CLOSED

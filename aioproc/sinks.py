@@ -45,7 +45,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, NamedTuple, TextIO
 
-from ._console import ConsoleWriter, Screen, console_write, safe_write
+from ._console import ConsoleWriter, Screen, console_write, release_consoles, safe_write
 from ._flow import Flow
 from ._sinkops import LineQueue, discard, logger, report_sink_error
 from ._validate import check_duration
@@ -219,6 +219,7 @@ class ConsoleSink(Sink):
         for writer in self._writers:
             if writer.loop is asyncio.get_running_loop():
                 await writer.drain()
+        release_consoles()  # the private fds kept for the next writes
 
     def _drop_pending(self) -> int:
         dropped = 0

@@ -20,6 +20,7 @@ on the test's kind of event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import fcntl
 import io
@@ -252,6 +253,93 @@ async def test_slow_console_gets_every_line_and_host_fd_stays_blocking(
             out.close()
         os.close(r)
     assert data.decode().splitlines() == [f"[w0]:{line}" for line in flood_lines(50_000)]
+
+
+def _fds_on(pipe_fd: int) -> int:
+    """How many of this process's fds lead to ``pipe_fd``'s pipe (either end)."""
+    target = os.readlink(f"/proc/self/fd/{pipe_fd}")
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == target:
+                count += 1
+        except OSError:
+            continue  # the listing's own fd, closed since
+    return count
+
+
+async def test_a_console_that_keeps_up_is_opened_once_and_released_when_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Writes over many loop iterations share one private fd, closed once they stop."""
+    from aioproc import _console
+
+    opened = []
+    real_open = _console._open_backend
+
+    def counting_open(fd: int, st: os.stat_result) -> Any:
+        opened.append(fd)
+        return real_open(fd, st)
+
+    monkeypatch.setattr(_console, "_open_backend", counting_open)
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    out = open(w, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+    try:
+        ours = _fds_on(w)  # the test's two ends
+        got = []
+        for i in range(50):
+            assert _console.console_write(out, f"line {i}\n") is not None
+            got.append(os.read(r, 65536))  # the console keeps up: it takes every write
+            await asyncio.sleep(0)
+        assert b"".join(got).decode().splitlines() == [f"line {i}" for i in range(50)]
+        assert len(opened) == 1  # not once per write
+        assert _fds_on(w) == ours + 1  # one private fd, kept
+        for _ in range(3):
+            await asyncio.sleep(0)  # two iterations without a write
+        assert _fds_on(w) == ours  # idle: released
+    finally:
+        out.close()
+        os.close(r)
+
+
+async def test_after_close_a_hosts_console_pipe_reaches_eof_without_another_loop_turn(
+    tmp_path: Path,
+) -> None:
+    """The host closes its end right after the group (its own sink, which aioproc
+    never closes) and reads to EOF without running the loop: no fd of ours is left.
+
+    The worker writes until close() stops it, so the tee writes to the console
+    up to the end of the close.
+    """
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    out = open(w, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+    chunks = []
+    try:
+        entry, args = flood(10**8)  # runs until stopped
+        async with aioproc.start_processes(
+            "w", entry, args, {0: {}}, spec(tmp_path), sinks=[ConsoleSink(stream=out)]
+        ):
+            while sum(map(len, chunks)) < 1 << 20:
+                with contextlib.suppress(BlockingIOError):
+                    chunks.append(os.read(r, 1 << 20))  # keep up with the tee
+                await asyncio.sleep(0.001)
+        out.close()
+        while True:
+            data = os.read(r, 1 << 20)  # BlockingIOError: an fd of ours is still open
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        if not out.closed:
+            out.close()
+        os.close(r)
+    got = b"".join(chunks).decode().splitlines()
+    want = [f"[w0]:{line}" for line in flood_lines(len(got))]
+    assert len(got) > 1000
+    assert got[:-1] == want[:-1]
+    assert want[-1].startswith(got[-1])  # the line the stop cut, flushed at EOF
 
 
 async def test_host_prints_keep_their_place_before_teed_lines(
