@@ -50,6 +50,17 @@ together (at least one slice runs each iteration).  Without it, a dozen
 flooded pipes readable at once would each hand a slice to the sinks in
 the same iteration, and the loop would answer nothing else meanwhile."""
 
+READ_BUDGET = 0.001
+"""Seconds of pipe reads per loop iteration, every stream of the loop
+together.  A read of a flooded pipe takes up to 256 KiB and writes it to
+the log file (0.1-0.5 ms); a stream that reads once the budget is spent
+pauses until the slicer lets it resume."""
+
+RESUMES_PER_ITERATION = 2
+"""Paused streams let resume reading per loop iteration.  Each may read a
+full pipe in the next iteration: when a full console releases its sinks,
+a dozen flooded streams would otherwise all read in one iteration."""
+
 MAX_LINE = 64 * 1024
 """Longest line held back, in bytes; longer lines reach the sinks in pieces."""
 
@@ -205,6 +216,11 @@ class _Slicer:
         self._waiting: collections.deque[TeeProtocol] = collections.deque()
         self._scheduled = False
         self._budget_end = 0.0  # this iteration's: set by its first slice or direct read
+        # reads: this iteration's budget and resumes, and who waits to resume
+        self._reads_end: float | None = None
+        self._resumed = 0
+        self._resuming: collections.deque[TeeProtocol] = collections.deque()
+        self._granting: TeeProtocol | None = None  # the one _next_reads resumes now
 
     def admits(self) -> bool:
         """Whether a small read may go to the sinks now, in this iteration."""
@@ -246,6 +262,61 @@ class _Slicer:
                 self._loop.call_soon(self._run)
             else:
                 self._scheduled = False
+
+    def read_done(self, tee: TeeProtocol) -> None:
+        """Count a read against this iteration's ``READ_BUDGET``; past it,
+        ``tee`` pauses until its turn to resume."""
+        now = time.perf_counter()
+        if self._reads_end is None:
+            self._open_reads(now)
+        elif now >= self._reads_end:
+            tee._turn = True
+            self._queue(tee)
+            tee._update_reading()
+
+    def may_resume(self, tee: TeeProtocol) -> bool:
+        """Whether ``tee`` may resume reading now; if not, it is resumed in a
+        later iteration, ``RESUMES_PER_ITERATION`` at a time, in order."""
+        if tee is self._granting:
+            return True
+        self._open_reads(time.perf_counter())
+        if self._resumed < RESUMES_PER_ITERATION and not self._resuming:
+            self._resumed += 1
+            return True
+        self._queue(tee)
+        return False
+
+    def _queue(self, tee: TeeProtocol) -> None:
+        if not tee._queued:
+            tee._queued = True
+            self._resuming.append(tee)
+
+    def _open_reads(self, now: float) -> None:
+        # the first read or resume of an iteration opens its budget; the
+        # next iteration (the call below) opens a fresh one before its reads
+        if self._reads_end is None:
+            self._reads_end = now + READ_BUDGET
+            self._loop.call_soon(self._next_reads)
+
+    def _next_reads(self) -> None:
+        self._reads_end = None
+        self._resumed = 0
+        waiting = self._resuming
+        while waiting and self._resumed < RESUMES_PER_ITERATION:
+            tee = waiting.popleft()
+            tee._queued = False
+            tee._turn = False
+            self._granting = tee
+            try:
+                tee._update_reading()  # resumes it, if nothing else holds it
+            except Exception:  # a bug here must not stop the others' reading
+                logger.exception("resuming %r failed", tee)
+            finally:
+                self._granting = None
+            if not tee._paused:
+                self._resumed += 1
+        if waiting:
+            self._open_reads(time.perf_counter())
 
 
 _slicers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Slicer] = (
@@ -299,6 +370,8 @@ class TeeProtocol(asyncio.Protocol):
         self._transport: asyncio.ReadTransport | None = None
         self._blocked: set[Flow] = set()  # the sinks' flows that are held
         self._paused = False
+        self._turn = False  # read past the loop's budget: paused until its turn
+        self._queued = False  # waits in the slicer's queue to resume
         self._draining = False  # the worker exited: read to EOF, ignore backpressure
         # slices whose lines the sinks have not had yet (reading is paused
         # until they have); the loop's slicer hands them over
@@ -329,11 +402,13 @@ class TeeProtocol(asyncio.Protocol):
         tr = self._transport
         if tr is None or tr.is_closing():
             return
-        want_paused = (bool(self._blocked) and not self._draining) or bool(self._backlog)
+        want_paused = (
+            (bool(self._blocked) and not self._draining) or bool(self._backlog) or self._turn
+        )
         if want_paused and not self._paused:
             tr.pause_reading()
             self._paused = True
-        elif not want_paused and self._paused:
+        elif not want_paused and self._paused and self._slicer.may_resume(self):
             tr.resume_reading()
             self._paused = False
 
@@ -352,6 +427,7 @@ class TeeProtocol(asyncio.Protocol):
         return self.progress.reached(self._fd, sum(map(len, self._backlog)))
 
     def data_received(self, data: bytes) -> None:
+        self._slicer.read_done(self)
         if self.log_file is not None and self.write_error is None:
             self._write_log(data)
         if self._splitter is None:

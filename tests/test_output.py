@@ -1142,6 +1142,107 @@ async def test_a_big_chunk_reaches_the_sinks_a_slice_per_loop_iteration(
     assert max(per_iteration.values()) <= 2 * per_slice, per_iteration
 
 
+class _FakePipeTransport:
+    """The reading side of a pipe transport, recording pauses and resumes."""
+
+    def __init__(self, log: list[tuple[int, str, int]], name: int, clock: dict[str, int]) -> None:
+        self.reading = True
+        self._log = log
+        self._name = name
+        self._clock = clock
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def is_closing(self) -> bool:
+        return False
+
+    def pause_reading(self) -> None:
+        self.reading = False
+        self._log.append((self._clock["iteration"], "pause", self._name))
+
+    def resume_reading(self) -> None:
+        self.reading = True
+        self._log.append((self._clock["iteration"], "resume", self._name))
+
+
+async def test_streams_a_full_sink_lets_go_resume_a_few_per_loop_iteration() -> None:
+    """When a sink that was full (a console) lets go, the streams it held resume
+    reading ``RESUMES_PER_ITERATION`` per loop iteration, in the order they
+    asked, not all in one iteration: each may then read a whole pipe and write
+    it to its log file (up to ~0.5 ms), and with a dozen flooded streams one
+    iteration would hold the loop for several milliseconds."""
+    from aioproc._flow import Flow
+    from aioproc._output import RESUMES_PER_ITERATION, TeeProtocol
+
+    class FlowSink(Sink):
+        def __init__(self) -> None:
+            self._backpressure = Flow()
+
+        def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
+            pass
+
+    sink = FlowSink()
+    assert sink._backpressure is not None
+    log: list[tuple[int, str, int]] = []
+    clock = {"iteration": 0}
+    n = 16
+    tees = [TeeProtocol(None, rank, "stdout", "", [sink]) for rank in range(n)]
+    transports = [_FakePipeTransport(log, rank, clock) for rank in range(n)]
+    for tee, transport in zip(tees, transports, strict=True):
+        tee.connection_made(transport)  # type: ignore[arg-type]
+    sink._backpressure.hold("console full")
+    assert not any(t.reading for t in transports)
+    log.clear()
+    sink._backpressure.release("console full")
+    for _ in range(n):
+        clock["iteration"] += 1
+        await asyncio.sleep(0)
+    assert all(t.reading for t in transports)
+    resumes = [(iteration, rank) for iteration, what, rank in log if what == "resume"]
+    assert [rank for _, rank in resumes] == list(range(n))  # in order, each once
+    per_iteration: dict[int, int] = {}
+    for iteration, _ in resumes:
+        per_iteration[iteration] = per_iteration.get(iteration, 0) + 1
+    assert max(per_iteration.values()) <= RESUMES_PER_ITERATION, per_iteration
+    for tee in tees:
+        tee.connection_lost(None)
+
+
+async def test_reads_past_the_loops_read_budget_wait_for_their_turn(
+    budget_clock: _BudgetClock,
+) -> None:
+    """Streams read in one iteration once ``READ_BUDGET`` is spent (each read here
+    takes half a millisecond) pause, and resume in later iterations a few at a
+    time; every byte is counted as read and every stream reads again."""
+    from aioproc._output import READ_BUDGET, RESUMES_PER_ITERATION, TeeProtocol
+
+    log: list[tuple[int, str, int]] = []
+    clock = {"iteration": 0}
+    n = 8
+    tees = [TeeProtocol(None, rank, "stdout", "", []) for rank in range(n)]  # log file only
+    transports = [_FakePipeTransport(log, rank, clock) for rank in range(n)]
+    for tee, transport in zip(tees, transports, strict=True):
+        tee.connection_made(transport)  # type: ignore[arg-type]
+    for tee in tees:  # one iteration: every pipe was readable
+        tee.data_received(b"x" * 65536)
+    within = round(READ_BUDGET / budget_clock.step)  # reads before the budget is spent
+    assert [t.reading for t in transports] == [True] * within + [False] * (n - within)
+    assert all(tee.progress.received == 65536 for tee in tees)
+    for _ in range(n):
+        clock["iteration"] += 1
+        await asyncio.sleep(0)
+    assert all(t.reading for t in transports)
+    resumes = [(iteration, rank) for iteration, what, rank in log if what == "resume"]
+    assert [rank for _, rank in resumes] == list(range(within, n))
+    per_iteration: dict[int, int] = {}
+    for iteration, _ in resumes:
+        per_iteration[iteration] = per_iteration.get(iteration, 0) + 1
+    assert max(per_iteration.values()) <= RESUMES_PER_ITERATION, per_iteration
+    for tee in tees:
+        tee.connection_lost(None)
+
+
 class _PerRank(Sink):
     def __init__(self) -> None:
         self.got: dict[int, list[str]] = {}
