@@ -121,6 +121,8 @@ def _exec_problem(text: str) -> str | None:
     at = text.find(_NUL)
     if at >= 0:
         return f"contains a NUL byte (at index {at})"
+    if text.isascii():
+        return None  # ASCII always encodes (and is what nearly every argv holds)
     try:
         os.fsencode(text)
     except UnicodeEncodeError as e:
@@ -166,7 +168,8 @@ def check_env(what: str, env: object, rank: int | None = None) -> None:
         problem = _exec_problem(key)
         if problem is not None:
             raise ValueError(f"{what}{whose} has the variable name {_short(key)}, which {problem}")
-        check_exec_text(f"{what}[{key!r}]{whose}", value)
+        if _exec_problem(value) is not None:  # the message only for a bad one
+            check_exec_text(f"{what}[{key!r}]{whose}", value)
 
 
 def _check_argv(rank: int, args: Sequence[object]) -> None:
@@ -178,7 +181,8 @@ def _check_argv(rank: int, args: Sequence[object]) -> None:
                 f"args[{rank}][{i}] (local rank {rank}) cannot be made a str for the "
                 f"command line: {e!r}"
             ) from e
-        check_exec_text(f"args[{rank}][{i}] (local rank {rank})", text)
+        if _exec_problem(text) is not None:  # the message only for a bad one
+            check_exec_text(f"args[{rank}][{i}] (local rank {rank})", text)
 
 
 def _check_prefixes(prefixes: object, expected: set[int]) -> None:
@@ -281,7 +285,8 @@ def validate_group(
         if isinstance(entrypoint, str):  # function workers' args are pickled, not exec'd
             _check_argv(rank, a)
     for rank, env in envs.items():
-        check_env(f"envs[{rank}]", env, rank)
+        if env or not isinstance(env, Mapping):  # an empty dict needs no check
+            check_env(f"envs[{rank}]", env, rank)
     if not isinstance(logs_specs, LogsSpecs):
         raise TypeError(f"logs_specs must be a LogsSpecs, got {logs_specs!r}")
     _check_prefixes(log_line_prefixes, expected)

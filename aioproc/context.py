@@ -312,11 +312,13 @@ class PContext:
         self._state = _State.STARTING
         self._starting = asyncio.get_running_loop().create_future()
         try:
+            # building the group (the constructor's checks), the checks below
+            # and what follows each take a millisecond or two for hundreds of
+            # ranks: not in one callback (see P7)
+            await asyncio.sleep(0)  # a turn for the loop, not a wait for a state
             # everything that can reject the input runs before anything is created
             check_start(self.entrypoint, self.args, self.envs, self.logs_specs)
-            # the checks of hundreds of ranks take a millisecond or two, and
-            # so does what follows: not in one callback (see P7)
-            await asyncio.sleep(0)  # a turn for the loop, not a wait for a state
+            await asyncio.sleep(0)
             payloads = self._ranks.payloads(lifeline=self._lifeline_threads)
             try:
                 if not self.is_function:
