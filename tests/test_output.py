@@ -1166,6 +1166,21 @@ class _FakePipeTransport:
         self._log.append((self._clock["iteration"], "resume", self._name))
 
 
+def _resumed_a_few_per_iteration(log: list[tuple[int, str, int]]) -> list[int]:
+    """The ranks resumed, in order, after checking that no loop iteration
+    resumed more than ``RESUMES_PER_ITERATION`` of them."""
+    from aioproc._output import RESUMES_PER_ITERATION
+
+    per_iteration: dict[int, int] = {}
+    ranks = []
+    for iteration, what, rank in log:
+        if what == "resume":
+            per_iteration[iteration] = per_iteration.get(iteration, 0) + 1
+            ranks.append(rank)
+    assert max(per_iteration.values()) <= RESUMES_PER_ITERATION, per_iteration
+    return ranks
+
+
 async def test_streams_a_full_sink_lets_go_resume_a_few_per_loop_iteration() -> None:
     """When a sink that was full (a console) lets go, the streams it held resume
     reading ``RESUMES_PER_ITERATION`` per loop iteration, in the order they
@@ -1173,7 +1188,7 @@ async def test_streams_a_full_sink_lets_go_resume_a_few_per_loop_iteration() -> 
     it to its log file (up to ~0.5 ms), and with a dozen flooded streams one
     iteration would hold the loop for several milliseconds."""
     from aioproc._flow import Flow
-    from aioproc._output import RESUMES_PER_ITERATION, TeeProtocol
+    from aioproc._output import TeeProtocol
 
     class FlowSink(Sink):
         def __init__(self) -> None:
@@ -1199,12 +1214,7 @@ async def test_streams_a_full_sink_lets_go_resume_a_few_per_loop_iteration() -> 
         clock["iteration"] += 1
         await asyncio.sleep(0)
     assert all(t.reading for t in transports)
-    resumes = [(iteration, rank) for iteration, what, rank in log if what == "resume"]
-    assert [rank for _, rank in resumes] == list(range(n))  # in order, each once
-    per_iteration: dict[int, int] = {}
-    for iteration, _ in resumes:
-        per_iteration[iteration] = per_iteration.get(iteration, 0) + 1
-    assert max(per_iteration.values()) <= RESUMES_PER_ITERATION, per_iteration
+    assert _resumed_a_few_per_iteration(log) == list(range(n))  # in order, each once
     for tee in tees:
         tee.connection_lost(None)
 
@@ -1215,7 +1225,7 @@ async def test_reads_past_the_loops_read_budget_wait_for_their_turn(
     """Streams read in one iteration once ``READ_BUDGET`` is spent (each read here
     takes half a millisecond) pause, and resume in later iterations a few at a
     time; every byte is counted as read and every stream reads again."""
-    from aioproc._output import READ_BUDGET, RESUMES_PER_ITERATION, TeeProtocol
+    from aioproc._output import READ_BUDGET, TeeProtocol
 
     log: list[tuple[int, str, int]] = []
     clock = {"iteration": 0}
@@ -1233,12 +1243,7 @@ async def test_reads_past_the_loops_read_budget_wait_for_their_turn(
         clock["iteration"] += 1
         await asyncio.sleep(0)
     assert all(t.reading for t in transports)
-    resumes = [(iteration, rank) for iteration, what, rank in log if what == "resume"]
-    assert [rank for _, rank in resumes] == list(range(within, n))
-    per_iteration: dict[int, int] = {}
-    for iteration, _ in resumes:
-        per_iteration[iteration] = per_iteration.get(iteration, 0) + 1
-    assert max(per_iteration.values()) <= RESUMES_PER_ITERATION, per_iteration
+    assert _resumed_a_few_per_iteration(log) == list(range(within, n))
     for tee in tees:
         tee.connection_lost(None)
 
