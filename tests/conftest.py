@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Callable, Mapping
 
@@ -41,6 +42,16 @@ _BASE_TMP = os.environ.setdefault("AIOPROC_SUITE_BASE_TMP", tempfile.gettempdir(
 _SUITE_TMP = tempfile.mkdtemp(prefix="aioproc-suite-", dir=_BASE_TMP)
 os.environ["TMPDIR"] = _SUITE_TMP
 tempfile.tempdir = None  # recomputed from TMPDIR
+
+
+# A shell without job control starts a background job (`bash .ci/run &` in
+# a script) with SIGINT and SIGQUIT ignored, and an ignored signal stays
+# ignored across exec: every worker the suite starts would ignore them, and
+# the tests that stop workers with SIGINT would see SIGKILL after the grace
+# period instead.  The suite runs as if started from a terminal.
+for _sig in (signal.SIGINT, signal.SIGQUIT):
+    if signal.getsignal(_sig) is signal.SIG_IGN:
+        signal.signal(_sig, signal.default_int_handler if _sig == signal.SIGINT else signal.SIG_DFL)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
