@@ -318,7 +318,7 @@ class PContext:
             await asyncio.sleep(0)  # a turn for the loop, not a wait for a state
             # everything that can reject the input runs before anything is created
             check_start(self.entrypoint, self.args, self.envs, self.logs_specs)
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # and one between the checks and the launch
             payloads = self._ranks.payloads(lifeline=self._lifeline_threads)
             try:
                 if not self.is_function:
