@@ -21,6 +21,13 @@ close_fds=True)`` gives, and ``Popen`` is used otherwise:
   inheritable by another thread while a batch starts can be missed; a
   table of more than ``SCAN_LIMIT`` fds makes the scan too slow, and then
   ``Popen`` is used (its child closes everything itself);
+- glibc refuses a file action on an fd at or above the soft
+  ``RLIMIT_NOFILE`` (``EBADF``, although nothing is wrong with the fd): an
+  fd inherited from a parent that allowed more, or opened before the limit
+  was lowered, would make every start fail with a misleading error.  A
+  worker whose actions would name such an fd goes through ``Popen``, whose
+  child closes and moves fds itself, so a real shortage of fds surfaces as
+  ``EMFILE``;
 - stdout/stderr: the supervisor's, a redirect file, or a new pipe (tee);
   a worker with ``pass_fds`` goes through ``Popen``;
 - an entrypoint without a ``/`` is searched on the PATH of the worker's
@@ -30,14 +37,16 @@ close_fds=True)`` gives, and ``Popen`` is used otherwise:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import resource
 import shutil
 import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from ._exit import PidProc
 
@@ -46,6 +55,8 @@ _USABLE = hasattr(os, "posix_spawn") and sys.platform.startswith("linux")
 _DEFAULT_SIGNALS = tuple(
     getattr(signal, name) for name in ("SIGPIPE", "SIGXFZ", "SIGXFSZ") if hasattr(signal, name)
 )
+
+E = TypeVar("E", bound=BaseException)
 
 SCAN_LIMIT = 256
 """Most open fds scanned per batch; above it the batch (and the next
@@ -67,6 +78,8 @@ class Batch:
         global _skip_scans
         self.close: tuple[int, ...] | None = None
         self._paths: dict[tuple[str, str], str | None] = {}
+        self.fd_limit = _fd_limit()
+        """Fds at or above this cannot be named in a file action (see the module docstring)."""
         if not _USABLE:
             return
         if _CLOSEFROM is not None:
@@ -75,9 +88,11 @@ class Batch:
         if _skip_scans:
             _skip_scans -= 1
             return
-        self.close = _inheritable_fds()
-        if self.close is None:
+        close = _inheritable_fds()
+        if close is None:
             _skip_scans = SCAN_BACKOFF
+        elif all(fd < self.fd_limit for fd in close):
+            self.close = close
 
     def resolve(self, name: str, env: Mapping[str, str]) -> str | None:
         """The file ``exec`` would run for ``name`` with ``env``'s PATH (None: not found)."""
@@ -88,6 +103,51 @@ class Batch:
         if key not in self._paths:
             self._paths[key] = shutil.which(name, path=path)
         return self._paths[key]
+
+
+def name_fd_limit(error: E) -> E:
+    """Make a ``EMFILE``/``ENFILE`` say which limit was reached and how to raise it.
+
+    Changes ``error.strerror`` in place (the type, errno and traceback stay,
+    so ``except OSError`` clauses and errno checks keep working) and returns
+    ``error``; any other error is returned unchanged.  Idempotent.
+    """
+    if not isinstance(error, OSError) or "RLIMIT_NOFILE" in str(error.strerror):
+        return error
+    if error.errno == errno.EMFILE:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or hard > soft:
+            infinite = hard == resource.RLIM_INFINITY
+            target = "unlimited" if infinite else str(hard)
+            value = "resource.RLIM_INFINITY" if infinite else target
+            how = (
+                f"raise it (up to the hard limit, {target}): `ulimit -n {target}` in the "
+                "shell that starts the supervisor, or resource.setrlimit("
+                f"resource.RLIMIT_NOFILE, ({value}, {value})) in it"
+            )
+        else:
+            how = (
+                "the hard limit is the same: raise both (LimitNOFILE= of a systemd "
+                "unit, nofile in /etc/security/limits.conf, docker run --ulimit nofile=)"
+            )
+        error.strerror = (
+            f"{error.strerror or 'Too many open files'}: this supervisor reached its "
+            f"limit of {soft} open fds (RLIMIT_NOFILE); {how}; or start fewer workers "
+            "at once (each holds a few fds: its output pipes, channel and exit watch)"
+        )
+    elif error.errno == errno.ENFILE:
+        error.strerror = (
+            f"{error.strerror or 'Too many open files in system'}: the kernel's limit "
+            "for all processes (fs.file-max; RLIMIT_NOFILE of this process is not the "
+            "cause) is reached; raise it with `sysctl fs.file-max=N` or close files elsewhere"
+        )
+    return error
+
+
+def _fd_limit() -> int:
+    """The soft ``RLIMIT_NOFILE``: glibc's bound on the fds a file action may name."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft if soft != resource.RLIM_INFINITY and soft >= 0 else 1 << 62
 
 
 def _inheritable_fds() -> tuple[int, ...] | None:
@@ -140,6 +200,7 @@ def exec_binary(
         or pass_fds
         or path is None  # Popen raises the error exec gives
         or any(fd < 3 for fd in sources)  # an fd 1/2 moved about: Popen sorts that out
+        or any(fd >= batch.fd_limit for fd in sources)
     ):
         return subprocess.Popen(
             list(argv),

@@ -317,7 +317,10 @@ def _fail(fd: int, exc: BaseException, *, record: bool = True) -> NoReturn:
         from aioproc._errorfile import write_error_file
 
         write_error_file(os.environ[ERROR_FILE_ENV], exc)
-    traceback.print_exception(type(exc), exc, exc.__traceback__)
+    try:
+        traceback.print_exception(type(exc), exc, exc.__traceback__)
+    except (OSError, ValueError):
+        pass  # stderr on a full disk (ENOSPC) or closed: the ERROR frame still goes
     try:
         _write(fd, _wire.ERROR, _error_frame(exc))
     except OSError:

@@ -82,12 +82,31 @@ def write_error_file(path: str, exc: BaseException) -> None:
     """Write ``exc`` to ``path`` as error.json; never raises for I/O problems.
 
     A worker that fails to write its error file must still exit with its
-    own failure, so write errors are reported on stderr and swallowed.
+    own failure, so write errors are reported on stderr and swallowed.  A
+    file left half-written (a full disk: ENOSPC) is removed, so the
+    supervisor reports the failure as having no error file (and uses what
+    the worker told it otherwise) instead of a file that holds no message.
     """
     try:
-        with open(path, "w") as fp:
+        fp = open(path, "w")  # noqa: SIM115 - a failed open and a failed write differ
+    except OSError as e:
+        _report(path, e)
+        return
+    try:
+        with fp:
             json.dump(exception_data(exc), fp)
     except OSError as e:
-        import sys
+        try:
+            os.unlink(path)  # ours, half-written
+        except OSError:
+            pass
+        _report(path, e)
 
-        print(f"aioproc: could not write error file {path!r}: {e}", file=sys.stderr)
+
+def _report(path: str, error: OSError) -> None:
+    import sys
+
+    try:
+        print(f"aioproc: could not write error file {path!r}: {error}", file=sys.stderr)
+    except (OSError, ValueError):
+        pass  # stderr is on the same full disk, or closed

@@ -349,6 +349,11 @@ class TeeProtocol(asyncio.Protocol):
     SIGPIPE).  A failed log-file write (a full disk) is logged once as a
     warning naming the rank, stream and path, kept in ``write_error``, and
     the sinks still get every line.
+
+    Stalls: while a sink's flow pauses this reader (and its worker still
+    runs), the reader is reported to that flow's ``StallWatch`` as
+    ``worker`` (e.g. ``trainer/1``; ``rank N`` if not given), so a sink
+    that holds the workers too long is named in a warning.
     """
 
     def __init__(
@@ -358,10 +363,13 @@ class TeeProtocol(asyncio.Protocol):
         stream: str,
         prefix: str,
         sinks: list[Sink],
+        *,
+        worker: str | None = None,
     ) -> None:
         self.log_file = log_file
         self._rank = rank
         self._stream = stream
+        self._label = f"{worker or f'rank {rank}'} ({stream})"
         self._prefix = prefix
         self._sinks = sinks
         self._splitter = LineSplitter() if sinks else None
@@ -393,6 +401,7 @@ class TeeProtocol(asyncio.Protocol):
         # uvloop's pipe transports do not subclass asyncio.ReadTransport
         self._transport = transport  # type: ignore[assignment]
         self._update_reading()
+        self._track_stalls()
 
     def _on_flow(self, flow: Flow, blocked: bool) -> None:
         if blocked:
@@ -400,6 +409,23 @@ class TeeProtocol(asyncio.Protocol):
         else:
             self._blocked.discard(flow)
         self._update_reading()
+        self._track_stall(flow)
+
+    def _track_stalls(self) -> None:
+        for flow in self._flows:
+            self._track_stall(flow)
+
+    def _track_stall(self, flow: Flow) -> None:
+        """Tell ``flow``'s stall watch whether it holds this reader's worker now."""
+        stall = flow.stall
+        if stall is None:
+            return
+        # a reader not connected yet, closed, or draining an exited worker
+        # holds nobody back, whatever its sinks' state
+        if flow in self._blocked and not self._draining and self._transport is not None:
+            stall.paused(self, self._label)
+        else:
+            stall.resumed(self)
 
     def _update_reading(self) -> None:
         tr = self._transport
@@ -425,6 +451,7 @@ class TeeProtocol(asyncio.Protocol):
         if not self._draining:
             self._draining = True
             self._update_reading()
+            self._track_stalls()
         if self.progress.at_eof:
             return self.closed
         return self.progress.reached(self._fd, sum(map(len, self._backlog)))
@@ -514,6 +541,7 @@ class TeeProtocol(asyncio.Protocol):
         for flow in self._flows:
             flow.unwatch(self._on_flow)
         self._transport = None
+        self._track_stalls()
         while self._backlog:  # the pipe was cut: what was read still goes out
             self._consume(self._backlog.popleft())
         if self._splitter is not None:

@@ -151,7 +151,9 @@ class RankLauncher:
             f = open(path, "wb", buffering=0)  # noqa: SIM115
             if sinks:
                 streams[key] = subprocess.PIPE
-                tees[key] = TeeProtocol(f, rank, key, self.prefix(rank), sinks)
+                tees[key] = TeeProtocol(
+                    f, rank, key, self.prefix(rank), sinks, worker=f"{self.name}/{rank}"
+                )
             else:
                 streams[key] = f
                 files.append(f)

@@ -10,7 +10,7 @@ import weakref
 from collections.abc import Awaitable
 from typing import Any, Generic, TypeVar
 
-from ._flow import HARD_LIMIT, HIGH_WATER, LOW_WATER, RECORD_OVERHEAD, Flow
+from ._flow import HARD_LIMIT, HIGH_WATER, LOW_WATER, RECORD_OVERHEAD, Flow, StallWatch
 
 logger = logging.getLogger("aioproc")
 
@@ -55,14 +55,16 @@ class LineQueue(Generic[T]):
     ``LOW_WATER`` released.  Past ``HARD_LIMIT`` (readers that ignore
     backpressure: a worker's last output after it exited) records are
     dropped and counted in ``dropped``.  ``end()`` adds an end marker that is
-    never dropped.
+    never dropped.  ``stall``: see ``Flow.stall``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stall: StallWatch | None = None) -> None:
         self._items: collections.deque[tuple[T | None, int]] = collections.deque()
         self._cost = 0
+        self.size = 0
+        """Text bytes of the records queued."""
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-        self.flow = Flow()
+        self.flow = Flow(stall)
         self.dropped = 0
         self._resumed = 0.0  # loop time a get() last suspended (see get())
 
@@ -77,6 +79,7 @@ class LineQueue(Generic[T]):
             return False
         self._items.append((item, cost))
         self._cost += cost
+        self.size += size
         if self._cost >= HIGH_WATER:
             self.flow.hold(self)
         self._wake()
@@ -116,6 +119,8 @@ class LineQueue(Generic[T]):
             self._resumed = loop.time()
         item, cost = self._items.popleft()
         self._cost -= cost
+        if item is not None:
+            self.size -= cost - RECORD_OVERHEAD
         if self._cost < LOW_WATER:
             self.flow.release(self)
         return item
@@ -124,7 +129,7 @@ class LineQueue(Generic[T]):
         """Remove and return every record (not end markers)."""
         items = [item for item, _ in self._items if item is not None]
         self._items.clear()
-        self._cost = 0
+        self._cost = self.size = 0
         self.flow.release(self)
         return items
 

@@ -547,8 +547,48 @@ class ChildFailedError(Exception):
         )
 
 
+FULL_DISK_BELOW = 64 << 10
+"""Free bytes under which the disk holding a failed worker's log counts as full.
+
+A write that does not fit fails with ENOSPC and leaves the disk at (about)
+zero free blocks; a buffered flush needs several KiB."""
+
+
+def _full_disk(failure: ProcessFailure) -> tuple[str, int] | None:
+    """A log of ``failure`` on a disk that is full now, with its free bytes.
+
+    A worker whose own log is on a full disk (a redirect: the worker writes
+    the file itself) loses its last output, its traceback included, and
+    usually fails on that very write (ENOSPC) without any trace the
+    supervisor could read: only the disk's state can tell.
+    """
+    if failure.stopped or failure.exitcode == 0:
+        return None
+    for path in (failure.stderr_log, failure.stdout_log):
+        if not path:
+            continue
+        try:
+            st = os.statvfs(path if os.path.exists(path) else os.path.dirname(path) or ".")
+        except OSError:
+            continue  # gone, or formatted on another host
+        # root may write into the blocks reserved for it; others may not
+        blocks = st.f_bfree if os.geteuid() == 0 else st.f_bavail
+        if st.f_blocks and blocks * st.f_frsize < FULL_DISK_BELOW:
+            return path, blocks * st.f_frsize
+    return None
+
+
 def _hint(failure: ProcessFailure) -> list[str]:
     # torch's message only links to its docs; say what to do, in place
+    full = _full_disk(failure)
+    if full is not None:
+        path, free = full
+        return [
+            f"  hint      : the disk holding {path} is full (ENOSPC, {free} bytes free): "
+            "the worker could not write its own log there, so its last output is lost "
+            "(writing it may be what failed); free space there or use another log "
+            "directory"
+        ]
     if failure.error_file != _NOT_AVAILABLE or failure.message != NO_ERROR_FILE_MESSAGE:
         return []
     return [

@@ -27,6 +27,9 @@ the event loop: they go through a bounded non-blocking buffer
 ``CallbackSink`` or an ``OutputStream`` falls behind, the output readers
 pause and the workers block on their own pipes (backpressure), so the
 supervisor's memory stays bounded; the log files still get every byte.
+A sink that keeps workers paused for ``stall_warning`` seconds (default
+``STALL_WARNING``, 10 s; ``None``: never) is named in one warning on the
+``aioproc`` logger, with the workers it holds back and what it has pending.
 
 A sink that raises is isolated: the error is logged once on the ``aioproc``
 logger, naming the sink, and neither the workers, the log files, the other
@@ -46,7 +49,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequen
 from typing import Any, NamedTuple, TextIO
 
 from ._console import ConsoleWriter, Screen, console_write, release_consoles, safe_write
-from ._flow import Flow
+from ._flow import STALL_WARNING, Flow, StallWatch, format_size
 from ._sinkops import LineQueue, discard, logger, report_sink_error
 from ._validate import check_duration
 
@@ -121,6 +124,9 @@ class ConsoleSink(Sink):
             bar when not on a terminal.
         redraw_interval: seconds between redraws of the status lines on a
             terminal.
+        stall_warning: seconds the console may keep workers paused (it
+            accepts nothing: a pipe nobody reads, a frozen terminal) before
+            a warning says so; ``None``: never.
     """
 
     def __init__(
@@ -130,6 +136,7 @@ class ConsoleSink(Sink):
         write: Callable[[str], Any] | None = None,
         status_interval: float = 1.0,
         redraw_interval: float = 0.05,
+        stall_warning: float | None = STALL_WARNING,
     ) -> None:
         self._stream = stream
         self._write = write
@@ -137,12 +144,23 @@ class ConsoleSink(Sink):
         self._redraw_interval = check_duration("redraw_interval", redraw_interval)
         self._last_printed: dict[tuple[int, str, str], tuple[float, str]] = {}
         self._keys: set[tuple[int, str, str]] = set()
-        self._backpressure = Flow()
+        self._backpressure = Flow(
+            StallWatch(
+                self,
+                self._describe_stall,
+                "the supervisor's stdout/stderr is a pipe nobody reads, or a paused terminal",
+                check_duration("stall_warning", stall_warning, allow_none=True),
+            )
+        )
         self._writers: list[ConsoleWriter] = []
 
     def __repr__(self) -> str:
         target = "write=" + repr(self._write) if self._write is not None else self._stream
         return f"ConsoleSink({target or ''})"
+
+    def _describe_stall(self) -> str:
+        pending = sum(w.pending for w in self._writers)
+        return f"holds {format_size(pending)} the console has not accepted"
 
     def _target(self, stream: str) -> TextIO:
         if self._stream is not None:
@@ -338,14 +356,31 @@ class CallbackSink(Sink):
     never the readers.  Its queue is bounded: when it is full the readers
     pause and the workers block on their pipes.  An exception from ``fn``
     is logged once and the next line is delivered as usual.
+
+    Args:
+        fn: called with each ``OutputLine``.
+        stall_warning: seconds a slow async callback may keep workers
+            paused before a warning says so; ``None``: never.
     """
 
-    def __init__(self, fn: Callable[[OutputLine], Awaitable[Any] | Any]) -> None:
+    def __init__(
+        self,
+        fn: Callable[[OutputLine], Awaitable[Any] | Any],
+        *,
+        stall_warning: float | None = STALL_WARNING,
+    ) -> None:
         self._fn = fn
         self._async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
             getattr(fn, "__call__", None)  # noqa: B004 - an object with async __call__
         )
-        self._queue: LineQueue[_Job] = LineQueue()
+        self._queue: LineQueue[_Job] = LineQueue(
+            StallWatch(
+                self,
+                lambda: _describe_queue(self._queue, "its callback has not taken yet"),
+                "the callback is slower than the workers' output",
+                check_duration("stall_warning", stall_warning, allow_none=True),
+            )
+        )
         self._backpressure = self._queue.flow
         self._task: asyncio.Task[None] | None = None
 
@@ -413,10 +448,25 @@ class OutputStream(Sink):
     runs.  The buffer is bounded: while the consumer lags more than about a
     megabyte behind, the workers feeding it are paused (they block on their
     pipes).  Records buffered when the group closes can still be read.
+    A stream nobody reads while the group runs (read only after
+    ``await pc.wait()``, say) holds the workers forever once it is full:
+    after ``stall_warning`` seconds a warning names the stream, the paused
+    workers and what it holds.
+
+    Args:
+        stall_warning: seconds the stream may keep workers paused before
+            the warning; ``None``: never.
     """
 
-    def __init__(self) -> None:
-        self._queue: LineQueue[OutputLine] = LineQueue()
+    def __init__(self, *, stall_warning: float | None = STALL_WARNING) -> None:
+        self._queue: LineQueue[OutputLine] = LineQueue(
+            StallWatch(
+                self,
+                lambda: _describe_queue(self._queue, "unread"),
+                "iterate the stream in a task of its own while the group runs, not after wait()",
+                check_duration("stall_warning", stall_warning, allow_none=True),
+            )
+        )
         self._backpressure = self._queue.flow
         self._closed = False
 
@@ -444,6 +494,10 @@ class OutputStream(Sink):
         while (rec := await self._queue.get()) is not None:
             yield rec
         self._queue.end()  # every other iteration ends too
+
+
+def _describe_queue(queue: LineQueue[Any], state: str) -> str:
+    return f"holds {format_size(queue.size)} ({len(queue)} lines) {state}"
 
 
 # -------------------------------------------------------------------- close
