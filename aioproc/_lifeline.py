@@ -13,16 +13,29 @@ one (a shell costs about a millisecond).
 
 Registration happens as ``Popen`` returns, but a binary worker already runs
 from its ``exec``; in case the supervisor dies in those microseconds, every
-worker's environment carries ``AIOPROC_LIFELINE=<token>`` (unique to the
-supervisor process), and on EOF the guardian also kills every process, and
-the group of every group leader, whose environment holds the token (a
-``grep`` over ``/proc/*/environ``).  Descendants that keep their
-environment are caught the same way.  The sweep is repeated over about 1.5 s
-(twice at once, then after 50, 100, 200, 400 and 800 ms): a worker forked
-but not yet exec'd when the supervisor died still shows the supervisor's
-environment, without the token, and gets it a moment later from ``exec``;
-so does a fork racing a sweep.  (A backoff after a crash, never a poll
-while the supervisor lives.)
+worker's environment carries ``AIOPROC_LIFELINE=<tokens>`` (see
+``lineage``: the token of this supervisor process after those of the
+supervisors it runs under, when it is itself a worker), and on EOF the
+guardian also kills every process, and the group of every group leader,
+whose environment names the token (a ``grep`` over ``/proc/*/environ``).
+Descendants that keep their environment are caught the same way, and so are
+the workers of a nested supervisor: an outer sweep reaches them even when
+it is faster than the inner guardian.  The inner guardian itself does not
+carry the outer token (it is not killed by that sweep), so it still does its
+own sweep and tidying.  The sweep is repeated over about 1.5 s (twice at
+once, then after 50, 100, 200, 400 and 800 ms): a worker forked but not yet
+exec'd when the supervisor died still shows the supervisor's environment,
+without the token, and gets it a moment later from ``exec``; so does a fork
+racing a sweep.  (A backoff after a crash, never a poll while the
+supervisor lives.)  The token reaches the guardian as the first line on its
+pipe, never in its argv: other users can read every process's argv.
+
+A ``Fence`` keeps a multi-host agent's lease fence without its loop: the
+agent's keep-alive moves the fence's deadline after every renewal, and the
+guardian (``f<id> <seconds left> <groups>``) runs a timer (a background
+``sleep``) that SIGKILLs the fence's groups when it expires unrenewed, so
+the workers of an agent that is stopped, starved or wedged die before etcd
+can expire its lease.
 
 A guardian that dies while groups are registered (killed from outside) is
 noticed through its pidfd on the loop: a warning is logged and a replacement
@@ -38,12 +51,16 @@ files with content.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
+import itertools
 import logging
 import os
 import secrets
 import subprocess
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 from ._exit import ExitWatcher
@@ -52,23 +69,49 @@ logger = logging.getLogger("aioproc")
 
 _SCRIPT = """\
 trap '' HUP INT TERM QUIT PIPE
+IFS= read -r token || exit 0
 groups=" "
 dirs=""
+fences=" "
+unfence() {
+  eval "t=\\${timer_$1-}"
+  if [ -n "$t" ]; then kill -s USR1 "$t" 2>/dev/null; wait "$t" 2>/dev/null; fi
+  eval "timer_$1="
+}
+fence() {
+  f=$1; shift
+  unfence "$f"
+  [ $# -gt 1 ] || return 0
+  (
+    s= stop=
+    trap 'stop=1; [ -z "$s" ] || kill -s KILL "$s" 2>/dev/null' USR1
+    sleep "$1" & s=$!
+    [ -z "$stop" ] || { kill -s KILL "$s" 2>/dev/null; exit 0; }
+    wait "$s" && [ -z "$stop" ] || exit 0
+    shift
+    for g; do kill -s KILL -- "-$g" 2>/dev/null; done
+  ) &
+  eval "timer_$f=$!"
+  case $fences in *" $f "*) ;; *) fences="$fences$f " ;; esac
+}
 while IFS= read -r line; do
   case $line in
-    done) exit 0 ;;
+    done) for f in $fences; do unfence "$f"; done; exit 0 ;;
     -*) g=${line#-}
         case $groups in *" $g "*) groups="${groups%% $g *} ${groups#* $g }" ;; esac ;;
     +*) groups="$groups${line#+} " ;;
+    f*) fence ${line#f} ;;
     d/*) dirs="$dirs${line#d}
 " ;;
   esac
 done
 for g in $groups; do kill -s KILL -- "-$g" 2>/dev/null; done
+for f in $fences; do unfence "$f"; done
 for pause in 0 0 0.05 0.1 0.2 0.4 0.8; do
   [ "$pause" = 0 ] || sleep "$pause"
-  for f in $(grep -lzx "AIOPROC_LIFELINE=$1" /proc/[0-9]*/environ 2>/dev/null); do
-    p=${f#/proc/}; p=${p%/environ}
+  for e in $(grep -lzE "^AIOPROC_LIFELINE=([^:]*:)*$token(:[^:]*)*\\$" /proc/[0-9]*/environ \\
+               2>/dev/null); do
+    p=${e#/proc/}; p=${p%/environ}
     kill -s KILL -- "-$p" 2>/dev/null; kill -s KILL "$p" 2>/dev/null
   done
 done
@@ -96,16 +139,15 @@ DISMISS_WAIT = 5.0
 def _guardian_env() -> dict[str, str]:
     """What the guardian's shell needs of the environment, and no more.
 
-    Its ``PATH`` (for ``sleep``, ``grep``, ``find``), and the lifeline of a
-    supervisor that runs this one as a worker, so that one's guardian finds
-    it too.  Nothing else: a variable exec refuses (one over the
-    per-string limit, say) must not keep the guardian from starting when
-    every rank overrides it.
+    Its ``PATH`` (for ``sleep``, ``grep``, ``find``).  Not the lifeline of
+    a supervisor that runs this one as a worker: that one's sweep must not
+    kill this guardian before it has swept and tidied up after this
+    process (every worker here carries that lifeline too, see
+    ``lineage``, so the outer sweep finds them all the same).  Nothing
+    else: a variable exec refuses (one over the per-string limit, say)
+    must not keep the guardian from starting when every rank overrides it.
     """
-    env = {"PATH": os.environ.get("PATH", os.defpath)}
-    if TOKEN_VAR in os.environ:
-        env[TOKEN_VAR] = os.environ[TOKEN_VAR]
-    return env
+    return {"PATH": os.environ.get("PATH", os.defpath)}
 
 
 class _Guardian:
@@ -115,7 +157,7 @@ class _Guardian:
         read_fd, self.write_fd = os.pipe()
         try:
             self.popen = subprocess.Popen(
-                [SHELL, "-c", _SCRIPT, "aioproc-guardian", token()],
+                [SHELL, "-c", _SCRIPT, "aioproc-guardian"],
                 stdin=read_fd,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -133,10 +175,13 @@ class _Guardian:
         self.dismissed = False
         self.watcher = ExitWatcher(self.popen, reap=True)
         self.watcher.future.add_done_callback(self._exited)
-        lines = [f"+{g}\n" for g in sorted(groups)] + [f"d{d}\n" for d in sorted(_dirs)]
+        # the token goes first, through the pipe: an argument would be
+        # readable by every user of the machine in /proc/<pid>/cmdline
+        lines = [f"{token()}\n"]
+        lines += [f"+{g}\n" for g in sorted(groups)] + [f"d{d}\n" for d in sorted(_dirs)]
+        lines += [f.line() for f in _fences.values() if f.groups & self.groups]
         self.dirs = set(_dirs)
-        if lines:
-            self.write("".join(lines))
+        self.write("".join(lines))
 
     def rewatch(self) -> None:
         self.watcher.detach()
@@ -178,6 +223,21 @@ def token() -> str:
         _token = f"{os.getpid()}-{secrets.token_hex(8)}"
         _token_pid = os.getpid()
     return _token
+
+
+def lineage() -> str:
+    """The value of ``TOKEN_VAR`` for this process's workers.
+
+    This process's token after those of the supervisors above it (when
+    this process is itself a worker), separated by colons: the guardian
+    of every supervisor up the chain then finds every worker below it,
+    so a nested supervisor killed with its parent never leaves its own
+    workers behind, whatever the order of the sweeps.
+    """
+    above = os.environ.get(TOKEN_VAR, "")
+    mine = token()
+    chain = [t for t in above.split(":") if t and t != mine]
+    return ":".join([*chain, mine])
 
 
 _dismissed: list[_Guardian] = []
@@ -247,6 +307,10 @@ def register(pgid: int) -> None:
     with _lock:
         guardian = _ensure_locked()
         _add_locked(guardian, pgid)
+        fence = _scope.get()
+        if fence is not None and fence.id in _fences and pgid not in fence.groups:
+            fence.groups.add(pgid)
+            guardian.write(fence.line())
 
 
 def register_from_thread(pgid: int) -> None:
@@ -278,14 +342,20 @@ def _add_locked(guardian: _Guardian, pgid: int) -> None:
 def tidy_after_crash(path: str) -> None:
     """Have the guardian remove what is empty under ``path`` if this process dies.
 
-    For the private temp log dir of a group, before its workers start: sent
-    with the next registration (a group's first worker follows at once).
-    Paths holding a newline are not sent (the protocol is line-based).
+    For the private temp log dir of a group, as soon as it is made: written
+    at once to a running guardian (``hold()`` one first, so that the dir is
+    known before anything is made in it), else sent with the next
+    registration.  Paths holding a newline are not sent (the protocol is
+    line-based).
     """
     if "\n" in path or not path.startswith("/"):
         return
     with _lock:
         _dirs.add(path)
+        guardian = _current
+        if guardian is not None and guardian.owner == os.getpid() and path not in guardian.dirs:
+            guardian.dirs.add(path)
+            guardian.write(f"d{path}\n")
 
 
 def untidy(path: str) -> None:
@@ -296,6 +366,80 @@ def untidy(path: str) -> None:
     """
     with _lock:
         _dirs.discard(path)
+
+
+class Fence:
+    """Worker groups the guardian SIGKILLs by itself once a deadline passes.
+
+    The lease fence of a multi-host agent: its etcd keep-alive renews
+    the deadline after every renewal, and the groups started inside
+    ``scope()`` join the fence as they are registered.  The guardian arms a
+    timer with what is left of the deadline at every change; when the
+    deadline passes without a renewal (the agent stopped, starved,
+    swapped out or wedged, its loop running or not), the timer SIGKILLs
+    the fence's groups, so a world the other hosts have given up on never
+    trains beside the new one.  A group leaves the fence when it is
+    forgotten, before its leader is reaped.
+    """
+
+    def __init__(self) -> None:
+        self.id = next(_fence_ids)
+        self.groups: set[int] = set()
+        self.deadline: float | None = None
+
+    def __repr__(self) -> str:
+        return f"<Fence {self.id} groups={sorted(self.groups)} deadline={self.deadline}>"
+
+    def line(self) -> str:
+        """The guardian's line for this fence: its groups and the time left, or disarm."""
+        if self.deadline is None or not self.groups:
+            return f"f{self.id}\n"
+        left = max(0.0, self.deadline - time.monotonic())
+        return f"f{self.id} {left:.3f} {' '.join(str(g) for g in sorted(self.groups))}\n"
+
+    def leave(self, pgids: Iterable[int]) -> str:
+        """Drop ``pgids``; the guardian's line if that changed anything, else ''."""
+        gone = self.groups.intersection(pgids)
+        if not gone:
+            return ""
+        self.groups -= gone
+        return self.line()
+
+    def renew(self, deadline: float) -> None:
+        """Move the deadline to ``deadline`` (``time.monotonic()``'s clock)."""
+        with _lock:
+            self.deadline = deadline
+            _fences[self.id] = self
+            guardian = _current
+            if self.groups and guardian is not None and guardian.owner == os.getpid():
+                guardian.write(self.line())
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Groups registered in this context (tasks started in it too) join the fence."""
+        with _lock:
+            _fences[self.id] = self
+        reset = _scope.set(self)
+        try:
+            yield
+        finally:
+            _scope.reset(reset)
+
+    def close(self) -> None:
+        """Disarm the fence: its groups are the guardian's plain groups again."""
+        with _lock:
+            if _fences.pop(self.id, None) is None:
+                return
+            self.deadline = None
+            guardian = _current
+            if self.groups and guardian is not None and guardian.owner == os.getpid():
+                guardian.write(self.line())
+            self.groups.clear()
+
+
+_fence_ids = itertools.count(1)
+_fences: dict[int, Fence] = {}  # open fences by id (see Fence)
+_scope: contextvars.ContextVar[Fence | None] = contextvars.ContextVar("aioproc_fence", default=None)
 
 
 def hold() -> None:
@@ -335,8 +479,13 @@ def forget(*pgids: int) -> None:
         guardian.groups.difference_update(known)
         if guardian.groups or _holds:
             if known:
-                guardian.write("".join(f"-{g}\n" for g in known))
+                # a fence first lets go of the groups, then the guardian: its
+                # timer never holds an id once it may be reused
+                text = "".join(f.leave(known) for f in _fences.values())
+                guardian.write(text + "".join(f"-{g}\n" for g in known))
             return
+        for f in _fences.values():
+            f.groups.clear()
         _current = None
         guardian.dismissed = True
         _dismissed.append(guardian)
@@ -405,6 +554,30 @@ def registered_groups() -> frozenset[int]:
         return frozenset(guardian.groups)
 
 
+def groups_now() -> frozenset[int]:
+    """Registered groups, read without the lock: for signal handlers.
+
+    A signal handler runs between two bytecodes of the main thread, which
+    may be holding the lock at that moment.  Copying the set is one step
+    for the interpreter, so the copy is consistent.
+    """
+    guardian = _current
+    if guardian is None or guardian.owner != os.getpid():
+        return frozenset()
+    return frozenset(guardian.groups)
+
+
+def fenced_out() -> frozenset[int]:
+    """Groups of fences whose deadline has passed (read without the lock)."""
+    now = time.monotonic()
+    out: set[int] = set()
+    for fence in list(_fences.values()):
+        deadline = fence.deadline
+        if deadline is not None and deadline <= now:
+            out.update(fence.groups)
+    return frozenset(out)
+
+
 def _after_fork_in_child() -> None:
     # A forked copy of the supervisor must not keep the guardian's pipe open,
     # or the guardian would miss the supervisor's death until the copy exits.
@@ -418,6 +591,7 @@ def _after_fork_in_child() -> None:
             pass
         guardian.write_fd = -1
     _dismissed.clear()
+    _fences.clear()
     globals()["_lock"] = threading.Lock()
     globals()["_holds"] = 0
 

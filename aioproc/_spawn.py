@@ -290,16 +290,20 @@ async def spawn(
         # Popen is what loop.subprocess_exec runs too: (v)fork+exec, about a
         # millisecond, but it returns only once the child has exec'd, which
         # on a busy machine can take a scheduler slice or more
-        popen = subprocess.Popen(
-            list(argv),
-            env={**env, _lifeline.TOKEN_VAR: _lifeline.token()},
-            stdin=stdin,
-            stdout=stdout,
-            stderr=stderr,
-            pass_fds=tuple(pass_fds),
-            start_new_session=True,
-            close_fds=True,
-        )
+        try:
+            popen = subprocess.Popen(
+                list(argv),
+                env={**env, _lifeline.TOKEN_VAR: _lifeline.lineage()},
+                stdin=stdin,
+                stdout=stdout,
+                stderr=stderr,
+                pass_fds=tuple(pass_fds),
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as e:
+            _binspawn.name_fd_limit(e)
+            raise
         _lifeline.register_from_thread(popen.pid)  # at once: see the module docstring
         return popen
 
@@ -335,7 +339,7 @@ async def spawn_binaries(
     Cancellation: the batch runs to completion; its workers are then killed
     and reaped before the cancellation propagates.
     """
-    token = _lifeline.token()
+    token = _lifeline.lineage()
     keep = tuple(pass_fds)
 
     def start_all() -> tuple[list[Proc], Exception | None]:
@@ -348,7 +352,7 @@ async def spawn_binaries(
                     start.argv, env, start.stdout, start.stderr, keep, batch
                 )
             except Exception as e:
-                return procs, e
+                return procs, _binspawn.name_fd_limit(e)
             _lifeline.register_from_thread(proc.pid)  # at once: see the module docstring
             procs.append(proc)
         return procs, None

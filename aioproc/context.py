@@ -36,6 +36,7 @@ import anyio.abc
 
 from . import _lifeline, _template, _wire
 from ._barrier import ControlHub
+from ._binspawn import name_fd_limit
 from ._console import release_consoles
 from ._loops import check_loop
 from ._offloop import Batched, helper, run_blocking
@@ -242,6 +243,7 @@ class PContext:
         self._early_close: tuple[int, float] | None = None  # a close() during STARTING
         self._launching = True
         self._launch_done: asyncio.Event | None = None
+        self._holding_guardian = False  # from the temp root's creation to the launch's end
         self._launch_scope: anyio.CancelScope | None = None
         self._close_request: asyncio.Future[tuple[int, float]] | None = None
         self._grace_end = Deadline()  # a later close() can bring it forward
@@ -337,6 +339,13 @@ class PContext:
 
     async def _start(self, payloads: dict[int, list[bytes]]) -> None:
         specs = self.logs_specs
+        if isinstance(specs, DefaultLogsSpecs) and specs._root_log_dir is None:
+            # A private temp root: the guardian knows it before anything is
+            # made in it, so a supervisor killed at any moment from here on
+            # leaves no empty tree behind (one mkdtemp: on the loop).
+            _lifeline.hold()
+            self._holding_guardian = True
+            _lifeline.tidy_after_crash(specs.root_log_dir)
         try:
             # a directory per rank: off the loop (see _offloop); in the
             # default layout, made while the first workers start
@@ -346,12 +355,11 @@ class PContext:
             else:
                 dest = await run_blocking(specs.reify, self.envs)
         except BaseException as e:
+            self._unhold_guardian()
             self._ranks.discard_segments()  # large args in shared memory
             if isinstance(e, asyncio.CancelledError):
                 self.logs_specs.prune()  # nothing was started: take the empty tree back
             raise
-        if isinstance(specs, DefaultLogsSpecs) and specs._ephemeral_root is not None:
-            _lifeline.tidy_after_crash(specs._ephemeral_root)
         self._state = _State.RUNNING
         loop = asyncio.get_running_loop()
         self._outcomes.start()
@@ -387,6 +395,11 @@ class PContext:
                 await shielded(self._close(signal.SIGKILL, 0.0))
             raise
 
+    def _unhold_guardian(self) -> None:
+        if self._holding_guardian:
+            self._holding_guardian = False
+            _lifeline.unhold()
+
     async def _supervise(self, dest: LogsDest, payloads: dict[int, list[bytes]]) -> None:
         """The group's one owner: launch, watch, stop after a failure, shut down."""
         assert self._launched is not None
@@ -405,6 +418,7 @@ class PContext:
                         self._request_close(signal.SIGKILL, 0.0)
                 self._launch_scope = None
                 self._launching = False
+                self._unhold_guardian()  # every group is registered (or none will be)
                 self._launch_done.set()
                 self._ranks.discard_segments()  # of ranks never launched
                 self._mark_never_started()
@@ -423,6 +437,7 @@ class PContext:
                 await self._emergency_stop()
             raise
         finally:
+            self._unhold_guardian()
             self._state = _State.CLOSED
             if not self._launched.done():
                 if launch_error is not None:
@@ -504,7 +519,7 @@ class PContext:
                     else:
                         launching.start_soon(launch, ranks.start, name=name)
             if errors:
-                raise errors[0]
+                raise name_fd_limit(errors[0])  # an EMFILE says which limit to raise
         finally:
             await shielded(dirs.aclose())  # none is made after this (prune comes later)
             # forked workers do not need the template: it is closed now unless

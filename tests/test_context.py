@@ -46,7 +46,7 @@ from helpers import (
 import aioproc
 from aioproc import ChildFailedError, DefaultLogsSpecs, PContext, ProcessFailure, Std
 from aioproc._lifeline import TOKEN_VAR as LIFELINE
-from aioproc._lifeline import token as lifeline_token
+from aioproc._lifeline import lineage as lifeline_token
 from aioproc.errors import ForcedKillWarning, RemoteTraceback
 
 try:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -275,8 +277,229 @@ def all_pids() -> list[int]:
 
 
 def guardian_of(pid: int, supervisor: int) -> bool:
-    """The guardian shell of ``supervisor``: its token starts with the supervisor's pid."""
+    """The guardian shell of ``supervisor`` (while the supervisor lives: its parent)."""
     argv = cmdline(pid).split(b"\0")
-    return b"aioproc-guardian" in argv and any(
-        a.startswith(f"{supervisor}-".encode()) for a in argv
-    )
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return False
+    return b"aioproc-guardian" in argv and ppid == supervisor
+
+
+# ------------------------------------------------------------------ fences
+
+
+async def test_a_fence_kills_its_groups_when_its_deadline_passes_with_the_loop_wedged(
+    tmp_path: Path,
+) -> None:
+    """Only the fence's groups die, by the guardian's hand: this loop is blocked."""
+    fence = _lifeline.Fence()
+    groups: list[aioproc.PContext] = []
+    try:
+        async with Fifo(tmp_path / "fifo") as fifo:
+            with fence.scope():
+                groups.append(
+                    await aioproc.start_processes(
+                        "fenced", sys.executable, {0: (GRANDCHILD, fifo.path, "wait")}, {0: {}}
+                    )
+                )
+            groups.append(
+                await aioproc.start_processes(
+                    "free", sys.executable, {0: (GRANDCHILD, fifo.path, "wait")}, {0: {}}
+                )
+            )
+            pairs = dict(await fifo.pid_pairs(2))
+            fenced_pid, free_pid = groups[0].pids()[0], groups[1].pids()[0]
+            fence.renew(time.monotonic() + 0.3)
+            time.sleep(1.5)  # a wedged loop: nothing here can stop anything
+            assert await still_alive_after([fenced_pid, pairs[fenced_pid]], 0) == set()
+            assert await still_alive_after([free_pid, pairs[free_pid]], 0) == {
+                free_pid,
+                pairs[free_pid],
+            }
+            result = await groups[0].wait(timeout=5)
+            assert result is not None
+            assert result.failures[0].signal_name() == "SIGKILL"
+            assert await groups[1].wait(timeout=0.1) is None
+    finally:
+        fence.close()
+        for pc in groups:
+            await pc.close(timeout=5)
+
+
+async def test_a_renewed_fence_kills_nothing_and_a_closed_one_is_disarmed(tmp_path: Path) -> None:
+    fence = _lifeline.Fence()
+    pc = None
+    try:
+        async with Fifo(tmp_path / "fifo") as fifo:
+            with fence.scope():
+                pc = await aioproc.start_processes(
+                    "fenced", sys.executable, {0: (GRANDCHILD, fifo.path, "wait")}, {0: {}}
+                )
+            ((worker, grandchild),) = await fifo.pid_pairs(1)
+            for _ in range(10):  # renewed well within the deadline, ten times
+                fence.renew(time.monotonic() + 0.4)
+                await asyncio.sleep(0.1)
+            fence.close()
+            time.sleep(0.8)  # past the last deadline, the loop blocked again
+            assert await still_alive_after([worker, grandchild], 0) == {worker, grandchild}
+            assert await pc.wait(timeout=0.1) is None
+    finally:
+        fence.close()
+        if pc is not None:
+            await pc.close(timeout=5)
+
+
+async def test_the_lifeline_token_is_in_no_argv_and_not_in_the_guardians_environment(
+    tmp_path: Path,
+) -> None:
+    """The token lets a process be swept: other users must not read it in /proc."""
+    async with Fifo(tmp_path / "fifo") as fifo:
+        async with aioproc.start_processes(
+            "g", sys.executable, {0: (GRANDCHILD, fifo.path, "wait")}, {0: {}}
+        ) as pc:
+            await fifo.pid_pairs(1)
+            guardian = _lifeline.current_pid()
+            assert guardian is not None
+            token = _lifeline.token().encode()
+            assert token not in cmdline(guardian)
+            with open(f"/proc/{guardian}/environ", "rb") as f:
+                assert token not in f.read()
+            assert token not in cmdline(pc.pids()[0])
+            await pc.close(timeout=5)
+
+
+def _lineage_holders(supervisor: int) -> set[int]:
+    """Processes whose lifeline chain names ``supervisor``'s token (any depth)."""
+    found = set()
+    mark = f"{supervisor}-".encode()
+    for pid in all_pids():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        for entry in env:
+            if entry.startswith(b"AIOPROC_LIFELINE="):
+                chain = entry.split(b"=", 1)[1].split(b":")
+                if any(t.startswith(mark) for t in chain):
+                    found.add(pid)
+    return found
+
+
+def _guardians_in(root: Path) -> set[int]:
+    """Guardians working in a directory under ``root`` (they keep their supervisor's)."""
+    found = set()
+    for pid in all_pids():
+        if b"aioproc-guardian" not in cmdline(pid).split(b"\0"):
+            continue
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            continue
+        if cwd == str(root) or cwd.startswith(str(root) + os.sep):
+            found.add(pid)
+    return found
+
+
+def _empties(root: Path) -> list[str]:
+    return [
+        str(p)
+        for p in sorted(root.rglob("*"))
+        if (p.is_dir() and not any(p.iterdir())) or (p.is_file() and p.stat().st_size == 0)
+    ]
+
+
+NESTED = str(CHILDREN / "nested_supervisor.py")
+
+
+@pytest.mark.timeout(120)
+async def test_nested_supervisors_sigkilled_at_random_moments_leave_nothing(
+    tmp_path: Path,
+) -> None:
+    """An outer supervisor whose worker supervises two workers of its own, SIGKILLed
+    at random moments of its life: every process below it dies, whichever guardian
+    acts first, and both levels' temp log dirs keep only what has content."""
+    import random
+
+    uvloop = "uvloop" in type(asyncio.get_running_loop()).__module__
+    rng = random.Random(os.getpid())
+    rounds, per_round = 2, 6
+    async with Fifo(tmp_path / "fifo") as fifo:
+        for r in range(rounds):
+            sups = []
+            try:
+                for i in range(per_round):
+                    tmp = tmp_path / f"t{r}-{i}"
+                    tmp.mkdir()
+                    env = {**os.environ, "TMPDIR": str(tmp)}
+                    env["AIOPROC_LOOP"] = "uvloop" if uvloop else "asyncio"
+                    sups.append(
+                        subprocess.Popen(
+                            [sys.executable, NESTED, "outer", GRANDCHILD, fifo.path],
+                            env=env,
+                            cwd=tmp,  # how this test tells their guardians from others'
+                        )
+                    )
+                # from before the inner supervisor exists to well after its workers run
+                for sup in sorted(sups, key=lambda _: rng.random()):
+                    await asyncio.sleep(rng.uniform(0.0, 0.35))
+                    os.kill(sup.pid, signal.SIGKILL)
+                for sup in sups:
+                    sup.wait()
+                deadline = time.monotonic() + 10
+                while True:
+                    left = set().union(*(_lineage_holders(s.pid) for s in sups))
+                    orphans = _guardians_in(tmp_path)
+                    if not left and not orphans:
+                        break
+                    assert time.monotonic() < deadline, (left, orphans)
+                    await asyncio.sleep(0.05)  # the guardians' sweeps run for ~1.5 s
+            finally:
+                for sup in sups:
+                    if sup.poll() is None:
+                        sup.kill()
+                        sup.wait()
+        assert [e for t in tmp_path.glob("t*") for e in _empties(t)] == []
+
+
+async def test_an_outer_sweep_alone_reaches_the_workers_of_a_nested_supervisor(
+    tmp_path: Path,
+) -> None:
+    """The inner guardian cannot act (stopped): the outer one's sweep still finds the
+    inner workers and their children, and the inner guardian, continued, tidies up."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    if "uvloop" in type(asyncio.get_running_loop()).__module__:
+        env["AIOPROC_LOOP"] = "uvloop"
+    inner_guardian = 0
+    async with Fifo(tmp_path / "fifo") as fifo:
+        sup = subprocess.Popen(
+            [sys.executable, NESTED, "outer", GRANDCHILD, fifo.path], env=env, cwd=tmp_path
+        )
+        try:
+            pairs = await fifo.pid_pairs(2)
+            inner = {ppid(w) for w, _ in pairs}
+            assert len(inner) == 1
+            (inner_guardian,) = (g for g in _guardians_in(tmp_path) if ppid(g) in inner)
+            os.kill(inner_guardian, signal.SIGSTOP)
+            os.kill(sup.pid, signal.SIGKILL)
+            sup.wait()
+            everyone = [pid for pair in pairs for pid in pair] + list(inner)
+            assert await still_alive_after(everyone, 5) == set()
+            os.kill(inner_guardian, signal.SIGCONT)
+            assert await still_alive_after([inner_guardian], 5) == set()
+        finally:
+            if sup.poll() is None:
+                sup.kill()
+                sup.wait()
+            if inner_guardian:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(inner_guardian, signal.SIGKILL)
+                    os.kill(inner_guardian, signal.SIGCONT)
+    assert [e for e in _empties(tmp_path) if "aioproc_" in e] == []
+
+
+def ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rsplit(b")", 1)[1].split()[1])
