@@ -181,7 +181,9 @@ class _Guardian:
         lines += [f"+{g}\n" for g in sorted(groups)] + [f"d{d}\n" for d in sorted(_dirs)]
         lines += [f.line() for f in _fences.values() if f.groups & self.groups]
         self.dirs = set(_dirs)
-        self.write("".join(lines))
+        self.write("".join(lines))  # blocking: a new guardian reads at once
+        if self.write_fd >= 0:
+            os.set_blocking(self.write_fd, False)
 
     def rewatch(self) -> None:
         self.watcher.detach()
@@ -191,10 +193,25 @@ class _Guardian:
     def write(self, text: str) -> bool:
         if self.write_fd < 0:
             return False
+        data = text.encode()
         try:
-            os.write(self.write_fd, text.encode())
+            written = os.write(self.write_fd, data)
+        except BlockingIOError:
+            written = 0
         except OSError:
             return False  # guardian gone: _exited replaces it
+        if written < len(data):
+            # Its pipe is full: the guardian has not read for a long time
+            # (stopped, or frozen).  The loop must never block on it, and it
+            # missed a line: a replacement takes every group over.
+            logger.warning(
+                "aioproc's guardian process (pid %d) does not read its pipe (stopped?): "
+                "replacing it",
+                self.popen.pid,
+            )
+            self.close_pipe()
+            self.popen.kill()  # not reaped yet: the pid is still the guardian's
+            return False
         return True
 
     def close_pipe(self) -> None:

@@ -503,3 +503,38 @@ async def test_an_outer_sweep_alone_reaches_the_workers_of_a_nested_supervisor(
 def ppid(pid: int) -> int:
     with open(f"/proc/{pid}/stat", "rb") as f:
         return int(f.read().rsplit(b")", 1)[1].split()[1])
+
+
+async def test_a_stopped_guardian_never_blocks_the_loop_and_is_replaced(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Enough registrations to fill the pipe of a guardian that does not read
+    (SIGSTOP): the loop goes on, and a replacement knows every group."""
+    async with Fifo(tmp_path / "fifo") as fifo:
+        async with aioproc.start_processes(
+            "g", sys.executable, {0: (GRANDCHILD, fifo.path, "wait")}, {0: {}}
+        ) as pc:
+            ((worker, grandchild),) = await fifo.pid_pairs(1)
+            stopped = _lifeline.current_pid()
+            assert stopped is not None
+            os.kill(stopped, signal.SIGSTOP)
+            try:
+                other = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+                try:
+                    for _ in range(10_000):  # ~140 KB of lines: over a pipe's 64 KiB
+                        _lifeline.register(other.pid)
+                        _lifeline.forget(other.pid)
+                finally:
+                    other.kill()
+                    other.wait()
+                assert await still_alive_after([stopped], 5) == set()
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(stopped, signal.SIGCONT)
+            assert f"guardian process (pid {stopped}) does not read its pipe" in caplog.text
+            replacement = _lifeline.current_pid()
+            assert replacement not in (None, stopped)
+            assert _lifeline.registered_groups() == {worker}
+            assert await pc.wait(timeout=0.1) is None
+            await pc.close(timeout=5)
+    assert await still_alive_after([worker, grandchild], 5) == set()
