@@ -482,13 +482,15 @@ async def test_an_outer_sweep_alone_reaches_the_workers_of_a_nested_supervisor(
             inner = {ppid(w) for w, _ in pairs}
             assert len(inner) == 1
             (inner_guardian,) = (g for g in _guardians_in(tmp_path) if ppid(g) in inner)
+            (outer_guardian,) = (g for g in _guardians_in(tmp_path) if ppid(g) == sup.pid)
             os.kill(inner_guardian, signal.SIGSTOP)
             os.kill(sup.pid, signal.SIGKILL)
             sup.wait()
             everyone = [pid for pair in pairs for pid in pair] + list(inner)
             assert await still_alive_after(everyone, 5) == set()
             os.kill(inner_guardian, signal.SIGCONT)
-            assert await still_alive_after([inner_guardian], 5) == set()
+            # both guardians prune their temp dirs after their sweeps, then exit
+            assert await still_alive_after([inner_guardian, outer_guardian], 5) == set()
         finally:
             if sup.poll() is None:
                 sup.kill()
