@@ -6,8 +6,9 @@ on request (its side: ``_template_child``).  One template serves every group,
 worker and pool of this supervisor process that asks for the same preload
 set at the same time: each holds a *lease* (``acquire``/``release``), and
 the last release closes it.  An agent or a pool holds a lease for its whole
-life, so restarts and replacements reuse the template;
-``aioproc.open_forkserver`` lets anyone else keep one warm between groups.
+life, so restarts and replacements reuse the template (a pool takes a fresh
+lease when its template died); ``aioproc.open_forkserver`` lets anyone else
+keep one warm between groups.
 
 Why the guarantees of spawned workers carry over: the template forks with
 ``CLONE_PARENT``, so a worker is this process's child exactly like a spawned
@@ -15,13 +16,29 @@ one, found by the same pidfd exit watcher, with the true exit status, and
 its leader reaped late by ``Child.release``; the template neither waits for
 nor signals workers.  Fork requests are sent and answered on the helper
 thread, like ``Popen`` calls, every request queued meanwhile at once (the
-template forks them all before it waits for the first to set itself up);
-each new worker is registered with the guardian there as its answer is
-read; the template carries the lifeline token in its exec environment, so
-a worker that outruns registration (its ``/proc/<pid>/environ`` is the
-template's) is swept by token too.  The
-template's own group is registered with the guardian, and it exits on EOF
-of its socket, so it never outlives this process.
+template forks them all before it waits for the first to set itself up).
+
+No user code before the guardian knows the worker: every request carries a
+*gate*, the read end of a pipe whose write end only this process holds.  A
+new worker sets itself up and then blocks on its gate; "go" is written
+there only once its pid has been read and registered with the guardian (on
+the helper thread as the answer arrives, or on the loop if the guardian was
+being replaced).  A worker whose request is given up (the template died or
+stopped answering, the start was cancelled) sees EOF instead and runs
+nothing; one whose supervisor died does too, and the guardian's token sweep
+finds it (the template carries the lifeline token in its exec environment,
+which a forked worker's ``/proc/<pid>/environ`` shows).
+
+When a request fails for the template's sake (it died, stopped answering
+within ``FORK_TIMEOUT``, or a cancelled start gave it up when it answered
+nothing for ``CANCEL_GRACE``), the template's whole process group is SIGKILLed and the
+workers it forked for requests nobody will adopt are found among this
+process's children and killed and reaped (``_sweep``): a child is one of
+them only if its session is the template's (forked, not yet set up) or its
+exec environment carries this template's own mark (``MARK_VAR``), and it is
+neither registered with the guardian nor answered to a start in flight.
+Closing a template SIGKILLs its group too: a process a preloaded module
+started dies with it.
 
 Besides function workers, the template forks workers that run a Python
 script themselves (``_script``: ``aioproc run --start-method forkserver``);
@@ -35,13 +52,17 @@ import array
 import asyncio
 import concurrent.futures
 import functools
+import logging
 import marshal
 import os
+import secrets
+import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
@@ -51,24 +72,55 @@ from . import _lifeline
 from ._boot import boot_blob
 from ._channel import Channel
 from ._exit import ExitWatcher, PidProc
+from ._offloop import helper
 from ._output import TeeProtocol
 from ._script import ScriptCommand
 from ._shield import shielded
-from ._spawn import Child, adopt, start_off_loop
+from ._spawn import Child, adopt
 from .errors import RemoteTraceback
+
+logger = logging.getLogger("aioproc")
 
 FORK_TIMEOUT = 30.0
 """Seconds a fork request may take before the template is deemed wedged."""
 
+CANCEL_GRACE = 0.5
+"""Seconds without any answer after which a cancelled start gives the template
+up as wedged: a healthy one answers in milliseconds."""
+
+CANCEL_WAIT = 2.5
+"""Seconds a cancelled start waits at most for its answer from a template that
+keeps answering (a long batch ahead of it) before giving it up all the same."""
+
 CLOSE_WAIT = 5.0
 """Seconds a closed template gets to exit before it is killed."""
 
-MAX_FDS = 250
-"""Most fds one worker can be given (stdout, stderr, channel, ``pass_fds``)."""
+MAX_FDS = 253
+"""Most fds one request can carry (``SCM_MAX_FD``): the worker's and its gate."""
+
+MARK_VAR = "AIOPROC_TEMPLATE"
+"""Environment variable of a template's exec environment naming that template:
+what tells its forks apart from this process's other children (``_sweep``)."""
+
+THREAD_VARS = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "BLIS_NUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+)
+"""Thread-pool sizes of the usual native libraries, set to 1 while preloading
+unless the user set them: a pool started at import would make the template
+unsafe to fork (torchrun sets ``OMP_NUM_THREADS=1`` for its workers alike)."""
 
 
 class TemplateError(RuntimeError):
     """The template could not start: a preloaded module made it unsafe to fork, or it died."""
+
+
+class TemplateLost(TemplateError):
+    """The template died or was given up while forking; nothing it forked is left."""
 
 
 @functools.cache
@@ -83,8 +135,48 @@ def _script_runner() -> bytes:
     return marshal.dumps(compile(path.read_text(), str(path), "exec"))
 
 
-_Request = tuple[bytes, list[int], "concurrent.futures.Future[int]"]
-"""A fork request not sent yet: the message, its fds, the pid's future."""
+def _template_env(preload: tuple[str, ...], mark: str) -> dict[str, str]:
+    """The template's exec environment: ours, the lifeline, its mark, the thread vars."""
+    env = {**os.environ, _lifeline.TOKEN_VAR: _lifeline.lineage(), MARK_VAR: mark}
+    unset = [var for var in THREAD_VARS if var not in os.environ]
+    if preload and unset:
+        env.update(dict.fromkeys(unset, "1"))
+        # once per preload set: a supervisor starts a template for every group
+        # that has none kept warm, and the same line each time is noise
+        log = logger.debug if preload in _thread_vars_logged else logger.warning
+        _thread_vars_logged.add(preload)
+        log(
+            "forkserver template: %s set to 1 while preloading %s, as torchrun does for its "
+            "workers (set them to choose): forked workers start with one thread per native "
+            "thread pool",
+            ", ".join(unset),
+            list(preload),
+        )
+    return env
+
+
+_thread_vars_logged: set[tuple[str, ...]] = set()
+
+
+class _Request:
+    """One fork request: its message, fds and gate, and the future of its pid."""
+
+    __slots__ = ("fds", "future", "gate", "message")
+
+    def __init__(self, message: bytes, fds: list[int], gate: int) -> None:
+        self.message = message
+        self.fds = fds  # the worker's fds, then the gate's read end (closed once sent)
+        self.gate = gate  # the gate's write end, held until "go" or give-up
+        self.future: concurrent.futures.Future[int] = concurrent.futures.Future()
+
+    def close_gate(self) -> None:
+        """Let go of the worker, if any (EOF on its gate: it exits without running)."""
+        if self.gate >= 0:
+            os.close(self.gate)
+            self.gate = -1
+
+    def sent(self) -> None:
+        os.close(self.fds[-1])  # the worker has its own copy of the gate's read end
 
 
 class Template:
@@ -97,10 +189,15 @@ class Template:
         self.leases = 0
         self.closed = False
         self.broken = False  # a request failed: new leases start a new template
-        self._lock = threading.Lock()  # guards the queue, whatever thread asks
+        self._abandoned = False  # killed by a cancelled start (see abandon)
+        self.progress = time.monotonic()  # when a request was last sent or answered
+        self.mark = f"{os.getpid()}-{secrets.token_hex(8)}"
+        self._lock = threading.Lock()  # guards the queue and the gates, whatever thread asks
         # fork requests not sent yet, and whether a helper thread is sending
         self._queue: list[_Request] = []
         self._draining = False
+        # answered pids not handed over yet: their gate's write end
+        self._gates: dict[int, int] = {}
         self._buf = bytearray()
         self.ready: asyncio.Future[None] = loop.create_future()
         # an error nobody awaited any more (all waiters cancelled) is not "unretrieved"
@@ -116,7 +213,7 @@ class Template:
                     _source(),
                     str(theirs.fileno()),
                 ],
-                env={**os.environ, _lifeline.TOKEN_VAR: _lifeline.token()},
+                env=_template_env(preload, self.mark),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),),
@@ -162,6 +259,12 @@ class Template:
     def usable(self) -> bool:
         """Whether a new lease may use this template."""
         if self.closed or self.broken or self.watcher.future.done():
+            return False
+        # dead, but the loop has not noticed yet: no new lease on it
+        try:
+            if os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return False
+        except ChildProcessError:
             return False
         if not self.ready.done():
             return self.ready.get_loop() is asyncio.get_running_loop()
@@ -236,29 +339,55 @@ class Template:
         env: Mapping[str, str],
         cwd: str,
         script: ScriptCommand | None = None,
-    ) -> concurrent.futures.Future[int]:
+    ) -> _Request:
         """Ask for one worker: ``fds[i]`` becomes its fd ``targets[i]``; its pid, later.
 
         A function worker boots over ``channel``; with ``script`` the worker
         runs that script instead (no channel).  ``fds`` must stay open until
-        the future is done.
+        the request's future is done.
 
         Requests are sent, and answered, on ``pool``'s thread, every request
         queued meanwhile at once (``_exchange``): the template forks them all
         before it waits for the first to set itself up.  Each new worker is
-        registered with the guardian there as its answer arrives.  The future
-        raises ``OSError`` if the template could not fork, ``RuntimeError``
-        if the template is gone or wedged (no answer within ``FORK_TIMEOUT``).
+        registered with the guardian there as its answer arrives, and let
+        through its gate if that took (else ``go`` does it on the loop).
+        The future raises ``OSError`` if the template could not fork,
+        ``TemplateLost`` if the template is gone, wedged (no answer within
+        ``FORK_TIMEOUT``) or given up (``abandon``).
         """
         request = None if script is None else script.request()
         body = marshal.dumps((list(targets), channel, dict(env), cwd, request))
-        future: concurrent.futures.Future[int] = concurrent.futures.Future()
+        gate_r, gate_w = os.pipe()
+        req = _Request(len(body).to_bytes(8, "big") + body, [*fds, gate_r], gate_w)
         with self._lock:
-            self._queue.append((len(body).to_bytes(8, "big") + body, list(fds), future))
+            self._queue.append(req)
             if not self._draining:
                 self._draining = True
                 pool.submit(self._drain)
-        return future
+        return req
+
+    def withdraw(self, req: _Request) -> bool:
+        """Take back a request not sent yet (True); False once it is sent."""
+        with self._lock:
+            if req not in self._queue:
+                return False
+            self._queue.remove(req)
+        req.sent()  # closes the gate's read end: never sent now
+        req.close_gate()
+        req.future.cancel()
+        return True
+
+    def go(self, pid: int) -> None:
+        """Let the answered worker ``pid`` run, once the guardian knows it (idempotent)."""
+        with self._lock:
+            gate = self._gates.pop(pid, -1)
+        if gate >= 0:
+            try:
+                os.write(gate, _GO)
+            except OSError:
+                pass  # it died (killed from outside): its exit watcher tells
+            finally:
+                os.close(gate)
 
     def _drain(self) -> None:
         while True:
@@ -269,48 +398,55 @@ class Template:
                     return
             self._exchange(batch)
 
-    def _exchange(
-        self, batch: list[tuple[bytes, list[int], concurrent.futures.Future[int]]]
-    ) -> None:
+    def _exchange(self, batch: list[_Request]) -> None:
         """Send every request of ``batch``, then read their answers, in order."""
         started = self.ready.done() and not self.ready.cancelled()
         if self.closed or self.broken or not started or self.ready.exception() is not None:
-            for *_, future in batch:
-                future.set_exception(RuntimeError(f"{self!r} cannot fork workers"))
+            for req in batch:
+                req.sent()
+                req.close_gate()
+                req.future.set_exception(TemplateLost(f"{self!r} cannot fork workers"))
             return
-        answered = 0
+        sent = answered = 0
         try:
-            for message, fds, _ in batch:
-                fd_data = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-                sent = self.sock.sendmsg([message], fd_data)
-                if sent < len(message):
-                    self.sock.sendall(memoryview(message)[sent:])
-            for _, _, future in batch:
+            for req in batch:
+                fd_data = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", req.fds))]
+                n = self.sock.sendmsg([req.message], fd_data)
+                req.sent()
+                sent += 1
+                if n < len(req.message):
+                    self.sock.sendall(memoryview(req.message)[n:])
+                self.progress = time.monotonic()
+            for req in batch:
                 answer = self._read_answer()
+                self.progress = time.monotonic()
                 answered += 1
-                self._resolve(answer, future)
+                self._resolve(answer, req)
         except OSError as e:
-            self.broken = True
-            for _, _, future in batch[answered:]:
-                error = RuntimeError(
-                    f"forkserver template (pid {self.pid}) did not answer a fork request "
-                    f"({e or type(e).__name__}); a new template starts with the next group"
-                )
-                error.__cause__ = e
-                future.set_exception(error)
+            for req in batch[sent:]:
+                req.sent()
+            self._fail(e, batch[answered:])
 
-    def _resolve(self, answer: Any, future: concurrent.futures.Future[int]) -> None:
+    def _resolve(self, answer: Any, req: _Request) -> None:
         if answer[0] == "pid":
-            _lifeline.register_from_thread(answer[1])  # at once, as for a spawned worker
-            future.set_result(int(answer[1]))
+            pid = int(answer[1])
+            with self._lock:
+                self._gates[pid] = req.gate
+            req.gate = -1
+            _lifeline.register_from_thread(pid)  # at once, as for a spawned worker
+            if pid in _lifeline.registered_groups():
+                self.go(pid)
+            req.future.set_result(pid)
         elif answer[0] == "failed":
             # the worker exited before running anything; it is our child: reap it
+            req.close_gate()  # it waits for this before it exits
             os.waitpid(answer[1], 0)
-            future.set_exception(
+            req.future.set_exception(
                 OSError(f"a worker forked by the template failed to start: {answer[2]}")
             )
         else:
-            future.set_exception(
+            req.close_gate()
+            req.future.set_exception(
                 OSError(
                     answer[1],
                     f"forkserver template (pid {self.pid}) could not fork a worker: {answer[2]}",
@@ -329,10 +465,101 @@ class Template:
                 need = 8 + int.from_bytes(buf, "big")
         return marshal.loads(bytes(buf[8:]))
 
+    # ------------------------------------------------------------ failure
+
+    def abandon(self) -> None:
+        """Give the template up (on the loop): kill its group; the exchange sweeps.
+
+        For a start cancelled while its request is unanswered: the
+        template's death ends the exchange on the helper thread, which then
+        finds and reaps what the template forked for it (``_fail``), and
+        nothing queued meanwhile is sent any more.
+        """
+        self._abandoned = True
+        self.broken = True
+        self._kill()
+
+    def _fail(self, error: OSError, unanswered: list[_Request]) -> None:
+        """On the helper thread: the template failed; nothing it forked may survive.
+
+        Its whole group is SIGKILLed and awaited (so it forks nothing more),
+        the workers forked for ``unanswered`` are swept, and only then are
+        their gates closed and their futures failed.
+        """
+        self.broken = True
+        self._kill()
+        self._await_exit(CLOSE_WAIT)
+        try:
+            swept = self._sweep()
+        finally:
+            for req in unanswered:
+                req.close_gate()
+        if self._abandoned:
+            why = "a cancelled start gave it up, unanswered"
+        elif isinstance(error, TimeoutError):
+            why = f"it did not answer within {self.sock.gettimeout() or FORK_TIMEOUT:g} s"
+        elif isinstance(error, ConnectionError):
+            why = "it died"
+        else:
+            why = f"{error or type(error).__name__}"
+        message = (
+            f"forkserver template (pid {self.pid}) failed while forking workers ({why}); "
+            f"it was killed, with the {swept} worker(s) it had not finished forking; "
+            "a new template starts with the next group"
+        )
+        for req in unanswered:
+            lost = TemplateLost(message)
+            lost.__cause__ = error
+            req.future.set_exception(lost)
+
+    def _await_exit(self, timeout: float) -> None:
+        """Block (helper thread) until the killed template has exited, at most ``timeout``."""
+        if self.watcher.reaped:
+            return
+        try:
+            fd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):
+            return  # no pidfds: the sweep below still catches every fork it finds
+        try:
+            select.select([fd], [], [], timeout)
+        finally:
+            os.close(fd)
+
+    def _sweep(self) -> int:
+        """Kill and reap the forks of this template that nobody adopted; how many.
+
+        Run once the template is dead, on the helper thread.  A candidate
+        is a child of this process that is neither registered with the
+        guardian (adopted) nor answered and waiting for ``go``; it is this
+        template's fork if it is in the template's session (forked, not set
+        up: alive or killed with the group) or its exec environment carries
+        the template's mark.  Those are SIGKILLed (they ran no user code, so
+        they have no descendants) and reaped.
+        """
+        with self._lock:
+            waiting = set(self._gates)
+        owned = _lifeline.registered_groups() | waiting | {self.pid}
+        needle = f"{MARK_VAR}={self.mark}".encode()
+        found = [p for p in _children() - owned if _forked_by(p, self.pid, needle)]
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)  # our unreaped child: the pid is still its own
+            except ProcessLookupError:
+                pass
+        for pid in found:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+        return len(found)
+
     # --------------------------------------------------------------- close
 
     async def aclose(self) -> None:
-        """Close the socket (the template exits on EOF), wait, kill if need be, reap.
+        """SIGKILL the template's group, close the socket, wait, reap.
+
+        The template holds nothing a worker needs; killing its group also
+        ends what a preloaded module started.
 
         Cancellation: bounded by ``CLOSE_WAIT``; callers shield it.
         """
@@ -340,13 +567,14 @@ class Template:
             return
         self.closed = True
         self._stop_reading()
+        self._kill()
+        with self._lock:
+            gates, self._gates = list(self._gates.values()), {}
+        for gate in gates:
+            os.close(gate)  # answered to starts that never came back for them
         self.sock.close()
         if not self.ready.done():
             self.ready.cancel()
-        if not self.ready.cancelled() and self.ready.exception() is None:
-            pass  # a ready template exits at once on EOF
-        else:
-            self._kill()  # still importing (or failed): do not wait for the import
         if self.watcher.loop is not asyncio.get_running_loop():
             self.watcher.detach()  # its loop is gone: notice the exit on this one
             self.watcher = ExitWatcher(self.popen)
@@ -354,10 +582,12 @@ class Template:
         try:
             await asyncio.wait_for(asyncio.shield(fut), CLOSE_WAIT)
         except asyncio.TimeoutError:
-            self._kill()
-            await asyncio.shield(fut)
+            pass  # unkillable (stuck in the kernel): reaped when it exits
         _lifeline.forget(self.pid)  # before the reap: the id may be reused after it
-        self.watcher.reap()
+        if fut.done():
+            self.watcher.reap()
+        else:
+            fut.add_done_callback(lambda _: self.watcher.reap())
         await _lifeline.settle()
 
     def _kill(self) -> None:
@@ -366,6 +596,41 @@ class Template:
                 os.killpg(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+_GO = b"g"
+"""What a worker's gate is told (``_template_child.GO``)."""
+
+
+def _children() -> set[int]:
+    """This process's children (of every thread), running or zombie."""
+    pids: set[int] = set()
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return pids
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                pids.update(int(p) for p in f.read().split())
+        except OSError:
+            continue  # the thread just exited
+    return pids
+
+
+def _forked_by(pid: int, template: int, needle: bytes) -> bool:
+    """Whether our child ``pid`` is a fork of ``template`` (see ``Template._sweep``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        # after the command name: state, ppid, pgrp, session
+        _, _, pgrp, session = stat[stat.rindex(b")") + 2 :].split()[:4]
+        if int(session) == template or int(pgrp) == template:
+            return True
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return needle in f.read().split(b"\0")
+    except (OSError, ValueError):
+        return False
 
 
 _templates: dict[tuple[int, tuple[str, ...]], Template] = {}
@@ -437,12 +702,23 @@ async def spawn_forked(
     ``stdout``/``stderr`` are ``None`` (this process's own fd 1/2),
     ``subprocess.PIPE`` (tee), ``subprocess.DEVNULL``, an fd or an open
     file.  ``pass_fds`` (``channel_fd`` among them) keep their numbers.
+    The worker runs nothing before the guardian knows it.
 
-    Cancellation: as ``spawn``: the fork itself cannot be interrupted, and
-    a start cancelled while the pipes are connected kills the worker's group.
+    Raises:
+        TemplateLost: the template died, or stopped answering for
+            ``FORK_TIMEOUT``; it was killed, with what it forked meanwhile.
+        OSError: the template could not fork, or the worker could not set
+            itself up.
+
+    Cancellation: a request not sent yet is withdrawn; a sent one is
+    awaited while the template keeps answering (at most ``CANCEL_WAIT``),
+    and its worker killed and reaped; a template that answers nothing for
+    ``CANCEL_GRACE`` (wedged) is given up: its group is killed and what it
+    forked is swept.  A start cancelled while the
+    pipes are connected kills the worker's group.
     """
-    if len(pass_fds) + 2 > MAX_FDS:
-        raise ValueError(f"a forked worker takes at most {MAX_FDS - 2} pass_fds")
+    if len(pass_fds) + 4 > MAX_FDS:
+        raise ValueError(f"a forked worker takes at most {MAX_FDS - 4} pass_fds")
     fds: list[int] = []
     targets: list[int] = []
     mine: list[int] = []  # fds opened here, closed once the worker has its copies
@@ -474,15 +750,8 @@ async def spawn_forked(
             targets.append(std)
         fds.extend(pass_fds)
         targets.extend(pass_fds)
-        worker_env = {**env, _lifeline.TOKEN_VAR: _lifeline.token()}
-        cwd = os.getcwd()
-
-        def submit(pool: Executor) -> concurrent.futures.Future[int]:
-            # the round trip waits for the new worker to set itself up, which
-            # takes milliseconds on a busy machine: on the helper thread
-            return template.submit(pool, fds, targets, channel_fd, worker_env, cwd, script)
-
-        pid = await start_off_loop(submit, lambda p: p, _discard_forked)
+        worker_env = {**env, _lifeline.TOKEN_VAR: _lifeline.lineage()}
+        pid = await _fork(template, fds, targets, channel_fd, worker_env, os.getcwd(), script)
     except BaseException:
         for reader in readers.values():
             reader.close()
@@ -494,11 +763,71 @@ async def spawn_forked(
     return await adopt(label, proc, channel, tee_out, tee_err)
 
 
-def _discard_forked(pid: int) -> None:
+async def _fork(
+    template: Template,
+    fds: list[int],
+    targets: list[int],
+    channel_fd: int | None,
+    env: dict[str, str],
+    cwd: str,
+    script: ScriptCommand | None,
+) -> int:
+    """One fork request, answered on the helper thread; the registered, released pid.
+
+    Cancellation: see ``spawn_forked``.
+    """
+    _lifeline.hold()  # the guardian must be there when the answer is registered
+    try:
+        # the round trip waits for the new worker to set itself up, which
+        # takes milliseconds on a busy machine: on the helper thread
+        with helper() as pool:
+            req = template.submit(pool, fds, targets, channel_fd, env, cwd, script)
+            answer = asyncio.wrap_future(req.future)
+            try:
+                pid = await asyncio.shield(answer)
+            except asyncio.CancelledError:
+                await shielded(_give_up(template, req, answer))
+                raise
+        _lifeline.register(pid)  # a no-op unless the guardian was being replaced
+        template.go(pid)  # a no-op unless the helper thread could not register it
+    finally:
+        _lifeline.unhold()  # dismisses the guardian if the start failed and it is idle
+    return pid
+
+
+async def _give_up(template: Template, req: _Request, answer: asyncio.Future[int]) -> None:
+    """A cancelled start: withdraw its request, or discard its worker, or give the template up.
+
+    Cancellation: bounded by ``CANCEL_WAIT`` and ``CLOSE_WAIT``; run shielded.
+    """
+    if template.withdraw(req):
+        return  # never sent: nothing was forked for it
+    # a template that keeps answering is shared by others: killing it would
+    # fail their starts too, so it is given up only when wedged (stopped,
+    # swapping: no answer for CANCEL_GRACE) or slower than CANCEL_WAIT
+    waited = 0.0
+    while not answer.done():
+        await asyncio.wait({answer}, timeout=CANCEL_GRACE)
+        waited += CANCEL_GRACE
+        stalled = time.monotonic() - template.progress >= CANCEL_GRACE
+        if not answer.done() and (stalled or waited >= CANCEL_WAIT):
+            # its death ends the exchange, which sweeps what it forked
+            template.abandon()
+            await asyncio.wait({answer}, timeout=CLOSE_WAIT)
+            break
+    if answer.done() and not answer.cancelled() and answer.exception() is None:
+        _discard_forked(template, answer.result())  # answered after all: not ours to keep
+
+
+def _discard_forked(template: Template, pid: int) -> None:
     """Kill and reap a forked worker whose start was abandoned (it leads its group)."""
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    with template._lock:
+        gate = template._gates.pop(pid, -1)
+    if gate >= 0:
+        os.close(gate)
     os.waitpid(pid, 0)  # our child (CLONE_PARENT), SIGKILLed: exits at once
     _lifeline.forget(pid)

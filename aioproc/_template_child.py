@@ -25,9 +25,18 @@ pipe): it forks every request it has received, answers them in order, and
 exits when the supervisor closes the socket or dies.
 
 The new worker leads a session of its own, gets its fds at their numbers and
-nothing else, its environment and cwd, a fresh ``__main__`` and then runs the
-same boot code as a spawned worker (the rest arrives over the channel), or
-the script, as ``python [-u] script args`` would (``_script_child``).
+nothing else, its environment and cwd, and then waits on its *gate*: the
+read end of a pipe that came with the request, whose write end only the
+supervisor holds.  The supervisor writes "go" there once it has the
+worker's pid and the guardian knows it; EOF instead (the supervisor gave
+the request up, or died) ends the worker before it runs anything of the
+user's.  Then a fresh ``__main__`` and the same boot code as a spawned
+worker (the rest arrives over the channel), or the script, as ``python
+[-u] script args`` would (``_script_child``).  A worker that failed to set
+itself up also waits for its gate before it exits: until the supervisor
+lets go of it, every process the template forked is alive or killed by the
+supervisor, so an abandoned one is always found and reaped (see
+``_template``).
 """
 
 from __future__ import annotations
@@ -55,7 +64,8 @@ _SYS_CLONE = {
     "i386": 120,
     "armv7l": 120,
 }
-MAX_FDS = 250  # the kernel passes at most 253 fds in one message (SCM_MAX_FD)
+MAX_FDS = 253  # the kernel passes at most 253 fds in one message (SCM_MAX_FD)
+GO = b"g"  # what the supervisor writes on a worker's gate once it knows the worker
 MADV_COLLAPSE = 25  # madvise(2), Linux 6.1+
 HUGE_PAGE = 2 << 20  # a PMD-mapped transparent huge page on the architectures above
 COLLAPSE_MIN = 32 << 20
@@ -132,7 +142,7 @@ class _Requests:
                 if len(buf) >= end:
                     message = marshal.loads(bytes(buf[8:end]))
                     del buf[:end]
-                    n = min(len(message[0]), len(self._fds))
+                    n = min(len(message[0]) + 1, len(self._fds))  # the gate comes last
                     return message, [self._fds.popleft() for _ in range(n)]
             if self.eof or not self._fill(block):
                 return None
@@ -155,9 +165,9 @@ def _unsafe() -> str:
             ""
             if names
             else (
-                " (not Python threads: a native pool, e.g. numpy's OpenBLAS or OpenMP, "
-                "which OPENBLAS_NUM_THREADS=1 and OMP_NUM_THREADS=1 in the environment "
-                "keep from starting)"
+                " (not Python threads: a native pool, e.g. numpy's OpenBLAS or OpenMP; "
+                "the template sets OMP_NUM_THREADS, OPENBLAS_NUM_THREADS and the like to 1 "
+                "unless they are set: leave them unset or 1 while preloading)"
             )
         )
         return (
@@ -217,24 +227,28 @@ def _cloner() -> Callable[[], int]:
 
 
 def _become_worker(
-    fds: list[int], targets: list[int], env: dict[str, str], cwd: str, report: int
+    fds: list[int], targets: list[int], env: dict[str, str], cwd: str, report: int, gate: int
 ) -> None:
-    """In the new process: own session, fds at their numbers, env, cwd.
+    """In the new process: own session, fds at their numbers, env, cwd; then the gate.
 
-    Says "ok" (or why not, then exits) on ``report`` once it leads its
-    session and has its fds and cwd: the template answers the supervisor
-    after that, so every signal the supervisor sends to the worker's group
-    reaches it.  The rest (environment, closing what else the template had
-    open) happens meanwhile.  Every write here copies a page of the
+    Says "ok" (or why not) on ``report`` once it leads its session and has
+    its fds and cwd: the template answers the supervisor after that, so
+    every signal the supervisor sends to the worker's group reaches it.
+    The rest (environment, closing what else the template had open) happens
+    meanwhile.  Returns once the supervisor says "go" on ``gate``; exits
+    on EOF there, and after a failure, once the supervisor has let go (see
+    the module docstring).  Every write here copies a page of the
     template's (the process is forked): what can stay untouched does.
     """
     import fcntl  # imported by the template already (see serve)
 
     try:
         os.setsid()
-        top = max([2, report, *targets, *fds]) + 1
+        top = max([2, report, gate, *targets, *fds]) + 1
         report, given = fcntl.fcntl(report, fcntl.F_DUPFD_CLOEXEC, top), report
         os.close(given)  # the template reads to EOF: one write end left
+        gate, given = fcntl.fcntl(gate, fcntl.F_DUPFD_CLOEXEC, top), gate
+        os.close(given)
         moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, top) for fd in fds]
         null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         for std in (0, 1, 2):
@@ -244,11 +258,11 @@ def _become_worker(
             os.dup2(src, dst)  # inheritable, as Popen's pass_fds leaves them
         os.chdir(cwd)
     except OSError as e:
-        os.write(report, f"{type(e).__name__}: {e}".encode())
+        _say(report, f"{type(e).__name__}: {e}".encode())
+        _pass_gate(gate)  # the supervisor has read the failure: it reaps us next
         os._exit(127)
-    os.write(report, b"ok")
-    os.close(report)
-    keep = {0, 1, 2, *targets}
+    _say(report, b"ok")
+    keep = {0, 1, 2, gate, *targets}
     for name in os.listdir("/proc/self/fd"):
         if int(name) not in keep:
             try:
@@ -262,6 +276,27 @@ def _become_worker(
     for key, value in env.items():
         if environ.get(key) != value:
             environ[key] = value
+    if not _pass_gate(gate):
+        os._exit(127)  # given up, or the supervisor died: nothing of the user's runs
+
+
+def _say(report: int, what: bytes) -> None:
+    """Report to the template and close the pipe (its EOF ends the template's read)."""
+    try:
+        os.write(report, what)
+    except OSError:
+        pass  # the template died: the supervisor finds this process by its environment
+    os.close(report)
+
+
+def _pass_gate(gate: int) -> bool:
+    """Block until the supervisor says "go" on ``gate`` (True) or closes it (False)."""
+    try:
+        go = os.read(gate, 1)
+    except OSError:
+        go = b""
+    os.close(gate)
+    return go == GO
 
 
 def _load_boot(blob: bytes) -> Callable[[int], None]:
@@ -360,8 +395,8 @@ def serve(fd: int) -> tuple[Any, ...]:
         (targets, channel, env, cwd, script), fds = batch.pop()
         read_end, write_end = os.pipe()
         try:
-            if len(fds) != len(targets):
-                raise OSError(f"got {len(fds)} fds for {len(targets)} targets")
+            if len(fds) != len(targets) + 1:
+                raise OSError(f"got {len(fds)} fds for {len(targets)} targets and a gate")
             pid = clone()
         except OSError as e:
             for fd in (*fds, read_end, write_end):
@@ -374,7 +409,8 @@ def serve(fd: int) -> tuple[Any, ...]:
             for _, other in pending:
                 if other >= 0:
                     os.close(other)
-            _become_worker(fds, targets, env, cwd, write_end)
+            gate = fds.pop()
+            _become_worker(fds, targets, env, cwd, write_end, gate)
             if script is not None:
                 return ("script", runner.run_script, script, default_path)
             sys.argv[:] = ["-c"]  # as a spawned function worker's

@@ -359,6 +359,7 @@ class PContext:
             self._ranks.discard_segments()  # large args in shared memory
             if isinstance(e, asyncio.CancelledError):
                 self.logs_specs.prune()  # nothing was started: take the empty tree back
+            await shielded(_lifeline.settle())  # a guardian the hold started, now idle
             raise
         self._state = _State.RUNNING
         loop = asyncio.get_running_loop()

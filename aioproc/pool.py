@@ -47,7 +47,7 @@ from ._cm import OpenResource
 from ._loops import check_loop
 from ._poolrecords import PoolCall, PoolStart, PoolStats
 from ._shield import shielded
-from ._template import Template
+from ._template import Template, TemplateLost
 from ._tfconfig import ClusterSpec, worker_slots
 from ._validate import check_duration, check_env, check_preload, check_start_method
 from .worker import WorkerProcess, _start_worker, _Undelivered
@@ -74,6 +74,7 @@ class WorkerPool:
         self._slots = slots  # (name, env) of each worker position
         self._preload = preload  # forkserver: the template's modules; None: spawn
         self._template: Template | None = None  # a lease held for the pool's life
+        self._renewing: asyncio.Lock | None = None  # one start replaces a dead template
         self._initializer = initializer
         self._initargs = initargs
         self._init_timeout = init_timeout
@@ -231,15 +232,23 @@ class WorkerPool:
             with start.scope:
                 if self._closed:  # closed before this start began: launch nothing
                     return
-                worker = await _start_worker(
-                    name,
-                    self._initializer,
-                    self._initargs,
-                    self._init_timeout,
-                    self._shutdown_timeout,
-                    env,
-                    self._template,
-                )
+                for retry in (False, True):
+                    try:
+                        worker = await _start_worker(
+                            name,
+                            self._initializer,
+                            self._initargs,
+                            self._init_timeout,
+                            self._shutdown_timeout,
+                            env,
+                            await self._live_template(),
+                        )
+                        break
+                    except TemplateLost:
+                        # the template died between its last fork and this one
+                        # (its exit not noticed yet): once more, from a fresh one
+                        if retry:
+                            raise
                 # no await from here on: the worker is never without an owner
                 start.worker = worker
                 if not self._closed:
@@ -255,6 +264,26 @@ class WorkerPool:
             if start.worker is not None and self._closed:
                 # finished just as the pool closed: nobody else will close it
                 await self._stop_worker(start.worker)
+
+    async def _live_template(self) -> Template | None:
+        """The pool's template, replaced first if it died (killed, OOM): forkserver only.
+
+        Raises:
+            What ``open_pool`` raises for a template that cannot start.
+
+        Cancellation: the pool keeps a lease on one template, old or new.
+        """
+        if self._template is None or self._template.usable:
+            return self._template
+        if self._renewing is None:
+            self._renewing = asyncio.Lock()
+        async with self._renewing:  # the other starts wait for the one replacement
+            old = self._template
+            if not old.usable:
+                # the running one for the same preload (another group's), or a new one
+                self._template = await _template.acquire(old.preload)
+                await shielded(_template.release(old))
+        return self._template
 
     async def _stop_worker(self, w: WorkerProcess) -> None:
         """Close one worker (retired, replaced, or the pool closing); shielded, bounded."""

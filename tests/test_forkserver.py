@@ -449,7 +449,7 @@ async def test_fork_requests_sent_together_are_answered_in_order(tmp_path: Path)
         try:
             with _offloop.helper() as pool:
                 futures = [
-                    template.submit(pool, [], [], None, dict(os.environ), cwd, command)
+                    template.submit(pool, [], [], None, dict(os.environ), cwd, command).future
                     for cwd in cwds
                 ]
                 for future in futures:
@@ -493,39 +493,57 @@ async def test_a_large_template_forks_from_huge_pages_and_each_worker_keeps_its_
     no_template_left()
 
 
-async def test_a_forked_worker_runs_before_the_template_answers(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("kind", ["function", "script"])
+async def test_a_forked_worker_runs_nothing_before_the_supervisor_knows_it(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Its frames are queued before the fork request goes out: a worker runs its
-    function as soon as it is forked, however late its pid reaches the supervisor."""
+    """A function worker's frames are queued before the fork request goes out, and
+    a script worker has its script at once, but a forked worker waits at its gate
+    until the supervisor has read its pid and the guardian knows it: held back
+    there, it has run nothing of the user's; let through, it runs."""
     import threading
 
     gate = threading.Event()
     read_answer = _template.Template._read_answer
+    loop = asyncio.get_running_loop()
+    forked: asyncio.Future[int] = loop.create_future()
 
     def late_answer(self: _template.Template) -> Any:
+        answer = read_answer(self)  # the worker is forked and set up
+        loop.call_soon_threadsafe(lambda: forked.done() or forked.set_result(answer[1]))
         assert gate.wait(30), "the test never released the answer"
-        return read_answer(self)
+        return answer
 
     async with open_forkserver() as server, Fifo(tmp_path / "fifo") as fifo:
         monkeypatch.setattr(_template.Template, "_read_answer", late_answer)
-        starting = asyncio.ensure_future(
-            start_processes(
-                "early",
-                fork_funcs.say_running,
-                {0: (fifo.path,)},
-                {0: {}},
-                start_method="forkserver",
+        entrypoint: Any = fork_funcs.say_running
+        args: tuple[str, ...] = (fifo.path,)
+        if kind == "script":
+            script = tmp_path / "say_running.py"
+            script.write_text(
+                "import os, sys\n"
+                "with open(sys.argv[1], 'w') as f:\n"
+                "    f.write(f'running {os.getpid()}\\n')\n"
             )
+            entrypoint, args = sys.executable, ("-u", str(script), fifo.path)
+        starting = asyncio.ensure_future(
+            start_processes("early", entrypoint, {0: args}, {0: {}}, start_method="forkserver")
         )
         try:
-            (line,) = await fifo.lines(1, timeout=20)  # while the answer is held back
+            pid = await asyncio.wait_for(forked, 20)
+            # a negative can only be watched for a while: the worker would say
+            # "running" within milliseconds of its fork
+            with pytest.raises(asyncio.TimeoutError):
+                await fifo.lines(1, timeout=1.0)
             assert not starting.done()
         finally:
             gate.set()
         pc = await starting
         result = await pc.wait()
-        assert result is not None and result.return_values == {0: pc.pids()[0]}
-        assert line == f"running {pc.pids()[0]}"
-        assert server.pid != pc.pids()[0]
+        assert result is not None and not result.is_failed()
+        if kind == "function":
+            assert result.return_values == {0: pid}
+        assert pc.pids() == {0: pid}
+        assert await fifo.lines(1) == [f"running {pid}"]
+        assert server.pid != pid
     no_template_left()
