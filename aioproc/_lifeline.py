@@ -403,6 +403,7 @@ class Fence:
         self.id = next(_fence_ids)
         self.groups: set[int] = set()
         self.deadline: float | None = None
+        self._told: float | None = None  # the deadline the guardian last heard
 
     def __repr__(self) -> str:
         return f"<Fence {self.id} groups={sorted(self.groups)} deadline={self.deadline}>"
@@ -410,7 +411,9 @@ class Fence:
     def line(self) -> str:
         """The guardian's line for this fence: its groups and the time left, or disarm."""
         if self.deadline is None or not self.groups:
+            self._told = None
             return f"f{self.id}\n"
+        self._told = self.deadline
         left = max(0.0, self.deadline - time.monotonic())
         return f"f{self.id} {left:.3f} {' '.join(str(g) for g in sorted(self.groups))}\n"
 
@@ -422,13 +425,24 @@ class Fence:
         self.groups -= gone
         return self.line()
 
-    def renew(self, deadline: float) -> None:
-        """Move the deadline to ``deadline`` (``time.monotonic()``'s clock)."""
+    def renew(self, deadline: float, lag: float = 0.0) -> None:
+        """Move the deadline to ``deadline`` (``time.monotonic()``'s clock).
+
+        The guardian hears of it only once it is ``lag`` seconds past the
+        deadline the guardian has, so that frequent renewals cost it a
+        wake-up (and a timer) only every ``lag`` seconds; its deadline is
+        then at most ``lag`` early.
+        """
         with _lock:
             self.deadline = deadline
             _fences[self.id] = self
             guardian = _current
-            if self.groups and guardian is not None and guardian.owner == os.getpid():
+            if (
+                self.groups
+                and guardian is not None
+                and guardian.owner == os.getpid()
+                and (self._told is None or deadline - self._told >= lag)
+            ):
                 guardian.write(self.line())
 
     @contextlib.contextmanager

@@ -84,7 +84,12 @@ signals:
 exit status:
   0 when the workers succeed, 1 when they fail (after the restarts; torchrun's
   failure summary is printed to stderr), 2 for usage errors, 128+N after
-  signal N.
+  signal N.  With --rdzv-backend etcd, also 1 when the rendezvous fails:
+  etcd not reached within join_timeout, a round not completed in time, a
+  lost lease (fenced), or a job found closed on arrival, even one that
+  finished (a reused --rdzv-id: nothing ran here; torchrun exits 1 on its
+  RendezvousClosedError too).  A host that joined and waited for a place
+  while the job finished exits 0.
 
 environment:
   AIOPROC_LOOP=uvloop runs the agent on uvloop (default: asyncio's loop).
@@ -804,6 +809,7 @@ async def _supervise(run: _Run) -> int:
     Cancellation: the agent stops the workers (shielded, bounded) before the
     cancellation propagates.
     """
+    from ._jobcontrol import follow_job_control
     from ._template import TemplateError
     from .agent import LocalElasticAgent
     from .agent import events as ev
@@ -828,6 +834,7 @@ async def _supervise(run: _Run) -> int:
         nonlocal attempt
         if event.kind == ev.ATTEMPT_STARTED:
             attempt = event.attempt
+            stopper.started = True
         show_event(event)
         if run.show_log_dir and event.kind == ev.WORKER_STARTED and event.local_rank == 0:
             run_dir = _run_log_dir(run.logs_specs)
@@ -849,15 +856,19 @@ async def _supervise(run: _Run) -> int:
         try:
             if view is not None:
                 view.start()
-            async with translate_signals(run.signals, on_signal=stopper.on_signal):
-                result = await agent.run()
+            with follow_job_control():
+                async with translate_signals(run.signals, on_signal=stopper.on_signal):
+                    result = await agent.run()
         finally:
             await stopper.aclose()
             if view is not None:
                 view.stop()  # before anything else is printed
     except SignalException as e:
         sig = signal.Signals(e.sigval)
-        _error(f"got {sig.name}: the workers were stopped")
+        if stopper.started:
+            _error(f"got {sig.name}: the workers were stopped")
+        else:  # still connecting to the rendezvous, or joining it
+            _error(f"got {sig.name}: stopped before any worker started")
         return 128 + int(sig)
     except OSError as e:  # a --no-python binary that cannot be run, an unusable --log-dir
         _error(str(e))
@@ -904,16 +915,19 @@ class _Stopper:
         self._say = say
         self._received = 0
         self._kill: asyncio.Task[None] | None = None
+        self.started = False  # whether a worker group was started: what a signal stops
 
     def on_signal(self, sig: signal.Signals) -> None:
         self._received += 1
-        if self._received == 1:
+        if self._received == 1 and not self.started:
+            self._say(f"{PROG} run: got {sig.name}: stopping (no worker was started)")
+        elif self._received == 1:
             again = "Ctrl-C again" if sig == signal.SIGINT else "a second signal"
             self._say(
                 f"{PROG} run: got {sig.name}: stopping the workers (SIGKILL in "
                 f"{self._grace_period:g} s; {again} kills them now)"
             )
-        elif self._kill is None:
+        elif self._kill is None and self.started:  # with no worker, the first one ends it all
             self._say(
                 f"{PROG} run: got {sig.name} again: killing the workers now with SIGKILL, "
                 f"without waiting out the {self._grace_period:g} s grace period"

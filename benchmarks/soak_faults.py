@@ -6,6 +6,10 @@ supervisor's helpers fail under it.  Each iteration runs one *mode*:
 - ``kill``: start a 64-worker forkserver group and SIGKILL the template (the
   process alone, or its whole group) at a random moment of the fork: a
   random delay, or a few loop turns after the k-th worker started.
+- ``nested``: a supervisor (a worker of this process) whose worker is a
+  supervisor of two workers, SIGKILLed at a random moment of its life;
+  every process below it must die, both guardians must exit, and their
+  temp log dirs must be pruned.
 - ``stop``: the same group, but the template is SIGSTOPped at a random
   moment (wedged, as when swapping) and the start is cancelled a random
   while later; the cancellation must return within ``STOP_CANCEL_LIMIT``
@@ -29,7 +33,7 @@ template's lease are closed and the soak counts what was left behind:
 Usage::
 
     python benchmarks/soak_faults.py [--iterations 300] [--loop asyncio|uvloop|both]
-                                     [--mode kill|stop|all] [--seed N]
+                                     [--mode kill|stop|nested|all] [--seed N]
 
 Prints "N iterations, K leftovers" per loop, the details of each leftover,
 and exits 1 if anything was left over.  ``tests/test_template_faults.py``
@@ -266,8 +270,84 @@ async def mode_stop(rng: random.Random, report: str, out: Leftovers) -> str:
     return f"{'stopped' if stopped else 'not stopped'}, {outcome}"
 
 
+NESTED = os.path.join(CHILDREN_DIR, "nested_supervisor.py")
+GRANDCHILD = os.path.join(CHILDREN_DIR, "grandchild.py")
+
+
+def _guardians_marked(mark: str) -> set[int]:
+    """Guardian shells whose PATH holds ``mark`` (all a guardian keeps of its environment)."""
+    found: set[int] = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if b"aioproc-guardian" not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(e.startswith(b"PATH=") and mark.encode() in e for e in env):
+            found.add(int(name))
+    return found
+
+
+async def mode_nested(rng: random.Random, report: str, out: Leftovers) -> str:
+    """SIGKILL a supervisor whose worker is a supervisor of two workers, at a random moment.
+
+    Every process below it carries this process's lifeline token (so the
+    count after the iteration finds any survivor), and both levels keep
+    their logs in private temp dirs under the soak's ``TMPDIR``.  Their
+    guardians keep only ``PATH`` of their environment: a marker there tells
+    them from the guardians of other programs; they must all exit.
+    """
+    home = report + ".d"
+    os.mkdir(home)
+    fifo = report + ".fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # the workers' writes never block
+    env = {
+        "TMPDIR": tempfile.gettempdir(),
+        "PATH": f"{os.environ.get('PATH', os.defpath)}:{home}",
+        "AIOPROC_LOOP": "uvloop" if "uvloop" in type(asyncio.get_running_loop()).__module__ else "",
+    }
+    try:
+        pc = await aioproc.start_processes(
+            "nested",
+            sys.executable,
+            {0: (NESTED, "outer", GRANDCHILD, fifo)},
+            {0: env},
+            aioproc.DefaultLogsSpecs(log_dir=home),
+        )
+        try:
+            # from before the inner supervisor exists to well after its workers run
+            await asyncio.sleep(rng.uniform(0.0, 1.2))
+            os.kill(pc.pids()[0], signal.SIGKILL)
+            await pc.wait()
+        finally:
+            await pc.close(signal.SIGKILL, 0)
+        try:
+            reported = os.read(reader, 1 << 16).decode().split()
+        except BlockingIOError:
+            reported = []
+        with open(report, "a") as f:
+            f.writelines(f"{pid}\n" for pid in reported)
+        deadline = time.monotonic() + 10
+        while _guardians_marked(home) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # their sweeps and pruning take ~1.5 s
+        left = _guardians_marked(home)
+        if left:
+            out.processes += len(left)
+            out.details.append(f"guardians still running 10 s later: {sorted(left)}")
+            kill_all(left)
+    finally:
+        os.close(reader)
+    return f"{len(reported) // 2} inner worker(s) up when killed"
+
+
 Mode = Callable[[random.Random, str, Leftovers], Awaitable[str]]
-MODES: dict[str, Mode] = {"kill": mode_kill, "stop": mode_stop}
+MODES: dict[str, Mode] = {"kill": mode_kill, "stop": mode_stop, "nested": mode_nested}
 """Each mode does one faulty iteration and names its outcome (new modes go here)."""
 
 

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from .. import _template
+from .. import _lifeline, _template
 from .._ranks import SinkLike
 from .._ranks import make_sinks as _make_sinks
 from .._script import script_dirs
@@ -310,9 +310,24 @@ class LocalElasticAgent:
         handler = spec.rdzv_handler
         info: RendezvousInfo | None = None
         rendezvous = contextlib.AsyncExitStack()
+        # The lease fence kept by the guardian, not by this loop: the workers
+        # die by the end of the fence's grace period even while this process
+        # is stopped, starved or wedged, before etcd can expire the lease
+        # and the other hosts re-form without this one.  The guardian hears
+        # of renewals once per grace period: it never fences before this
+        # loop would (at the deadline itself).
+        fence = _lifeline.Fence()
         try:
             if handler is not None:
-                await rendezvous.enter_async_context(handler.session(spec.local_world_size))
+
+                def renewed(deadline: float, grace: float = handler.fence_grace) -> None:
+                    fence.renew(deadline + grace, lag=grace)
+
+                opened = await self._open_session(
+                    rendezvous, handler.session(spec.local_world_size, renewed)
+                )
+                if opened is not None:
+                    return opened
             if watchdog is not None:
                 await watchdog.start()
             if self._start_method == "forkserver":
@@ -332,7 +347,10 @@ class LocalElasticAgent:
                         return joined
                     info = joined
                 started = time.monotonic()
-                result = await self._run_attempt(attempt, master_addr, master_port, watchdog, info)
+                with fence.scope():
+                    result = await self._run_attempt(
+                        attempt, master_addr, master_port, watchdog, info
+                    )
                 if self._world_change is not None and self._stop_request is None:
                     ended = self._on_world_change(self._world_change)
                     if ended is not None:
@@ -415,6 +433,7 @@ class LocalElasticAgent:
                 self._state = WorkerState.FAILED
             raise
         finally:
+            fence.close()
             if handler is not None:
                 if self._state == WorkerState.STOPPED:
                     # a stop (signal, stop(), cancellation) closes the job on every host
@@ -432,9 +451,32 @@ class LocalElasticAgent:
             self._events.close()
             self._run_ended.set()
 
+    async def _open_session(
+        self, stack: contextlib.AsyncExitStack, session: contextlib.AbstractAsyncContextManager[Any]
+    ) -> RunResult | None:
+        """Enter the rendezvous ``session`` into ``stack``; the run's end if it does not open.
+
+        A store not reached within the join timeout ends the run (FAILED,
+        with the handler's one-line reason); a stop while connecting ends
+        it at once (STOPPED).
+        """
+        from ..rendezvous import RendezvousError
+
+        try:
+            # stop() cancels this scope, as it does a rendezvous
+            with anyio.CancelScope() as self._rdzv_scope:
+                await stack.enter_async_context(session)
+        except RendezvousError as e:
+            return self._finish(WorkerState.FAILED, {}, {}, str(e))
+        finally:
+            self._rdzv_scope = None
+        if self._stop_request is not None:
+            return self._finish(WorkerState.STOPPED, {}, {})
+        return None
+
     async def _rendezvous(self, handler: RendezvousHandler) -> RendezvousInfo | RunResult:
         """The next round's info, or the run's end (a stop, or the rendezvous failed)."""
-        from ..rendezvous import RendezvousClosedError, RendezvousError
+        from ..rendezvous import RendezvousError, RendezvousGracefulExitError
 
         assert self._stop_requested is not None
         self._publish(ev.RENDEZVOUS_STARTED, message=f"joining the rendezvous of {handler!r}")
@@ -444,10 +486,11 @@ class LocalElasticAgent:
             with anyio.CancelScope() as self._rdzv_scope:
                 if self._stop_request is None:
                     info = await handler.next_rendezvous()
-        except RendezvousClosedError as e:
-            state = WorkerState.SUCCEEDED if e.finished else WorkerState.FAILED
-            return self._finish(state, {}, {}, str(e))
+        except RendezvousGracefulExitError as e:
+            # the job finished while this node waited for a round: nothing left to do
+            return self._finish(WorkerState.SUCCEEDED, {}, {}, str(e))
         except RendezvousError as e:
+            # a job found closed on arrival ran nothing here: no success (torchrun exits 1 too)
             return self._finish(WorkerState.FAILED, {}, {}, str(e))
         finally:
             self._rdzv_scope = None

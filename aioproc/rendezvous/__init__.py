@@ -12,12 +12,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .api import RendezvousClosedError as RendezvousClosedError
+from .api import RendezvousConnectionError as RendezvousConnectionError
 from .api import RendezvousError as RendezvousError
+from .api import RendezvousGracefulExitError as RendezvousGracefulExitError
 from .api import RendezvousInfo as RendezvousInfo
 from .api import RendezvousJobFailedError as RendezvousJobFailedError
 from .api import RendezvousLeaseLostError as RendezvousLeaseLostError
 from .api import RendezvousNode as RendezvousNode
 from .api import RendezvousParameters as RendezvousParameters
+from .api import RendezvousStateError as RendezvousStateError
 from .api import RendezvousTimeoutError as RendezvousTimeoutError
 from .api import WorldChange as WorldChange
 
@@ -31,12 +34,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "RendezvousClosedError",
+    "RendezvousConnectionError",
     "RendezvousError",
+    "RendezvousGracefulExitError",
     "RendezvousInfo",
     "RendezvousJobFailedError",
     "RendezvousLeaseLostError",
     "RendezvousNode",
     "RendezvousParameters",
+    "RendezvousStateError",
     "RendezvousTimeoutError",
     "WorldChange",
     "create_handler",

@@ -2,11 +2,19 @@
 
 Everything runs on the agent's event loop (``aetcd`` speaks etcd's v3 gRPC
 API through ``grpc.aio``): no thread keeps the lease alive and nothing
-polls.  The lease is refreshed every third of its TTL.  Keys are followed
-with the list-and-watch pattern (list a range once, then watch it from the
-listed revision), so every decision is taken on a local copy that wakes its
-waiters when an event arrives; a broken watch (etcd restarted, connection
-lost) is resumed from the last revision seen, a compacted one re-listed.
+polls.  Keys are followed with the list-and-watch pattern (list a range
+once, then watch it from the listed revision), so every decision is taken
+on a local copy that wakes its waiters when an event arrives; a broken
+watch (etcd restarted, connection lost) is resumed from the last revision
+seen, a compacted one re-listed.
+
+Opening a session (the first connection, the lease's grant, the first
+list) is bounded by the caller's timeout (the handler's ``join_timeout``):
+an endpoint that refuses, never answers, does not resolve or speaks
+HTTP/1 is retried with a progress line every few seconds, then fails with
+one line naming it and the last error; one that answers as etcd never does
+(an HTTP/2 server without etcd's API) fails at once.  Every call after
+that is bounded by the lease (see Fencing).
 
 What a session follows is chosen so that an agent receives O(1) events per
 rendezvous round, not one per agent of the job:
@@ -22,7 +30,13 @@ rendezvous round, not one per agent of the job:
 Fencing: if no keep-alive has succeeded for two thirds of the TTL, the
 session declares its lease lost at once, before etcd can expire it and the
 other agents can form a world without this one, so the agent stops its
-workers in time.
+workers in time.  That deadline counts from the last renewal *sent* before
+etcd became unreachable, so the lease is renewed often (``_RENEWALS_PER_TTL``
+times per TTL, one small message each on one keep-alive stream) and a
+broken stream is re-opened at once to wait for etcd's return (gRPC's
+wait-for-ready, with a short reconnect backoff): etcd restarted on its
+data dir keeps the lease, and an outage up to two thirds of the TTL less
+one renewal period (1.9 s at ``lease_ttl=3``) passes without fencing.
 """
 
 from __future__ import annotations
@@ -30,31 +44,39 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
-from .api import RendezvousLeaseLostError
+from .api import RendezvousConnectionError, RendezvousLeaseLostError
 
 if TYPE_CHECKING:
     import aetcd
 
-__all__ = ["EtcdSession", "KeyValue", "prefix_end", "ttl_seconds"]
+__all__ = ["EtcdSession", "KeyValue", "describe", "prefix_end", "ttl_seconds"]
 
 logger = logging.getLogger("aioproc.rendezvous")
 
 T = TypeVar("T")
 
 # gRPC reconnects with a 1 s initial backoff growing to 120 s by default: an
-# agent must find a restarted etcd well within its lease TTL.
+# agent must find a restarted etcd within a small part of its lease TTL,
+# and an attempt on a closed port costs next to nothing.  (gRPC takes the
+# "min" option as the least time a connection attempt is given.)
 _CHANNEL_OPTIONS = {
-    "grpc.initial_reconnect_backoff_ms": 100,
-    "grpc.min_reconnect_backoff_ms": 100,
-    "grpc.max_reconnect_backoff_ms": 500,
+    "grpc.initial_reconnect_backoff_ms": 50,
+    "grpc.min_reconnect_backoff_ms": 1000,
+    "grpc.max_reconnect_backoff_ms": 100,
 }
 _RETRY_FIRST, _RETRY_MAX = 0.05, 0.5  # backoff between calls to an unreachable etcd
+# The fence counts from the last renewal sent before an outage: the more
+# often the lease is renewed, the longer an outage it survives (two thirds
+# of the TTL less one period).
+_RENEWALS_PER_TTL = 30
+_PROGRESS_EVERY = 5.0  # seconds between "waiting for etcd" lines while opening
 
 
 async def bounded(coro: Awaitable[T], timeout: float) -> T:
@@ -86,6 +108,21 @@ async def bounded(coro: Awaitable[T], timeout: float) -> T:
 def _retrieve(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()  # a cancelled call's error is of no interest
+
+
+_GRPC_NOISE = re.compile(
+    r"^failed to connect to all addresses; last error: [A-Z_]+: (?:ipv[46]:\S+: |unix:\S+: )?"
+)
+
+
+def describe(e: BaseException) -> str:
+    """A failed etcd call's error in a few words, for a one-line message."""
+    if isinstance(e, TimeoutError):
+        return str(e) or "no answer"
+    text = " ".join(str(e).split()) or type(e).__name__
+    if text == "Deadline Exceeded":
+        return "no answer (deadline exceeded)"
+    return _GRPC_NOISE.sub("", text)
 
 
 def import_aetcd() -> Any:
@@ -121,19 +158,30 @@ class EtcdSession:
             the control range (which is ``[prefix, liveness)``).
         ttl: the lease's time to live, in whole seconds.
         name: how this node is named in messages (its address).
+        check: called with each key and value before it enters the copy;
+            False keeps it out (the caller has said why).
 
-    Use ``async with session.open():``; its tasks (keep-alive, watches)
-    live in that block.  ``keys`` is the live copy; ``await
+    Use ``async with session.open(timeout):``; its tasks (keep-alive,
+    watches) live in that block.  ``keys`` is the live copy; ``await
     changed(since)`` returns once ``version`` moved past ``since`` (or when
     the lease is lost).
     """
 
     def __init__(
-        self, host: str, port: int, prefix: bytes, liveness: bytes, ttl: int, name: str
+        self,
+        host: str,
+        port: int,
+        prefix: bytes,
+        liveness: bytes,
+        ttl: int,
+        name: str,
+        check: Callable[[bytes, KeyValue], bool] | None = None,
     ) -> None:
         if not (prefix < liveness and liveness.endswith(b"/")):
             raise ValueError(f"liveness directory {liveness!r} must follow prefix {prefix!r}")
         self._aetcd = import_aetcd()
+        self.endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._check = check
         self.prefix = prefix
         self.liveness = liveness
         self.ttl = ttl
@@ -153,6 +201,7 @@ class EtcdSession:
         self.lease_id = 0
         self.lost: str | None = None  # why the lease was lost, once it is
         self.requests = 0  # calls made to etcd, for the scale benchmark
+        self.renewals = 0  # keep-alives answered (not calls: one stream carries them)
         self.events = 0  # watch events received, for the scale benchmark
         self.version = 0  # moves at every change of the copy (see ``changed``)
         self.control = _Range(prefix, liveness, deletions_only=False)
@@ -160,25 +209,39 @@ class EtcdSession:
         self._followed: dict[tuple[bytes, bytes], _Range] = {}
         self._change = anyio.Event()
         self._last_ok = 0.0
+        # told the time by which the next renewal must succeed, after each one
+        # (the agent's guardian fences the workers itself when it passes)
+        self.renewed: Callable[[float], None] | None = None
+        self._fence: anyio.CancelScope | None = None  # the keep-alive's; its deadline: the fence
+        # while opening: the caller's (deadline, timeout); later the lease bounds calls
+        self._opening: tuple[float, float] | None = None
         # a call must not hang on a partition longer than it takes to notice one
         self.call_timeout = max(1.0, ttl / 2)
 
     # ------------------------------------------------------------ lifecycle
 
-    def open(self) -> _Open:
+    def open(self, timeout: float) -> _Open:
         """An async context manager: grant the lease, list, watch, keep alive.
 
-        Leaving it revokes the lease (the agent's leased keys vanish at
-        once) and closes the connection, shielded and bounded.
+        Entering it takes at most ``timeout`` seconds (the handler's
+        ``join_timeout``): an etcd not reached by then raises
+        ``RendezvousConnectionError``, naming the endpoint and the last
+        error.  Leaving it revokes the lease (the agent's leased keys
+        vanish at once) and closes the connection, shielded and bounded.
         """
-        return _Open(self)
+        return _Open(self, timeout)
 
-    async def _start(self) -> None:
-        self._last_ok = time.monotonic()
-        lease = await self.call(lambda: self.client.lease(self.ttl))
+    async def _grant(self) -> Any:
+        """A new lease, counted as renewed when the grant was sent (etcd starts its TTL later)."""
+        sent = time.monotonic()
+        lease = await self.client.lease(self.ttl)
         self.lease_id = int(lease.id)
-        # one read for both: the control range and the liveness directory
-        # at the same revision, from which both watches start
+        self._renewed(sent)
+        return lease
+
+    async def _list(self) -> None:
+        """The first copy of the control range and of the liveness directory."""
+        # one read for both, at the same revision, from which both watches start
         start, end = self.prefix, self._liveness.end
         result = await self.call(lambda: self.client.get_range(start, end))
         revision = int(result.header.revision)
@@ -208,19 +271,63 @@ class EtcdSession:
     async def call(self, fn: Callable[[], Awaitable[T]]) -> T:
         """``await fn()``, retried with backoff while etcd is unreachable.
 
+        While the session opens, the retries end at the caller's deadline,
+        with a progress line every few seconds; later the lease bounds
+        them (a lost lease ends them).
+
         Raises:
             RendezvousLeaseLostError: the lease was lost meanwhile.
+            RendezvousConnectionError: etcd was not reached before the
+                opening deadline, or it answered with an error no retry
+                cures (the endpoint is not etcd's client address, say).
         """
         aetcd = self._aetcd
+        retried = (
+            TimeoutError,
+            aetcd.ConnectionFailedError,
+            aetcd.ConnectionTimeoutError,
+            aetcd.WatchTimeoutError,
+        )
         delay = _RETRY_FIRST
+        say_at = 0.0  # when the next progress line is due
         while True:
             self._check_lease()
+            timeout = self.call_timeout
+            if self._opening is not None:
+                timeout = max(0.05, min(timeout, self._opening[0] - time.monotonic()))
             try:
                 self.requests += 1
-                return await bounded(fn(), self.call_timeout)
-            except (TimeoutError, aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError) as e:
-                logger.debug("etcd call failed, retrying in %.2f s: %r", delay, e)
+                return await bounded(fn(), timeout)
+            except aetcd.RevisionCompactedError:
+                raise  # not a failure of etcd: the watch re-lists
+            except retried as e:
+                last = describe(e)
+            except aetcd.ClientError as e:
+                hint = f" (is {self.endpoint} etcd's client address?)" if not self.lease_id else ""
+                raise RendezvousConnectionError(
+                    f"etcd at {self.endpoint} answered with an error: {describe(e)}{hint}"
+                ) from None
             # etcd is unreachable: back off before the next try
+            now = time.monotonic()
+            if self._opening is None:
+                logger.debug("etcd call failed, retrying in %.2f s: %s", delay, last)
+            else:
+                deadline, whole = self._opening
+                left = deadline - now
+                if left <= 0:
+                    raise RendezvousConnectionError(
+                        f"could not reach etcd at {self.endpoint} within {whole:g} s "
+                        f"(join_timeout): {last}"
+                    )
+                if now >= say_at:
+                    say_at = now + _PROGRESS_EVERY
+                    logger.warning(
+                        "waiting for etcd at %s: %s; retrying (%d s left)",
+                        self.endpoint,
+                        last,
+                        math.ceil(left),
+                    )
+                delay = min(delay, left)
             await anyio.sleep(delay)
             delay = min(_RETRY_MAX, delay * 2)
 
@@ -255,6 +362,9 @@ class EtcdSession:
         return self.dirs.get(directory, {})
 
     def _set(self, key: bytes, kv: KeyValue) -> None:
+        if self._check is not None and not self._check(key, kv):
+            self._pop(key)  # overwritten with what the protocol cannot use: gone for it
+            return
         self.keys[key] = kv
         cut = key.rindex(b"/") + 1
         self.dirs.setdefault(key[:cut], {})[key[cut:]] = kv
@@ -403,7 +513,7 @@ class EtcdSession:
                 continue
             except RendezvousLeaseLostError:
                 return
-            except aetcd.ClientError as e:
+            except (aetcd.ClientError, aetcd.rpc.AioRpcError, RendezvousConnectionError) as e:
                 logger.debug("etcd watch broke, resuming in %.2f s: %r", delay, e)
             # etcd is unreachable: back off before resuming the watch
             await anyio.sleep(delay)
@@ -411,38 +521,77 @@ class EtcdSession:
 
     # ---------------------------------------------------------- keep-alive
 
-    async def _keep_alive(self) -> None:
-        interval = self.ttl / 3
-        fence_after = self.ttl * 2 / 3
-        while True:
-            sent = time.monotonic()
-            reply = None
-            with anyio.move_on_at(self._last_ok + fence_after):
-                reply = await self._refresh()
-            if reply is None:
-                self._lose(
-                    f"no etcd keep-alive succeeded for {fence_after:.3g} s "
-                    f"(lease TTL {self.ttl} s): etcd is unreachable from this host"
-                )
-                return
-            if reply.TTL <= 0:
-                self._lose(f"its etcd lease {self.lease_id:x} expired")
-                return
-            self._last_ok = sent
-            # the keep-alive period of the lease protocol
-            await anyio.sleep_until(sent + interval)
+    @property
+    def fence_deadline(self) -> float:
+        """When this node fences itself unless a keep-alive succeeds first (monotonic)."""
+        return self._last_ok + self.ttl * 2 / 3
 
-    async def _refresh(self) -> Any:
+    def _renewed(self, sent: float) -> None:
+        """A renewal (or the grant) sent at ``sent`` succeeded.
+
+        etcd expires the lease ``ttl`` seconds after it received the
+        renewal at the earliest, so the fence moves to ``sent`` plus two
+        thirds of the TTL, here and in ``renewed`` (the agent's guardian).
+        """
+        self._last_ok = sent
+        if self._fence is not None:
+            self._fence.deadline = self.fence_deadline
+        if self.renewed is not None:
+            self.renewed(self.fence_deadline)
+
+    async def _keep_alive(self) -> None:
+        expired = False
+        # the scope's deadline is the fence: every renewal moves it (``_renewed``)
+        with anyio.CancelScope(deadline=self.fence_deadline) as self._fence:
+            expired = await self._renew()
+        self._fence = None
+        if expired:
+            self._lose(f"its etcd lease {self.lease_id:x} expired")
+        else:
+            self._lose(
+                f"no etcd keep-alive succeeded for {self.ttl * 2 / 3:.3g} s "
+                f"(lease TTL {self.ttl} s): etcd is unreachable from this host"
+            )
+
+    async def _renew(self) -> bool:
+        """Renew the lease on a keep-alive stream, re-opened when it breaks.
+
+        Returns True once etcd says the lease expired; runs until the
+        fence cancels it otherwise.  A stream is opened with gRPC's
+        wait-for-ready: while etcd is down its first renewal waits for the
+        connection, and goes out the moment etcd is back.
+        """
+        aetcd = self._aetcd
+        period = self.ttl / _RENEWALS_PER_TTL
+        request = aetcd.rpc.LeaseKeepAliveRequest(ID=self.lease_id)
+        answer = aetcd.rpc.LeaseKeepAliveResponse
         delay = _RETRY_FIRST
         while True:
+            stream = None
             try:
-                self.requests += 1
-                return await bounded(self.client.refresh_lease(self.lease_id), self.ttl / 3)
-            except (TimeoutError, self._aetcd.ClientError) as e:
-                logger.debug("etcd keep-alive failed: %r", e)
-            # etcd is unreachable: back off before the next try
+                await self.client.connect()
+                stream = self.client.leasestub.LeaseKeepAlive(
+                    metadata=self.client.metadata, wait_for_ready=True
+                )
+                while True:
+                    sent = time.monotonic()
+                    # an answer slower than this is a stream to replace, well before the fence
+                    reply = await bounded(_exchange(stream, request, answer), self.ttl / 3)
+                    if reply.TTL <= 0:
+                        return True
+                    self.renewals += 1
+                    self._renewed(sent)
+                    delay = _RETRY_FIRST
+                    # the keep-alive period of the lease protocol
+                    await anyio.sleep_until(sent + period)
+            except Exception as e:  # gRPC's errors vary (an RPC error, a finished call...)
+                logger.debug("etcd keep-alive stream broke, re-opening it: %s", describe(e))
+            finally:
+                if stream is not None:
+                    stream.cancel()
+            # etcd answered and ended the stream: back off before re-opening it
             await anyio.sleep(delay)
-            delay = min(_RETRY_MAX, delay * 2)
+            delay = min(period, delay * 2)
 
     def _lose(self, why: str) -> None:
         self.lost = f"this node ({self.name}) was fenced: {why}; its workers are stopped"
@@ -481,20 +630,26 @@ class _Open:
     across its own cancel scopes, which a task group's scope must not straddle.
     """
 
-    def __init__(self, session: EtcdSession) -> None:
+    def __init__(self, session: EtcdSession, timeout: float) -> None:
         self._session = session
+        self._timeout = timeout
         self._tasks: list[asyncio.Task[None]] = []
 
     async def __aenter__(self) -> EtcdSession:
         s = self._session
-        try:
-            await s._start()
-        except BaseException:
-            await s._stop()
-            raise
         loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(s._keep_alive(), name="aioproc-etcd-keepalive"),
+        s._opening = (time.monotonic() + self._timeout, self._timeout)
+        try:
+            await s.call(s._grant)
+            # kept alive from now on: the first list may have to wait for etcd too
+            self._tasks.append(loop.create_task(s._keep_alive(), name="aioproc-etcd-keepalive"))
+            await s._list()
+        except BaseException as e:
+            await self.__aexit__(type(e), e, e.__traceback__)
+            raise
+        finally:
+            s._opening = None
+        self._tasks += [
             loop.create_task(s._watch(s.control), name="aioproc-etcd-watch"),
             loop.create_task(s._watch(s._liveness), name="aioproc-etcd-watch-liveness"),
         ]
@@ -512,6 +667,19 @@ class _Open:
                 except Exception as e:  # a bug in a task: do not hide the run's own outcome
                     logger.warning("etcd session task %s failed: %r", task.get_name(), e)
         await self._session._stop()
+
+
+async def _exchange(stream: Any, request: Any, answer: type) -> Any:
+    """One renewal on a keep-alive stream: etcd's ``answer``.
+
+    Raises:
+        EOFError: etcd ended the stream (gRPC's end-of-stream marker came instead).
+    """
+    await stream.write(request)
+    reply = await stream.read()
+    if not isinstance(reply, answer):
+        raise EOFError("etcd ended the keep-alive stream")
+    return reply
 
 
 def prefix_end(prefix: bytes) -> bytes:

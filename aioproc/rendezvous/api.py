@@ -6,7 +6,14 @@ Names follow torch's ``torch.distributed.elastic.rendezvous``:
 
     RendezvousError (RuntimeError)
      +-- RendezvousTimeoutError       the round did not complete in join_timeout
-     +-- RendezvousClosedError        the job is over (finished, or stopped)
+     +-- RendezvousConnectionError    the store could not be reached in join_timeout,
+                                      or answered as no store does
+     +-- RendezvousClosedError        the job is over (finished, or stopped) when
+                                      this agent arrived, or stopped since
+     +-- RendezvousGracefulExitError  the job finished while this agent was in it
+                                      (waiting for a place): nothing is left to do
+     +-- RendezvousStateError         the job's keys are corrupt (written by
+                                      something else than its agents)
      +-- RendezvousLeaseLostError     this agent lost its lease: fenced
      +-- RendezvousJobFailedError     the job failed (on some host), or too few
                                       hosts are left to go on
@@ -21,12 +28,15 @@ from typing import Any
 
 __all__ = [
     "RendezvousClosedError",
+    "RendezvousConnectionError",
     "RendezvousError",
+    "RendezvousGracefulExitError",
     "RendezvousInfo",
     "RendezvousJobFailedError",
     "RendezvousLeaseLostError",
     "RendezvousNode",
     "RendezvousParameters",
+    "RendezvousStateError",
     "RendezvousTimeoutError",
     "WorldChange",
 ]
@@ -40,17 +50,46 @@ class RendezvousTimeoutError(RendezvousError):
     """The round did not complete within ``join_timeout``."""
 
 
+class RendezvousConnectionError(RendezvousError):
+    """The store could not be reached within ``join_timeout``, or is no store.
+
+    The message names the endpoint and the last error seen.
+    """
+
+
 class RendezvousClosedError(RendezvousError):
     """The rendezvous is closed: the job finished, or an agent stopped it.
 
+    An agent that finds its job closed when it arrives ran nothing: as with
+    torchrun, whose agent lets this error end the run, that is a failure
+    (``aioproc run`` exits 1), so a reused run id never passes for a job
+    that ran.
+
     Attributes:
-        finished: True when the job finished (its workers succeeded), so a
-            late joiner has nothing to do; False when an agent stopped it.
+        finished: True when the job finished (its workers succeeded); False
+            when an agent stopped it.
     """
 
     def __init__(self, message: str, finished: bool = False) -> None:
         super().__init__(message)
         self.finished = finished
+
+
+class RendezvousGracefulExitError(RendezvousError):
+    """The job finished while this agent was part of it: nothing is left to do.
+
+    Raised to an agent that joined and waited for a place (or re-joined
+    after running) when the job finished meanwhile; not a failure (torch's
+    name and meaning).
+    """
+
+
+class RendezvousStateError(RendezvousError):
+    """The job's keys in the store are corrupt: a value no agent writes.
+
+    Something else writes under the job's prefix; every agent of the job
+    fails with this error, naming the key.
+    """
 
 
 class RendezvousLeaseLostError(RendezvousError):

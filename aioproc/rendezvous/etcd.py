@@ -33,6 +33,15 @@ waits; a node arriving while a world below ``max_nodes`` runs makes its
 members re-join (a re-rendezvous that costs no restart); a member lost
 makes the others re-join, or fail if fewer than ``min_nodes`` are left.
 
+A key under the prefix that the protocol never writes (another name, a
+join that is not JSON) is named in one warning and ignored; a control key
+holding what no agent writes fails the job on every agent with
+``RendezvousStateError``, naming the key.  A job found closed on arrival
+(``closed`` already there: a reused run id) raises ``RendezvousClosedError``
+even when it finished, so a run that ran nothing never passes for a success;
+a node that had joined and was waiting when the job finished gets
+``RendezvousGracefulExitError`` instead (torch's standby nodes).
+
 Every agent learns of losses from a watch that delivers only deletions of
 ``nodes/`` keys, and of everything else from the control keys; the exit
 barrier counts the done keys with one read per agent.  A round costs O(1)
@@ -52,20 +61,22 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
 
-from ._etcd_round import Joining, World
+from ._etcd_round import Joining, World, malformed
 from ._etcd_store import EtcdSession, KeyValue, import_aetcd, prefix_end, ttl_seconds
 from .api import (
     RendezvousClosedError,
+    RendezvousGracefulExitError,
     RendezvousInfo,
     RendezvousJobFailedError,
     RendezvousLeaseLostError,
     RendezvousNode,
     RendezvousParameters,
+    RendezvousStateError,
     RendezvousTimeoutError,
     WorldChange,
     parse_endpoint,
@@ -116,6 +127,9 @@ class EtcdRendezvousHandler:
         self._world_now: World | None = None  # the world of ``_info``
         self._worlds: dict[bytes, tuple[int, World]] = {}  # parsed, by key and revision
         self._lost_cache: tuple[tuple[int, int], list[RendezvousNode]] | None = None
+        self._joined = False  # whether this node joined a round in this session
+        self._corrupt: str | None = None  # the first corrupt control key seen, described
+        self._warned: set[tuple[bytes, int]] = set()  # ignored keys (and revisions) told of
 
     def __repr__(self) -> str:
         state = f"round {self._info.round}" if self._info is not None else "not joined"
@@ -174,13 +188,21 @@ class EtcdRendezvousHandler:
             return len(store.children(start))
         return 1 if self._get(f"lead/{r}") is not None else 0
 
-    def session(self, local_world_size: int) -> _Session:
+    def session(
+        self, local_world_size: int, lease_renewed: Callable[[float], None] | None = None
+    ) -> _Session:
         """Connect, take a lease, follow the job's keys, for the agent's run.
 
         Leaving it revokes the lease: this node's keys vanish at once.
+
+        Args:
+            local_world_size: this node's number of workers.
+            lease_renewed: called after the lease is granted and after every
+                renewal, with the time (``time.monotonic()``) at which this
+                node fences itself unless another renewal succeeds first.
         """
         self._nproc = local_world_size
-        return _Session(self)
+        return _Session(self, lease_renewed)
 
     async def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round; return once it completed with this node.
@@ -188,8 +210,12 @@ class EtcdRendezvousHandler:
         Raises:
             RendezvousTimeoutError: no round completed with this node
                 within ``join_timeout``; its join key is removed.
-            RendezvousClosedError: the job is over.
+            RendezvousClosedError: the job was stopped, or it was over
+                (finished too) before this node joined it.
+            RendezvousGracefulExitError: the job finished while this node
+                waited for a round it had joined.
             RendezvousJobFailedError: the job failed on some host.
+            RendezvousStateError: a control key of the job is corrupt.
             RendezvousLeaseLostError: this node lost its lease.
 
         Cancellation: the join key stays until the session ends (it is
@@ -203,7 +229,7 @@ class EtcdRendezvousHandler:
         with anyio.move_on_at(deadline):
             while True:
                 seen = store.version
-                self._raise_if_over()
+                self._raise_if_over(waiting=True)
                 current, current_rev = self._current()
                 r = current + 1
                 if joined != r:
@@ -211,6 +237,7 @@ class EtcdRendezvousHandler:
                         await store.changed(seen)  # ``current`` moved meanwhile: look again
                         continue
                     joined = r
+                    self._joined = True
                 world = await joining.wait(r, current_rev, deadline)
                 if world is not None:
                     info = world.info_for(self.node_id)
@@ -329,8 +356,8 @@ class EtcdRendezvousHandler:
         if moved:
             return WorldChange("the job re-formed its world without this node")
         assert change is not None
-        why = json.loads(change.value)
-        if why.get("member"):
+        why = json.loads(change.value)  # what ``malformed`` let into the copy
+        if why["member"]:
             return WorldChange(f"host {why['host']} re-joined (its workers failed)")
         return WorldChange(f"host {why['host']} is waiting to join")
 
@@ -350,8 +377,12 @@ class EtcdRendezvousHandler:
         """Close the rendezvous for every node (torch's ``shutdown``): a stop.
 
         Returns:
-            True when the closed marker was written.
+            True when the closed marker was written; False when it could
+            not be, or when this node never had a session open (it never
+            reached etcd, so it joined nothing to close).
         """
+        if self._session is None:
+            return False
         try:
             with anyio.move_on_after(self.close_timeout):
                 await self._close("stopped")
@@ -417,14 +448,21 @@ class EtcdRendezvousHandler:
             )
         )
 
-    def _raise_if_over(self) -> None:
+    def _raise_if_over(self, waiting: bool = False) -> None:
+        """Raise the error that ends this node's part in the job, if one does.
+
+        ``waiting``: called while this node waits for a round (see
+        ``_raise_if_ended``).
+        """
         store = self._store()
         if store.lost is not None:
             raise RendezvousLeaseLostError(store.lost)
+        self._raise_if_corrupt()
         failed, closed = self._get("failed"), self._get("closed")
         self._raise_if_ended(
             failed.value if failed is not None else None,
             closed.value if closed is not None else None,
+            waiting,
         )
 
     async def _raise_if_over_now(self) -> None:
@@ -439,9 +477,29 @@ class EtcdRendezvousHandler:
             )
         )
         failed, closed = (r[0][0] if r else None for r in responses)
+        for name, value in (("failed", failed), ("closed", closed)):
+            if value is not None:
+                self._check_key(self._key(name), KeyValue(value, 0, 0, 0))
+        self._raise_if_corrupt()
         self._raise_if_ended(failed, closed)
 
-    def _raise_if_ended(self, failed: bytes | None, closed: bytes | None) -> None:
+    def _raise_if_corrupt(self) -> None:
+        if self._corrupt is not None:
+            raise RendezvousStateError(
+                f"the rendezvous of job {self._params.run_id!r} is corrupt: {self._corrupt}; "
+                f"something other than its agents writes under {self._prefix}"
+            )
+
+    def _raise_if_ended(
+        self, failed: bytes | None, closed: bytes | None, waiting: bool = False
+    ) -> None:
+        """Raise what ``failed`` and ``closed`` (checked values) say, if either is set.
+
+        A job that finished ends a node waiting for a round gracefully if
+        the node had joined one in this session (it stood by, or re-joined
+        after running); one that arrives to find it finished ran nothing,
+        which is no success (a reused run id).
+        """
         if failed is not None:
             failure = json.loads(failed)
             raise RendezvousJobFailedError(
@@ -452,11 +510,41 @@ class EtcdRendezvousHandler:
         if closed is not None:
             value = json.loads(closed)
             finished = value.get("reason") == "succeeded"
-            how = "already finished" if finished else f"was stopped on host {value.get('host')}"
+            job = self._params.run_id
+            if finished and waiting and self._joined:
+                raise RendezvousGracefulExitError(
+                    f"the job {job!r} finished while this node waited for a round: "
+                    "nothing is left to do"
+                )
+            if not finished:
+                how = f"was stopped on host {value.get('host')}"
+            elif waiting:
+                how = "already finished, before this node joined (a new job needs a new run id)"
+            else:
+                how = "already finished"
             raise RendezvousClosedError(
-                f"the rendezvous of job {self._params.run_id!r} is closed: the job {how}",
-                finished,
+                f"the rendezvous of job {job!r} is closed: the job {how}", finished
             )
+
+    def _check_key(self, key: bytes, kv: KeyValue) -> bool:
+        """Whether the protocol may use ``key`` (under the prefix) holding ``kv``.
+
+        A key it can ignore is named in one warning (per key and revision);
+        a corrupt control key is kept for ``_raise_if_over`` to fail the job.
+        """
+        problem = malformed(key[len(self._prefix) :], kv.value)
+        if problem is None:
+            return True
+        control, why = problem
+        shown = kv.value if len(kv.value) <= 60 else kv.value[:57] + b"..."
+        text = f"key {key.decode(errors='backslashreplace')} = {shown!r}: {why}"
+        if control:
+            if self._corrupt is None:
+                self._corrupt = text
+        elif (key, kv.mod_revision) not in self._warned:
+            self._warned.add((key, kv.mod_revision))
+            logger.warning("rendezvous of job %r: ignoring %s", self._params.run_id, text)
+        return False
 
     # ------------------------------------------------------------ the copy
 
@@ -482,8 +570,11 @@ class EtcdRendezvousHandler:
 
 
 class _Session:
-    def __init__(self, handler: EtcdRendezvousHandler) -> None:
+    def __init__(
+        self, handler: EtcdRendezvousHandler, lease_renewed: Callable[[float], None] | None
+    ) -> None:
         self._handler = handler
+        self._lease_renewed = lease_renewed
         self._open: Any = None
 
     async def __aenter__(self) -> EtcdRendezvousHandler:
@@ -491,8 +582,20 @@ class _Session:
         if h._session is not None:
             raise RuntimeError(f"{h!r} already has a session")
         prefix = h._prefix.encode()
-        session = EtcdSession(h._host, h._port, prefix, prefix + b"nodes/", h.lease_ttl, h.addr)
-        self._open = session.open()
+        h._joined, h._corrupt = False, None
+        session = EtcdSession(
+            h._host,
+            h._port,
+            prefix,
+            prefix + b"nodes/",
+            h.lease_ttl,
+            h.addr,
+            check=h._check_key,
+        )
+        session.renewed = self._lease_renewed
+        # reaching etcd counts against join_timeout too: an endpoint that
+        # never answers fails in time, naming itself and the last error
+        self._open = session.open(h.join_timeout)
         await self._open.__aenter__()
         h._session = session
         try:

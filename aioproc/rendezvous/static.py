@@ -6,6 +6,8 @@ the world never changes and nothing notices a lost host (as in torch).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import anyio
 
 from .api import RendezvousInfo, RendezvousNode, RendezvousParameters, WorldChange
@@ -69,7 +71,10 @@ class StaticRendezvousHandler:
     def num_nodes_waiting(self) -> int:
         return 0
 
-    def session(self, local_world_size: int) -> _NoSession:
+    def session(
+        self, local_world_size: int, lease_renewed: Callable[[float], None] | None = None
+    ) -> _NoSession:
+        """Nothing to connect to; no lease (``lease_renewed`` is never called)."""
         self._nproc = local_world_size
         return _NoSession()
 

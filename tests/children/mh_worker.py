@@ -4,8 +4,10 @@ Every worker connects to MASTER_ADDR:MASTER_PORT, where rank 0 collects all
 WORLD_SIZE ranks and sends the sorted list back, so each worker proves it
 reached the same world.  Then, with ``--hold-unless-world N``, a worker of
 any other world size waits (until stopped); with ``--fail-rank R`` rank R
-exits 3.  The record goes to ``$MH_OUT/<host>-r<rank>-w<world>-<pid>.json``;
-a SIGTERM is recorded with its time in ``...-<pid>.term``.
+exits 3; with ``--rows`` a holding worker appends the time to
+``...-<pid>.rows`` every 20 ms, as a training loop writes its steps.  The
+record goes to ``$MH_OUT/<host>-r<rank>-w<world>-<pid>.json``; a SIGTERM
+is recorded with its time in ``...-<pid>.term``.
 
 With ``--all-reduce`` and torch importable, the world then also forms a gloo process group (its
 TCPStore on MASTER_PORT + 1, served by rank 0) and all-reduces the ranks:
@@ -90,6 +92,9 @@ def main() -> None:
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--hold", type=float, default=0.0)
     parser.add_argument("--all-reduce", action="store_true", help="gloo all_reduce (with torch)")
+    parser.add_argument(
+        "--rows", action="store_true", help="while holding, append a timestamp every 20 ms"
+    )
     args = parser.parse_args()
     env = {k: os.environ[k] for k in ENV}
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
@@ -106,6 +111,7 @@ def main() -> None:
     peers = exchange(rank, world, master, master_port)
     total = all_reduce_ranks(rank, world, master, master_port) if args.all_reduce else None
     record = {"env": env, "host": host, "pid": os.getpid(), "peers": peers, "allreduce": total}
+    record["time"] = time.time()
     with open(base + ".tmp", "w") as f:
         json.dump(record, f)
     os.rename(base + ".tmp", base + ".json")
@@ -119,9 +125,19 @@ def main() -> None:
             time.sleep(0.02)  # the other ranks are writing their records
         print(f"rank {rank} fails on purpose", file=sys.stderr)
         sys.exit(3)
+    hold = args.hold
     if args.hold_unless_world and world != args.hold_unless_world:
-        time.sleep(60)  # until the agent stops this world
-    time.sleep(args.hold)
+        hold = 60  # until the agent stops this world
+    if not args.rows:
+        time.sleep(hold)
+        return
+    # a training loop: one row per step, each with the time it was written
+    end = time.monotonic() + hold
+    with open(base + ".rows", "a") as rows:
+        while time.monotonic() < end:
+            rows.write(f"{time.time()!r}\n")
+            rows.flush()
+            time.sleep(0.02)
 
 
 if __name__ == "__main__":

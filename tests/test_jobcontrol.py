@@ -1,0 +1,142 @@
+"""Job control: Ctrl-Z on ``aioproc run`` stops its workers too, ``fg`` continues them.
+
+The workers lead sessions of their own, so the terminal's SIGTSTP reaches
+only the supervisor; it stops them with itself (``aioproc._jobcontrol``).
+"""
+
+from __future__ import annotations
+
+import os
+import pty
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import _LOOP_FACTORIES
+from helpers import CHILDREN_DIR, REPO_ROOT
+
+ROWS_WORKER = os.path.join(CHILDREN_DIR, "rows_worker.py")
+
+# A shell with job control, reduced to what Ctrl-Z needs: it owns the pty,
+# runs the command in a process group of its own in the foreground, and says
+# "Stopped" when the command stops, as bash does.
+_SHELL = """
+import fcntl, os, signal, sys, termios
+fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+pid = os.fork()
+if pid == 0:
+    os.setpgid(0, 0)
+    os.tcsetpgrp(0, os.getpgrp())
+    signal.signal(signal.SIGTTOU, signal.SIG_DFL)
+    os.execv(sys.argv[1], sys.argv[1:])
+os.setpgid(pid, pid)
+print(f"job {pid}", flush=True)
+while True:
+    _, status = os.waitpid(pid, os.WUNTRACED)
+    if os.WIFSTOPPED(status):
+        print("[1]+  Stopped", flush=True)
+        continue
+    sys.exit(os.waitstatus_to_exitcode(status))
+"""
+pytestmark = [pytest.mark.timeout(60)]
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()[0].decode()
+
+
+def _workers(pid: int) -> list[int]:
+    """The rows workers among ``pid``'s children (not its guardian)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(p) for p in f.read().split()]
+    found = []
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if ROWS_WORKER.encode() in f.read().split(b"\0"):
+                found.append(child)
+    return found
+
+
+def _wait_for(what: str, check: Callable[[], bool], timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)  # another process's state: nothing to wait on
+
+
+def _rows(out: Path) -> dict[str, int]:
+    return {p.name: len(p.read_bytes().splitlines()) for p in sorted(out.glob("*.rows"))}
+
+
+@pytest.mark.parametrize("loop", list(_LOOP_FACTORIES))
+def test_ctrl_z_stops_the_workers_with_the_agent_and_fg_continues_them(
+    tmp_path: Path, loop: str
+) -> None:
+    out = tmp_path / "rows"
+    out.mkdir()
+    master, slave = pty.openpty()
+    env = {**os.environ, "AIOPROC_LOOP": loop, "PYTHONPATH": REPO_ROOT, "TERM": "dumb"}
+    argv = [sys.executable, "-m", "aioproc", "run", "--nproc-per-node", "2", "--no-live"]
+    argv += ["--log-dir", str(tmp_path / "logs"), ROWS_WORKER, str(out)]
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _SHELL, *argv],
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env=env,
+            start_new_session=True,
+        )
+    finally:
+        os.close(slave)
+    drawn = bytearray()
+
+    def drain() -> None:  # what the terminal shows, so no write ever blocks
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            drawn.extend(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    agent = 0
+    try:
+        _wait_for("both workers' rows", lambda: len(_rows(out)) == 2)
+        agent = int(bytes(drawn).split(b"job ", 1)[1].split()[0])
+        workers = _workers(agent)
+        assert len(workers) == 2
+        os.write(master, b"\x1a")  # Ctrl-Z: the terminal sends SIGTSTP
+        _wait_for("the agent to stop", lambda: _state(agent) == "T")
+        _wait_for("the shell to say so", lambda: b"Stopped" in drawn)
+        _wait_for("the workers to stop", lambda: {_state(w) for w in workers} == {"T"})
+        stopped = _rows(out)
+        time.sleep(0.5)  # ~25 rows each if they still ran
+        assert _rows(out) == stopped
+        os.killpg(agent, signal.SIGCONT)  # what `fg` sends
+        _wait_for(
+            "the rows to grow again",
+            lambda: all(n > stopped[name] + 5 for name, n in _rows(out).items()),
+        )
+        assert _state(agent) != "T"
+        os.kill(agent, signal.SIGTERM)
+        assert proc.wait(20) == 128 + signal.SIGTERM
+        assert all(not os.path.exists(f"/proc/{w}") for w in workers)
+    finally:
+        if proc.poll() is None:
+            for pid in (agent, proc.pid):
+                if pid:
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait()
+        os.close(master)
+        reader.join(5)
