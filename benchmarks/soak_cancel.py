@@ -231,6 +231,43 @@ def aioproc_temp_dirs(tmpdir: str) -> set[str]:
 
 
 @dataclass
+class Baseline:
+    """What the soak process held before its first iteration: fds, threads, temp dirs.
+
+    ``count`` adds what an iteration left on top of it to ``out`` and takes
+    it into the baseline, so that one leak is counted once.
+    """
+
+    tmp: str
+    fds: set[int] = field(default_factory=open_fds)
+    threads: int = field(default_factory=threading.active_count)
+    dirs: set[str] = field(default_factory=set)
+
+    def count(self, out: Any, where: str) -> None:
+        """Add this iteration's leftovers to ``out`` (``fds``, ``threads``,
+        ``temp_dirs`` and ``details``, as both soaks' ``Leftovers`` have)."""
+        fds = open_fds() - self.fds
+        if fds:
+            out.fds += len(fds)
+            out.details.append(
+                f"{where}: fds left open: "
+                + ", ".join(f"{fd}->{fd_target(fd)}" for fd in sorted(fds))
+            )
+            self.fds |= fds
+        threads = threading.active_count() - self.threads
+        if threads > 0:
+            out.threads += threads
+            names = [t.name for t in threading.enumerate()]
+            out.details.append(f"{where}: {threads} extra thread(s): {names}")
+            self.threads += threads
+        dirs = aioproc_temp_dirs(self.tmp) - self.dirs
+        if dirs:
+            out.temp_dirs += len(dirs)
+            out.details.append(f"{where}: temp dirs left: {sorted(dirs)}")
+            self.dirs |= dirs
+
+
+@dataclass
 class Leftovers:
     """What the soak found left behind, per kind, with one line per finding."""
 
@@ -384,9 +421,7 @@ async def soak(
         try:
             await warm_up()
             base_children = child_pids()
-            base_fds = open_fds()
-            base_threads = threading.active_count()
-            base_dirs: set[str] = set()
+            baseline = Baseline(tmp)
             for i in range(iterations):
                 phase = rng.choice(phases)
                 if len(kinds) == 1:
@@ -415,25 +450,7 @@ async def soak(
                 key = f"{phase}/{kind}: {outcome}"
                 out.outcomes[key] = out.outcomes.get(key, 0) + 1
                 await _count(out, where, mark, report, pids, base_children)
-                fds = open_fds() - base_fds
-                if fds:
-                    out.fds += len(fds)
-                    out.details.append(
-                        f"{where}: fds left open: "
-                        + ", ".join(f"{fd}->{fd_target(fd)}" for fd in sorted(fds))
-                    )
-                    base_fds |= fds
-                threads = threading.active_count() - base_threads
-                if threads > 0:
-                    out.threads += threads
-                    names = [t.name for t in threading.enumerate()]
-                    out.details.append(f"{where}: {threads} extra thread(s): {names}")
-                    base_threads += threads
-                dirs = aioproc_temp_dirs(tmp) - base_dirs
-                if dirs:
-                    out.temp_dirs += len(dirs)
-                    out.details.append(f"{where}: temp dirs left: {sorted(dirs)}")
-                    base_dirs |= dirs
+                baseline.count(out, where)
                 if log is not None and (i + 1) % 50 == 0:
                     log(f"  ... {i + 1} iterations, {out.total()} leftovers")
         finally:

@@ -50,7 +50,6 @@ import random
 import signal
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Awaitable, Callable
@@ -68,11 +67,9 @@ if CHILDREN_DIR not in sys.path:
 import fork_fault_funcs  # noqa: E402
 from _util import child_pids, run_on  # noqa: E402
 from soak_cancel import (  # noqa: E402
-    aioproc_temp_dirs,
+    Baseline,
     describe,
-    fd_target,
     kill_all,
-    open_fds,
     running,
     wait_exited,
 )
@@ -374,9 +371,7 @@ async def soak(
         try:
             await warm_up()
             base_children = child_pids()
-            base_fds = open_fds()
-            base_threads = threading.active_count()
-            base_dirs: set[str] = set()
+            baseline = Baseline(tmp)
             for i in range(iterations):
                 mode = rng.choice(modes)
                 report = os.path.join(workdir, f"report-{i}")
@@ -399,25 +394,7 @@ async def soak(
                 key = f"{mode}: {outcome}"
                 out.outcomes[key] = out.outcomes.get(key, 0) + 1
                 await _count(out, where, report, base_children)
-                fds = open_fds() - base_fds
-                if fds:
-                    out.fds += len(fds)
-                    out.details.append(
-                        f"{where}: fds left open: "
-                        + ", ".join(f"{fd}->{fd_target(fd)}" for fd in sorted(fds))
-                    )
-                    base_fds |= fds
-                threads = threading.active_count() - base_threads
-                if threads > 0:
-                    out.threads += threads
-                    names = [t.name for t in threading.enumerate()]
-                    out.details.append(f"{where}: {threads} extra thread(s): {names}")
-                    base_threads += threads
-                dirs = aioproc_temp_dirs(tmp) - base_dirs
-                if dirs:
-                    out.temp_dirs += len(dirs)
-                    out.details.append(f"{where}: temp dirs left: {sorted(dirs)}")
-                    base_dirs |= dirs
+                baseline.count(out, where)
                 if log is not None and (i + 1) % 50 == 0:
                     log(f"  ... {i + 1} iterations, {out.total()} leftovers")
         finally:
