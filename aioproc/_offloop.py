@@ -5,7 +5,7 @@ pipe), which on a busy machine can take a scheduler slice or more per
 worker; making a group's log tree (one directory per rank) and pruning it,
 and scanning ``/proc`` for what is left in stopped groups, cost milliseconds
 per hundred workers.  Run on the loop, each of these held it far longer
-than a service embedding aioproc can afford (issue 12's P7: no callback
+than a service embedding aioproc can afford (no callback should hold it
 over 5 ms).  They run here instead, in order, on one thread that exists
 only while some start or stop holds it: the supervisor's thread count does
 not grow with its workers, and an idle supervisor has no extra thread.

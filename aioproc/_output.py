@@ -45,7 +45,7 @@ reading paused until its last slice is out.  What bounds an iteration is
 ``SLICE_BUDGET``; a slice only adds its own time beyond it (~0.1 ms of
 splitting and writing on a slow host).  Each slice also pays a fixed cost
 per sink call: 8 KiB slices took 1.6x the parent CPU of 32 KiB ones
-through a 64 MB tee (P4), for no smaller stall."""
+through a 64 MB tee, for no smaller stall."""
 
 SLICE_BUDGET = 0.0005
 """Seconds of slices run per loop iteration, every stream of every group

@@ -316,7 +316,7 @@ class PContext:
         try:
             # building the group (the constructor's checks), the checks below
             # and what follows each take a millisecond or two for hundreds of
-            # ranks: not in one callback (see P7)
+            # ranks: not in one callback, which would stall the host's loop
             await asyncio.sleep(0)  # a turn for the loop, not a wait for a state
             # everything that can reject the input runs before anything is created
             check_start(self.entrypoint, self.args, self.envs, self.logs_specs)

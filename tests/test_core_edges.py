@@ -1,10 +1,10 @@
-"""The supervisor at its edges: issue 8's numbered findings on the core, one test each.
+"""The supervisor at its edges: one test per way a hostile user broke the core.
 
 Each test attacks the public API (``start_processes``, ``PContext``,
 ``async with``) the way a service embedding aioproc would meet it: pid reuse,
 cancellation and ``close()`` at awkward moments, a helper process that needs
 its grace period, ``wait()`` without ``close()``, a killed guardian, a foreign
-SIGCHLD reaper.  The number in each test's docstring is the finding's.
+SIGCHLD reaper.
 
 Pid reuse is forced, not waited for: as root, writing ``N - 1`` to
 ``/proc/sys/kernel/ns_last_pid`` makes the next fork get pid ``N`` if it is
@@ -144,14 +144,14 @@ def fault_worker(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     return importlib.import_module("fault_worker")
 
 
-# ------------------------------------------------------------- 1. pid reuse
+# ------------------------------------------------------------- pid reuse
 
 
 @needs_pid_forcing
 async def test_close_never_signals_a_stranger_that_took_an_exited_workers_pid(
     strangers: list[subprocess.Popen[bytes]],
 ) -> None:
-    """1: close() signals a worker's group only while the group is provably the worker's."""
+    """``close()`` signals a worker's group only while the group is provably the worker's."""
     for _ in range(5):
         pc = await aioproc.start_processes("reuse", "/bin/true", {0: ()}, envs(1))
         try:
@@ -184,7 +184,7 @@ async def test_close_never_signals_a_stranger_that_took_an_exited_workers_pid(
 async def test_guardian_never_kills_a_stranger_that_took_an_exited_workers_pid(
     tmp_path: Path, strangers: list[subprocess.Popen[bytes]]
 ) -> None:
-    """1: a supervisor SIGKILL makes the guardian kill only groups that are still the workers'."""
+    """A supervisor SIGKILL makes the guardian kill only groups that are still the workers'."""
     async with Fifo(tmp_path / "status") as status:
         sup = subprocess.Popen(
             [sys.executable, SUPERVISOR, "reuse", loop_kind(), status.path],
@@ -214,11 +214,11 @@ async def test_guardian_never_kills_a_stranger_that_took_an_exited_workers_pid(
     )
 
 
-# ------------------------------------------- 2. cancelling a start mid-launch
+# ------------------------------------------- cancelling a start mid-launch
 
 
 async def test_cancelling_start_at_random_points_kills_whole_groups() -> None:
-    """2: a start cancelled while launching leaves no worker and no grandchild."""
+    """A start cancelled while launching leaves no worker and no grandchild."""
     found = await soak_cancel.soak(
         12,
         SEED,
@@ -229,11 +229,11 @@ async def test_cancelling_start_at_random_points_kills_whole_groups() -> None:
     assert found.total() == 0, f"seed {SEED}: {found.summary()}\n" + "\n".join(found.details)
 
 
-# ------------------------------------------------- 6. close() racing start()
+# ------------------------------------------------- close() racing start()
 
 
 async def test_close_while_start_is_launching_stops_everything_truthfully() -> None:
-    """6: close() during start() stops launching, stops what was launched, and reports
+    """``close()`` during start() stops launching, stops what was launched, and reports
     ranks that never started differently from ranks it killed."""
     seen: dict[int, int] = {}
     launched = 0
@@ -299,7 +299,7 @@ async def test_close_while_start_is_launching_stops_everything_truthfully() -> N
 async def test_close_before_the_log_tree_is_made_launches_nothing(
     kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """6: a close() that comes while start() makes the log tree (its first
+    """A close() that comes while start() makes the log tree (its first
     await) returns with no worker ever started, leaves no temp dir, and
     start() then returns with every rank reported as never started."""
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
@@ -332,7 +332,7 @@ async def test_close_before_the_log_tree_is_made_launches_nothing(
 async def test_a_cancelled_close_during_the_log_tree_step_still_finishes_the_stop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """6: close() is shielded from the start: cancelled while start() makes
+    """``close()`` is shielded from the start: cancelled while start() makes
     the log tree, it re-raises only once the group is closed and gone."""
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     before = child_pids()
@@ -354,7 +354,7 @@ async def test_a_cancelled_close_during_the_log_tree_step_still_finishes_the_sto
 async def test_concurrent_close_calls_return_only_when_everything_is_stopped(
     tmp_path: Path,
 ) -> None:
-    """6: a second close() while the first is stopping waits for it, and neither
+    """A second close() while the first is stopping waits for it, and neither
     returns before every worker has exited."""
     n = 4
     async with Fifo(tmp_path / "fifo") as fifo:
@@ -382,11 +382,11 @@ async def test_concurrent_close_calls_return_only_when_everything_is_stopped(
     assert result.return_values == dict.fromkeys(range(n))
 
 
-# ---------------------------------------------- 7. descendants get the grace
+# ---------------------------------------------- descendants get the grace
 
 
 async def test_descendants_of_exited_leaders_get_the_grace_period(tmp_path: Path) -> None:
-    """7: a helper that traps SIGTERM to flush gets the rest of close()'s timeout,
+    """A helper that traps SIGTERM to flush gets the rest of close()'s timeout,
     even though its leader exited at once."""
     done = tmp_path / "flushed"
     helper = 0
@@ -418,14 +418,14 @@ async def test_descendants_of_exited_leaders_get_the_grace_period(tmp_path: Path
     assert result.failures[0].exitcode == -signal.SIGTERM
 
 
-# ---------------------------------------------------- 11. wait() then no close()
+# ---------------------------------------------------- wait() then no close()
 
 
 @pytest.mark.parametrize("kind", ["binary", "function"])
 async def test_wait_on_a_finished_group_releases_guardian_and_pipes(
     kind: str, tmp_path: Path, fault_worker: types.ModuleType
 ) -> None:
-    """11: torch closes in wait(): once wait() has the result of a finished group,
+    """torch closes in ``wait()``: once wait() has the result of a finished group,
     no helper process (guardian) and no pipe of the group is left."""
     await warm_up()  # the loop's own lazily opened fds are not the group's
     entry: Any
@@ -464,7 +464,7 @@ async def test_wait_on_a_finished_group_releases_guardian_and_pipes(
 
 
 async def test_a_started_pcontext_works_as_async_context_manager() -> None:
-    """11: ``pc = await start_processes(...)`` then ``async with pc:`` closes it on exit."""
+    """``pc = await start_processes(...)`` then ``async with pc:`` closes it on exit."""
     pc = await aioproc.start_processes("ctx", "sleep", {0: ("1000",), 1: ("1000",)}, envs(2))
     try:
         async with pc as same:
@@ -481,13 +481,13 @@ async def test_a_started_pcontext_works_as_async_context_manager() -> None:
     }
 
 
-# ------------------------------------------------------ 17. smaller findings
+# --------------------------------------------------------------- smaller edges
 
 
 async def test_killed_guardian_is_noticed_and_a_supervisor_sigkill_still_kills_workers(
     tmp_path: Path,
 ) -> None:
-    """17: a guardian killed from outside is noticed and replaced: when the
+    """A guardian killed from outside is noticed and replaced: when the
     supervisor is SIGKILLed later, the workers of the group it was guarding die too."""
     mark = "guardian-" + os.urandom(8).hex()
     report = str(tmp_path / "report")
@@ -581,7 +581,7 @@ async def _reaped_behind_aiprocs_back(
 
 
 async def test_foreign_sigchld_reaper_is_explained(tmp_path: Path) -> None:
-    """17: when something else reaped a worker, the failure says so instead of
+    """When something else reaped a worker, the failure says so instead of
     passing a made-up status off as the worker's."""
     pc, reaper, pid = await _reaped_behind_aiprocs_back(tmp_path)
     try:
@@ -602,7 +602,7 @@ async def test_foreign_sigchld_reaper_is_explained(tmp_path: Path) -> None:
 async def test_foreign_reaped_worker_pid_is_never_signalled(
     tmp_path: Path, strangers: list[subprocess.Popen[bytes]]
 ) -> None:
-    """17: a worker reaped by someone else is gone for good: its pid, reused by a
+    """A worker reaped by someone else is gone for good: its pid, reused by a
     stranger, is never signalled by aioproc."""
     pc, reaper, pid = await _reaped_behind_aiprocs_back(tmp_path)
     try:

@@ -1,4 +1,4 @@
-"""Failures point at the evidence, and nothing litters (issue 14).
+"""Failures point at the evidence, and nothing litters.
 
 A failed group's summary names the failing rank's log files and the run's
 log dir; a run without ``log_dir`` leaves its private temp dir only when it
