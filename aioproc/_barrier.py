@@ -1,9 +1,9 @@
 """The barrier of a group of function workers, and the supervisor's other requests.
 
-A worker that calls ``barrier()`` sends ARRIVE on its private control channel
-and blocks until RELEASE comes: it reads the channel itself, or in a cluster
-run its lifeline thread reads it and wakes it (see ``_bootstrap``).  The
-supervisor side is a ``ControlHub``: every worker of the group (a rank of a
+A worker that calls ``barrier()`` (``_child.barrier``) sends ARRIVE on its
+private control channel and blocks until RELEASE comes: it reads the channel
+itself, or in a cluster run its lifeline thread reads it and wakes it (see
+``_child.main``).  The supervisor side is a ``ControlHub``: every worker of the group (a rank of a
 ``PContext``, or a task of a cluster run whose tasks are groups of their own)
 is a *member* known by a key.  When ``parties`` members have arrived, each of
 them is sent an empty RELEASE and the next generation begins.  No Manager
@@ -25,33 +25,12 @@ are never sent DUMP.
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Callable, Hashable
-from typing import Any
 
-from . import _wire
 from ._channel import Channel
+from ._child import wire as _wire
 
-__all__ = ["ControlHub", "barrier"]
-
-
-def barrier() -> None:
-    """Wait inside a worker until every worker of its group called ``barrier()``.
-
-    The group is the cluster run (all the tasks of its cluster spec) or the
-    ``run``/``start_processes`` group (all its ranks).  Reusable: the n-th
-    call of every worker meets the n-th call of the others.
-
-    Raises:
-        RuntimeError: called outside a function worker started by aioproc
-            (in the supervisor, or in a persistent/pool worker).
-        threading.BrokenBarrierError: a worker of the group ended without
-            reaching the barrier; the message names it.
-    """
-    boot: Any = sys.modules.get("aioproc._bootstrap")
-    if boot is None:
-        from . import _bootstrap as boot
-    boot.barrier_wait()
+__all__ = ["ControlHub"]
 
 
 class _Member:

@@ -1,4 +1,4 @@
-"""Parent half of a function worker's control channel (see ``_wire``).
+"""Parent half of a function worker's control channel (see ``_child.wire``).
 
 The parent's end of the socketpair is driven by a ``BufferedProtocol``.  It
 reads into a 64 KiB buffer and delivers every whole frame found there, so a
@@ -18,7 +18,7 @@ either, so its launcher's ``on_error`` SIGKILLs its group (see ``_launch``);
 a persistent worker busy in a call does not read the channel, so its owner
 must stop waiting and kill it (see ``worker``).
 
-Large values travel in shared memory (see ``_shm``): their memfds come on a
+Large values travel in shared memory (see ``_child.shm``): their memfds come on a
 second socket, the fd socket, which the channel owns and closes with the
 connection (the kernel then drops any fd still queued on it).  When a RESULT
 frame whose body is SHM completes, its memfd is mapped before the frame is
@@ -35,7 +35,8 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import cast
 
-from . import _shm, _wire
+from ._child import shm as _shm
+from ._child import wire as _wire
 from ._drain import ReadProgress
 from .errors import BrokenWorkerError
 
@@ -43,7 +44,7 @@ FrameHandler = Callable[[int, bytearray], None]
 ErrorHandler = Callable[[BrokenWorkerError], None]
 
 _HEADER = struct.Struct(">BQ")
-"""``_wire``'s frame header (kind, body length): one C call to parse or build
+"""``_child.wire``'s frame header (kind, body length): one C call to parse or build
 it, where the child, which imports no ``struct``, slices and converts."""
 assert _HEADER.size == _wire.HEADER_SIZE
 _SHM_BYTE = _wire.SHM[0]
@@ -227,7 +228,7 @@ class Channel:
                 allocating.  Default: ``_wire.MAX_FRAME_SIZE`` (1 GiB), read
                 at each call, as ``_boot.init_frame`` does for the worker.
             fd_socket: the parent's end of the worker's fd socket (see
-                ``_shm``); the channel owns it from now on.  None: large
+                ``_child.shm``); the channel owns it from now on.  None: large
                 values travel in the frames.
 
         Raises:

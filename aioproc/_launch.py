@@ -7,7 +7,7 @@ boot code and the given frames are queued; the worker runs no user code
 before they arrive.  Callers supply what differs (streams, tees, the frame
 handler and frames); this module never reaches back into them.
 
-Where memfds exist, each worker also gets an fd socket (see ``_shm``) for
+Where memfds exist, each worker also gets an fd socket (see ``_child.shm``) for
 values in shared memory; its number reaches the worker in a FD_SOCKET frame
 sent before the caller's frames.
 """
@@ -22,9 +22,10 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
-from . import _shm, _wire
 from ._boot import boot_argv, boot_blob
 from ._channel import Channel
+from ._child import shm as _shm
+from ._child import wire as _wire
 from ._output import TeeProtocol
 from ._shield import shielded
 from ._spawn import Child, spawn

@@ -15,8 +15,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from . import _wire
 from ._boot import rebuild_exception
+from ._child import wire as _wire
 from ._spawn import Child
 from .errors import ProcessFailure
 from .results import RunProcsResult

@@ -16,8 +16,9 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any, TypeAlias
 
-from . import _shm, _wire
 from ._boot import CallEncoder, init_frame
+from ._child import shm as _shm
+from ._child import wire as _wire
 from ._launch import launch_function
 from ._output import TeeProtocol
 from ._script import ScriptCommand, script_commands
@@ -75,7 +76,7 @@ class RankLauncher:
         ``lifeline``: whether each worker reads its channel with a thread of
         its own (see ``_boot.init_frame``).
 
-        Large arguments are written to shared memory now (see ``_shm``); the
+        Large arguments are written to shared memory now (see ``_child.shm``); the
         launcher keeps those memfds until the rank is launched, or until
         ``discard_segments`` for ranks that never are.
         """

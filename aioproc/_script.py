@@ -5,7 +5,7 @@ a module, ``sys.executable [-u] script.py args`` or ``sys.executable [-u]
 -m module args`` (what ``aioproc run`` starts), can be forked from the
 template with ``start_method="forkserver"``: exec'ing would discard the
 template, so the forked worker runs the script itself, as that command line
-would (``_script_child.run_script``).  Any other command line is spawned.
+would (``_child.script.run_script``).  Any other command line is spawned.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A template is a fresh ``sys.executable`` in a session of its own that has
 imported the modules the user named (``preload``) and forks function workers
-on request (its side: ``_template_child``).  One template serves every group,
+on request (its side: ``_child.template``).  One template serves every group,
 worker and pool of this supervisor process that asks for the same preload
 set at the same time: each holds a *lease* (``acquire``/``release``), and
 the last release closes it.  An agent or a pool holds a lease for its whole
@@ -125,13 +125,13 @@ class TemplateLost(TemplateError):
 
 @functools.cache
 def _source() -> str:
-    return (Path(__file__).parent / "_template_child.py").read_text()
+    return (Path(__file__).parent / "_child" / "template.py").read_text()
 
 
 @functools.cache
 def _script_runner() -> bytes:
-    """``_script_child`` compiled and marshalled: the template builds it once."""
-    path = Path(__file__).parent / "_script_child.py"
+    """``_child.script`` compiled and marshalled: the template builds it once."""
+    path = Path(__file__).parent / "_child" / "script.py"
     return marshal.dumps(compile(path.read_text(), str(path), "exec"))
 
 
@@ -599,7 +599,7 @@ class Template:
 
 
 _GO = b"g"
-"""What a worker's gate is told (``_template_child.GO``)."""
+"""What a worker's gate is told (``_child.template.GO``)."""
 
 
 def _children() -> set[int]:

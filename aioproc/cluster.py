@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ._barrier import barrier as barrier
+from ._child.barrier import barrier as barrier
 from ._cluster import DEFAULT_TIMEOUT
 from ._cluster import ClusterRunner as ClusterRunner
 from ._cluster_result import MultiProcessRunnerResult as MultiProcessRunnerResult

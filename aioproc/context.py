@@ -34,9 +34,10 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from . import _lifeline, _template, _wire
+from . import _lifeline, _template
 from ._barrier import ControlHub
 from ._binspawn import name_fd_limit
+from ._child import wire as _wire
 from ._console import release_consoles
 from ._loops import check_loop
 from ._offloop import Batched, helper, run_blocking

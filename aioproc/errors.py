@@ -42,8 +42,8 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-from aioproc import _errorfile
-from aioproc._errorfile import MAX_ERROR_FILE_SIZE
+from aioproc._child import errorfile as _errorfile
+from aioproc._child.errorfile import MAX_ERROR_FILE_SIZE
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs workers
 if TYPE_CHECKING:

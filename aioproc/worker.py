@@ -22,9 +22,11 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import _lifeline, _shm, _template, _wire
+from . import _lifeline, _template
 from ._boot import CallEncoder, init_frame, rebuild_exception
 from ._channel import Channel
+from ._child import shm as _shm
+from ._child import wire as _wire
 from ._cm import OpenResource
 from ._launch import Frame, launch_function
 from ._loops import check_loop

@@ -4,7 +4,7 @@ and after the template's huge-page collapse.
 Imports the modules named (default: torch), freezes the collector as the
 forkserver template does, then times ``N`` bare ``os.fork()`` + ``os._exit(0)``
 from this process, as every forked worker begins and ends; then collapses the
-anonymous memory exactly as the template does (``_template_child._collapse``)
+anonymous memory exactly as the template does (``_child.template._collapse``)
 and times them again.  Per fork: the parent's CPU (the page-table copy, what
 the template pays), the child's CPU (its at-fork hooks, and the teardown of
 its page tables at exit), and how much anonymous memory is mapped by 4 KiB
@@ -84,7 +84,7 @@ def main() -> None:
     p.add_argument("modules", nargs="*", default=["torch"])
     args = p.parse_args()
     sys.path.insert(0, os.path.dirname(HERE))  # the aioproc checkout
-    from aioproc import _template_child
+    from aioproc._child import template as _template_child
 
     for name in args.modules:
         importlib.import_module(name)

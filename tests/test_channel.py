@@ -27,8 +27,10 @@ import pytest
 from helpers import CHILDREN_DIR, pid_gone
 
 import aioproc
-from aioproc import BrokenWorkerError, ChildFailedError, _shm, _wire, open_worker
+from aioproc import BrokenWorkerError, ChildFailedError, open_worker
 from aioproc._channel import Channel
+from aioproc._child import shm as _shm
+from aioproc._child import wire as _wire
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -264,7 +266,7 @@ class _StrictPoller:
 def test_persistent_worker_waits_in_poll_only_when_nothing_is_buffered(
     raw_pair: tuple[socket.socket, socket.socket],
 ) -> None:
-    # A persistent worker waits for requests in poll() (see _bootstrap._serve):
+    # A persistent worker waits for requests in poll() (see _child.main._serve):
     # frames that came in the same read are served without waiting again.
     parent, child = raw_pair
     fd = child.fileno()

@@ -1,4 +1,4 @@
-"""Large values out of band: protocol-5 buffers in shared memory (``_shm``, ``_wire``).
+"""Large values out of band: protocol-5 buffers in shared memory (``_child.shm``, ``_child.wire``).
 
 Values of ``SHM_MIN`` bytes or more cross in a sealed memfd passed beside the
 frame; the receiver's arrays and memoryviews view its mapping.  Values with
@@ -24,8 +24,10 @@ from helpers import CHILDREN_DIR
 from proc_utils import Fifo
 
 import aioproc
-from aioproc import BrokenWorkerError, WorkerProcess, _shm, _wire, open_pool, open_worker
+from aioproc import BrokenWorkerError, WorkerProcess, open_pool, open_worker
 from aioproc._channel import Channel
+from aioproc._child import shm as _shm
+from aioproc._child import wire as _wire
 
 MiB = 1 << 20
 SIZES = [100, 200 * 1024, 2 * MiB + 3, 9 * MiB]  # in-band, in the frame, shared memory

@@ -505,7 +505,7 @@ async def test_an_unreadable_error_file_is_reported_with_the_failure(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The supervisor's read (on its helper thread) fails: the failure says so, and why."""
-    from aioproc import _errorfile
+    from aioproc._child import errorfile as _errorfile
 
     def denied(name: str, *args: object) -> tuple[bytes, int]:
         raise PermissionError(13, "Permission denied", name)

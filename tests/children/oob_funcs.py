@@ -54,7 +54,8 @@ def announce_then_block(ready: str, value: Any = None) -> None:
 
 def send_fd_then_block(ready: str, size: int) -> None:
     """Pass a memfd to the supervisor as a large result would, then hang before the frame."""
-    from aioproc import _bootstrap, _shm
+    from aioproc._child import main as _bootstrap
+    from aioproc._child import shm as _shm
 
     assert _bootstrap._FD_SOCKET is not None
     segment = _shm.Segment.create(size, [b"\0" * size], [])

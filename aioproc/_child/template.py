@@ -32,7 +32,7 @@ worker's pid and the guardian knows it; EOF instead (the supervisor gave
 the request up, or died) ends the worker before it runs anything of the
 user's.  Then a fresh ``__main__`` and the same boot code as a spawned
 worker (the rest arrives over the channel), or the script, as ``python
-[-u] script args`` would (``_script_child``).  A worker that failed to set
+[-u] script args`` would (``_child.script``).  A worker that failed to set
 itself up also waits for its gate before it exits: until the supervisor
 lets go of it, every process the template forked is alive or killed by the
 supervisor, so an abandoned one is always found and reaped (see
@@ -308,16 +308,16 @@ def _load_boot(blob: bytes) -> Callable[[int], None]:
     has them before it runs user code.
     """
     wire_code, boot_code, load_code = marshal.loads(blob)
-    wire = type(sys)("aioproc._wire")
+    wire = type(sys)("aioproc._child.wire")
     exec(wire_code, wire.__dict__)
-    boot = type(sys)("aioproc._bootstrap")
+    boot = type(sys)("aioproc._child.main")
     boot._wire = wire  # type: ignore[attr-defined]
     exec(boot_code, boot.__dict__)
-    load = type(sys)("aioproc._funcload")
+    load = type(sys)("aioproc._child.funcload")
     exec(load_code, load.__dict__)
-    sys.modules["aioproc._wire"] = wire
-    sys.modules["aioproc._bootstrap"] = boot
-    sys.modules["aioproc._funcload"] = load
+    sys.modules["aioproc._child.wire"] = wire
+    sys.modules["aioproc._child.main"] = boot
+    sys.modules["aioproc._child.funcload"] = load
     main: Callable[[int], None] = boot.main
     return main
 
@@ -327,7 +327,7 @@ def serve(fd: int) -> tuple[Any, ...]:
 
     ``("boot", main, channel)`` for a function worker, or ``("script",
     run_script, command, path)`` for a Python script or module (see
-    ``_script_child``; ``path`` is this interpreter's own default
+    ``_child.script``; ``path`` is this interpreter's own default
     ``sys.path``, which a script's is made from).
     """
     default_path = list(sys.path)  # before INIT replaces it with the supervisor's
@@ -337,7 +337,7 @@ def serve(fd: int) -> tuple[Any, ...]:
         os._exit(0)
     sys.path[:] = init["sys_path"]
     boot_main = _load_boot(init["boot"])
-    runner = type(sys)("aioproc._script_child")
+    runner = type(sys)("aioproc._child.script")
     exec(marshal.loads(init["script"]), runner.__dict__)
     _OURS.append(runner.__dict__)  # its frames are cut from a script's traceback
     answer = _preload(init["preload"])
@@ -584,9 +584,9 @@ if __name__ == "__main__":
     del serve
     try:
         if _run[0] == "script":
-            _run[1](_run[2], _run[3], _main)  # _script_child.run_script
+            _run[1](_run[2], _run[3], _main)  # _child.script.run_script
         else:
-            _run[1](_run[2])  # the function worker's _bootstrap.main(channel)
+            _run[1](_run[2])  # the function worker's main.main(channel)
     except SystemExit as _e:
         _finish(_exit_code(_e))
     except BaseException as _e:

@@ -14,7 +14,7 @@ keeps big payloads (bytes, bytearrays) by reference, and contiguous buffers
 of ``OOB_MIN`` bytes or more (numpy arrays, ``PickleBuffer``, memoryviews)
 leave the stream as protocol-5 out-of-band buffers.  A value of ``SHM_MIN``
 bytes or more is written once into a sealed memfd passed beside the frame
-(SHM, see ``_shm``) and the receiver unpickles from a mapping of it, so its
+(SHM, see ``_child.shm``) and the receiver unpickles from a mapping of it, so its
 arrays view that memory; a value with out-of-band buffers that is smaller,
 or that cannot use a memfd, carries them after the stream in the frame
 itself (BUFFERS), where the receiver's arrays view the frame's buffer.
@@ -42,7 +42,7 @@ DUMP = 7  # dump every thread's stack (faulthandler); answered with STACKS
 # child -> parent
 PONG = 12
 RESULT = 10  # codec byte + the return value
-ERROR = 11  # pickled dict describing the exception (see _bootstrap.error_report)
+ERROR = 11  # pickled dict describing the exception (see main.error_report)
 ARRIVE = 13  # barrier: this worker waits at the group's barrier (empty body)
 STACKS = 14  # utf-8 faulthandler dump of every thread, answering DUMP
 
@@ -218,7 +218,7 @@ def pickle_parts(obj: Any, pickler: Any, segments: list[Any] | None) -> list[byt
     desc = marshal.dumps((end, sink.size, entries))
     head = len(desc).to_bytes(4, "big") + desc
     if segments is not None and size >= SHM_MIN:
-        from aioproc import _shm
+        from aioproc._child import shm as _shm
 
         if _shm.AVAILABLE:
             try:
@@ -388,7 +388,7 @@ def read_frame(fd: int, poller: Any = None) -> tuple[int, bytes | bytearray]:
 
     ``poller``: a ``select.poll`` object watching ``fd`` for input; when no
     bytes are buffered here, the wait for the frame happens in it rather
-    than in ``read`` (see ``_bootstrap._serve`` for why).
+    than in ``read`` (see ``main._serve`` for why).
     """
     global _pending
     if poller is not None and not _pending:

@@ -1,7 +1,7 @@
 """Worker half of ``_funcpickle``: rebuild functions that were pickled by value.
 
 The pickles ``_funcpickle`` writes reach these functions as attributes of
-``__import__("aioproc._funcload", fromlist=...)``; the boot code (``_boot``)
+``__import__("aioproc._child.funcload", fromlist=...)``; the boot code (``_boot``)
 registers this module under that name in every function worker, so
 unpickling finds it in ``sys.modules`` without importing the aioproc
 package, and a worker rebuilds a script's functions with the standard

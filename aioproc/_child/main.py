@@ -2,7 +2,7 @@
 
 The supervisor starts ``sys.executable -c <BOOT_CODE> <fd>`` (see ``_boot``)
 where ``fd`` is this worker's end of a socketpair.  Over it the child
-receives this module and ``_wire`` as compiled code, then INIT (the
+receives this module and ``_child.wire`` as compiled code, then INIT (the
 parent's ``sys.path``) and CALL (the function and its arguments), runs the
 function in the main thread and answers with RESULT or ERROR before exiting.
 
@@ -13,7 +13,7 @@ almost as fast as a bare interpreter.  A function importable by name with
 arguments and a result made of core types travels as ``marshal`` data, so
 such a worker never even imports ``pickle``; everything else is pickled
 (``_pickle``).  Functions that travel by value (lambdas, closures,
-``__main__`` functions) are rebuilt by ``_funcload`` (shipped like this
+``__main__`` functions) are rebuilt by ``_child.funcload`` (shipped like this
 module); cloudpickle is imported by the unpickler only for what
 ``_funcpickle`` leaves to it (classes defined in ``__main__``, for one).
 
@@ -39,8 +39,8 @@ import sys
 
 if "_wire" not in globals():
     # Imported normally.  When the supervisor ships this module as a code
-    # object (see ``_boot``), it pre-binds ``_wire`` so no package import runs.
-    from aioproc import _wire
+    # object (see ``_boot``), it pre-binds ``_child.wire`` so no package import runs.
+    from aioproc._child import wire as _wire
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -190,7 +190,7 @@ def _load_call(body: bytes | bytearray) -> tuple[Any, tuple[Any, ...], dict[str,
         if codec == _wire.SHM:
             if _FD_SOCKET is None:
                 raise RuntimeError("shared-memory arguments, but this worker has no fd socket")
-            from aioproc import _shm
+            from aioproc._child import shm as _shm
 
             mapping = _shm.worker_map(rest, _FD_SOCKET)
         args, kwargs = _wire.loads_oob(codec, rest, mapping)
@@ -198,7 +198,7 @@ def _load_call(body: bytes | bytearray) -> tuple[Any, tuple[Any, ...], dict[str,
 
 
 _FD_SOCKET: int | None = None
-"""This worker's end of its fd socket (see ``aioproc._shm``), from FD_SOCKET."""
+"""This worker's end of its fd socket (see ``aioproc._child.shm``), from FD_SOCKET."""
 
 
 def _encode(value: Any) -> tuple[list[bytes], list[Any] | None]:
@@ -210,7 +210,7 @@ def _encode(value: Any) -> tuple[list[bytes], list[Any] | None]:
 def _send_result(fd: int, parts: list[bytes], segments: list[Any] | None) -> None:
     """Write a RESULT frame, its memfds (if any) first on the fd socket."""
     if segments:
-        from aioproc import _shm
+        from aioproc._child import shm as _shm
 
         assert _FD_SOCKET is not None
         _shm.send(_shm.worker_socket(_FD_SOCKET), segments)
@@ -314,7 +314,7 @@ def _fail(fd: int, exc: BaseException, *, record: bool = True) -> NoReturn:
     import traceback
 
     if record and os.environ.get(ERROR_FILE_ENV):
-        from aioproc._errorfile import write_error_file
+        from aioproc._child.errorfile import write_error_file
 
         write_error_file(os.environ[ERROR_FILE_ENV], exc)
     try:

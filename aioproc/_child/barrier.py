@@ -1,0 +1,31 @@
+"""``barrier()``: the worker's side of its group's barrier (the hub: ``aioproc._barrier``).
+
+The worker sends ARRIVE on its control channel and blocks until RELEASE
+comes, in ``main.barrier_wait``; this module only finds the booted
+``main`` (registered under its name when the worker started) without
+importing anything else.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+def barrier() -> None:
+    """Wait inside a worker until every worker of its group called ``barrier()``.
+
+    The group is the cluster run (all the tasks of its cluster spec) or the
+    ``run``/``start_processes`` group (all its ranks).  Reusable: the n-th
+    call of every worker meets the n-th call of the others.
+
+    Raises:
+        RuntimeError: called outside a function worker started by aioproc
+            (in the supervisor, or in a persistent/pool worker).
+        threading.BrokenBarrierError: a worker of the group ended without
+            reaching the barrier; the message names it.
+    """
+    boot: Any = sys.modules.get("aioproc._child.main")
+    if boot is None:
+        from . import main as boot
+    boot.barrier_wait()

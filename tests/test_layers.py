@@ -1,0 +1,75 @@
+"""The house's walls, checked on the source: what runs inside a worker imports nothing of ours.
+
+``aioproc/_child/`` holds everything that runs inside a worker or the
+warm-start template.  A worker's start must not pay for asyncio, anyio or
+the supervisor's modules, and the template must stay safe to fork, so these
+modules import the standard library and ``_child`` only (every import
+counts: module-level, function-level and ``TYPE_CHECKING`` ones), with one
+exception: ``cloudpickle``, imported only to load a value pickled by it.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "aioproc"
+CHILD = PACKAGE / "_child"
+ALLOWED_THIRD_PARTY = {"cloudpickle"}
+
+
+def imported_modules(source: str, package: str) -> list[tuple[int, str]]:
+    """Every module ``source`` (a module of ``package``) imports, with its line.
+
+    Relative imports are resolved against ``package``; ``from pkg import x``
+    counts as ``pkg.x``, since ``x`` may be a submodule.
+    """
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = parts[: len(parts) - node.level + 1]
+                module = ".".join([*base, *([module] if module else [])])
+            found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def _allowed_in_child(name: str) -> bool:
+    if name.startswith("aioproc."):
+        return name.startswith("aioproc._child.")
+    top = name.split(".")[0]
+    return top in sys.stdlib_module_names or top in ALLOWED_THIRD_PARTY
+
+
+@pytest.mark.parametrize("path", sorted(CHILD.glob("*.py")), ids=lambda p: p.name)
+def test_child_modules_import_only_the_standard_library_and_child(path: Path) -> None:
+    wrong = [
+        f"{path.name}:{line}: {name}"
+        for line, name in imported_modules(path.read_text(), "aioproc._child")
+        if not _allowed_in_child(name)
+    ]
+    assert wrong == [], "imports outside the standard library and _child:\n" + "\n".join(wrong)
+
+
+def test_the_check_sees_function_level_and_type_checking_imports() -> None:
+    """The walk finds the imports a careless edit would add where they are least visible."""
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from ..context import PContext\n"
+        "def f():\n    import anyio\n    from . import wire\n"
+    )
+    names = [name for _, name in imported_modules(source, "aioproc._child")]
+    assert names == [
+        "typing.TYPE_CHECKING",
+        "aioproc.context.PContext",
+        "anyio",
+        "aioproc._child.wire",
+    ]
+    assert [_allowed_in_child(n) for n in names] == [True, False, False, True]
