@@ -29,6 +29,7 @@ import anyio
 import anyio.abc
 
 from ._barrier import ControlHub
+from ._base.shield import shielded
 from ._boot import CallEncoder
 from ._cluster_result import ClusterOutcomes, MultiProcessRunnerResult, TaskKey
 from ._cluster_task import (
@@ -41,7 +42,6 @@ from ._cluster_task import (
     will_restart,
 )
 from ._ranks import SinkLike, make_sinks
-from ._shield import shielded
 from ._tfconfig import assign_gpus, check_cluster_spec, tf_config, visible_gpus
 from ._validate import check_duration, check_env, check_signal
 from .agent.spec import RestartPolicy

@@ -22,12 +22,12 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
+from ._base.shield import shielded
 from ._boot import boot_argv, boot_blob
 from ._channel import Channel
 from ._child import shm as _shm
 from ._child import wire as _wire
 from ._output import TeeProtocol
-from ._shield import shielded
 from ._spawn import Child, spawn
 from .errors import BrokenWorkerError
 

@@ -8,7 +8,7 @@ the loop (``_exit``), which needs no thread per child, unlike asyncio's
 default child watcher on Python < 3.12; that is why workers are not started
 through ``loop.subprocess_exec``.
 
-The start runs on the helper thread (``_offloop``): it returns only once the
+The start runs on the helper thread (``_base.offloop``): it returns only once the
 child has exec'd, which on a busy machine held the loop for tens of
 milliseconds per worker.
 
@@ -40,11 +40,11 @@ from dataclasses import dataclass
 from typing import IO, Any, TypeVar
 
 from . import _binspawn, _lifeline
+from ._base.offloop import helper
+from ._base.shield import shielded
 from ._channel import Channel
 from ._exit import ExitWatcher, Proc
-from ._offloop import helper
 from ._output import TeeProtocol
-from ._shield import shielded
 
 
 class Child:

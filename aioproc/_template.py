@@ -69,13 +69,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from . import _lifeline
+from ._base.offloop import helper
+from ._base.shield import shielded
 from ._boot import boot_blob
 from ._channel import Channel
 from ._exit import ExitWatcher, PidProc
-from ._offloop import helper
 from ._output import TeeProtocol
 from ._script import ScriptCommand
-from ._shield import shielded
 from ._spawn import Child, adopt
 from .errors import RemoteTraceback
 

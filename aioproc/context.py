@@ -36,18 +36,18 @@ import anyio.abc
 
 from . import _lifeline, _template
 from ._barrier import ControlHub
+from ._base.loops import check_loop
+from ._base.offloop import Batched, helper, run_blocking
+from ._base.shield import shielded
 from ._binspawn import name_fd_limit
 from ._child import wire as _wire
 from ._console import release_consoles
-from ._loops import check_loop
-from ._offloop import Batched, helper, run_blocking
 from ._outcomes import NEVER_STARTED as NEVER_STARTED
 from ._outcomes import Outcomes
 from ._rankdirs import RankDirs
 from ._ranks import RankLauncher, SinkLike
 from ._ranks import make_sinks as _make_sinks
 from ._script import script_dirs
-from ._shield import shielded
 from ._shutdown import Deadline, stop_groups, warn_forced
 from ._spawn import Child
 from ._validate import START_METHODS as START_METHODS
@@ -329,7 +329,7 @@ class PContext:
             except BaseException:
                 self._ranks.discard_segments()  # large args in shared memory
                 raise
-            # the helper thread (see _offloop) is held until the launch is over
+            # the helper thread (see _base.offloop) is held until the launch is over
             with helper():
                 await self._start(payloads)
         finally:
@@ -348,7 +348,7 @@ class PContext:
             self._holding_guardian = True
             _lifeline.tidy_after_crash(specs.root_log_dir)
         try:
-            # a directory per rank: off the loop (see _offloop); in the
+            # a directory per rank: off the loop (see _base.offloop); in the
             # default layout, made while the first workers start
             if type(specs).reify is DefaultLogsSpecs.reify:
                 assert isinstance(specs, DefaultLogsSpecs)
@@ -594,7 +594,7 @@ class PContext:
                     if code != 0:
                         # read off the loop, capped (see errors.py), by a helper job
                         # that reads a burst of exits' files; results come back in
-                        # bounded batches (_offloop)
+                        # bounded batches (_base.offloop)
                         error_file = self.error_files.get(rank, "")
                         observed = time.time()  # orders the failure, as load() would
                         content = await _read_error_file(error_file)
@@ -844,7 +844,7 @@ class PContext:
         await _lifeline.settle()
 
     async def _shutdown(self, sig: int, timeout: float) -> None:
-        with helper():  # one helper thread for the whole shutdown (see _offloop)
+        with helper():  # one helper thread for the whole shutdown (see _base.offloop)
             await self._shutdown_held(sig, timeout)
 
     async def _shutdown_held(self, sig: int, timeout: float) -> None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from . import _template
-from ._cm import OpenResource
-from ._loops import check_loop
-from ._shield import shielded
+from ._base.loops import check_loop
+from ._base.resource import OpenResource
+from ._base.shield import shielded
 from ._validate import check_preload
 
 __all__ = ["Forkserver", "open_forkserver"]

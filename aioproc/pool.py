@@ -43,10 +43,10 @@ import anyio
 import anyio.abc
 
 from . import _template
-from ._cm import OpenResource
-from ._loops import check_loop
+from ._base.loops import check_loop
+from ._base.resource import OpenResource
+from ._base.shield import shielded
 from ._poolrecords import PoolCall, PoolStart, PoolStats
-from ._shield import shielded
 from ._template import Template, TemplateLost
 from ._tfconfig import ClusterSpec, worker_slots
 from ._validate import check_duration, check_env, check_preload, check_start_method

@@ -8,7 +8,7 @@ import signal
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ._cm import OpenResource
+from ._base.resource import OpenResource
 from ._ranks import SinkLike
 from ._validate import check_duration
 from .context import PContext, close_on_exit

@@ -23,15 +23,15 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import _lifeline, _template
+from ._base.loops import check_loop
+from ._base.resource import OpenResource
+from ._base.shield import shielded
 from ._boot import CallEncoder, init_frame, rebuild_exception
 from ._channel import Channel
 from ._child import shm as _shm
 from ._child import wire as _wire
-from ._cm import OpenResource
 from ._launch import Frame, launch_function
-from ._loops import check_loop
 from ._output import TeeProtocol
-from ._shield import shielded
 from ._shutdown import stop_groups, warn_forced
 from ._spawn import Child
 from ._template import Template

@@ -1,11 +1,13 @@
-"""The house's walls, checked on the source: what runs inside a worker imports nothing of ours.
+"""The house's walls, checked on the source: the wings at the bottom import nothing above them.
 
 ``aioproc/_child/`` holds everything that runs inside a worker or the
 warm-start template.  A worker's start must not pay for asyncio, anyio or
 the supervisor's modules, and the template must stay safe to fork, so these
-modules import the standard library and ``_child`` only (every import
-counts: module-level, function-level and ``TYPE_CHECKING`` ones), with one
+modules import the standard library and ``_child`` only, with one
 exception: ``cloudpickle``, imported only to load a value pickled by it.
+``aioproc/_base/`` (loop helpers, shielding, the helper thread) imports no
+other part of aioproc.  Every import counts: module-level, function-level
+and ``TYPE_CHECKING`` ones.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "aioproc"
 CHILD = PACKAGE / "_child"
+BASE = PACKAGE / "_base"
 ALLOWED_THIRD_PARTY = {"cloudpickle"}
 
 
@@ -56,6 +59,16 @@ def test_child_modules_import_only_the_standard_library_and_child(path: Path) ->
         if not _allowed_in_child(name)
     ]
     assert wrong == [], "imports outside the standard library and _child:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("path", sorted(BASE.glob("*.py")), ids=lambda p: p.name)
+def test_base_modules_import_no_other_wing(path: Path) -> None:
+    wrong = [
+        f"{path.name}:{line}: {name}"
+        for line, name in imported_modules(path.read_text(), "aioproc._base")
+        if name.startswith("aioproc.") and not name.startswith("aioproc._base.")
+    ]
+    assert wrong == [], "imports from outside _base:\n" + "\n".join(wrong)
 
 
 def test_the_check_sees_function_level_and_type_checking_imports() -> None:

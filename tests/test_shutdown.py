@@ -426,7 +426,7 @@ def test_error_files_read_together_as_one_by_one(tmp_path: Path) -> None:
 async def test_helper_results_reach_the_loop_a_bounded_batch_per_iteration() -> None:
     """A burst of finished helper jobs resumes at most ``Delivery.BATCH`` callers per
     loop iteration, in the order they were submitted, each with its own result."""
-    from aioproc import _offloop
+    from aioproc._base import offloop as _offloop
 
     loop = asyncio.get_running_loop()
     n = 5 * _offloop.Delivery.BATCH
@@ -467,7 +467,7 @@ async def test_helper_results_reach_the_loop_a_bounded_batch_per_iteration() -> 
 
 
 async def test_run_blocking_raises_what_the_job_raised() -> None:
-    from aioproc import _offloop
+    from aioproc._base import offloop as _offloop
 
     def fails() -> None:
         raise PermissionError(13, "Permission denied", "/x")
@@ -477,7 +477,7 @@ async def test_run_blocking_raises_what_the_job_raised() -> None:
 
 
 async def test_run_blocking_cancelled_finishes_the_job_then_raises() -> None:
-    from aioproc import _offloop
+    from aioproc._base import offloop as _offloop
 
     started = threading.Event()
     release = threading.Event()
@@ -582,7 +582,7 @@ async def test_group_members_lists_live_descendants_not_the_leader_nor_zombies()
 async def test_batched_calls_made_together_run_in_one_helper_job() -> None:
     """Many exits read their error files in one helper-thread job, not one job each;
     every caller gets its own result or exception."""
-    from aioproc import _offloop
+    from aioproc._base import offloop as _offloop
 
     threads: set[int] = set()
     jobs = 0
@@ -619,7 +619,7 @@ async def test_batched_calls_made_together_run_in_one_helper_job() -> None:
 def test_batched_works_in_a_child_forked_while_it_ran() -> None:
     """A process forked while a job ran must not wait for that job, which its
     child does not have."""
-    from aioproc import _offloop
+    from aioproc._base import offloop as _offloop
 
     batched = _offloop.Batched(lambda x: x + 1)
     release = threading.Event()

@@ -42,10 +42,10 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .. import _lifeline, _template
+from .._base.shield import shielded
 from .._ranks import SinkLike
 from .._ranks import make_sinks as _make_sinks
 from .._script import script_dirs
-from .._shield import shielded
 from .._validate import check_duration, check_path_name, check_preload, check_start_method
 from ..context import PContext, RunProcsResult, WorkerEvent
 from ..errors import ChildFailedError, ProcessFailure

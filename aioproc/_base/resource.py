@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Generator
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
-from ._loops import running_loop
+from .loops import running_loop
 
 T = TypeVar("T")
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
-from ._shield import shielded
+from .shield import shielded
 
 T = TypeVar("T")
 A = TypeVar("A")

@@ -1,0 +1,7 @@
+"""The ground floor: loop helpers, shielded cleanup, owned resources, the helper thread.
+
+Nothing here knows about processes or output: ``loops`` checks the running
+loop, ``shield`` runs cleanup through a cancellation, ``resource`` is the
+``await``/``async with`` shape of the handles users open, and ``offloop``
+is the one way blocking work leaves the loop.  No other wing is imported.
+"""
