@@ -37,7 +37,7 @@ from typing import cast
 
 from ._child import shm as _shm
 from ._child import wire as _wire
-from ._drain import ReadProgress
+from ._output.drain import ReadProgress
 from .errors import BrokenWorkerError
 
 FrameHandler = Callable[[int, bytearray], None]

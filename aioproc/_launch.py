@@ -27,7 +27,7 @@ from ._boot import boot_argv, boot_blob
 from ._channel import Channel
 from ._child import shm as _shm
 from ._child import wire as _wire
-from ._output import TeeProtocol
+from ._output.tee import TeeProtocol
 from ._spawn import Child, spawn
 from .errors import BrokenWorkerError
 

@@ -20,7 +20,7 @@ from ._boot import CallEncoder, init_frame
 from ._child import shm as _shm
 from ._child import wire as _wire
 from ._launch import launch_function
-from ._output import TeeProtocol
+from ._output.tee import TeeProtocol
 from ._script import ScriptCommand, script_commands
 from ._spawn import BinaryStart, Child, adopt, discard, spawn, spawn_binaries
 from .logs import LogsDest

@@ -44,7 +44,7 @@ from ._base.offloop import helper
 from ._base.shield import shielded
 from ._channel import Channel
 from ._exit import ExitWatcher, Proc
-from ._output import TeeProtocol
+from ._output.tee import TeeProtocol
 
 
 class Child:

@@ -74,7 +74,7 @@ from ._base.shield import shielded
 from ._boot import boot_blob
 from ._channel import Channel
 from ._exit import ExitWatcher, PidProc
-from ._output import TeeProtocol
+from ._output.tee import TeeProtocol
 from ._script import ScriptCommand
 from ._spawn import Child, adopt
 from .errors import RemoteTraceback

@@ -8,7 +8,7 @@ number of times) asks it to stop and waits until it has finished; the
 ``await`` and ``async with`` forms of ``start_processes`` are thin wrappers.
 
 A worker's exit (a pidfd, not polling) starts a watcher task, which waits
-for the bytes the worker wrote before exiting (``_drain``) and records the
+for the bytes the worker wrote before exiting (``_output.drain``) and records the
 outcome; the shutdown waits for the watchers, bounded.  The first
 failure makes the supervisor stop every other worker (all-or-nothing); the
 group's result is final when every rank is done.  ``close()`` stops whatever
@@ -41,9 +41,9 @@ from ._base.offloop import Batched, helper, run_blocking
 from ._base.shield import shielded
 from ._binspawn import name_fd_limit
 from ._child import wire as _wire
-from ._console import release_consoles
 from ._outcomes import NEVER_STARTED as NEVER_STARTED
 from ._outcomes import Outcomes
+from ._output.console import release_consoles
 from ._rankdirs import RankDirs
 from ._ranks import RankLauncher, SinkLike
 from ._ranks import make_sinks as _make_sinks

@@ -23,7 +23,7 @@ Console rendering (``ConsoleSink``):
 
 Writes to a console that can block (a pipe, a terminal, a socket) never block
 the event loop: they go through a bounded non-blocking buffer
-(``aioproc._console``).  When the console, the queue of an async
+(``aioproc._output.console``).  When the console, the queue of an async
 ``CallbackSink`` or an ``OutputStream`` falls behind, the output readers
 pause and the workers block on their own pipes (backpressure), so the
 supervisor's memory stays bounded; the log files still get every byte.
@@ -46,11 +46,12 @@ import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from typing import Any, NamedTuple, TextIO
+from typing import Any, TextIO
 
-from ._console import ConsoleWriter, Screen, console_write, release_consoles, safe_write
-from ._flow import STALL_WARNING, Flow, StallWatch, format_size
-from ._sinkops import LineQueue, discard, logger, report_sink_error
+from ._output.console import ConsoleWriter, Screen, console_write, release_consoles, safe_write
+from ._output.flow import STALL_WARNING, Flow, StallWatch, format_size
+from ._output.sink import OutputLine, Sink
+from ._output.sinkops import LineQueue, discard, logger, report_sink_error
 from ._validate import check_duration
 
 __all__ = [
@@ -70,37 +71,10 @@ _CANCEL_GRACE = 0.5
 """Seconds a sink's cancelled ``aclose()`` gets to unwind before it is left behind."""
 
 
-class OutputLine(NamedTuple):
-    """One line a worker wrote (without its newline)."""
-
-    rank: int
-    stream: str  # "stdout" or "stderr"
-    line: str
-    prefix: str
-
-    def render(self) -> str:
-        return f"{self.prefix}{self.line}"
-
-
-class Sink:
-    """Base class: override ``lines`` (and optionally ``status``, ``aclose``)."""
-
-    # the flow readers watch to pause while this sink's buffer is full (None: no buffer)
-    _backpressure: Flow | None = None
-
-    def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
-        """Receive complete lines of one worker stream, in order."""
-        raise NotImplementedError
-
-    def status(self, rank: int, stream: str, prefix: str, text: str | None) -> None:
-        """The current state of a progress bar; ``None`` when the stream ended."""
-
-    async def aclose(self) -> None:
-        """Flush and release resources; called when the group is closed."""
-
-    def _drop_pending(self) -> int:
-        """Drop what is still buffered; the number of lines lost (ever) not yet reported."""
-        return 0
+# defined with the output machinery (which must not import this module), and
+# shown, pickled and documented as this module's
+OutputLine.__module__ = __name__
+Sink.__module__ = __name__
 
 
 # ------------------------------------------------------------------ console

@@ -55,7 +55,7 @@ from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, TextIO, TypeVar
 
-from ._output import LineFramer
+from ._output.tee import LineFramer
 
 __all__ = ["LineSink", "TailLog"]
 
@@ -250,7 +250,7 @@ class TailLog:
     to its end first.  A line is written whole and once, with its rank's
     prefix, however the writer chunked it; a partial last line is held until
     its newline or until ``stop()``; a line longer than
-    ``aioproc._output.MAX_LINE`` bytes arrives in prefixed pieces; invalid
+    ``aioproc._output.tee.MAX_LINE`` bytes arrives in prefixed pieces; invalid
     UTF-8 becomes U+FFFD.  A path that is a directory (or cannot be opened)
     is logged as an error on the ``aioproc`` logger and skipped.  As in torch,
     a file is followed by the inode first opened: one replaced or truncated

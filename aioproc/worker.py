@@ -31,7 +31,7 @@ from ._channel import Channel
 from ._child import shm as _shm
 from ._child import wire as _wire
 from ._launch import Frame, launch_function
-from ._output import TeeProtocol
+from ._output.tee import TeeProtocol
 from ._shutdown import stop_groups, warn_forced
 from ._spawn import Child
 from ._template import Template

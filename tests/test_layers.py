@@ -6,7 +6,8 @@ the supervisor's modules, and the template must stay safe to fork, so these
 modules import the standard library and ``_child`` only, with one
 exception: ``cloudpickle``, imported only to load a value pickled by it.
 ``aioproc/_base/`` (loop helpers, shielding, the helper thread) imports no
-other part of aioproc.  Every import counts: module-level, function-level
+other part of aioproc, and ``aioproc/_output/`` (pipe bytes -> lines ->
+sinks) only ``_base`` and ``_child``.  Every import counts: module-level, function-level
 and ``TYPE_CHECKING`` ones.
 """
 
@@ -20,7 +21,6 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "aioproc"
 CHILD = PACKAGE / "_child"
-BASE = PACKAGE / "_base"
 ALLOWED_THIRD_PARTY = {"cloudpickle"}
 
 
@@ -61,14 +61,27 @@ def test_child_modules_import_only_the_standard_library_and_child(path: Path) ->
     assert wrong == [], "imports outside the standard library and _child:\n" + "\n".join(wrong)
 
 
-@pytest.mark.parametrize("path", sorted(BASE.glob("*.py")), ids=lambda p: p.name)
-def test_base_modules_import_no_other_wing(path: Path) -> None:
+# each wing above _child, and the parts of aioproc it may import (itself included)
+WINGS = {
+    "_base": ("_base",),
+    "_output": ("_output", "_base", "_child"),
+}
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(p for wing in WINGS for p in (PACKAGE / wing).glob("*.py")),
+    ids=lambda p: f"{p.parent.name}/{p.name}",
+)
+def test_wings_import_only_the_wings_below_them(path: Path) -> None:
+    wing = path.parent.name
+    below = tuple(f"aioproc.{w}." for w in WINGS[wing])
     wrong = [
-        f"{path.name}:{line}: {name}"
-        for line, name in imported_modules(path.read_text(), "aioproc._base")
-        if name.startswith("aioproc.") and not name.startswith("aioproc._base.")
+        f"{wing}/{path.name}:{line}: {name}"
+        for line, name in imported_modules(path.read_text(), f"aioproc.{wing}")
+        if name.startswith("aioproc.") and not name.startswith(below)
     ]
-    assert wrong == [], "imports from outside _base:\n" + "\n".join(wrong)
+    assert wrong == [], f"{wing} imports from above it:\n" + "\n".join(wrong)
 
 
 def test_the_check_sees_function_level_and_type_checking_imports() -> None:

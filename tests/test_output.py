@@ -54,10 +54,10 @@ from aioproc import (
     SignalException,
     Sink,
     Std,
-    _output,
     translate_signals,
 )
-from aioproc._output import LineSplitter
+from aioproc._output import tee as _output
+from aioproc._output.tee import LineSplitter
 
 WORKERS = os.path.join(CHILDREN_DIR, "out_workers.py")
 TQDM_SUPERVISOR = os.path.join(CHILDREN_DIR, "out_tqdm_supervisor.py")
@@ -1035,11 +1035,11 @@ class _ChunkCounter(Sink):
 
 
 class _BudgetClock:
-    """Stands in for ``time`` in ``aioproc._output``: each reading of the clock
+    """Stands in for ``time`` in ``aioproc._output.tee``: each reading of the clock
     is one ``SLICE_BUDGET`` later, as if each slice took the whole budget."""
 
     def __init__(self) -> None:
-        from aioproc._output import SLICE_BUDGET
+        from aioproc._output.tee import SLICE_BUDGET
 
         self.now = 0.0
         self.step = SLICE_BUDGET
@@ -1052,7 +1052,7 @@ class _BudgetClock:
 @pytest.fixture
 def budget_clock(monkeypatch: pytest.MonkeyPatch) -> _BudgetClock:
     clock = _BudgetClock()
-    monkeypatch.setattr("aioproc._output.time", clock)
+    monkeypatch.setattr("aioproc._output.tee.time", clock)
     return clock
 
 
@@ -1105,7 +1105,7 @@ async def test_a_big_chunk_reaches_the_sinks_a_slice_per_loop_iteration(
     """One read of 256 KiB of lines (asyncio's and uvloop's size) is not handed to the
     sinks in one callback: a ``FAIR_CHUNK`` of it at a time, as many per loop
     iteration as ``SLICE_BUDGET`` allows (one here), every line in order."""
-    from aioproc._output import FAIR_CHUNK
+    from aioproc._output.tee import FAIR_CHUNK
 
     n = 4000  # 4000 x 65 bytes: one write, far more than FAIR_CHUNK
     code = _one_write_of_lines(n)
@@ -1169,7 +1169,7 @@ class _FakePipeTransport:
 def _resumed_a_few_per_iteration(log: list[tuple[int, str, int]]) -> list[int]:
     """The ranks resumed, in order, after checking that no loop iteration
     resumed more than ``RESUMES_PER_ITERATION`` of them."""
-    from aioproc._output import RESUMES_PER_ITERATION
+    from aioproc._output.tee import RESUMES_PER_ITERATION
 
     per_iteration: dict[int, int] = {}
     ranks = []
@@ -1187,8 +1187,8 @@ async def test_streams_a_full_sink_lets_go_resume_a_few_per_loop_iteration() -> 
     asked, not all in one iteration: each may then read a whole pipe and write
     it to its log file (up to ~0.5 ms), and with a dozen flooded streams one
     iteration would hold the loop for several milliseconds."""
-    from aioproc._flow import Flow
-    from aioproc._output import TeeProtocol
+    from aioproc._output.flow import Flow
+    from aioproc._output.tee import TeeProtocol
 
     class FlowSink(Sink):
         def __init__(self) -> None:
@@ -1225,7 +1225,7 @@ async def test_reads_past_the_loops_read_budget_wait_for_their_turn(
     """Streams read in one iteration once ``READ_BUDGET`` is spent (each read here
     takes half a millisecond) pause, and resume in later iterations a few at a
     time; every byte is counted as read and every stream reads again."""
-    from aioproc._output import READ_BUDGET, TeeProtocol
+    from aioproc._output.tee import READ_BUDGET, TeeProtocol
 
     log: list[tuple[int, str, int]] = []
     clock = {"iteration": 0}
@@ -1262,8 +1262,6 @@ async def test_a_slice_that_fails_is_logged_and_every_other_slice_still_goes_out
     """A bug while one slice is handed to the sinks loses that slice only: the
     stream's later slices and the other streams' output still arrive, in order,
     and the log files keep every byte."""
-    from aioproc import _output
-
     n = 4000
     code = _one_write_of_lines(n)
     real = _output.TeeProtocol._consume

@@ -52,7 +52,7 @@ from aioproc import (
     _spawn,
     sinks,
 )
-from aioproc._output import TeeProtocol
+from aioproc._output.tee import TeeProtocol
 
 FLOOD = os.path.join(CHILDREN_DIR, "out_flood.py")
 PRESSURE = os.path.join(CHILDREN_DIR, "out_pressure.py")
@@ -272,7 +272,7 @@ async def test_a_console_that_keeps_up_is_opened_once_and_released_when_idle(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Writes over many loop iterations share one private fd, closed once they stop."""
-    from aioproc import _console
+    from aioproc._output import console as _console
 
     opened = []
     real_open = _console._open_backend

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from aioproc import tail as tail_module
-from aioproc._output import MAX_LINE
+from aioproc._output.tee import MAX_LINE
 from aioproc.tail import TailLog
 
 

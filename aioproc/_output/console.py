@@ -55,7 +55,7 @@ import socket
 import stat
 from typing import TextIO
 
-from ._flow import HARD_LIMIT, HIGH_WATER, LOW_WATER, Flow
+from .flow import HARD_LIMIT, HIGH_WATER, LOW_WATER, Flow
 
 STALL_TIMEOUT = 0.5
 """At close: seconds a console may accept nothing before its buffer is given up."""

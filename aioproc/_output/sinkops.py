@@ -10,7 +10,7 @@ import weakref
 from collections.abc import Awaitable
 from typing import Any, Generic, TypeVar
 
-from ._flow import HARD_LIMIT, HIGH_WATER, LOW_WATER, RECORD_OVERHEAD, Flow, StallWatch
+from .flow import HARD_LIMIT, HIGH_WATER, LOW_WATER, RECORD_OVERHEAD, Flow, StallWatch
 
 logger = logging.getLogger("aioproc")
 

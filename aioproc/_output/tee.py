@@ -29,12 +29,12 @@ import time
 import weakref
 from typing import TYPE_CHECKING, BinaryIO
 
-from ._drain import ReadProgress
-from ._flow import Flow
-from ._sinkops import report_sink_error
+from .drain import ReadProgress
+from .flow import Flow
+from .sinkops import report_sink_error
 
 if TYPE_CHECKING:
-    from .sinks import Sink
+    from .sink import Sink
 
 logger = logging.getLogger("aioproc")
 
