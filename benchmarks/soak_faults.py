@@ -65,6 +65,7 @@ if CHILDREN_DIR not in sys.path:
     sys.path.insert(0, CHILDREN_DIR)  # fork_fault_funcs, importable by function workers
 
 import fork_fault_funcs  # noqa: E402
+import soak_cancel  # noqa: E402
 from _util import child_pids, run_on  # noqa: E402
 from soak_cancel import (  # noqa: E402
     Baseline,
@@ -131,29 +132,14 @@ def reported_pids(report: str) -> set[int]:
 
 
 @dataclass
-class Leftovers:
-    """What the soak found left behind, per kind, with one line per finding."""
+class Leftovers(soak_cancel.Leftovers):
+    """``soak_cancel``'s tally, plus the cancellations of a stopped template that took too long."""
 
-    iterations: int = 0
-    processes: int = 0
-    fds: int = 0
-    threads: int = 0
-    temp_dirs: int = 0
-    errors: int = 0
     slow_cancels: int = 0
     max_cancel: float = 0.0
-    details: list[str] = field(default_factory=list)
-    outcomes: dict[str, int] = field(default_factory=dict)
 
     def total(self) -> int:
-        return (
-            self.processes
-            + self.fds
-            + self.threads
-            + self.temp_dirs
-            + self.errors
-            + self.slow_cancels
-        )
+        return super().total() + self.slow_cancels
 
     def summary(self) -> str:
         return (
