@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import os
 import random
@@ -39,7 +40,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,6 +231,23 @@ def aioproc_temp_dirs(tmpdir: str) -> set[str]:
 # ------------------------------------------------------------ one iteration
 
 
+@contextlib.contextmanager
+def private_tempdir(prefix: str) -> Iterator[tuple[str, str]]:
+    """A work dir, and a ``tmp`` dir in it that ``tempfile`` uses meanwhile.
+
+    Only the soak's own ``aioproc_*`` dirs are then counted as left behind.
+    """
+    saved = tempfile.tempdir
+    with tempfile.TemporaryDirectory(prefix=prefix) as workdir:
+        tmp = os.path.join(workdir, "tmp")
+        os.mkdir(tmp)
+        tempfile.tempdir = tmp
+        try:
+            yield workdir, tmp
+        finally:
+            tempfile.tempdir = saved
+
+
 @dataclass
 class Baseline:
     """What the soak process held before its first iteration: fds, threads, temp dirs.
@@ -413,48 +431,41 @@ async def soak(
     """
     rng = random.Random(seed)
     out = Leftovers()
-    saved_tempdir = tempfile.tempdir
-    with tempfile.TemporaryDirectory(prefix="soak_cancel_") as workdir:
-        tmp = os.path.join(workdir, "tmp")
-        os.mkdir(tmp)
-        tempfile.tempdir = tmp
-        try:
-            await warm_up()
-            base_children = child_pids()
-            baseline = Baseline(tmp)
-            for i in range(iterations):
-                phase = rng.choice(phases)
-                if len(kinds) == 1:
-                    kind = kinds[0]
-                else:
-                    kind = "function" if rng.random() < function_share else "binary"
-                where = f"iteration {i} ({phase}, {kind})"
-                with warnings.catch_warnings(record=True) as caught:
-                    # an object aioproc dropped unclosed warns when collected
-                    warnings.simplefilter("always")
-                    try:
-                        mark, report, pids = await one_iteration(rng, workdir, phase, kind, nprocs)
-                        outcome = "ok"
-                    except Exception as e:
-                        out.errors += 1
-                        out.details.append(f"{where}: unexpected {e!r}")
-                        outcome = type(e).__name__
-                        mark, report, pids = "", "", set()
-                    gc.collect()
-                for w in caught:
-                    if issubclass(w.category, aioproc.ForcedKillWarning):
-                        continue  # expected: the stubborn workers ignore SIGTERM
-                    out.warnings += 1
-                    out.details.append(f"{where}: {w.category.__name__}: {w.message}")
-                out.iterations += 1
-                key = f"{phase}/{kind}: {outcome}"
-                out.outcomes[key] = out.outcomes.get(key, 0) + 1
-                await _count(out, where, mark, report, pids, base_children)
-                baseline.count(out, where)
-                if log is not None and (i + 1) % 50 == 0:
-                    log(f"  ... {i + 1} iterations, {out.total()} leftovers")
-        finally:
-            tempfile.tempdir = saved_tempdir
+    with private_tempdir("soak_cancel_") as (workdir, tmp):
+        await warm_up()
+        base_children = child_pids()
+        baseline = Baseline(tmp)
+        for i in range(iterations):
+            phase = rng.choice(phases)
+            if len(kinds) == 1:
+                kind = kinds[0]
+            else:
+                kind = "function" if rng.random() < function_share else "binary"
+            where = f"iteration {i} ({phase}, {kind})"
+            with warnings.catch_warnings(record=True) as caught:
+                # an object aioproc dropped unclosed warns when collected
+                warnings.simplefilter("always")
+                try:
+                    mark, report, pids = await one_iteration(rng, workdir, phase, kind, nprocs)
+                    outcome = "ok"
+                except Exception as e:
+                    out.errors += 1
+                    out.details.append(f"{where}: unexpected {e!r}")
+                    outcome = type(e).__name__
+                    mark, report, pids = "", "", set()
+                gc.collect()
+            for w in caught:
+                if issubclass(w.category, aioproc.ForcedKillWarning):
+                    continue  # expected: the stubborn workers ignore SIGTERM
+                out.warnings += 1
+                out.details.append(f"{where}: {w.category.__name__}: {w.message}")
+            out.iterations += 1
+            key = f"{phase}/{kind}: {outcome}"
+            out.outcomes[key] = out.outcomes.get(key, 0) + 1
+            await _count(out, where, mark, report, pids, base_children)
+            baseline.count(out, where)
+            if log is not None and (i + 1) % 50 == 0:
+                log(f"  ... {i + 1} iterations, {out.total()} leftovers")
     return out
 
 

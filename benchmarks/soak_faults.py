@@ -71,6 +71,7 @@ from soak_cancel import (  # noqa: E402
     Baseline,
     describe,
     kill_all,
+    private_tempdir,
     running,
     wait_exited,
 )
@@ -349,42 +350,35 @@ async def soak(
     """
     rng = random.Random(seed)
     out = Leftovers()
-    saved_tempdir = tempfile.tempdir
-    with tempfile.TemporaryDirectory(prefix="soak_faults_") as workdir:
-        tmp = os.path.join(workdir, "tmp")
-        os.mkdir(tmp)
-        tempfile.tempdir = tmp
-        try:
-            await warm_up()
-            base_children = child_pids()
-            baseline = Baseline(tmp)
-            for i in range(iterations):
-                mode = rng.choice(modes)
-                report = os.path.join(workdir, f"report-{i}")
-                where = f"iteration {i} ({mode})"
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    try:
-                        outcome = await MODES[mode](rng, report, out)
-                    except Exception as e:
-                        out.errors += 1
-                        out.details.append(f"{where}: unexpected {e!r}")
-                        outcome = type(e).__name__
-                    gc.collect()
-                for w in caught:
-                    if issubclass(w.category, aioproc.ForcedKillWarning):
-                        continue
+    with private_tempdir("soak_faults_") as (workdir, tmp):
+        await warm_up()
+        base_children = child_pids()
+        baseline = Baseline(tmp)
+        for i in range(iterations):
+            mode = rng.choice(modes)
+            report = os.path.join(workdir, f"report-{i}")
+            where = f"iteration {i} ({mode})"
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    outcome = await MODES[mode](rng, report, out)
+                except Exception as e:
                     out.errors += 1
-                    out.details.append(f"{where}: {w.category.__name__}: {w.message}")
-                out.iterations += 1
-                key = f"{mode}: {outcome}"
-                out.outcomes[key] = out.outcomes.get(key, 0) + 1
-                await _count(out, where, report, base_children)
-                baseline.count(out, where)
-                if log is not None and (i + 1) % 50 == 0:
-                    log(f"  ... {i + 1} iterations, {out.total()} leftovers")
-        finally:
-            tempfile.tempdir = saved_tempdir
+                    out.details.append(f"{where}: unexpected {e!r}")
+                    outcome = type(e).__name__
+                gc.collect()
+            for w in caught:
+                if issubclass(w.category, aioproc.ForcedKillWarning):
+                    continue
+                out.errors += 1
+                out.details.append(f"{where}: {w.category.__name__}: {w.message}")
+            out.iterations += 1
+            key = f"{mode}: {outcome}"
+            out.outcomes[key] = out.outcomes.get(key, 0) + 1
+            await _count(out, where, report, base_children)
+            baseline.count(out, where)
+            if log is not None and (i + 1) % 50 == 0:
+                log(f"  ... {i + 1} iterations, {out.total()} leftovers")
     return out
 
 
