@@ -27,8 +27,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Hashable
 
-from ._channel import Channel
 from ._child import wire as _wire
+from ._proc.channel import Channel
 
 __all__ = ["ControlHub"]
 

@@ -25,8 +25,8 @@ import cloudpickle
 
 from ._child import shm as _shm
 from ._child import wire as _wire
+from ._errors.failure import RemoteTraceback
 from ._funcpickle import dumps, function_ref
-from .errors import RemoteTraceback
 
 BOOT_CODE = """\
 import marshal, os, sys

@@ -24,12 +24,12 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ._base.shield import shielded
 from ._boot import boot_argv, boot_blob
-from ._channel import Channel
 from ._child import shm as _shm
 from ._child import wire as _wire
+from ._errors.failure import BrokenWorkerError
 from ._output.tee import TeeProtocol
-from ._spawn import Child, spawn
-from .errors import BrokenWorkerError
+from ._proc.channel import Channel
+from ._proc.spawn import Child, spawn
 
 if TYPE_CHECKING:
     from ._template import Template

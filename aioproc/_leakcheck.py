@@ -63,7 +63,7 @@ def _is_open(fd: int) -> bool:
 
 def registered_groups() -> frozenset[int]:
     """Process groups of aioproc groups, workers and pools not yet closed."""
-    lifeline = sys.modules.get("aioproc._lifeline")
+    lifeline = sys.modules.get("aioproc._proc.lifeline")
     if lifeline is None:  # aioproc never started a worker here
         return frozenset()
     groups: frozenset[int] = lifeline.registered_groups()

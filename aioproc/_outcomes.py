@@ -17,8 +17,8 @@ from typing import Any
 
 from ._boot import rebuild_exception
 from ._child import wire as _wire
-from ._spawn import Child
-from .errors import ProcessFailure
+from ._errors.failure import ProcessFailure
+from ._proc.spawn import Child
 from .results import RunProcsResult
 
 

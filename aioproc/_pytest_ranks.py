@@ -271,7 +271,7 @@ def _describe_exit(failure: Any) -> str:
 
 
 def _judge(item: pytest.Function, ranks: Ranks, outcome: _Outcome) -> None:
-    from .errors import ChildFailedError
+    from ._errors.summary import ChildFailedError
 
     result = outcome.result
     path = str(item.path)

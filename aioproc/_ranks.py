@@ -21,8 +21,8 @@ from ._child import shm as _shm
 from ._child import wire as _wire
 from ._launch import launch_function
 from ._output.tee import TeeProtocol
+from ._proc.spawn import BinaryStart, Child, adopt, discard, spawn, spawn_binaries
 from ._script import ScriptCommand, script_commands
-from ._spawn import BinaryStart, Child, adopt, discard, spawn, spawn_binaries
 from .logs import LogsDest
 from .sinks import CallbackSink, ConsoleSink, FileSink, Sink, _FilteredFileSink
 

@@ -68,16 +68,16 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import IO, Any
 
-from . import _lifeline
 from ._base.offloop import helper
 from ._base.shield import shielded
 from ._boot import boot_blob
-from ._channel import Channel
-from ._exit import ExitWatcher, PidProc
+from ._errors.failure import RemoteTraceback
 from ._output.tee import TeeProtocol
+from ._proc import lifeline as _lifeline
+from ._proc.channel import Channel
+from ._proc.exits import ExitWatcher, PidProc
+from ._proc.spawn import Child, adopt
 from ._script import ScriptCommand
-from ._spawn import Child, adopt
-from .errors import RemoteTraceback
 
 logger = logging.getLogger("aioproc")
 

@@ -12,7 +12,7 @@ for the bytes the worker wrote before exiting (``_output.drain``) and records th
 outcome; the shutdown waits for the watchers, bounded.  The first
 failure makes the supervisor stop every other worker (all-or-nothing); the
 group's result is final when every rank is done.  ``close()`` stops whatever
-still runs, gracefully then by force (``_shutdown``), during a launch too
+still runs, gracefully then by force (``_proc.shutdown``), during a launch too
 (ranks not launched yet are reported as never started), drains and closes the
 pipes, reaps the leaders (kept as zombies until then, so a recycled pid is
 never signalled) and lets the guardian forget their groups.
@@ -34,22 +34,24 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from . import _lifeline, _template
+from . import _template
 from ._barrier import ControlHub
 from ._base.loops import check_loop
 from ._base.offloop import Batched, helper, run_blocking
 from ._base.shield import shielded
-from ._binspawn import name_fd_limit
 from ._child import wire as _wire
+from ._errors.failure import ProcessFailure, read_error_file
 from ._outcomes import NEVER_STARTED as NEVER_STARTED
 from ._outcomes import Outcomes
 from ._output.console import release_consoles
+from ._proc import lifeline as _lifeline
+from ._proc.posix_spawn import name_fd_limit
+from ._proc.shutdown import Deadline, stop_groups, warn_forced
+from ._proc.spawn import Child
 from ._rankdirs import RankDirs
 from ._ranks import RankLauncher, SinkLike
 from ._ranks import make_sinks as _make_sinks
 from ._script import script_dirs
-from ._shutdown import Deadline, stop_groups, warn_forced
-from ._spawn import Child
 from ._validate import START_METHODS as START_METHODS
 from ._validate import check_duration, check_preload, check_start
 from ._validate import check_executable as _check_executable
@@ -57,7 +59,6 @@ from ._validate import check_filters as _check_filters
 from ._validate import check_kwargs as _check_kwargs
 from ._validate import check_signal as _validate_signal
 from ._validate import validate_group as _validate
-from .errors import ProcessFailure, read_error_file
 from .logs import DefaultLogsSpecs, LogsDest, LogsSpecs
 from .results import DEFAULT_GRACE_PERIOD, RunProcsResult, WorkerEvent
 from .signals import SignalException, pending_signal

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from .errors import ProcessFailure
+from ._errors.failure import ProcessFailure
 
 __all__ = ["DEFAULT_GRACE_PERIOD", "RunProcsResult", "WorkerEvent"]
 

@@ -9,10 +9,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ._base.resource import OpenResource
+from ._errors.summary import ChildFailedError
 from ._ranks import SinkLike
 from ._validate import check_duration
 from .context import PContext, close_on_exit
-from .errors import ChildFailedError
 from .logs import DefaultLogsSpecs, LogsSpecs
 from .results import DEFAULT_GRACE_PERIOD, RunProcsResult, WorkerEvent
 

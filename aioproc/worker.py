@@ -22,21 +22,22 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import _lifeline, _template
+from . import _template
 from ._base.loops import check_loop
 from ._base.resource import OpenResource
 from ._base.shield import shielded
 from ._boot import CallEncoder, init_frame, rebuild_exception
-from ._channel import Channel
 from ._child import shm as _shm
 from ._child import wire as _wire
+from ._errors.failure import BrokenWorkerError
 from ._launch import Frame, launch_function
 from ._output.tee import TeeProtocol
-from ._shutdown import stop_groups, warn_forced
-from ._spawn import Child
+from ._proc import lifeline as _lifeline
+from ._proc.channel import Channel
+from ._proc.shutdown import stop_groups, warn_forced
+from ._proc.spawn import Child
 from ._template import Template
 from ._validate import check_duration, check_env, check_preload, check_start_method
-from .errors import BrokenWorkerError
 from .sinks import ConsoleSink, Sink, close_sinks
 
 __all__ = ["WorkerProcess", "open_worker"]

@@ -77,7 +77,8 @@ from soak_cancel import (  # noqa: E402
 )
 
 import aioproc  # noqa: E402
-from aioproc import _lifeline, _template  # noqa: E402
+from aioproc import _template  # noqa: E402
+from aioproc._proc import lifeline as _lifeline  # noqa: E402
 
 NPROCS = 64
 SETTLE = 5.0

@@ -17,8 +17,10 @@ import pytest
 from helpers import aioproc_temp_dirs, child_pids, pid_gone, write_file
 
 import aioproc
-from aioproc import DefaultLogsSpecs, Std, _binspawn, _lifeline, _rankdirs
-from aioproc._spawn import BinaryStart, discard, spawn_binaries
+from aioproc import DefaultLogsSpecs, Std, _rankdirs
+from aioproc._proc import lifeline as _lifeline
+from aioproc._proc import posix_spawn as _binspawn
+from aioproc._proc.spawn import BinaryStart, discard, spawn_binaries
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import soak_cancel

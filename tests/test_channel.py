@@ -1,4 +1,4 @@
-"""aioproc._channel / _wire / _boot: the control channel between supervisor and worker.
+"""aioproc._proc.channel / _wire / _boot: the control channel between supervisor and worker.
 
 The parent half is tested on a bare socketpair (the test plays the worker and
 writes raw bytes); the rest starts real function and persistent workers whose
@@ -28,9 +28,9 @@ from helpers import CHILDREN_DIR, pid_gone
 
 import aioproc
 from aioproc import BrokenWorkerError, ChildFailedError, open_worker
-from aioproc._channel import Channel
 from aioproc._child import shm as _shm
 from aioproc._child import wire as _wire
+from aioproc._proc.channel import Channel
 
 GiB = 1 << 30
 MiB = 1 << 20

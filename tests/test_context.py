@@ -45,8 +45,8 @@ from helpers import (
 
 import aioproc
 from aioproc import ChildFailedError, DefaultLogsSpecs, PContext, ProcessFailure, Std
-from aioproc._lifeline import TOKEN_VAR as LIFELINE
-from aioproc._lifeline import lineage as lifeline_token
+from aioproc._proc.lifeline import TOKEN_VAR as LIFELINE
+from aioproc._proc.lifeline import lineage as lifeline_token
 from aioproc.errors import ForcedKillWarning, RemoteTraceback
 
 try:
@@ -61,9 +61,9 @@ BANNED_IN_WORKERS = (
     "aiofiles",
     "uvloop",
     "aioproc.context",
-    "aioproc._spawn",
+    "aioproc._proc.spawn",
     "aioproc._output",
-    "aioproc._channel",
+    "aioproc._proc.channel",
     "aioproc.logs",
     "aioproc.signals",
 )
@@ -932,7 +932,7 @@ async def test_spawn_failure_part_way_stops_started_workers(
 ) -> None:
     """A worker that cannot be launched (EMFILE, EAGAIN...) after others were: they are reaped."""
 
-    real_spawn = aioproc._spawn.spawn
+    real_spawn = aioproc._proc.spawn.spawn
     started: list[int] = []
 
     async def spawn_then_fail(label: str, *args: Any, **kwargs: Any) -> Any:
@@ -965,7 +965,7 @@ async def test_spawn_failure_part_way_warns_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
 
-    real_spawn = aioproc._spawn.spawn
+    real_spawn = aioproc._proc.spawn.spawn
 
     async def spawn_then_fail(label: str, *args: Any, **kwargs: Any) -> Any:
         if label.endswith("/1"):
@@ -1057,7 +1057,7 @@ async def test_failure_during_start_stops_later_ranks(
     """
     import aioproc.context as context
 
-    real_spawn = aioproc._spawn.spawn
+    real_spawn = aioproc._proc.spawn.spawn
     noticed = asyncio.Event()
 
     class NoticedFailure(ProcessFailure):
@@ -1093,7 +1093,8 @@ async def test_function_workers_start_as_their_own_rank_dir_exists(
     """The rank dirs of a function group are made on a thread of their own while the
     first workers start; one that cannot be made fails the start with its path,
     and nothing is left: no worker, no thread, no temp dir."""
-    from aioproc import _lifeline, _rankdirs
+    from aioproc import _rankdirs
+    from aioproc._proc import lifeline as _lifeline
 
     made: list[str] = []
 

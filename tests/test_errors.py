@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 
 from aioproc import errors
+from aioproc._child import errorfile
+from aioproc._errors import failure
 from aioproc.errors import (
     ChildFailedError,
     ErrorHandler,
@@ -70,7 +72,7 @@ def _restore_faulthandler() -> Iterator[None]:
 def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """Times handed out, in order, to ProcessFailures as they are constructed."""
     times: list[float] = []
-    monkeypatch.setattr(errors, "time", types.SimpleNamespace(time=lambda: times.pop(0)))
+    monkeypatch.setattr(failure, "time", types.SimpleNamespace(time=lambda: times.pop(0)))
     return times
 
 
@@ -338,7 +340,7 @@ def test_read_error_file_returns_the_content_none_or_the_error(
     def denied(name: str, *args: Any) -> tuple[bytes, int]:
         raise PermissionError(13, "Permission denied", name)
 
-    monkeypatch.setattr(errors._errorfile, "read_capped", denied)
+    monkeypatch.setattr(errorfile, "read_capped", denied)
     error = errors.read_error_file(path)
     assert isinstance(error, PermissionError)
     assert str(error) == f"[Errno 13] Permission denied: '{path}'"

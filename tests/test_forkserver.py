@@ -434,8 +434,8 @@ async def test_forked_workers_run_their_own_exit_hooks_not_the_templates(
 
 async def test_fork_requests_sent_together_are_answered_in_order(tmp_path: Path) -> None:
     """The template forks every queued request before awaiting the first: answers keep order."""
-    from aioproc import _lifeline
     from aioproc._base import offloop as _offloop
+    from aioproc._proc import lifeline as _lifeline
     from aioproc._script import script_commands
 
     script = tmp_path / "quiet.py"

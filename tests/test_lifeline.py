@@ -17,7 +17,7 @@ from helpers import child_pids
 from proc_utils import Fifo, still_alive_after
 
 import aioproc
-from aioproc import _lifeline
+from aioproc._proc import lifeline as _lifeline
 
 CHILDREN = Path(__file__).parent / "children"
 GRANDCHILD = str(CHILDREN / "grandchild.py")
@@ -86,7 +86,7 @@ SUPERVISOR = textwrap.dedent(
     """
     import asyncio, os, sys
     import aioproc
-    from aioproc import _lifeline, _spawn
+    from aioproc._proc import lifeline as _lifeline, spawn as _spawn
 
     fifo, grandchild, mode = sys.argv[1:4]
 
@@ -134,7 +134,7 @@ async def test_supervisor_sigkill_kills_worker_and_grandchild(tmp_path: Path, mo
 TWICE = textwrap.dedent(
     """
     import asyncio, subprocess, sys
-    from aioproc import _lifeline
+    from aioproc._proc import lifeline as _lifeline
 
     async def main():
         stranger = subprocess.Popen(["sleep", "1000"], start_new_session=True)

@@ -25,9 +25,9 @@ from proc_utils import Fifo
 
 import aioproc
 from aioproc import BrokenWorkerError, WorkerProcess, open_pool, open_worker
-from aioproc._channel import Channel
 from aioproc._child import shm as _shm
 from aioproc._child import wire as _wire
+from aioproc._proc.channel import Channel
 
 MiB = 1 << 20
 SIZES = [100, 200 * 1024, 2 * MiB + 3, 9 * MiB]  # in-band, in the frame, shared memory

@@ -15,7 +15,8 @@ import pytest
 from proc_utils import Fifo, reaped, still_alive_after
 
 import aioproc
-from aioproc import DefaultLogsSpecs, ForcedKillWarning, Std, _lifeline
+from aioproc import DefaultLogsSpecs, ForcedKillWarning, Std
+from aioproc._proc import lifeline as _lifeline
 
 CHILDREN = Path(__file__).parent / "children"
 GRANDCHILD = str(CHILDREN / "grandchild.py")
@@ -231,7 +232,7 @@ async def test_unkillable_worker_is_reported_as_running_and_reaped_when_it_exits
 ) -> None:
     """A worker whose exit is not seen after SIGKILL (uninterruptible sleep, simulated by
     blinding its exit watcher) is reported truthfully, and reaped once it does exit."""
-    import aioproc._shutdown as shutdown
+    import aioproc._proc.shutdown as shutdown
 
     monkeypatch.setattr(shutdown, "KILL_WAIT", 0.3)
     async with Fifo(tmp_path / "fifo") as fifo:
@@ -539,7 +540,7 @@ async def test_an_unreadable_error_file_is_reported_with_the_failure(
 
 async def test_group_members_lists_live_descendants_not_the_leader_nor_zombies() -> None:
     """The /proc scan behind close()'s wait for what workers left in their groups."""
-    from aioproc._shutdown import group_members
+    from aioproc._proc.shutdown import group_members
 
     # a leader in a session of its own with two live children and one zombie
     # (a child it never reaps), and one child that leaves for a group of its own

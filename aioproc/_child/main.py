@@ -23,7 +23,7 @@ supervisor is gone, and the worker then SIGKILLs its own process group
 (itself and every descendant).  Any other one-shot worker runs no thread of
 its own: the supervisor sends it nothing but RELEASE after CALL, which
 ``barrier()`` reads in the thread that waits; a dead supervisor's groups
-are killed by its guardian (``_lifeline``), as binary workers' are, and a
+are killed by its guardian (``_proc.lifeline``), as binary workers' are, and a
 channel the supervisor closes on a protocol error comes with a SIGKILL to
 the group.  A second thread costs every exit: 64 workers exit 2.5-4.4 ms
 later with one blocked in ``read()`` (``benchmarks/RESULTS.md``).

@@ -2,7 +2,7 @@
 
 A frame is a 9-byte header (kind: 1 byte, body length: 8 bytes, big endian)
 followed by the body.  The parent reads frames with an asyncio protocol
-(``_channel``); the child, which must not import asyncio, reads and writes
+(``_proc.channel``); the child, which must not import asyncio, reads and writes
 them here with plain ``os.read``/``os.write`` on the inherited socket fd.
 
 Bodies that carry Python values start with a codec byte: MARSHAL for values

@@ -48,7 +48,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import IO, Any, TypeVar
 
-from ._exit import PidProc
+from .exits import PidProc
 
 _CLOSEFROM: int | None = getattr(os, "POSIX_SPAWN_CLOSEFROM", None)
 _USABLE = hasattr(os, "posix_spawn") and sys.platform.startswith("linux")

@@ -27,8 +27,8 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ._spawn import Child
-from .errors import ForcedKillWarning
+from .._errors.failure import ForcedKillWarning
+from .spawn import Child
 
 logger = logging.getLogger("aioproc")
 

@@ -63,7 +63,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
-from ._exit import ExitWatcher
+from .exits import ExitWatcher
 
 logger = logging.getLogger("aioproc")
 

@@ -3,8 +3,8 @@
 A worker is started with ``subprocess.Popen`` in its own session (so stop and
 kill reach its whole process group); binary workers are started in batches
 (``spawn_binaries``), with ``posix_spawn`` where it gives the same
-(``_binspawn``).  Its exit is noticed through a pidfd on
-the loop (``_exit``), which needs no thread per child, unlike asyncio's
+(``_proc.posix_spawn``).  Its exit is noticed through a pidfd on
+the loop (``_proc.exits``), which needs no thread per child, unlike asyncio's
 default child watcher on Python < 3.12; that is why workers are not started
 through ``loop.subprocess_exec``.
 
@@ -12,14 +12,14 @@ The start runs on the helper thread (``_base.offloop``): it returns only once th
 child has exec'd, which on a busy machine held the loop for tens of
 milliseconds per worker.
 
-No orphan window: the guardian (``_lifeline``) is told of the new group by
+No orphan window: the guardian (``_proc.lifeline``) is told of the new group by
 that thread as the start returns, before anything else runs there, and the
 loop registers it again (a no-op) when it resumes.  A function worker runs
 nothing of the user's until the supervisor sends its boot code over the
 channel.  A binary worker runs from its ``exec``, so for
 the few microseconds between ``exec`` and registration every worker also
 carries the supervisor's lifeline token in its environment, and a guardian
-whose supervisor died sweeps the processes carrying it (see ``_lifeline``).
+whose supervisor died sweeps the processes carrying it (see ``_proc.lifeline``).
 
 The leader is reaped late (``Child.release``): only after the supervisor's
 last signal to its group, never before, so a recycled pid is never signalled.
@@ -39,12 +39,13 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import IO, Any, TypeVar
 
-from . import _binspawn, _lifeline
-from ._base.offloop import helper
-from ._base.shield import shielded
-from ._channel import Channel
-from ._exit import ExitWatcher, Proc
-from ._output.tee import TeeProtocol
+from .._base.offloop import helper
+from .._base.shield import shielded
+from .._output.tee import TeeProtocol
+from . import lifeline as _lifeline
+from . import posix_spawn as _binspawn
+from .channel import Channel
+from .exits import ExitWatcher, Proc
 
 
 class Child:

@@ -35,10 +35,10 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import cast
 
-from ._child import shm as _shm
-from ._child import wire as _wire
-from ._output.drain import ReadProgress
-from .errors import BrokenWorkerError
+from .._child import shm as _shm
+from .._child import wire as _wire
+from .._errors.failure import BrokenWorkerError
+from .._output.drain import ReadProgress
 
 FrameHandler = Callable[[int, bytearray], None]
 ErrorHandler = Callable[[BrokenWorkerError], None]
