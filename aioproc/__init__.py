@@ -15,7 +15,7 @@ TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs worker
 if TYPE_CHECKING:
     from typing import Any
 
-    from ._child.main import worker_state as worker_state
+    from ._child.boot import worker_state as worker_state
     from .agent import AgentEvent as AgentEvent
     from .agent import LocalElasticAgent as LocalElasticAgent
     from .agent import RestartPolicy as RestartPolicy
@@ -95,7 +95,7 @@ _EXPORTS: dict[str, str] = {
     "open_pool": "pool",
     "WorkerProcess": "worker",
     "open_worker": "worker",
-    "worker_state": "_child.main",
+    "worker_state": "_child.boot",
     "Forkserver": "forkserver",
     "open_forkserver": "forkserver",
 }

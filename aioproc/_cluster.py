@@ -28,9 +28,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from ._barrier import ControlHub
 from ._base.shield import shielded
-from ._boot import CallEncoder
 from ._cluster_result import ClusterOutcomes, MultiProcessRunnerResult, TaskKey
 from ._cluster_task import (
     Collect,
@@ -41,6 +39,8 @@ from ._cluster_task import (
     task_label,
     will_restart,
 )
+from ._func.barrier import ControlHub
+from ._func.boot import CallEncoder
 from ._ranks import SinkLike, make_sinks
 from ._tfconfig import assign_gpus, check_cluster_spec, tf_config, visible_gpus
 from ._validate import check_duration, check_env, check_signal

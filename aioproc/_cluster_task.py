@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._barrier import ControlHub
 from ._cluster_result import TaskKey
+from ._func.barrier import ControlHub
 from .agent.spec import RestartPolicy
 from .logs import DefaultLogsSpecs, Std
 from .results import WorkerEvent

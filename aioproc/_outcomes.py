@@ -15,9 +15,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ._boot import rebuild_exception
-from ._child import wire as _wire
+from ._child import channel as _wire
 from ._errors.failure import ProcessFailure
+from ._func.boot import rebuild_exception
 from ._proc.spawn import Child
 from .results import RunProcsResult
 

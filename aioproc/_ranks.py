@@ -3,7 +3,7 @@
 ``RankLauncher`` holds what every rank of a ``PContext`` shares (name,
 entrypoint, per-rank args and envs, sinks, prefixes, extra fds) and turns a
 rank into a running ``Child``: log files opened, tee'd streams wired to their
-sinks, then a function worker through the one launch path (``_launch``) or a
+sinks, then a function worker through the one launch path (``_func.launch``) or a
 binary through ``spawn``.  It never reaches back into the supervisor: frames
 go to the handler the supervisor passes in.
 """
@@ -16,18 +16,18 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any, TypeAlias
 
-from ._boot import CallEncoder, init_frame
+from ._child import channel as _wire
 from ._child import shm as _shm
-from ._child import wire as _wire
-from ._launch import launch_function
+from ._func.boot import CallEncoder, init_frame
+from ._func.launch import launch_function
+from ._func.script import ScriptCommand, script_commands
 from ._output.tee import TeeProtocol
 from ._proc.spawn import BinaryStart, Child, adopt, discard, spawn, spawn_binaries
-from ._script import ScriptCommand, script_commands
 from .logs import LogsDest
 from .sinks import CallbackSink, ConsoleSink, FileSink, Sink, _FilteredFileSink
 
 if TYPE_CHECKING:
-    from ._template import Template
+    from ._func.template import Template
 
 SinkLike: TypeAlias = Sink | Callable[..., Any] | str | IO[str]
 """A sink, a callable taking an ``OutputLine``, a file path or an open text file."""
@@ -205,7 +205,7 @@ class RankLauncher:
                         segment.close()
             script = self.scripts.get(rank)
             if template is not None and script is not None:
-                from ._template import spawn_forked
+                from ._func.template import spawn_forked
 
                 return await spawn_forked(
                     template,

@@ -435,7 +435,7 @@ def check_exec_size(
     if binary:
         fixed.append(_encoded_len(str(entrypoint)))
     else:
-        from ._boot import boot_argv
+        from ._func.boot import boot_argv
 
         fixed += [_encoded_len(s) for s in boot_argv(0)]
     fixed_total = sum(size + 1 + _POINTER for size in fixed)
@@ -473,7 +473,7 @@ def _check_rank_closely(
         strings.append(("the entrypoint", _encoded_len(entrypoint)))
         strings += [(f"args[{rank}][{i}]", _encoded_len(str(a))) for i, a in enumerate(args[rank])]
     else:
-        from ._boot import boot_argv
+        from ._func.boot import boot_argv
 
         strings += [("the function worker's command line", _encoded_len(s)) for s in boot_argv(0)]
     strings += [(f"envs[{rank}][{key!r}]", _entry(key, value)) for key, value in own.items()]

@@ -809,8 +809,8 @@ async def _supervise(run: _Run) -> int:
     Cancellation: the agent stops the workers (shielded, bounded) before the
     cancellation propagates.
     """
+    from ._func.template import TemplateError
     from ._jobcontrol import follow_job_control
-    from ._template import TemplateError
     from .agent import LocalElasticAgent
     from .agent import events as ev
     from .errors import ChildFailedError, RemoteTraceback

@@ -34,13 +34,14 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from . import _template
-from ._barrier import ControlHub
 from ._base.loops import check_loop
 from ._base.offloop import Batched, helper, run_blocking
 from ._base.shield import shielded
-from ._child import wire as _wire
+from ._child import channel as _wire
 from ._errors.failure import ProcessFailure, read_error_file
+from ._func import template as _template
+from ._func.barrier import ControlHub
+from ._func.script import script_dirs
 from ._outcomes import NEVER_STARTED as NEVER_STARTED
 from ._outcomes import Outcomes
 from ._output.console import release_consoles
@@ -51,7 +52,6 @@ from ._proc.spawn import Child
 from ._rankdirs import RankDirs
 from ._ranks import RankLauncher, SinkLike
 from ._ranks import make_sinks as _make_sinks
-from ._script import script_dirs
 from ._validate import START_METHODS as START_METHODS
 from ._validate import check_duration, check_preload, check_start
 from ._validate import check_executable as _check_executable
@@ -73,7 +73,7 @@ _LAUNCH_WINDOW = 8
 
 _FORK_WINDOW = 32
 """The same for workers forked from a template: their requests go out together,
-and the template forks them all before it waits for the first (see ``_template``)."""
+and the template forks them all before it waits for the first (see ``_func.template``)."""
 
 _BINARY_BATCH = 16
 """Binary workers started by one helper job (one hand-over between thread and loop)."""

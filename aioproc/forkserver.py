@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from . import _template
 from ._base.loops import check_loop
 from ._base.resource import OpenResource
 from ._base.shield import shielded
+from ._func import template as _template
 from ._validate import check_preload
 
 __all__ = ["Forkserver", "open_forkserver"]

@@ -73,6 +73,6 @@ def barrier() -> None:
             without reaching the barrier; the message names it.
     """
     # the worker's bootstrap is loaded already: this costs no import
-    from ._child.main import barrier_wait
+    from ._child.boot import barrier_wait
 
     barrier_wait()

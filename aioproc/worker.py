@@ -3,7 +3,7 @@
 A ``WorkerProcess`` is a function worker started in *serve* mode: it runs an
 optional ``init`` once, then answers CALL and PING frames on its control
 channel until it is told to terminate.  It reuses the group machinery: the
-same launch path (``_launch``: boot code, channel, spawn in its own session,
+same launch path (``_func.launch``: boot code, channel, spawn in its own session,
 pidfd exit watcher, the process-wide guardian) and graceful-then-forced
 shutdown.
 
@@ -22,21 +22,21 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import _template
 from ._base.loops import check_loop
 from ._base.resource import OpenResource
 from ._base.shield import shielded
-from ._boot import CallEncoder, init_frame, rebuild_exception
+from ._child import channel as _wire
 from ._child import shm as _shm
-from ._child import wire as _wire
 from ._errors.failure import BrokenWorkerError
-from ._launch import Frame, launch_function
+from ._func import template as _template
+from ._func.boot import CallEncoder, init_frame, rebuild_exception
+from ._func.launch import Frame, launch_function
+from ._func.template import Template
 from ._output.tee import TeeProtocol
 from ._proc import lifeline as _lifeline
 from ._proc.channel import Channel
 from ._proc.shutdown import stop_groups, warn_forced
 from ._proc.spawn import Child
-from ._template import Template
 from ._validate import check_duration, check_env, check_preload, check_start_method
 from .sinks import ConsoleSink, Sink, close_sinks
 

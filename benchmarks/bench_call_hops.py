@@ -97,7 +97,7 @@ class _Echo(asyncio.BufferedProtocol):
 
 
 def _echo_child(fd: int) -> None:
-    # waits in poll() like aioproc's worker (see _child.main._serve)
+    # waits in poll() like aioproc's worker (see _child.boot._serve)
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     while poller.poll() and (data := os.read(fd, 1 << 16)):

@@ -77,7 +77,7 @@ from soak_cancel import (  # noqa: E402
 )
 
 import aioproc  # noqa: E402
-from aioproc import _template  # noqa: E402
+from aioproc._func import template as _template  # noqa: E402
 from aioproc._proc import lifeline as _lifeline  # noqa: E402
 
 NPROCS = 64

@@ -28,8 +28,8 @@ from helpers import CHILDREN_DIR, pid_gone
 
 import aioproc
 from aioproc import BrokenWorkerError, ChildFailedError, open_worker
+from aioproc._child import channel as _wire
 from aioproc._child import shm as _shm
-from aioproc._child import wire as _wire
 from aioproc._proc.channel import Channel
 
 GiB = 1 << 30
@@ -266,7 +266,7 @@ class _StrictPoller:
 def test_persistent_worker_waits_in_poll_only_when_nothing_is_buffered(
     raw_pair: tuple[socket.socket, socket.socket],
 ) -> None:
-    # A persistent worker waits for requests in poll() (see _child.main._serve):
+    # A persistent worker waits for requests in poll() (see _child.boot._serve):
     # frames that came in the same read are served without waiting again.
     parent, child = raw_pair
     fd = child.fileno()

@@ -985,7 +985,7 @@ async def test_spawn_failure_part_way_warns_nothing(
 
 def _patch_spawn(monkeypatch: pytest.MonkeyPatch, fake: Any) -> None:
     """Replace the spawn used for binary (context) and function (_launch) workers."""
-    import aioproc._launch as launch
+    import aioproc._func.launch as launch
     import aioproc._ranks as ranks
 
     monkeypatch.setattr(ranks, "spawn", fake)

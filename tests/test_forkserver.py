@@ -28,13 +28,13 @@ from aioproc import (
     LocalElasticAgent,
     Std,
     WorkerSpec,
-    _template,
     open_forkserver,
     open_pool,
     open_worker,
     run,
     start_processes,
 )
+from aioproc._func import template as _template
 
 sys.path.insert(0, CHILDREN_DIR)
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
@@ -435,8 +435,8 @@ async def test_forked_workers_run_their_own_exit_hooks_not_the_templates(
 async def test_fork_requests_sent_together_are_answered_in_order(tmp_path: Path) -> None:
     """The template forks every queued request before awaiting the first: answers keep order."""
     from aioproc._base import offloop as _offloop
+    from aioproc._func.script import script_commands
     from aioproc._proc import lifeline as _lifeline
-    from aioproc._script import script_commands
 
     script = tmp_path / "quiet.py"
     script.write_text("")

@@ -89,13 +89,13 @@ def test_the_check_sees_function_level_and_type_checking_imports() -> None:
     source = (
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n    from ..context import PContext\n"
-        "def f():\n    import anyio\n    from . import wire\n"
+        "def f():\n    import anyio\n    from . import channel\n"
     )
     names = [name for _, name in imported_modules(source, "aioproc._child")]
     assert names == [
         "typing.TYPE_CHECKING",
         "aioproc.context.PContext",
         "anyio",
-        "aioproc._child.wire",
+        "aioproc._child.channel",
     ]
     assert [_allowed_in_child(n) for n in names] == [True, False, False, True]

@@ -1,4 +1,4 @@
-"""Large values out of band: protocol-5 buffers in shared memory (``_child.shm``, ``_child.wire``).
+"""Large values out of band: protocol-5 buffers in shared memory (``_child.shm``, ``channel``).
 
 Values of ``SHM_MIN`` bytes or more cross in a sealed memfd passed beside the
 frame; the receiver's arrays and memoryviews view its mapping.  Values with
@@ -25,8 +25,8 @@ from proc_utils import Fifo
 
 import aioproc
 from aioproc import BrokenWorkerError, WorkerProcess, open_pool, open_worker
+from aioproc._child import channel as _wire
 from aioproc._child import shm as _shm
-from aioproc._child import wire as _wire
 from aioproc._proc.channel import Channel
 
 MiB = 1 << 20

@@ -3,7 +3,7 @@
 Each test writes a real script, runs it as ``__main__`` with
 ``sys.executable``, and reads the one JSON line it prints: the values its
 workers returned next to what the same functions return in the script
-itself, and whether a worker had to import cloudpickle (``_funcpickle``
+itself, and whether a worker had to import cloudpickle (``_func.pickling``
 keeps it out of the worker for everything it can represent, and falls back
 to cloudpickle for the rest, which must keep working).  The in-process tests
 at the end pin the encoding itself against cloudpickle's.
@@ -26,7 +26,7 @@ import cloudpickle
 import pytest
 from helpers import REPO_ROOT
 
-from aioproc import _funcpickle
+from aioproc._func import pickling as _funcpickle
 
 PRELUDE = """\
 import asyncio, json, sys

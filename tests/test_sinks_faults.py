@@ -49,10 +49,10 @@ from aioproc import (
     OutputStream,
     Sink,
     Std,
-    _spawn,
     sinks,
 )
 from aioproc._output.tee import TeeProtocol
+from aioproc._proc import spawn as _spawn
 
 FLOOD = os.path.join(CHILDREN_DIR, "out_flood.py")
 PRESSURE = os.path.join(CHILDREN_DIR, "out_pressure.py")

@@ -25,7 +25,8 @@ import pytest
 from helpers import CHILDREN_DIR, child_pids
 from proc_utils import still_alive_after
 
-from aioproc import _template, open_forkserver, open_pool, run, start_processes
+from aioproc import open_forkserver, open_pool, run, start_processes
+from aioproc._func import template as _template
 from aioproc._proc import lifeline as _lifeline
 
 sys.path.insert(0, CHILDREN_DIR)

@@ -1,4 +1,4 @@
-"""``barrier()``: the worker's side of its group's barrier (the hub: ``aioproc._barrier``).
+"""``barrier()``: the worker's side of its group's barrier (the hub: ``aioproc._func.barrier``).
 
 The worker sends ARRIVE on its control channel and blocks until RELEASE
 comes, in ``main.barrier_wait``; this module only finds the booted
@@ -25,7 +25,7 @@ def barrier() -> None:
         threading.BrokenBarrierError: a worker of the group ended without
             reaching the barrier; the message names it.
     """
-    boot: Any = sys.modules.get("aioproc._child.main")
+    boot: Any = sys.modules.get("aioproc._child.boot")
     if boot is None:
-        from . import main as boot
+        from . import boot
     boot.barrier_wait()

@@ -1,6 +1,6 @@
 """error.json in torchelastic's format: stdlib only, shared by both sides.
 
-The child side (``_child.main``) writes it when a function worker raises; the
+The child side (``_child.boot``) writes it when a function worker raises; the
 parent side (``errors``) reads it into a ``ProcessFailure``.  The layout is
 byte-compatible with what ``torch.distributed.elastic.multiprocessing.errors``
 writes, so either side can be torch's own.

@@ -1,10 +1,10 @@
 """Run a Python script in a forked worker as ``python [-u] script args`` would.
 
 Standard library only.  Shipped to the forkserver template as compiled code
-in its INIT message (see ``_template``) and built there once, like the
+in its INIT message (see ``_func.template``) and built there once, like the
 function workers' boot modules; ``run_script`` is called in a worker the
 template forked for ``aioproc run --start-method forkserver`` (see
-``_script`` for which command lines qualify).
+``_func.script`` for which command lines qualify).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Child side of the forkserver template.  Standard library only.
 
 The supervisor runs this file's source with ``sys.executable -c <source>
-<fd>`` in a session of its own (see ``_template``); ``fd`` is the template's
+<fd>`` in a session of its own (see ``_func.template``); ``fd`` is the template's
 end of a socketpair.  The template reads its INIT message (the parent's
 ``sys.path``, the modules to preload, the code of the function workers'
 boot modules, which it builds once), imports the modules, checks it is
@@ -36,7 +36,7 @@ worker (the rest arrives over the channel), or the script, as ``python
 itself up also waits for its gate before it exits: until the supervisor
 lets go of it, every process the template forked is alive or killed by the
 supervisor, so an abandoned one is always found and reaped (see
-``_template``).
+``_func.template``).
 """
 
 from __future__ import annotations
@@ -308,16 +308,16 @@ def _load_boot(blob: bytes) -> Callable[[int], None]:
     has them before it runs user code.
     """
     wire_code, boot_code, load_code = marshal.loads(blob)
-    wire = type(sys)("aioproc._child.wire")
+    wire = type(sys)("aioproc._child.channel")
     exec(wire_code, wire.__dict__)
-    boot = type(sys)("aioproc._child.main")
+    boot = type(sys)("aioproc._child.boot")
     boot._wire = wire  # type: ignore[attr-defined]
     exec(boot_code, boot.__dict__)
-    load = type(sys)("aioproc._child.funcload")
+    load = type(sys)("aioproc._child.pickling")
     exec(load_code, load.__dict__)
-    sys.modules["aioproc._child.wire"] = wire
-    sys.modules["aioproc._child.main"] = boot
-    sys.modules["aioproc._child.funcload"] = load
+    sys.modules["aioproc._child.channel"] = wire
+    sys.modules["aioproc._child.boot"] = boot
+    sys.modules["aioproc._child.pickling"] = load
     main: Callable[[int], None] = boot.main
     return main
 

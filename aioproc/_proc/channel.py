@@ -1,4 +1,4 @@
-"""Parent half of a function worker's control channel (see ``_child.wire``).
+"""Parent half of a function worker's control channel (see ``_child.channel``).
 
 The parent's end of the socketpair is driven by a ``BufferedProtocol``.  It
 reads into a 64 KiB buffer and delivers every whole frame found there, so a
@@ -14,7 +14,7 @@ fails the channel: ``Channel.failed`` resolves with a ``BrokenWorkerError``
 saying what was wrong, ``on_error`` (if given) is called with it, and the
 connection is aborted, so nothing more is read from a worker that broke the
 protocol.  A one-shot function worker may not be reading its channel
-either, so its launcher's ``on_error`` SIGKILLs its group (see ``_launch``);
+either, so its launcher's ``on_error`` SIGKILLs its group (see ``_func.launch``);
 a persistent worker busy in a call does not read the channel, so its owner
 must stop waiting and kill it (see ``worker``).
 
@@ -35,8 +35,8 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import cast
 
+from .._child import channel as _wire
 from .._child import shm as _shm
-from .._child import wire as _wire
 from .._errors.failure import BrokenWorkerError
 from .._output.drain import ReadProgress
 
@@ -44,7 +44,7 @@ FrameHandler = Callable[[int, bytearray], None]
 ErrorHandler = Callable[[BrokenWorkerError], None]
 
 _HEADER = struct.Struct(">BQ")
-"""``_child.wire``'s frame header (kind, body length): one C call to parse or build
+"""``_child.channel``'s frame header (kind, body length): one C call to parse or build
 it, where the child, which imports no ``struct``, slices and converts."""
 assert _HEADER.size == _wire.HEADER_SIZE
 _SHM_BYTE = _wire.SHM[0]

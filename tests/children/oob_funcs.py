@@ -54,7 +54,7 @@ def announce_then_block(ready: str, value: Any = None) -> None:
 
 def send_fd_then_block(ready: str, size: int) -> None:
     """Pass a memfd to the supervisor as a large result would, then hang before the frame."""
-    from aioproc._child import main as _bootstrap
+    from aioproc._child import boot as _bootstrap
     from aioproc._child import shm as _shm
 
     assert _bootstrap._FD_SOCKET is not None

@@ -2,7 +2,7 @@
 
 Standard library only (``aioproc`` is imported lazily, inside the functions
 that read the worker state, and in a worker that import only registers the
-already-booted ``aioproc._child.main``).  The tests put this directory on
+already-booted ``aioproc._child.boot``).  The tests put this directory on
 ``sys.path``, so functions travel by reference: ``(module, qualname)``.
 """
 

@@ -41,7 +41,7 @@ Closing a template SIGKILLs its group too: a process a preloaded module
 started dies with it.
 
 Besides function workers, the template forks workers that run a Python
-script themselves (``_script``: ``aioproc run --start-method forkserver``);
+script themselves (``_func.script``: ``aioproc run --start-method forkserver``);
 they have no channel and are supervised as the binary workers they stand
 for.
 """
@@ -68,16 +68,16 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import IO, Any
 
-from ._base.offloop import helper
-from ._base.shield import shielded
-from ._boot import boot_blob
-from ._errors.failure import RemoteTraceback
-from ._output.tee import TeeProtocol
-from ._proc import lifeline as _lifeline
-from ._proc.channel import Channel
-from ._proc.exits import ExitWatcher, PidProc
-from ._proc.spawn import Child, adopt
-from ._script import ScriptCommand
+from .._base.offloop import helper
+from .._base.shield import shielded
+from .._errors.failure import RemoteTraceback
+from .._output.tee import TeeProtocol
+from .._proc import lifeline as _lifeline
+from .._proc.channel import Channel
+from .._proc.exits import ExitWatcher, PidProc
+from .._proc.spawn import Child, adopt
+from .boot import boot_blob
+from .script import ScriptCommand
 
 logger = logging.getLogger("aioproc")
 
@@ -125,13 +125,13 @@ class TemplateLost(TemplateError):
 
 @functools.cache
 def _source() -> str:
-    return (Path(__file__).parent / "_child" / "template.py").read_text()
+    return (Path(__file__).parent.parent / "_child" / "template.py").read_text()
 
 
 @functools.cache
 def _script_runner() -> bytes:
     """``_child.script`` compiled and marshalled: the template builds it once."""
-    path = Path(__file__).parent / "_child" / "script.py"
+    path = Path(__file__).parent.parent / "_child" / "script.py"
     return marshal.dumps(compile(path.read_text(), str(path), "exec"))
 
 
@@ -640,7 +640,7 @@ async def acquire(preload: tuple[str, ...], path_head: tuple[str, ...] = ()) -> 
     """A lease on the running template for ``preload``, starting one if need be.
 
     ``path_head``: directories searched for ``preload`` before the
-    supervisor's ``sys.path`` (a script's own, see ``_script``) if a
+    supervisor's ``sys.path`` (a script's own, see ``_func.script``) if a
     template has to be started; a running one imported ``preload`` already
     and is shared whatever its ``path_head`` was.
 

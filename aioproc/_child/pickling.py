@@ -1,7 +1,7 @@
-"""Worker half of ``_funcpickle``: rebuild functions that were pickled by value.
+"""Worker half of ``_func.pickling``: rebuild functions that were pickled by value.
 
-The pickles ``_funcpickle`` writes reach these functions as attributes of
-``__import__("aioproc._child.funcload", fromlist=...)``; the boot code (``_boot``)
+The pickles ``_func.pickling`` writes reach these functions as attributes of
+``__import__("aioproc._child.pickling", fromlist=...)``; the boot code (``_func.boot``)
 registers this module under that name in every function worker, so
 unpickling finds it in ``sys.modules`` without importing the aioproc
 package, and a worker rebuilds a script's functions with the standard
@@ -55,7 +55,7 @@ def make_function(code: Any, globals_: dict[str, Any], name: str, ncells: int) -
 
 
 def fill_function(fn: FunctionType, state: tuple[Any, ...]) -> None:
-    """Complete a skeleton: the state-setter of ``_funcpickle``'s reductions."""
+    """Complete a skeleton: the state-setter of ``_func.pickling``'s reductions."""
     names, defaults, kwdefaults, cells, attrs, submodules = state
     for module in submodules:
         # `import a.b` binds `a`; code that reaches `a.b` needs it loaded

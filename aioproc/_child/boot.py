@@ -1,8 +1,8 @@
 """Child side of a function worker.  Standard library (and the user's code) only.
 
-The supervisor starts ``sys.executable -c <BOOT_CODE> <fd>`` (see ``_boot``)
+The supervisor starts ``sys.executable -c <BOOT_CODE> <fd>`` (see ``_func.boot``)
 where ``fd`` is this worker's end of a socketpair.  Over it the child
-receives this module and ``_child.wire`` as compiled code, then INIT (the
+receives this module and ``_child.channel`` as compiled code, then INIT (the
 parent's ``sys.path``) and CALL (the function and its arguments), runs the
 function in the main thread and answers with RESULT or ERROR before exiting.
 
@@ -13,9 +13,9 @@ almost as fast as a bare interpreter.  A function importable by name with
 arguments and a result made of core types travels as ``marshal`` data, so
 such a worker never even imports ``pickle``; everything else is pickled
 (``_pickle``).  Functions that travel by value (lambdas, closures,
-``__main__`` functions) are rebuilt by ``_child.funcload`` (shipped like this
+``__main__`` functions) are rebuilt by ``_child.pickling`` (shipped like this
 module); cloudpickle is imported by the unpickler only for what
-``_funcpickle`` leaves to it (classes defined in ``__main__``, for one).
+``_func.pickling`` leaves to it (classes defined in ``__main__``, for one).
 
 Lifeline: in a worker of a cluster run, whose supervisor may ask for its
 stacks at any time, a daemon thread blocks on the channel; EOF means the
@@ -39,8 +39,8 @@ import sys
 
 if "_wire" not in globals():
     # Imported normally.  When the supervisor ships this module as a code
-    # object (see ``_boot``), it pre-binds ``_child.wire`` so no package import runs.
-    from aioproc._child import wire as _wire
+    # object (see ``_func.boot``), it pre-binds ``_child.channel`` so no package import runs.
+    from aioproc._child import channel as _wire
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

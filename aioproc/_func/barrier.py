@@ -3,7 +3,7 @@
 A worker that calls ``barrier()`` (``_child.barrier``) sends ARRIVE on its
 private control channel and blocks until RELEASE comes: it reads the channel
 itself, or in a cluster run its lifeline thread reads it and wakes it (see
-``_child.main``).  The supervisor side is a ``ControlHub``: every worker of the group (a rank of a
+``_child.boot``).  The supervisor side is a ``ControlHub``: every worker of the group (a rank of a
 ``PContext``, or a task of a cluster run whose tasks are groups of their own)
 is a *member* known by a key.  When ``parties`` members have arrived, each of
 them is sent an empty RELEASE and the next generation begins.  No Manager
@@ -27,8 +27,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Hashable
 
-from ._child import wire as _wire
-from ._proc.channel import Channel
+from .._child import channel as _wire
+from .._proc.channel import Channel
 
 __all__ = ["ControlHub"]
 

@@ -1,7 +1,7 @@
 """How a function worker's interpreter is started (parent side).
 
 The child runs a few lines given with ``-c`` that read the compiled code of
-``_child.wire`` and ``_child.main`` from the channel and execute it.  Shipping code
+``_child.channel`` and ``_child.boot`` from the channel and execute it.  Shipping code
 objects (compiled once per supervisor) instead of importing the package
 means a worker never searches for, reads or compiles aioproc's sources:
 with ``PYTHONDONTWRITEBYTECODE`` set or a read-only install there are no
@@ -23,10 +23,10 @@ from typing import Any
 
 import cloudpickle
 
-from ._child import shm as _shm
-from ._child import wire as _wire
-from ._errors.failure import RemoteTraceback
-from ._funcpickle import dumps, function_ref
+from .._child import channel as _wire
+from .._child import shm as _shm
+from .._errors.failure import RemoteTraceback
+from .pickling import dumps, function_ref
 
 BOOT_CODE = """\
 import marshal, os, sys
@@ -41,18 +41,18 @@ def _read(n):
         buf += chunk
     return buf
 wire_code, boot_code, load_code = marshal.loads(_read(int.from_bytes(_read(8), "big")))
-_wire = type(sys)("aioproc._child.wire")
+_wire = type(sys)("aioproc._child.channel")
 exec(wire_code, _wire.__dict__)
-_boot = type(sys)("aioproc._child.main")
+_boot = type(sys)("aioproc._child.boot")
 _boot._wire = _wire
 exec(boot_code, _boot.__dict__)
-_load = type(sys)("aioproc._child.funcload")
+_load = type(sys)("aioproc._child.pickling")
 exec(load_code, _load.__dict__)
 # registered so user code can reach aioproc.worker_state() in this process,
 # and so functions pickled by value (_funcpickle) find their rebuilders
-sys.modules["aioproc._child.wire"] = _wire
-sys.modules["aioproc._child.main"] = _boot
-sys.modules["aioproc._child.funcload"] = _load
+sys.modules["aioproc._child.channel"] = _wire
+sys.modules["aioproc._child.boot"] = _boot
+sys.modules["aioproc._child.pickling"] = _load
 del _read, wire_code, boot_code, load_code, _wire, _load
 _boot.main(fd)
 """
@@ -60,11 +60,11 @@ _boot.main(fd)
 
 @functools.cache
 def boot_blob() -> bytes:
-    """Length-prefixed marshalled code of ``_child`` modules ``wire``, ``main`` and ``funcload``."""
-    here = Path(__file__).parent / "_child"
+    """Marshalled code of ``_child``'s ``channel``, ``boot`` and ``pickling``, length-prefixed."""
+    here = Path(__file__).parent.parent / "_child"
     codes = tuple(
         compile((here / f"{name}.py").read_text(), str(here / f"{name}.py"), "exec")
-        for name in ("wire", "main", "funcload")
+        for name in ("channel", "boot", "pickling")
     )
     data = marshal.dumps(codes)
     return len(data).to_bytes(8, "big") + data
@@ -97,7 +97,7 @@ def init_frame(
     The key travels only over the private channel, never in env or argv.
     ``lifeline``: whether a one-shot worker reads its channel with a thread
     of its own (needed where the supervisor may ask for its stacks at any
-    time; see ``_child.main``).
+    time; see ``_child.boot``).
     """
     # imported here, once per supervisor: ~7 ms that `import aioproc` need not pay
     from multiprocessing import process
@@ -121,7 +121,7 @@ class CallEncoder:
     A function importable by name whose arguments are core types travels as
     marshal data (the worker then never imports pickle); otherwise the
     function is pickled once and each call's arguments separately, by value
-    where needed (``_funcpickle``: cloudpickle only for what needs it).
+    where needed (``_func.pickling``: cloudpickle only for what needs it).
     """
 
     __slots__ = ("_fn", "_pickled", "_ref")

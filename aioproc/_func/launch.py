@@ -22,17 +22,17 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
-from ._base.shield import shielded
-from ._boot import boot_argv, boot_blob
-from ._child import shm as _shm
-from ._child import wire as _wire
-from ._errors.failure import BrokenWorkerError
-from ._output.tee import TeeProtocol
-from ._proc.channel import Channel
-from ._proc.spawn import Child, spawn
+from .._base.shield import shielded
+from .._child import channel as _wire
+from .._child import shm as _shm
+from .._errors.failure import BrokenWorkerError
+from .._output.tee import TeeProtocol
+from .._proc.channel import Channel
+from .._proc.spawn import Child, spawn
+from .boot import boot_argv, boot_blob
 
 if TYPE_CHECKING:
-    from ._template import Template
+    from .template import Template
 
 Frame = tuple[int, Sequence[bytes]]
 """A control frame to send after boot: ``(kind, body parts)``."""
@@ -88,7 +88,7 @@ async def launch_function(
     try:
         channel = await shielded(opening)
         if template is not None:
-            from ._template import spawn_forked
+            from .template import spawn_forked
 
             # queued before the fork: the worker finds them at once, while
             # the template forks the next requests, and no send of ours

@@ -5,7 +5,7 @@ notebook, a lambda, a closure) must travel by value.  cloudpickle does that,
 but unpickling its output imports cloudpickle in the worker, ~27 ms of CPU:
 more than the whole rest of a worker's start.  ``dumps`` writes the common
 cases as plain protocol-5 pickles instead, which the worker loads with the
-standard library's C unpickler and the few functions of ``_child.funcload``.
+standard library's C unpickler and the few functions of ``_child.pickling``.
 
 A function by value is its code (marshal, the worker runs the same
 interpreter), the globals its code reads or writes (found by walking its
@@ -32,7 +32,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from ._child import funcload as _funcload
+from .._child import pickling as _funcload
 
 __all__ = ["dumps", "dumps_by_value", "function_ref"]
 
@@ -94,7 +94,7 @@ class _Pickler(pickle.Pickler):
         kind = type(obj)
         if kind is types.FunctionType:
             if obj is _funcload.make_function or obj is _funcload.fill_function:
-                # not `aioproc._child.funcload.<name>`: finding that by name would import
+                # not `aioproc._child.pickling.<name>`: finding that by name would import
                 # the aioproc package in the worker (~2.5 ms), where the boot
                 # code registered just this module
                 return getattr, (_funcload, obj.__name__)
