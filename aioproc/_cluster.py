@@ -28,6 +28,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from ._base.checks import check_duration, check_env, check_signal
 from ._base.shield import shielded
 from ._cluster_result import ClusterOutcomes, MultiProcessRunnerResult, TaskKey
 from ._cluster_task import (
@@ -41,9 +42,8 @@ from ._cluster_task import (
 )
 from ._func.barrier import ControlHub
 from ._func.boot import CallEncoder
-from ._ranks import SinkLike, make_sinks
+from ._group.rank_launcher import SinkLike, make_sinks
 from ._tfconfig import assign_gpus, check_cluster_spec, tf_config, visible_gpus
-from ._validate import check_duration, check_env, check_signal
 from .agent.spec import RestartPolicy
 from .context import PContext
 from .results import RunProcsResult

@@ -213,7 +213,7 @@ def _parse_signals(value: str) -> tuple[signal.Signals, ...]:
 
 
 def _parse_start_method(value: str) -> str:
-    from ._validate import check_start_method
+    from ._base.checks import check_start_method
 
     try:
         return check_start_method(value)
@@ -332,7 +332,7 @@ def _number(kind: type[int] | type[float], minimum: float) -> Callable[[str], An
 
 def _log_dir(value: str) -> str | None:
     """``--log-dir``: refused at once if it is, or would be created in, a file."""
-    from ._validate import check_log_dir
+    from ._base.checks import check_log_dir
 
     try:
         return check_log_dir(value)
@@ -342,7 +342,7 @@ def _log_dir(value: str) -> str | None:
 
 def _run_id(value: str) -> str:
     """``--run-id``: one directory name under the log dir, never a path."""
-    from ._validate import check_path_name
+    from ._base.checks import check_path_name
 
     try:
         return check_path_name("run id", value)

@@ -34,6 +34,10 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from ._base.checks import START_METHODS as START_METHODS
+from ._base.checks import check_duration, check_preload
+from ._base.checks import check_filters as _check_filters
+from ._base.checks import check_signal as _validate_signal
 from ._base.loops import check_loop
 from ._base.offloop import Batched, helper, run_blocking
 from ._base.shield import shielded
@@ -42,23 +46,20 @@ from ._errors.failure import ProcessFailure, read_error_file
 from ._func import template as _template
 from ._func.barrier import ControlHub
 from ._func.script import script_dirs
-from ._outcomes import NEVER_STARTED as NEVER_STARTED
-from ._outcomes import Outcomes
+from ._group.checks import check_executable as _check_executable
+from ._group.checks import check_kwargs as _check_kwargs
+from ._group.checks import check_start
+from ._group.checks import validate_group as _validate
+from ._group.outcomes import NEVER_STARTED as NEVER_STARTED
+from ._group.outcomes import Outcomes
+from ._group.rank_launcher import RankLauncher, SinkLike
+from ._group.rank_launcher import make_sinks as _make_sinks
+from ._group.rankdirs import RankDirs
 from ._output.console import release_consoles
 from ._proc import lifeline as _lifeline
 from ._proc.posix_spawn import name_fd_limit
 from ._proc.shutdown import Deadline, stop_groups, warn_forced
 from ._proc.spawn import Child
-from ._rankdirs import RankDirs
-from ._ranks import RankLauncher, SinkLike
-from ._ranks import make_sinks as _make_sinks
-from ._validate import START_METHODS as START_METHODS
-from ._validate import check_duration, check_preload, check_start
-from ._validate import check_executable as _check_executable
-from ._validate import check_filters as _check_filters
-from ._validate import check_kwargs as _check_kwargs
-from ._validate import check_signal as _validate_signal
-from ._validate import validate_group as _validate
 from .logs import DefaultLogsSpecs, LogsDest, LogsSpecs
 from .results import DEFAULT_GRACE_PERIOD, RunProcsResult, WorkerEvent
 from .signals import SignalException, pending_signal

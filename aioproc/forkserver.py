@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ._base.checks import check_preload
 from ._base.loops import check_loop
 from ._base.resource import OpenResource
 from ._base.shield import shielded
 from ._func import template as _template
-from ._validate import check_preload
 
 __all__ = ["Forkserver", "open_forkserver"]
 

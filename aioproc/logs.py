@@ -42,8 +42,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntFlag
 
+from ._base.checks import check_log_dir, check_path_name
 from ._child.errorfile import ERROR_FILE_ENV
-from ._validate import check_log_dir, check_path_name
 
 __all__ = ["DefaultLogsSpecs", "LogsDest", "LogsSpecs", "Std", "to_map"]
 

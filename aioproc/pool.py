@@ -42,6 +42,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from ._base.checks import check_duration, check_env, check_preload, check_start_method
 from ._base.loops import check_loop
 from ._base.resource import OpenResource
 from ._base.shield import shielded
@@ -49,7 +50,6 @@ from ._func import template as _template
 from ._func.template import Template, TemplateLost
 from ._poolrecords import PoolCall, PoolStart, PoolStats
 from ._tfconfig import ClusterSpec, worker_slots
-from ._validate import check_duration, check_env, check_preload, check_start_method
 from .worker import WorkerProcess, _start_worker, _Undelivered
 
 __all__ = ["PoolStats", "WorkerPool", "open_pool"]

@@ -8,10 +8,10 @@ import signal
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ._base.checks import check_duration
 from ._base.resource import OpenResource
 from ._errors.summary import ChildFailedError
-from ._ranks import SinkLike
-from ._validate import check_duration
+from ._group.rank_launcher import SinkLike
 from .context import PContext, close_on_exit
 from .logs import DefaultLogsSpecs, LogsSpecs
 from .results import DEFAULT_GRACE_PERIOD, RunProcsResult, WorkerEvent

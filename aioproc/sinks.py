@@ -48,11 +48,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, TextIO
 
+from ._base.checks import check_duration
 from ._output.console import ConsoleWriter, Screen, console_write, release_consoles, safe_write
 from ._output.flow import STALL_WARNING, Flow, StallWatch, format_size
 from ._output.sink import OutputLine, Sink
 from ._output.sinkops import LineQueue, discard, logger, report_sink_error
-from ._validate import check_duration
 
 __all__ = [
     "CallbackSink",

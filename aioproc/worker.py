@@ -22,6 +22,7 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ._base.checks import check_duration, check_env, check_preload, check_start_method
 from ._base.loops import check_loop
 from ._base.resource import OpenResource
 from ._base.shield import shielded
@@ -37,7 +38,6 @@ from ._proc import lifeline as _lifeline
 from ._proc.channel import Channel
 from ._proc.shutdown import stop_groups, warn_forced
 from ._proc.spawn import Child
-from ._validate import check_duration, check_env, check_preload, check_start_method
 from .sinks import ConsoleSink, Sink, close_sinks
 
 __all__ = ["WorkerProcess", "open_worker"]

@@ -17,7 +17,8 @@ import pytest
 from helpers import aioproc_temp_dirs, child_pids, pid_gone, write_file
 
 import aioproc
-from aioproc import DefaultLogsSpecs, Std, _rankdirs
+from aioproc import DefaultLogsSpecs, Std
+from aioproc._group import rankdirs as _rankdirs
 from aioproc._proc import lifeline as _lifeline
 from aioproc._proc import posix_spawn as _binspawn
 from aioproc._proc.spawn import BinaryStart, discard, spawn_binaries

@@ -986,7 +986,7 @@ async def test_spawn_failure_part_way_warns_nothing(
 def _patch_spawn(monkeypatch: pytest.MonkeyPatch, fake: Any) -> None:
     """Replace the spawn used for binary (context) and function (_launch) workers."""
     import aioproc._func.launch as launch
-    import aioproc._ranks as ranks
+    import aioproc._group.rank_launcher as ranks
 
     monkeypatch.setattr(ranks, "spawn", fake)
     monkeypatch.setattr(launch, "spawn", fake)
@@ -1093,7 +1093,7 @@ async def test_function_workers_start_as_their_own_rank_dir_exists(
     """The rank dirs of a function group are made on a thread of their own while the
     first workers start; one that cannot be made fails the start with its path,
     and nothing is left: no worker, no thread, no temp dir."""
-    from aioproc import _rankdirs
+    from aioproc._group import rankdirs as _rankdirs
     from aioproc._proc import lifeline as _lifeline
 
     made: list[str] = []

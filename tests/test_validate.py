@@ -1,4 +1,4 @@
-"""aioproc._validate: bad input fails before anything starts, naming the rank and the variable.
+"""Input checks: bad input fails before anything starts, naming the rank and the variable.
 
 Every case is given to the public entry points (``start_processes``, ``run``,
 ``PContext.wait/close``, ``open_worker``, ``open_pool``, the agent's specs
@@ -24,7 +24,8 @@ from helpers import aioproc_temp_dirs, child_pids, open_fds, pid_gone, write_fil
 
 import aioproc
 from aioproc import DefaultLogsSpecs, open_pool, open_worker
-from aioproc._validate import EXEC_MARGIN, check_duration
+from aioproc._base.checks import check_duration
+from aioproc._group.checks import EXEC_MARGIN
 from aioproc.agent import LocalElasticAgent, RestartPolicy, WorkerSpec
 
 LINUX = sys.platform.startswith("linux")

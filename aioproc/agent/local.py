@@ -41,15 +41,15 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from .._base.checks import check_duration, check_path_name, check_preload, check_start_method
 from .._base.shield import shielded
 from .._errors.failure import ProcessFailure
 from .._errors.summary import ChildFailedError
 from .._func import template as _template
 from .._func.script import script_dirs
+from .._group.rank_launcher import SinkLike
+from .._group.rank_launcher import make_sinks as _make_sinks
 from .._proc import lifeline as _lifeline
-from .._ranks import SinkLike
-from .._ranks import make_sinks as _make_sinks
-from .._validate import check_duration, check_path_name, check_preload, check_start_method
 from ..context import PContext, RunProcsResult, WorkerEvent
 from ..logs import DefaultLogsSpecs, LogsSpecs
 from ..signals import pending_signal

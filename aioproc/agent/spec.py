@@ -9,8 +9,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._base.checks import check_duration, check_env, check_exec_text, check_preload
 from .._errors.failure import ProcessFailure
-from .._validate import check_duration, check_env, check_exec_text, check_preload
 from ..logs import Std
 
 if TYPE_CHECKING:

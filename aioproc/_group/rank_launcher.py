@@ -16,18 +16,18 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any, TypeAlias
 
-from ._child import channel as _wire
-from ._child import shm as _shm
-from ._func.boot import CallEncoder, init_frame
-from ._func.launch import launch_function
-from ._func.script import ScriptCommand, script_commands
-from ._output.tee import TeeProtocol
-from ._proc.spawn import BinaryStart, Child, adopt, discard, spawn, spawn_binaries
-from .logs import LogsDest
-from .sinks import CallbackSink, ConsoleSink, FileSink, Sink, _FilteredFileSink
+from .._child import channel as _wire
+from .._child import shm as _shm
+from .._func.boot import CallEncoder, init_frame
+from .._func.launch import launch_function
+from .._func.script import ScriptCommand, script_commands
+from .._output.tee import TeeProtocol
+from .._proc.spawn import BinaryStart, Child, adopt, discard, spawn, spawn_binaries
+from ..logs import LogsDest
+from ..sinks import CallbackSink, ConsoleSink, FileSink, Sink, _FilteredFileSink
 
 if TYPE_CHECKING:
-    from ._func.template import Template
+    from .._func.template import Template
 
 SinkLike: TypeAlias = Sink | Callable[..., Any] | str | IO[str]
 """A sink, a callable taking an ``OutputLine``, a file path or an open text file."""
@@ -205,7 +205,7 @@ class RankLauncher:
                         segment.close()
             script = self.scripts.get(rank)
             if template is not None and script is not None:
-                from ._func.template import spawn_forked
+                from .._func.template import spawn_forked
 
                 return await spawn_forked(
                     template,

@@ -15,11 +15,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ._child import channel as _wire
-from ._errors.failure import ProcessFailure
-from ._func.boot import rebuild_exception
-from ._proc.spawn import Child
-from .results import RunProcsResult
+from .._child import channel as _wire
+from .._errors.failure import ProcessFailure
+from .._func.boot import rebuild_exception
+from .._proc.spawn import Child
+from ..results import RunProcsResult
 
 
 def _remote_message(exc: BaseException, timestamp: int) -> dict[str, Any]:

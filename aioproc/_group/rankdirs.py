@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from ._base.shield import shielded
+from .._base.shield import shielded
 
 
 class RankDirs:
