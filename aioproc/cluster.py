@@ -22,13 +22,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ._child.barrier import barrier as barrier
-from ._cluster import DEFAULT_TIMEOUT
-from ._cluster import ClusterRunner as ClusterRunner
-from ._cluster_result import MultiProcessRunnerResult as MultiProcessRunnerResult
-from ._cluster_result import SubprocessTimeoutError as SubprocessTimeoutError
-from ._cluster_result import UnexpectedSubprocessExitError as UnexpectedSubprocessExitError
-from ._tfconfig import assign_gpus as assign_gpus
-from ._tfconfig import create_cluster_spec as create_cluster_spec
+from ._cluster.result import MultiProcessRunnerResult as MultiProcessRunnerResult
+from ._cluster.result import SubprocessTimeoutError as SubprocessTimeoutError
+from ._cluster.result import UnexpectedSubprocessExitError as UnexpectedSubprocessExitError
+from ._cluster.runner import DEFAULT_TIMEOUT
+from ._cluster.runner import ClusterRunner as ClusterRunner
+from ._cluster.tfconfig import assign_gpus as assign_gpus
+from ._cluster.tfconfig import create_cluster_spec as create_cluster_spec
 
 __all__ = [
     "ClusterRunner",

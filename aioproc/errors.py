@@ -14,7 +14,7 @@ Exception and warning tree::
 
 ``SignalException`` (the supervisor received a termination signal) lives in
 ``aioproc.signals`` with the signal machinery; the two cluster errors in
-``aioproc.cluster`` (``_cluster_result``) with the result they carry.
+``aioproc.cluster`` (``_cluster.result``) with the result they carry.
 
 A worker decorated with :func:`record` writes its uncaught exception to the
 file named by ``TORCHELASTIC_ERROR_FILE``, in torchelastic's error.json

@@ -46,10 +46,10 @@ from ._base.checks import check_duration, check_env, check_preload, check_start_
 from ._base.loops import check_loop
 from ._base.resource import OpenResource
 from ._base.shield import shielded
+from ._cluster.tfconfig import ClusterSpec, worker_slots
 from ._func import template as _template
 from ._func.template import Template, TemplateLost
 from ._poolrecords import PoolCall, PoolStart, PoolStats
-from ._tfconfig import ClusterSpec, worker_slots
 from .worker import WorkerProcess, _start_worker, _Undelivered
 
 __all__ = ["PoolStats", "WorkerPool", "open_pool"]

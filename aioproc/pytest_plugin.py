@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 LEAKCHECK = "aioproc_leakcheck"
-_RANKS_MODULE = f"{__package__}._pytest_ranks"
+_RANKS_MODULE = f"{__package__}._plugin.ranks"
 _FACTORIES = ("aioproc_group", "aioproc_pool", "aioproc_cluster")
 _DEFAULT_TIMEOUT = pytest.StashKey[float | None]()
 """pytest-timeout's timeout for a multi-rank test, read before the plugin extends it."""
@@ -154,7 +154,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Generator[None, object, o
     marker = pyfuncitem.get_closest_marker("aioproc")
     if marker is None:
         return (yield)
-    from . import _pytest_ranks
+    from ._plugin import ranks as _pytest_ranks
 
     default = pyfuncitem.stash.get(_DEFAULT_TIMEOUT, None)
     ranks = _pytest_ranks.parse_marker(marker, default)
@@ -188,7 +188,7 @@ def pytest_runtest_makereport(
         path, lineno, _ = item.location
         report.longrepr = (path, (lineno or 0) + 1, f"Skipped: {failed}")
     else:
-        from ._pytest_report import RanksRepr
+        from ._plugin.report import RanksRepr
 
         text, summary = getattr(failed, "text", str(failed)), getattr(failed, "summary", "")
         report.longrepr = RanksRepr(text, summary, str(item.path), item)
@@ -237,7 +237,7 @@ async def aioproc_group() -> AsyncIterator[Any]:
     Cancellation: teardown closes the groups newest first; each close is
     shielded and bounded by the group's grace period.
     """
-    from ._pytest_fixtures import GroupFactory
+    from ._plugin.fixtures import GroupFactory
 
     async with contextlib.AsyncExitStack() as stack:
         yield GroupFactory(stack)
@@ -252,7 +252,7 @@ async def aioproc_pool() -> AsyncIterator[Any]:
     Cancellation: teardown closes the pools newest first; each close is
     shielded and bounded by the pool's ``shutdown_timeout``.
     """
-    from ._pytest_fixtures import PoolFactory
+    from ._plugin.fixtures import PoolFactory
 
     async with contextlib.AsyncExitStack() as stack:
         yield PoolFactory(stack)
@@ -269,7 +269,7 @@ async def aioproc_cluster() -> AsyncIterator[Any]:
     Cancellation: teardown stops the runners newest first; each stop is
     shielded and bounded by the grace period.
     """
-    from ._pytest_fixtures import ClusterFactory
+    from ._plugin.fixtures import ClusterFactory
 
     async with contextlib.AsyncExitStack() as stack:
         yield ClusterFactory(stack)
@@ -297,7 +297,7 @@ def aioproc_leakcheck(request: pytest.FixtureRequest) -> Iterator[None]:
     they point at); leaked processes are killed and temp entries removed, so
     one leak does not fail the tests after it.
     """
-    from ._leakcheck import SUPPORTED, Snapshot
+    from ._plugin.leakcheck import SUPPORTED, Snapshot
 
     if not SUPPORTED:
         yield

@@ -35,7 +35,7 @@ _CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _CHECKOUT not in sys.path:
     sys.path.insert(1, _CHECKOUT)
 
-from aioproc._leakcheck import child_pids as child_pids  # noqa: E402
+from aioproc._plugin.leakcheck import child_pids as child_pids  # noqa: E402
 
 T = TypeVar("T")
 

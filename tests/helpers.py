@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 # the plugin's leak check reads /proc the same way the tests do
-from aioproc._leakcheck import child_pids as child_pids
-from aioproc._leakcheck import open_fds as open_fds
+from aioproc._plugin.leakcheck import child_pids as child_pids
+from aioproc._plugin.leakcheck import open_fds as open_fds
 
 if TYPE_CHECKING:
     import asyncio

@@ -600,7 +600,7 @@ def test_assign_gpus_round_robin() -> None:
 
 
 def test_visible_gpus_from_env_or_driver(tmp_path: Path) -> None:
-    from aioproc._tfconfig import visible_gpus
+    from aioproc._cluster.tfconfig import visible_gpus
 
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 5"}) == ["2", "5"]
     gpus = tmp_path / "driver" / "nvidia" / "gpus"

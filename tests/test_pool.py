@@ -444,7 +444,7 @@ async def test_counted_cluster_spec_has_distinct_task_addresses(pw: ModuleType) 
 
 
 def test_tf_config_json_is_valid_for_every_slot() -> None:
-    from aioproc._tfconfig import worker_slots
+    from aioproc._cluster.tfconfig import worker_slots
 
     for name, env in worker_slots({"worker": 2}, "p", {}):
         assert json.loads(env["TF_CONFIG"])["task"]["type"] == "worker"

@@ -167,7 +167,7 @@ def test_a_failing_rank_is_the_failure_named_by_rank_with_every_ranks_output(
     )
     # the rank's machinery is not in the failure's traceback
     failure = result.stdout.str().split("Captured stdout")[0]
-    assert "_pytest_rank.py" not in failure and "_child/boot.py" not in failure
+    assert "rank_child.py" not in failure and "_child/boot.py" not in failure
     assert_all_gone(pids_written(pytester))
 
 

@@ -28,10 +28,17 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from ._base.checks import check_duration, check_env, check_signal
-from ._base.shield import shielded
-from ._cluster_result import ClusterOutcomes, MultiProcessRunnerResult, TaskKey
-from ._cluster_task import (
+from .._base.checks import check_duration, check_env, check_signal
+from .._base.shield import shielded
+from .._func.barrier import ControlHub
+from .._func.boot import CallEncoder
+from .._group.rank_launcher import SinkLike, make_sinks
+from ..agent.spec import RestartPolicy
+from ..context import PContext
+from ..results import RunProcsResult
+from ..sinks import Sink, close_sinks
+from .result import ClusterOutcomes, MultiProcessRunnerResult, TaskKey
+from .task import (
     Collect,
     Task,
     check_call,
@@ -40,14 +47,7 @@ from ._cluster_task import (
     task_label,
     will_restart,
 )
-from ._func.barrier import ControlHub
-from ._func.boot import CallEncoder
-from ._group.rank_launcher import SinkLike, make_sinks
-from ._tfconfig import assign_gpus, check_cluster_spec, tf_config, visible_gpus
-from .agent.spec import RestartPolicy
-from .context import PContext
-from .results import RunProcsResult
-from .sinks import Sink, close_sinks
+from .tfconfig import assign_gpus, check_cluster_spec, tf_config, visible_gpus
 
 __all__ = ["ClusterRunner"]
 
@@ -144,7 +144,7 @@ class ClusterRunner:
         self._outcomes = ClusterOutcomes()
         self._sinks: list[Sink] = list(user_sinks)
         if stream_output:
-            from .sinks import ConsoleSink
+            from ..sinks import ConsoleSink
 
             self._sinks.append(ConsoleSink())
         if return_output:

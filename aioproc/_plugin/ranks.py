@@ -1,6 +1,6 @@
 """Parent side of ``@pytest.mark.aioproc``: run a test body on N ranks, judge, report.
 
-The test body runs in a group of fresh function workers (``_pytest_rank``),
+The test body runs in a group of fresh function workers (``_plugin.rank_child``),
 each with torch's rendezvous environment (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``) or TensorFlow's ``TF_CONFIG``. Each rank
 writes its own ``stdout.log``/``stderr.log`` (read back into the report's
@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from . import _pytest_rank
-from ._tfconfig import free_ports, worker_slots
+from .._cluster.tfconfig import free_ports, worker_slots
+from . import rank_child as _pytest_rank
 
 MARKER = "aioproc"
 GRACE_PERIOD = 5.0
@@ -182,8 +182,8 @@ async def _supervise(ranks: Ranks, call: _pytest_rank.RankCall, top: str, live: 
     SIGKILL after ``GRACE_PERIOD``) and reaps it, shielded, before the
     cancellation goes on.
     """
-    from .logs import DefaultLogsSpecs, Std
-    from .runner import start_processes
+    from ..logs import DefaultLogsSpecs, Std
+    from ..runner import start_processes
 
     n = len(ranks.labels)
     if live:
@@ -271,7 +271,7 @@ def _describe_exit(failure: Any) -> str:
 
 
 def _judge(item: pytest.Function, ranks: Ranks, outcome: _Outcome) -> None:
-    from ._errors.summary import ChildFailedError
+    from .._errors.summary import ChildFailedError
 
     result = outcome.result
     path = str(item.path)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._tfconfig import task_sort_key
-from .results import RunProcsResult
+from ..results import RunProcsResult
+from .tfconfig import task_sort_key
 
 TaskKey = tuple[str, int]
 """``(task_type, task_id)``."""

@@ -14,9 +14,9 @@ import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._cluster import ClusterRunner
-from .context import PContext
-from .pool import WorkerPool
+from .._cluster.runner import ClusterRunner
+from ..context import PContext
+from ..pool import WorkerPool
 
 
 def _per_rank(value: Any, nprocs: int, what: str) -> dict[int, Any]:
@@ -70,7 +70,7 @@ class GroupFactory:
         Cancellation: the group is closed by the fixture's teardown; a start
         that is cancelled stops what it had launched.
         """
-        from .runner import start_processes
+        from ..runner import start_processes
 
         if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs <= 0:
             raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
@@ -105,7 +105,7 @@ class PoolFactory:
 
         Cancellation: the pool is closed by the fixture's teardown.
         """
-        from .pool import open_pool
+        from ..pool import open_pool
 
         return await self._stack.enter_async_context(open_pool(*args, **kwargs))
 

@@ -11,15 +11,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._cluster_result import TaskKey
-from ._func.barrier import ControlHub
-from .agent.spec import RestartPolicy
-from .logs import DefaultLogsSpecs, Std
-from .results import WorkerEvent
-from .sinks import Sink
+from .._func.barrier import ControlHub
+from ..agent.spec import RestartPolicy
+from ..logs import DefaultLogsSpecs, Std
+from ..results import WorkerEvent
+from ..sinks import Sink
+from .result import TaskKey
 
 if TYPE_CHECKING:
-    from .context import PContext
+    from ..context import PContext
 
 Restarts = tuple[RestartPolicy, int]
 """The backoff policy and the restarts allowed per task."""
@@ -81,7 +81,7 @@ def task_group(
     hub: ControlHub,
 ) -> PContext:
     """A one-rank group running ``task``'s current attempt (not started)."""
-    from .context import PContext
+    from ..context import PContext
 
     return PContext(
         task.label,

@@ -1,6 +1,6 @@
 """Worker side of ``@pytest.mark.aioproc``: run one rank of a test body.
 
-The parent (``_pytest_ranks``) sends a :class:`RankCall` naming the test by
+The parent (``_plugin.ranks``) sends a :class:`RankCall` naming the test by
 module file and qualified name, never the function object: the worker loads
 the test module itself, through pytest's assertion rewriting, so a failed
 ``assert`` in a rank explains itself exactly as it would in the parent.
