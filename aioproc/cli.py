@@ -12,7 +12,7 @@ Design: the command parses its flags into a ``WorkerSpec`` and a
 ``LogsSpecs``, then runs ``LocalElasticAgent.run()`` in ``asyncio.run`` under
 ``translate_signals``.  A terminating signal stops the workers with that
 signal (SIGKILL after ``--grace-period``) and the command exits 128 + the
-signal number.  On a terminal, ``aioproc._live`` draws a table of the
+signal number.  On a terminal, ``aioproc._cli.live`` draws a table of the
 workers below their scrolling output; elsewhere output is plain text.
 """
 
@@ -33,7 +33,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from ._live import LiveView
+    from ._cli.live import LiveView
     from .agent import AgentEvent, LocalElasticAgent, RestartPolicy, WorkerSpec
     from .logs import LogsSpecs, Std
 
@@ -689,7 +689,7 @@ def _make_run(ns: argparse.Namespace) -> _Run:
     live = not ns.no_live and _live_possible()
     logs_specs: LogsSpecs
     if live:
-        from ._live import LiveLogsSpecs
+        from ._cli.live import LiveLogsSpecs
 
         logs_specs = LiveLogsSpecs(ns.log_dir, redirects, tee, ns.local_ranks_filter)
     else:
@@ -810,7 +810,7 @@ async def _supervise(run: _Run) -> int:
     cancellation propagates.
     """
     from ._func.template import TemplateError
-    from ._jobcontrol import follow_job_control
+    from ._proc.jobcontrol import follow_job_control
     from .agent import LocalElasticAgent
     from .agent import events as ev
     from .errors import ChildFailedError, RemoteTraceback
@@ -818,7 +818,7 @@ async def _supervise(run: _Run) -> int:
 
     view: LiveView | None = None
     if run.live:
-        from ._live import LiveView
+        from ._cli.live import LiveView
 
         view = LiveView(
             run.spec.role, run.spec.local_world_size, run.spec.max_restarts, title=run.name

@@ -49,7 +49,7 @@ from ._base.shield import shielded
 from ._cluster.tfconfig import ClusterSpec, worker_slots
 from ._func import template as _template
 from ._func.template import Template, TemplateLost
-from ._poolrecords import PoolCall, PoolStart, PoolStats
+from ._pool.records import PoolCall, PoolStart, PoolStats
 from .worker import WorkerProcess, _start_worker, _Undelivered
 
 __all__ = ["PoolStats", "WorkerPool", "open_pool"]

@@ -1,7 +1,7 @@
 """Job control: Ctrl-Z on ``aioproc run`` stops its workers too, ``fg`` continues them.
 
 The workers lead sessions of their own, so the terminal's SIGTSTP reaches
-only the supervisor; it stops them with itself (``aioproc._jobcontrol``).
+only the supervisor; it stops them with itself (``aioproc._proc.jobcontrol``).
 """
 
 from __future__ import annotations

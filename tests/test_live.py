@@ -1,4 +1,4 @@
-"""``aioproc._live.LiveView``: the rows it draws from real agent events.
+"""``aioproc._cli.live.LiveView``: the rows it draws from real agent events.
 
 The view on a real terminal is tested through the command in test_cli.py;
 here it is drawn on an in-memory console of a given size.
@@ -19,7 +19,7 @@ pytest.importorskip("rich", reason="rich is not installed: the live view is unte
 
 from rich.console import Console
 
-from aioproc._live import LiveView
+from aioproc._cli.live import LiveView
 
 
 def drawn(view: LiveView, lines: int, columns: int = 100) -> list[str]:

@@ -44,10 +44,10 @@ from rich.style import Style
 from rich.table import Table
 from rich.text import Text
 
-from .agent import AgentEvent
-from .agent import events as ev
-from .logs import DefaultLogsSpecs, LogsDest
-from .sinks import Sink
+from ..agent import AgentEvent
+from ..agent import events as ev
+from ..logs import DefaultLogsSpecs, LogsDest
+from ..sinks import Sink
 
 __all__ = ["LiveLogsSpecs", "LiveView"]
 

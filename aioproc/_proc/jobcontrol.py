@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-from ._proc import lifeline as _lifeline
+from . import lifeline as _lifeline
 
 STOPS = (signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
 """The terminal's stop signals: Ctrl-Z, and reads or writes from the background."""
