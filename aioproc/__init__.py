@@ -118,6 +118,8 @@ def __getattr__(name: str) -> Any:
     # plain __import__: importlib would cost every worker an import
     __import__(f"{__name__}.{module}")
     value = getattr(sys.modules[f"{__name__}.{module}"], name)
+    if module.startswith("_"):
+        value.__module__ = __name__  # defined in a wing, imported from here
     globals()[name] = value  # later lookups skip __getattr__
     return value
 

@@ -19,16 +19,30 @@ every live task's stacks, restarts back off, and nothing polls.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._child.barrier import barrier as barrier
+from ._cluster.result import DEFAULT_TIMEOUT
 from ._cluster.result import MultiProcessRunnerResult as MultiProcessRunnerResult
 from ._cluster.result import SubprocessTimeoutError as SubprocessTimeoutError
 from ._cluster.result import UnexpectedSubprocessExitError as UnexpectedSubprocessExitError
-from ._cluster.runner import DEFAULT_TIMEOUT
-from ._cluster.runner import ClusterRunner as ClusterRunner
 from ._cluster.tfconfig import assign_gpus as assign_gpus
 from ._cluster.tfconfig import create_cluster_spec as create_cluster_spec
+
+if TYPE_CHECKING:
+    from ._cluster.runner import ClusterRunner as ClusterRunner
+
+# Defined in the wing, named here: reprs and pickles show the path users import.
+for _public in (
+    MultiProcessRunnerResult,
+    SubprocessTimeoutError,
+    UnexpectedSubprocessExitError,
+    assign_gpus,
+    barrier,
+    create_cluster_spec,
+):
+    _public.__module__ = __name__
+del _public
 
 __all__ = [
     "ClusterRunner",
@@ -99,6 +113,8 @@ async def run(
     Cancellation: every task is stopped (shielded, bounded) before the
     cancellation propagates.
     """
+    from ._cluster.runner import ClusterRunner
+
     runner = ClusterRunner(
         fn,
         cluster_spec,
@@ -115,3 +131,15 @@ async def run(
     )
     async with runner:
         return await runner.join(timeout)
+
+
+def __getattr__(name: str) -> Any:
+    # The runner (and with it asyncio) loads on first use: a task that only
+    # calls ``barrier()`` imports this module without paying for the loop.
+    if name == "ClusterRunner":
+        from ._cluster.runner import ClusterRunner
+
+        ClusterRunner.__module__ = __name__
+        globals()[name] = ClusterRunner
+        return ClusterRunner
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

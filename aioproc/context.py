@@ -58,12 +58,11 @@ from ._group.rankdirs import RankDirs
 from ._output.console import release_consoles
 from ._proc import lifeline as _lifeline
 from ._proc.posix_spawn import name_fd_limit
-from ._proc.shutdown import Deadline, stop_groups, warn_forced
+from ._proc.shutdown import Deadline, Release, release, stop_groups, warn_forced
 from ._proc.spawn import Child
 from .logs import DefaultLogsSpecs, LogsDest, LogsSpecs
 from .results import DEFAULT_GRACE_PERIOD, RunProcsResult, WorkerEvent
 from .signals import SignalException, pending_signal
-from .sinks import close_sinks
 
 __all__ = ["PContext", "RunProcsResult", "WorkerEvent", "close_on_exit"]
 
@@ -82,9 +81,6 @@ _BINARY_BATCH = 16
 _BATCHES_IN_FLIGHT = 2
 """Batches of binary workers queued at once: the helper thread starts one while
 the loop wires up the other."""
-
-_RELEASE_BATCH = 8
-"""Workers whose pipes are closed per loop iteration at close."""
 
 _RECORD_BATCH = 16
 """Exits recorded per loop iteration when a close records them together."""
@@ -126,11 +122,6 @@ async def _prune_after(reads: Sequence[asyncio.Future[Any]], specs: LogsSpecs) -
     if reads:
         await asyncio.wait(reads)
     await run_blocking(specs.prune)
-
-
-def _reap(children: list[Child]) -> None:
-    for c in children:
-        c.watcher.reap()
 
 
 _DRAIN_TIMEOUT = 2.0
@@ -837,13 +828,7 @@ class PContext:
             task.cancel()
         children = list(self._children.values())
         await stop_groups(children, signal.SIGKILL, 0.0)
-        for c in children:
-            await c.close_streams(0.0)
-            if c.watcher.future.done():
-                c.release()
-            else:
-                c.release_when_exited()
-        await _lifeline.settle()
+        await release(children, drain=0.0)
 
     async def _shutdown(self, sig: int, timeout: float) -> None:
         with helper():  # one helper thread for the whole shutdown (see _base.offloop)
@@ -899,10 +884,7 @@ class PContext:
         # The groups get no more signals: forget them (one write to the
         # guardian, which exits if it guards nothing else) and reap their
         # leaders now, so that the guardian's exit overlaps what follows.
-        exited = _lifeline.forget_exited(children)
-        # ~15 us each: the helper thread reaps while the loop records the
-        # exits and closes the pipes
-        reaping = asyncio.ensure_future(run_blocking(_reap, exited))
+        done = Release(children)
         await self._record_stopped(stopping, early)
         for rank, scope in self._watching.items():
             if not self._watched[rank].is_set():
@@ -915,37 +897,19 @@ class PContext:
             if not child.watcher.future.done():
                 # survived SIGKILL: recorded as such now, its exit whenever it comes
                 self._outcomes.unkillable(rank, child, self.error_files.get(rank, ""))
-        for c in children:
-            if not c.watcher.future.done():
-                c.release_when_exited()
         try:
-            # wait for every pipe's EOF together, then close them a batch per
-            # iteration: hundreds of closes at once would hold the loop
-            eofs = [f for c in children for f in c.streams_eof()]
-            if eofs:
-                await asyncio.wait(eofs, timeout=_DRAIN_TIMEOUT)
-            for i in range(0, len(children), _RELEASE_BATCH):
-                batch = children[i : i + _RELEASE_BATCH]
-                # those at EOF are cut at once, with no task each; the others
-                # (a descendant holds a pipe) get one more drain timeout
-                late = [c.close_streams(_DRAIN_TIMEOUT) for c in batch if c.streams_eof()]
-                closing = [f for c in batch if not c.streams_eof() for f in c.cut_streams()]
-                if late:
-                    await asyncio.gather(*late)
-                if closing:
-                    await asyncio.wait(closing)
             own_sinks = self._ranks.sinks if self._close_sinks else []
-            # bounded, and never raises: the cleanup below always runs
-            await close_sinks([*own_sinks, *self._ranks.filter_sinks.values()])
+            await done.close(
+                drain=_DRAIN_TIMEOUT, sinks=[*own_sinks, *self._ranks.filter_sinks.values()]
+            )
             release_consoles()  # the host's sinks stay open, not our fds on its console
-            await reaping
             self._outcomes.check_finished()
             self._state = _State.CLOSED
             if pruned is None:
                 # the sinks wrote into the tree until now: prune it only now,
                 # while the loop waits for the guardian
                 pruned = asyncio.ensure_future(run_blocking(specs.prune))
-            await _lifeline.settle()
+            await done.settle()
         finally:
             if pruned is not None:
                 await pruned

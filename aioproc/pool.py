@@ -54,6 +54,8 @@ from .worker import WorkerProcess, _start_worker, _Undelivered
 
 __all__ = ["PoolStats", "WorkerPool", "open_pool"]
 
+PoolStats.__module__ = __name__  # defined in the wing, imported from here
+
 logger = logging.getLogger("aioproc")
 
 

@@ -45,14 +45,16 @@ import inspect
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TextIO
 
 from ._base.checks import check_duration
 from ._output.console import ConsoleWriter, Screen, console_write, release_consoles, safe_write
 from ._output.flow import STALL_WARNING, Flow, StallWatch, format_size
 from ._output.sink import OutputLine, Sink
-from ._output.sinkops import LineQueue, discard, logger, report_sink_error
+from ._output.sinkops import SINK_CLOSE_DEADLINE as SINK_CLOSE_DEADLINE
+from ._output.sinkops import LineQueue, discard, report_sink_error
+from ._output.sinkops import close_sinks as close_sinks
 
 __all__ = [
     "CallbackSink",
@@ -63,12 +65,6 @@ __all__ = [
     "OutputStream",
     "Sink",
 ]
-
-SINK_CLOSE_DEADLINE = 5.0
-"""Seconds ``close_sinks`` waits in total for the sinks of a group to drain."""
-
-_CANCEL_GRACE = 0.5
-"""Seconds a sink's cancelled ``aclose()`` gets to unwind before it is left behind."""
 
 
 # defined with the output machinery (which must not import this module), and
@@ -472,74 +468,3 @@ class OutputStream(Sink):
 
 def _describe_queue(queue: LineQueue[Any], state: str) -> str:
     return f"holds {format_size(queue.size)} ({len(queue)} lines) {state}"
-
-
-# -------------------------------------------------------------------- close
-
-
-async def close_sinks(sinks: Sequence[Sink], deadline: float | None = None) -> None:
-    """Close every sink, giving them ``deadline`` seconds in total to drain.
-
-    ``deadline`` defaults to ``SINK_CLOSE_DEADLINE`` (5 s).
-    The sinks are closed concurrently.  Past the deadline, the ``aclose()``
-    calls still running are cancelled and what the sinks still buffer is
-    dropped; the number of lines lost is logged in one warning.  A sink
-    whose ``aclose()`` raises is logged (``report_sink_error``).  Never
-    raises for a sink's sake, so the caller's cleanup always completes.
-
-    Cancellation: cancelling this cancels the ``aclose()`` calls, drops
-    what is buffered and re-raises; callers run it shielded.
-    """
-    if not sinks:
-        return
-    if deadline is None:
-        deadline = SINK_CLOSE_DEADLINE
-    loop = asyncio.get_running_loop()
-    tasks = {
-        loop.create_task(_aclose(sink), name=f"aioproc-close-{sink!r}"): sink for sink in sinks
-    }
-    try:
-        _, pending = await asyncio.wait(tasks, timeout=max(deadline, 0.0))
-    except BaseException:
-        pending = {t for t in tasks if not t.done()}
-        _give_up(tasks, pending)
-        raise
-    late = _give_up(tasks, pending)
-    if pending:
-        _, stuck = await asyncio.wait(pending, timeout=_CANCEL_GRACE)
-        for task in stuck:
-            logger.error("sink %r did not stop when cancelled; left behind", tasks[task])
-    if late:
-        logger.warning(
-            "%d line(s) of worker output were dropped: sink(s) %s had not taken them "
-            "when the group closed (they get %g s to drain; a console that accepts "
-            "nothing is given up sooner); the log files have every line",
-            sum(n for _, n in late),
-            ", ".join(repr(s) for s, _ in late),
-            deadline,
-        )
-
-
-def _give_up(
-    tasks: dict[asyncio.Task[None], Sink], pending: set[asyncio.Task[None]]
-) -> list[tuple[Sink, int]]:
-    """Cancel the pending closes, drop every sink's leftovers; lines lost per sink."""
-    for task in pending:
-        task.cancel()
-    late: list[tuple[Sink, int]] = []
-    for sink in tasks.values():
-        try:
-            n = sink._drop_pending()
-        except Exception:
-            report_sink_error(sink, "_drop_pending()")
-            continue
-        if n:
-            late.append((sink, n))
-    return late
-
-
-async def _aclose(sink: Sink) -> None:
-    try:
-        await sink.aclose()
-    except Exception:
-        report_sink_error(sink, "aclose()")

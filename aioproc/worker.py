@@ -34,11 +34,10 @@ from ._func.boot import CallEncoder, init_frame, rebuild_exception
 from ._func.launch import Frame, launch_function
 from ._func.template import Template
 from ._output.tee import TeeProtocol
-from ._proc import lifeline as _lifeline
 from ._proc.channel import Channel
-from ._proc.shutdown import stop_groups, warn_forced
+from ._proc.shutdown import release, stop_groups, warn_forced
 from ._proc.spawn import Child
-from .sinks import ConsoleSink, Sink, close_sinks
+from .sinks import ConsoleSink, Sink
 
 __all__ = ["WorkerProcess", "open_worker"]
 
@@ -302,10 +301,7 @@ class WorkerProcess:
         else:
             await stop_groups([self._child], signal.SIGKILL, 0)  # descendants only
         await self._exit_task
-        await self._child.close_streams(1.0)
-        await close_sinks([self._console, self._tail])
-        _release(self._child)
-        await _lifeline.settle()
+        await release([self._child], drain=1.0, sinks=[self._console, self._tail])
         if forced:
             warn_forced(
                 forced, signal.SIGKILL, self._shutdown_timeout, request="the terminate request"
@@ -408,18 +404,10 @@ async def _start_worker(
 
 async def _abandon(child: Child | None) -> None:
     """Kill and reap a worker that failed to start (nothing to be graceful about)."""
-    if child is not None:
-        await stop_groups([child], signal.SIGKILL, 0)
-        await child.close_streams(1.0)
-        _release(child)
-    await _lifeline.settle()  # a guardian dismissed by a failed launch too
-
-
-def _release(child: Child) -> None:
-    if child.watcher.future.done():
-        child.release()
-    else:
-        child.release_when_exited()  # survived SIGKILL: reaped whenever it exits
+    children = [] if child is None else [child]
+    await stop_groups(children, signal.SIGKILL, 0)
+    # settles a guardian dismissed by a failed launch too
+    await release(children, drain=1.0)
 
 
 _counter = 0

@@ -1,14 +1,14 @@
-"""The house's walls, checked on the source: the wings at the bottom import nothing above them.
+"""The house's walls, checked on the source: every import goes down, and none goes round.
 
-``aioproc/_child/`` holds everything that runs inside a worker or the
-warm-start template.  A worker's start must not pay for asyncio, anyio or
-the supervisor's modules, and the template must stay safe to fork, so these
-modules import the standard library and ``_child`` only, with one
-exception: ``cloudpickle``, imported only to load a value pickled by it.
-``aioproc/_base/`` (loop helpers, shielding, the helper thread) imports no
-other part of aioproc, and ``aioproc/_output/`` (pipe bytes -> lines ->
-sinks) only ``_base`` and ``_child``.  Every import counts: module-level, function-level
-and ``TYPE_CHECKING`` ones.
+Private modules live in wings (``_child``, ``_base``, ``_proc``, ...), each
+a folder of at most eight modules; ``ORDER`` lists every wing and public
+module bottom to top, and each may import only what comes before it.
+``_child`` holds everything that runs inside a worker or the warm-start
+template: a worker's start must not pay for asyncio, anyio or the
+supervisor's modules, and the template must stay safe to fork, so it
+imports the standard library and ``_child`` only, with one exception:
+``cloudpickle``, imported only to load a value pickled by it.  Every import
+counts: module-level, function-level and ``TYPE_CHECKING`` ones.
 """
 
 from __future__ import annotations
@@ -61,27 +61,154 @@ def test_child_modules_import_only_the_standard_library_and_child(path: Path) ->
     assert wrong == [], "imports outside the standard library and _child:\n" + "\n".join(wrong)
 
 
-# each wing above _child, and the parts of aioproc it may import (itself included)
-WINGS = {
-    "_base": ("_base",),
-    "_output": ("_output", "_base", "_child"),
-}
-
-
-@pytest.mark.parametrize(
-    "path",
-    sorted(p for wing in WINGS for p in (PACKAGE / wing).glob("*.py")),
-    ids=lambda p: f"{p.parent.name}/{p.name}",
+# Every part of the package, bottom to top: a private wing (folder), a public
+# subpackage, or a public module.  Each may import only the parts before it.
+ORDER = (
+    "_child",  # inside workers: the standard library only
+    "_base",  # loop helpers, shielding, the helper thread, generic checks
+    "_errors",  # failures and @record, standard library only
+    "signals",
+    "timer",
+    "redirects",
+    "rendezvous",
+    "_output",  # pipe bytes -> lines -> sinks
+    "errors",
+    "results",
+    "logs",
+    "sinks",
+    "tail",
+    "testing",
+    "_proc",  # one OS process: spawn, exit, channel, guardian, stop
+    "_func",  # function workers, parent side
+    "_group",  # what a PContext is made of
+    "worker",
+    "forkserver",
+    "context",
+    "runner",
+    "agent",
+    "_cli",
+    "cli",
+    "__main__",
+    "_cluster",
+    "cluster",
+    "_pool",
+    "pool",
+    "_plugin",
+    "pytest_plugin",
+    "aioproc",  # the package itself: lazy re-exports of everything
 )
-def test_wings_import_only_the_wings_below_them(path: Path) -> None:
-    wing = path.parent.name
-    below = tuple(f"aioproc.{w}." for w in WINGS[wing])
-    wrong = [
-        f"{wing}/{path.name}:{line}: {name}"
-        for line, name in imported_modules(path.read_text(), f"aioproc.{wing}")
-        if name.startswith("aioproc.") and not name.startswith(below)
+# The version string is a literal in the package's ``__init__``: importing it
+# loads nothing, so the CLI may name it.
+CONSTANTS = {"aioproc.__version__"}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if path.name == "__init__.py" else parts)] = path
+    return found
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "aioproc"
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the aioproc modules it imports (a package's own parents left out)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        edges = set()
+        for _, imported in imported_modules(path.read_text(), package):
+            if not imported.startswith("aioproc") or imported in CONSTANTS:
+                continue
+            while imported not in modules:  # ``from pkg import name``: the module is pkg
+                imported = imported.rsplit(".", 1)[0]
+            if imported != name and not name.startswith(imported + "."):
+                edges.add(imported)
+        graph[name] = edges
+    return graph
+
+
+def test_every_part_of_the_package_has_its_floor() -> None:
+    parts = {_part(m) for m in _modules()}
+    assert parts == set(ORDER), f"not in ORDER: {parts - set(ORDER)}, gone: {set(ORDER) - parts}"
+
+
+def test_every_import_goes_down() -> None:
+    rank = {part: i for i, part in enumerate(ORDER)}
+    upward = [
+        f"{module} -> {target}"
+        for module, targets in import_graph().items()
+        for target in targets
+        if rank[_part(target)] > rank[_part(module)]
     ]
-    assert wrong == [], f"{wing} imports from above it:\n" + "\n".join(wrong)
+    assert upward == [], "imports going up:\n" + "\n".join(sorted(upward))
+
+
+def test_no_import_circles() -> None:
+    """Also inside a part: two modules that import each other are one room drawn as two."""
+    graph = import_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's strongly connected components
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in graph[module]:
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in graph:
+        if module not in index:
+            visit(module)
+    assert circles == []
+
+
+def test_the_layers_are_few(capsys: pytest.CaptureFixture[str]) -> None:
+    """Parts on one layer import only parts on the layers below; printed for the reader."""
+    graph = import_graph()
+    needs: dict[str, set[str]] = {part: set() for part in ORDER}
+    for module, targets in graph.items():
+        needs[_part(module)] |= {_part(t) for t in targets} - {_part(module)}
+    layer: dict[str, int] = {}
+    for part in ORDER:  # ORDER is a topological order (the test above)
+        layer[part] = 1 + max((layer[p] for p in needs[part]), default=0)
+    with capsys.disabled():
+        print()
+        for n in range(1, max(layer.values()) + 1):
+            print(f"  layer {n:2}: {' '.join(p for p in ORDER if layer[p] == n)}")
+    assert max(layer.values()) <= 12
+
+
+def test_private_modules_live_in_wings_of_at_most_eight() -> None:
+    top_level = sorted(p.name for p in PACKAGE.glob("_*.py") if not p.name.startswith("__"))
+    assert top_level == []
+    crowded = {
+        folder.name: len(modules)
+        for folder in PACKAGE.iterdir()
+        if folder.is_dir()
+        and folder.name.startswith("_")
+        and len(modules := [p for p in folder.glob("*.py") if p.name != "__init__.py"]) > 8
+    }
+    assert crowded == {}
 
 
 def test_the_check_sees_function_level_and_type_checking_imports() -> None:
@@ -99,3 +226,42 @@ def test_the_check_sees_function_level_and_type_checking_imports() -> None:
         "aioproc._child.channel",
     ]
     assert [_allowed_in_child(n) for n in names] == [True, False, False, True]
+
+
+PUBLIC_MODULES = (
+    "aioproc",
+    "aioproc.agent",
+    "aioproc.cli",
+    "aioproc.cluster",
+    "aioproc.context",
+    "aioproc.errors",
+    "aioproc.forkserver",
+    "aioproc.logs",
+    "aioproc.pool",
+    "aioproc.redirects",
+    "aioproc.rendezvous",
+    "aioproc.results",
+    "aioproc.runner",
+    "aioproc.signals",
+    "aioproc.sinks",
+    "aioproc.tail",
+    "aioproc.testing",
+    "aioproc.timer",
+    "aioproc.worker",
+)
+
+
+@pytest.mark.parametrize("module", PUBLIC_MODULES)
+def test_public_names_carry_a_public_module(module: str) -> None:
+    """A class or function users import from ``module`` never names a wing in its repr or pickle."""
+    import importlib
+    import inspect
+
+    mod = importlib.import_module(module)
+    private = [
+        f"{name}: {value.__module__}"
+        for name in mod.__all__
+        if (inspect.isclass(value := getattr(mod, name)) or inspect.isfunction(value))
+        and any(part.startswith("_") for part in value.__module__.split(".")[1:])
+    ]
+    assert private == []

@@ -51,6 +51,7 @@ from aioproc import (
     Std,
     sinks,
 )
+from aioproc._output import sinkops
 from aioproc._output.tee import TeeProtocol
 from aioproc._proc import spawn as _spawn
 
@@ -104,7 +105,7 @@ def assert_gone(pids: dict[int, int]) -> None:
 @pytest.fixture
 def short_deadline(monkeypatch: pytest.MonkeyPatch) -> float:
     """Sinks get 1 s to drain at close (default 5 s), so these tests stay quick."""
-    monkeypatch.setattr(sinks, "SINK_CLOSE_DEADLINE", 1.0)
+    monkeypatch.setattr(sinkops, "SINK_CLOSE_DEADLINE", 1.0)
     return 1.0
 
 

@@ -14,6 +14,10 @@ from typing import Any
 from ..results import RunProcsResult
 from .tfconfig import task_sort_key
 
+DEFAULT_TIMEOUT = 200.0
+"""``join()``'s default bound in seconds, TensorFlow's (kept here, beside the
+timeout error, so ``aioproc.cluster`` can name it without importing the runner)."""
+
 TaskKey = tuple[str, int]
 """``(task_type, task_id)``."""
 

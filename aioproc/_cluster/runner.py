@@ -37,7 +37,7 @@ from ..agent.spec import RestartPolicy
 from ..context import PContext
 from ..results import RunProcsResult
 from ..sinks import Sink, close_sinks
-from .result import ClusterOutcomes, MultiProcessRunnerResult, TaskKey
+from .result import DEFAULT_TIMEOUT, ClusterOutcomes, MultiProcessRunnerResult, TaskKey
 from .task import (
     Collect,
     Task,
@@ -53,8 +53,6 @@ __all__ = ["ClusterRunner"]
 
 logger = logging.getLogger("aioproc.cluster")
 
-DEFAULT_TIMEOUT = 200.0
-"""``join()``'s default bound in seconds, TensorFlow's."""
 
 _STACKS_TIMEOUT = 5.0
 """Bound on waiting for a task's stack dump (its main thread may hold the GIL in C)."""

@@ -7,10 +7,11 @@ import collections
 import inspect
 import logging
 import weakref
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any, Generic, TypeVar
 
 from .flow import HARD_LIMIT, HIGH_WATER, LOW_WATER, RECORD_OVERHEAD, Flow, StallWatch
+from .sink import Sink
 
 logger = logging.getLogger("aioproc")
 
@@ -139,3 +140,80 @@ def discard(pending: Awaitable[Any] | None) -> None:
     close = getattr(pending, "close", None)
     if inspect.iscoroutine(pending) and close is not None:
         close()
+
+
+# -------------------------------------------------------------------- close
+
+SINK_CLOSE_DEADLINE = 5.0
+"""Seconds ``close_sinks`` waits in total for the sinks of a group to drain."""
+
+_CANCEL_GRACE = 0.5
+"""Seconds a sink's cancelled ``aclose()`` gets to unwind before it is left behind."""
+
+
+async def close_sinks(sinks: Sequence[Sink], deadline: float | None = None) -> None:
+    """Close every sink, giving them ``deadline`` seconds in total to drain.
+
+    ``deadline`` defaults to ``SINK_CLOSE_DEADLINE`` (5 s).
+    The sinks are closed concurrently.  Past the deadline, the ``aclose()``
+    calls still running are cancelled and what the sinks still buffer is
+    dropped; the number of lines lost is logged in one warning.  A sink
+    whose ``aclose()`` raises is logged (``report_sink_error``).  Never
+    raises for a sink's sake, so the caller's cleanup always completes.
+
+    Cancellation: cancelling this cancels the ``aclose()`` calls, drops
+    what is buffered and re-raises; callers run it shielded.
+    """
+    if not sinks:
+        return
+    if deadline is None:
+        deadline = SINK_CLOSE_DEADLINE
+    loop = asyncio.get_running_loop()
+    tasks = {
+        loop.create_task(_aclose(sink), name=f"aioproc-close-{sink!r}"): sink for sink in sinks
+    }
+    try:
+        _, pending = await asyncio.wait(tasks, timeout=max(deadline, 0.0))
+    except BaseException:
+        pending = {t for t in tasks if not t.done()}
+        _give_up(tasks, pending)
+        raise
+    late = _give_up(tasks, pending)
+    if pending:
+        _, stuck = await asyncio.wait(pending, timeout=_CANCEL_GRACE)
+        for task in stuck:
+            logger.error("sink %r did not stop when cancelled; left behind", tasks[task])
+    if late:
+        logger.warning(
+            "%d line(s) of worker output were dropped: sink(s) %s had not taken them "
+            "when the group closed (they get %g s to drain; a console that accepts "
+            "nothing is given up sooner); the log files have every line",
+            sum(n for _, n in late),
+            ", ".join(repr(s) for s, _ in late),
+            deadline,
+        )
+
+
+def _give_up(
+    tasks: dict[asyncio.Task[None], Sink], pending: set[asyncio.Task[None]]
+) -> list[tuple[Sink, int]]:
+    """Cancel the pending closes, drop every sink's leftovers; lines lost per sink."""
+    for task in pending:
+        task.cancel()
+    late: list[tuple[Sink, int]] = []
+    for sink in tasks.values():
+        try:
+            n = sink._drop_pending()
+        except Exception:
+            report_sink_error(sink, "_drop_pending()")
+            continue
+        if n:
+            late.append((sink, n))
+    return late
+
+
+async def _aclose(sink: Sink) -> None:
+    try:
+        await sink.aclose()
+    except Exception:
+        report_sink_error(sink, "aclose()")

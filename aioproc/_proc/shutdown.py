@@ -13,6 +13,12 @@ such a group id cannot have been recycled for somebody else.
 
 The grace period ends at a ``Deadline`` that a later request can bring
 forward (a second Ctrl-C: SIGKILL now); the waits wake up when it moves.
+
+After the last signal, every stop ends the same way, written once here
+(``Release``, or ``release`` for the whole of it): the groups are forgotten
+by the guardian and their leaders reaped, the pipes are read to EOF and
+closed, the sinks closed, and the guardian left to settle.  Only then is a
+``ForcedKillWarning`` issued (``warn_forced``).
 """
 
 from __future__ import annotations
@@ -27,7 +33,11 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from .._base.offloop import run_blocking
 from .._errors.failure import ForcedKillWarning
+from .._output.sink import Sink
+from .._output.sinkops import close_sinks
+from . import lifeline
 from .spawn import Child
 
 logger = logging.getLogger("aioproc")
@@ -250,6 +260,86 @@ async def _wait_descendants(pgids: set[int], deadline: Deadline) -> None:
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+_RELEASE_BATCH = 8
+"""Workers whose pipes are closed per loop iteration: hundreds at once would hold the loop."""
+
+_REAP_ON_LOOP = 8
+"""Leaders reaped on the loop when fewer exited; more go to the helper thread."""
+
+
+def _reap(children: Sequence[lifeline.ExitWatcherOwner]) -> None:
+    for c in children:
+        c.watcher.reap()
+
+
+class Release:
+    """The end of every stop, once the last signal went to ``children``.
+
+    Made at once, it forgets the groups of the exited leaders in one write
+    to the guardian and reaps those leaders (a batch on the loop, more on
+    the helper thread, overlapping what the caller does next); a leader
+    still running, one that survived SIGKILL, is released whenever it
+    exits.  The caller may record the exits meanwhile, then calls
+    :meth:`close` and :meth:`settle`, in that order.
+    """
+
+    def __init__(self, children: Sequence[Child]) -> None:
+        self._children = list(children)
+        exited = lifeline.forget_exited(self._children)
+        self._reaping: asyncio.Future[None] | None = None
+        if len(exited) < _REAP_ON_LOOP:
+            _reap(exited)  # ~15 us each: a thread hop would cost more
+        else:
+            self._reaping = asyncio.ensure_future(run_blocking(_reap, exited))
+        for c in self._children:
+            if not c.watcher.future.done():
+                c.release_when_exited()
+
+    async def close(self, *, drain: float, sinks: Sequence[Sink] = ()) -> None:
+        """Close every pipe at its EOF, or ``drain`` seconds on, then the sinks.
+
+        The EOFs are awaited together; then the pipes are cut a batch per
+        loop iteration: those at EOF at once, the others (a descendant that
+        left the group holds them) after one more ``drain``.
+
+        Cancellation: callers run it shielded; it is bounded by twice
+        ``drain`` plus the sinks' close deadline.
+        """
+        children = self._children
+        eofs = [f for c in children for f in c.streams_eof()]
+        if eofs:
+            await asyncio.wait(eofs, timeout=drain)
+        for i in range(0, len(children), _RELEASE_BATCH):
+            batch = children[i : i + _RELEASE_BATCH]
+            late = [c.close_streams(drain) for c in batch if c.streams_eof()]
+            closing = [f for c in batch if not c.streams_eof() for f in c.cut_streams()]
+            if late:
+                await asyncio.gather(*late)
+            if closing:
+                await asyncio.wait(closing)
+        # bounded, and never raises: the caller's cleanup always goes on
+        await close_sinks(sinks)
+        if self._reaping is not None:
+            await self._reaping
+
+    async def settle(self) -> None:
+        """Wait for the guardians this stop dismissed to exit.
+
+        Cancellation: bounded (see ``lifeline.settle``); run shielded.
+        """
+        await lifeline.settle()
+
+
+async def release(children: Sequence[Child], *, drain: float, sinks: Sequence[Sink] = ()) -> None:
+    """All of :class:`Release`, for a stop with nothing to record between its steps.
+
+    Cancellation: callers run it shielded; bounded as ``Release.close``.
+    """
+    done = Release(children)
+    await done.close(drain=drain, sinks=sinks)
+    await done.settle()
 
 
 def warn_forced(
