@@ -89,11 +89,9 @@ def _recv_exact(sock: socket.socket, n: int, buf: bytearray) -> bool:
 def _recv(sock: socket.socket) -> Any:
     """One length-prefixed message (INIT, which has no fds); None at EOF."""
     buf = bytearray()
-    if not _recv_exact(sock, 8, buf):
-        return None
-    if not _recv_exact(sock, 8 + int.from_bytes(buf[:8], "big"), buf):
-        return None
-    return marshal.loads(bytes(buf[8:]))
+    if _recv_exact(sock, 8, buf) and _recv_exact(sock, 8 + int.from_bytes(buf[:8], "big"), buf):
+        return marshal.loads(bytes(buf[8:]))
+    return None
 
 
 class _Requests:
@@ -150,14 +148,13 @@ class _Requests:
 
 def _unsafe() -> str:
     """Why this process may no longer fork safely ("" if it may)."""
+    threading = sys.modules.get("threading")
     try:
         threads = len(os.listdir("/proc/self/task"))
     except OSError:
-        threading = sys.modules.get("threading")
         threads = threading.active_count() if threading is not None else 1
     if threads > 1:
         names = ""
-        threading = sys.modules.get("threading")
         if threading is not None:
             named = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
             names = f" ({', '.join(named)})" if named else ""
@@ -368,9 +365,7 @@ def serve(fd: int) -> tuple[Any, ...]:
     gc.freeze()
     _collapse()  # before READY: every fork finds the memory in large pages
     _send(sock, answer)
-    # Pipelined: every request already here is forked before the oldest
-    # answer is awaited, so new workers set themselves up side by side;
-    # answers go back in request order.
+    # pipelined (see the module docstring): new workers set themselves up side by side
     requests = _Requests(sock)
     pending: list[tuple[Any, int]] = []  # (an answer, or the pid whose report to await; its pipe)
     batch: list[tuple[Any, list[int]]] = []

@@ -88,7 +88,7 @@ async def launch_function(
     try:
         channel = await shielded(opening)
         if template is not None:
-            from .template import spawn_forked
+            from .fork import spawn_forked
 
             # queued before the fork: the worker finds them at once, while
             # the template forks the next requests, and no send of ours

@@ -31,8 +31,8 @@ which a forked worker's ``/proc/<pid>/environ`` shows).
 
 When a request fails for the template's sake (it died, stopped answering
 within ``FORK_TIMEOUT``, or a cancelled start gave it up when it answered
-nothing for ``CANCEL_GRACE``), the template's whole process group is SIGKILLed and the
-workers it forked for requests nobody will adopt are found among this
+nothing for ``CANCEL_GRACE``, see ``_func.fork``), the template's whole process group is
+SIGKILLed and the workers it forked for requests nobody will adopt are found among this
 process's children and killed and reaped (``_sweep``): a child is one of
 them only if its session is the template's (forked, not yet set up) or its
 exec environment carries this template's own mark (``MARK_VAR``), and it is
@@ -43,7 +43,9 @@ started dies with it.
 Besides function workers, the template forks workers that run a Python
 script themselves (``_func.script``: ``aioproc run --start-method forkserver``);
 they have no channel and are supervised as the binary workers they stand
-for.
+for.  A worker is started from a template by ``_func.fork.spawn_forked``;
+what a template process is made of (its code, its exec environment) and
+how its forks are found are in ``_func.template_exec``.
 """
 
 from __future__ import annotations
@@ -51,8 +53,6 @@ from __future__ import annotations
 import array
 import asyncio
 import concurrent.futures
-import functools
-import logging
 import marshal
 import os
 import secrets
@@ -65,54 +65,24 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from .._base.offloop import helper
 from .._base.shield import shielded
 from .._errors.failure import RemoteTraceback
-from .._output.tee import TeeProtocol
 from .._proc import lifeline as _lifeline
-from .._proc.channel import Channel
-from .._proc.exits import ExitWatcher, PidProc
-from .._proc.spawn import Child, adopt
+from .._proc.exits import ExitWatcher
 from .boot import boot_blob
 from .script import ScriptCommand
-
-logger = logging.getLogger("aioproc")
+from .template_exec import MARK_VAR, _children, _forked_by, _script_runner, _source, _template_env
 
 FORK_TIMEOUT = 30.0
 """Seconds a fork request may take before the template is deemed wedged."""
 
-CANCEL_GRACE = 0.5
-"""Seconds without any answer after which a cancelled start gives the template
-up as wedged: a healthy one answers in milliseconds."""
-
-CANCEL_WAIT = 2.5
-"""Seconds a cancelled start waits at most for its answer from a template that
-keeps answering (a long batch ahead of it) before giving it up all the same."""
-
 CLOSE_WAIT = 5.0
 """Seconds a closed template gets to exit before it is killed."""
 
-MAX_FDS = 253
-"""Most fds one request can carry (``SCM_MAX_FD``): the worker's and its gate."""
-
-MARK_VAR = "AIOPROC_TEMPLATE"
-"""Environment variable of a template's exec environment naming that template:
-what tells its forks apart from this process's other children (``_sweep``)."""
-
-THREAD_VARS = (
-    "OMP_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS",
-    "BLIS_NUM_THREADS",
-    "NUMEXPR_NUM_THREADS",
-    "VECLIB_MAXIMUM_THREADS",
-)
-"""Thread-pool sizes of the usual native libraries, set to 1 while preloading
-unless the user set them: a pool started at import would make the template
-unsafe to fork (torchrun sets ``OMP_NUM_THREADS=1`` for its workers alike)."""
+_thread_vars_logged: set[tuple[str, ...]] = set()
+"""Preload sets whose thread vars were logged (``_template_env``): warned about once each."""
 
 
 class TemplateError(RuntimeError):
@@ -121,41 +91,6 @@ class TemplateError(RuntimeError):
 
 class TemplateLost(TemplateError):
     """The template died or was given up while forking; nothing it forked is left."""
-
-
-@functools.cache
-def _source() -> str:
-    return (Path(__file__).parent.parent / "_child" / "template.py").read_text()
-
-
-@functools.cache
-def _script_runner() -> bytes:
-    """``_child.script`` compiled and marshalled: the template builds it once."""
-    path = Path(__file__).parent.parent / "_child" / "script.py"
-    return marshal.dumps(compile(path.read_text(), str(path), "exec"))
-
-
-def _template_env(preload: tuple[str, ...], mark: str) -> dict[str, str]:
-    """The template's exec environment: ours, the lifeline, its mark, the thread vars."""
-    env = {**os.environ, _lifeline.TOKEN_VAR: _lifeline.lineage(), MARK_VAR: mark}
-    unset = [var for var in THREAD_VARS if var not in os.environ]
-    if preload and unset:
-        env.update(dict.fromkeys(unset, "1"))
-        # once per preload set: a supervisor starts a template for every group
-        # that has none kept warm, and the same line each time is noise
-        log = logger.debug if preload in _thread_vars_logged else logger.warning
-        _thread_vars_logged.add(preload)
-        log(
-            "forkserver template: %s set to 1 while preloading %s, as torchrun does for its "
-            "workers (set them to choose): forked workers start with one thread per native "
-            "thread pool",
-            ", ".join(unset),
-            list(preload),
-        )
-    return env
-
-
-_thread_vars_logged: set[tuple[str, ...]] = set()
 
 
 class _Request:
@@ -213,7 +148,7 @@ class Template:
                     _source(),
                     str(theirs.fileno()),
                 ],
-                env=_template_env(preload, self.mark),
+                env=_template_env(preload, self.mark, _thread_vars_logged),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),),
@@ -602,37 +537,6 @@ _GO = b"g"
 """What a worker's gate is told (``_child.template.GO``)."""
 
 
-def _children() -> set[int]:
-    """This process's children (of every thread), running or zombie."""
-    pids: set[int] = set()
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return pids
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/children") as f:
-                pids.update(int(p) for p in f.read().split())
-        except OSError:
-            continue  # the thread just exited
-    return pids
-
-
-def _forked_by(pid: int, template: int, needle: bytes) -> bool:
-    """Whether our child ``pid`` is a fork of ``template`` (see ``Template._sweep``)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        # after the command name: state, ppid, pgrp, session
-        _, _, pgrp, session = stat[stat.rindex(b")") + 2 :].split()[:4]
-        if int(session) == template or int(pgrp) == template:
-            return True
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return needle in f.read().split(b"\0")
-    except (OSError, ValueError):
-        return False
-
-
 _templates: dict[tuple[int, tuple[str, ...]], Template] = {}
 
 
@@ -678,156 +582,3 @@ async def release(template: Template) -> None:
     if _templates.get(key) is template:
         del _templates[key]
     await template.aclose()
-
-
-async def spawn_forked(
-    template: Template,
-    label: str,
-    env: Mapping[str, str],
-    *,
-    stdout: int | IO[Any] | None,
-    stderr: int | IO[Any] | None,
-    pass_fds: Sequence[int],
-    channel_fd: int | None,
-    channel: Channel | None,
-    tee_out: TeeProtocol | None = None,
-    tee_err: TeeProtocol | None = None,
-    script: ScriptCommand | None = None,
-) -> Child:
-    """Fork one worker from ``template``; the same contract as ``spawn``.
-
-    A function worker (``channel_fd``, ``channel``), or with ``script`` a
-    worker that runs that Python script itself, as a spawned binary worker
-    would (its stdin is then this process's, as a spawned binary's is).
-    ``stdout``/``stderr`` are ``None`` (this process's own fd 1/2),
-    ``subprocess.PIPE`` (tee), ``subprocess.DEVNULL``, an fd or an open
-    file.  ``pass_fds`` (``channel_fd`` among them) keep their numbers.
-    The worker runs nothing before the guardian knows it.
-
-    Raises:
-        TemplateLost: the template died, or stopped answering for
-            ``FORK_TIMEOUT``; it was killed, with what it forked meanwhile.
-        OSError: the template could not fork, or the worker could not set
-            itself up.
-
-    Cancellation: a request not sent yet is withdrawn; a sent one is
-    awaited while the template keeps answering (at most ``CANCEL_WAIT``),
-    and its worker killed and reaped; a template that answers nothing for
-    ``CANCEL_GRACE`` (wedged) is given up: its group is killed and what it
-    forked is swept.  A start cancelled while the
-    pipes are connected kills the worker's group.
-    """
-    if len(pass_fds) + 4 > MAX_FDS:
-        raise ValueError(f"a forked worker takes at most {MAX_FDS - 4} pass_fds")
-    fds: list[int] = []
-    targets: list[int] = []
-    mine: list[int] = []  # fds opened here, closed once the worker has its copies
-    readers: dict[int, IO[bytes]] = {}
-    try:
-        streams: list[tuple[int, int | IO[Any] | None]] = [(1, stdout), (2, stderr)]
-        if script is not None:
-            streams.insert(0, (0, None))
-        for std, spec in streams:
-            if spec is None:
-                try:
-                    os.fstat(std)
-                except OSError:
-                    continue  # closed here: the worker gets /dev/null
-                fd = std
-            elif spec == subprocess.PIPE:
-                r, w = os.pipe()
-                readers[std] = open(r, "rb")  # noqa: ASYNC230, SIM115 - a pipe; the Child owns it
-                mine.append(w)
-                fd = w
-            elif spec == subprocess.DEVNULL:
-                fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
-                mine.append(fd)
-            elif isinstance(spec, int):
-                fd = spec
-            else:
-                fd = spec.fileno()
-            fds.append(fd)
-            targets.append(std)
-        fds.extend(pass_fds)
-        targets.extend(pass_fds)
-        worker_env = {**env, _lifeline.TOKEN_VAR: _lifeline.lineage()}
-        pid = await _fork(template, fds, targets, channel_fd, worker_env, os.getcwd(), script)
-    except BaseException:
-        for reader in readers.values():
-            reader.close()
-        raise
-    finally:
-        for fd in mine:
-            os.close(fd)
-    proc = PidProc(pid, readers.get(1), readers.get(2))
-    return await adopt(label, proc, channel, tee_out, tee_err)
-
-
-async def _fork(
-    template: Template,
-    fds: list[int],
-    targets: list[int],
-    channel_fd: int | None,
-    env: dict[str, str],
-    cwd: str,
-    script: ScriptCommand | None,
-) -> int:
-    """One fork request, answered on the helper thread; the registered, released pid.
-
-    Cancellation: see ``spawn_forked``.
-    """
-    _lifeline.hold()  # the guardian must be there when the answer is registered
-    try:
-        # the round trip waits for the new worker to set itself up, which
-        # takes milliseconds on a busy machine: on the helper thread
-        with helper() as pool:
-            req = template.submit(pool, fds, targets, channel_fd, env, cwd, script)
-            answer = asyncio.wrap_future(req.future)
-            try:
-                pid = await asyncio.shield(answer)
-            except asyncio.CancelledError:
-                await shielded(_give_up(template, req, answer))
-                raise
-        _lifeline.register(pid)  # a no-op unless the guardian was being replaced
-        template.go(pid)  # a no-op unless the helper thread could not register it
-    finally:
-        _lifeline.unhold()  # dismisses the guardian if the start failed and it is idle
-    return pid
-
-
-async def _give_up(template: Template, req: _Request, answer: asyncio.Future[int]) -> None:
-    """A cancelled start: withdraw its request, or discard its worker, or give the template up.
-
-    Cancellation: bounded by ``CANCEL_WAIT`` and ``CLOSE_WAIT``; run shielded.
-    """
-    if template.withdraw(req):
-        return  # never sent: nothing was forked for it
-    # a template that keeps answering is shared by others: killing it would
-    # fail their starts too, so it is given up only when wedged (stopped,
-    # swapping: no answer for CANCEL_GRACE) or slower than CANCEL_WAIT
-    waited = 0.0
-    while not answer.done():
-        await asyncio.wait({answer}, timeout=CANCEL_GRACE)
-        waited += CANCEL_GRACE
-        stalled = time.monotonic() - template.progress >= CANCEL_GRACE
-        if not answer.done() and (stalled or waited >= CANCEL_WAIT):
-            # its death ends the exchange, which sweeps what it forked
-            template.abandon()
-            await asyncio.wait({answer}, timeout=CLOSE_WAIT)
-            break
-    if answer.done() and not answer.cancelled() and answer.exception() is None:
-        _discard_forked(template, answer.result())  # answered after all: not ours to keep
-
-
-def _discard_forked(template: Template, pid: int) -> None:
-    """Kill and reap a forked worker whose start was abandoned (it leads its group)."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    with template._lock:
-        gate = template._gates.pop(pid, -1)
-    if gate >= 0:
-        os.close(gate)
-    os.waitpid(pid, 0)  # our child (CLONE_PARENT), SIGKILLed: exits at once
-    _lifeline.forget(pid)

@@ -205,7 +205,7 @@ class RankLauncher:
                         segment.close()
             script = self.scripts.get(rank)
             if template is not None and script is not None:
-                from .._func.template import spawn_forked
+                from .._func.fork import spawn_forked
 
                 return await spawn_forked(
                     template,

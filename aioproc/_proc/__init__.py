@@ -4,5 +4,6 @@
 tees, ``posix_spawn`` is the fast path for binaries, ``exits`` notices an
 exit through a pidfd, ``channel`` is the parent's end of a worker's control
 socket, ``lifeline`` the guardian that kills the groups when the supervisor
-cannot, and ``shutdown`` the graceful-then-forced stop.
+cannot, ``fence`` the lease deadline the guardian keeps for some of them,
+and ``shutdown`` the graceful-then-forced stop.
 """

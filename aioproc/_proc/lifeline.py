@@ -30,12 +30,8 @@ racing a sweep.  (A backoff after a crash, never a poll while the
 supervisor lives.)  The token reaches the guardian as the first line on its
 pipe, never in its argv: other users can read every process's argv.
 
-A ``Fence`` keeps a multi-host agent's lease fence without its loop: the
-agent's keep-alive moves the fence's deadline after every renewal, and the
-guardian (``f<id> <seconds left> <groups>``) runs a timer (a background
-``sleep``) that SIGKILLs the fence's groups when it expires unrenewed, so
-the workers of an agent that is stopped, starved or wedged die before etcd
-can expire its lease.
+A ``Fence`` (``fence``) has the guardian SIGKILL groups by itself when a
+lease deadline passes unrenewed (``f<id> <seconds left> <groups>``).
 
 A guardian that dies while groups are registered (killed from outside) is
 noticed through its pidfd on the loop: a warning is logged and a replacement
@@ -52,18 +48,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
-import itertools
 import logging
 import os
 import secrets
 import subprocess
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
+from . import fence as _fence
 from .exits import ExitWatcher
+from .fence import Fence as Fence
+from .fence import _fences, _scope
+from .fence import fenced_out as fenced_out
 
 logger = logging.getLogger("aioproc")
 
@@ -385,92 +382,15 @@ def untidy(path: str) -> None:
         _dirs.discard(path)
 
 
-class Fence:
-    """Worker groups the guardian SIGKILLs by itself once a deadline passes.
-
-    The lease fence of a multi-host agent: its etcd keep-alive renews
-    the deadline after every renewal, and the groups started inside
-    ``scope()`` join the fence as they are registered.  The guardian arms a
-    timer with what is left of the deadline at every change; when the
-    deadline passes without a renewal (the agent stopped, starved,
-    swapped out or wedged, its loop running or not), the timer SIGKILLs
-    the fence's groups, so a world the other hosts have given up on never
-    trains beside the new one.  A group leaves the fence when it is
-    forgotten, before its leader is reaped.
-    """
-
-    def __init__(self) -> None:
-        self.id = next(_fence_ids)
-        self.groups: set[int] = set()
-        self.deadline: float | None = None
-        self._told: float | None = None  # the deadline the guardian last heard
-
-    def __repr__(self) -> str:
-        return f"<Fence {self.id} groups={sorted(self.groups)} deadline={self.deadline}>"
-
-    def line(self) -> str:
-        """The guardian's line for this fence: its groups and the time left, or disarm."""
-        if self.deadline is None or not self.groups:
-            self._told = None
-            return f"f{self.id}\n"
-        self._told = self.deadline
-        left = max(0.0, self.deadline - time.monotonic())
-        return f"f{self.id} {left:.3f} {' '.join(str(g) for g in sorted(self.groups))}\n"
-
-    def leave(self, pgids: Iterable[int]) -> str:
-        """Drop ``pgids``; the guardian's line if that changed anything, else ''."""
-        gone = self.groups.intersection(pgids)
-        if not gone:
-            return ""
-        self.groups -= gone
-        return self.line()
-
-    def renew(self, deadline: float, lag: float = 0.0) -> None:
-        """Move the deadline to ``deadline`` (``time.monotonic()``'s clock).
-
-        The guardian hears of it only once it is ``lag`` seconds past the
-        deadline the guardian has, so that frequent renewals cost it a
-        wake-up (and a timer) only every ``lag`` seconds; its deadline is
-        then at most ``lag`` early.
-        """
-        with _lock:
-            self.deadline = deadline
-            _fences[self.id] = self
-            guardian = _current
-            if (
-                self.groups
-                and guardian is not None
-                and guardian.owner == os.getpid()
-                and (self._told is None or deadline - self._told >= lag)
-            ):
-                guardian.write(self.line())
-
-    @contextlib.contextmanager
-    def scope(self) -> Iterator[None]:
-        """Groups registered in this context (tasks started in it too) join the fence."""
-        with _lock:
-            _fences[self.id] = self
-        reset = _scope.set(self)
-        try:
-            yield
-        finally:
-            _scope.reset(reset)
-
-    def close(self) -> None:
-        """Disarm the fence: its groups are the guardian's plain groups again."""
-        with _lock:
-            if _fences.pop(self.id, None) is None:
-                return
-            self.deadline = None
-            guardian = _current
-            if self.groups and guardian is not None and guardian.owner == os.getpid():
-                guardian.write(self.line())
-            self.groups.clear()
+@contextlib.contextmanager
+def _locked_guardian() -> Iterator[_Guardian | None]:
+    """``_lock`` held, and this process's guardian if one runs: what a ``Fence`` writes to."""
+    with _lock:
+        guardian = _current
+        yield guardian if guardian is not None and guardian.owner == os.getpid() else None
 
 
-_fence_ids = itertools.count(1)
-_fences: dict[int, Fence] = {}  # open fences by id (see Fence)
-_scope: contextvars.ContextVar[Fence | None] = contextvars.ContextVar("aioproc_fence", default=None)
+_fence.link(_locked_guardian)
 
 
 def hold() -> None:
@@ -596,17 +516,6 @@ def groups_now() -> frozenset[int]:
     if guardian is None or guardian.owner != os.getpid():
         return frozenset()
     return frozenset(guardian.groups)
-
-
-def fenced_out() -> frozenset[int]:
-    """Groups of fences whose deadline has passed (read without the lock)."""
-    now = time.monotonic()
-    out: set[int] = set()
-    for fence in list(_fences.values()):
-        deadline = fence.deadline
-        if deadline is not None and deadline <= now:
-            out.update(fence.groups)
-    return frozenset(out)
 
 
 def _after_fork_in_child() -> None:

@@ -1,0 +1,106 @@
+"""What a warm-start template process is made of, and how its forks are known (parent side).
+
+The code a template runs (``_child.template``'s source, and ``_child.script``
+compiled for it to build once), its exec environment (this process's, the
+lifeline, its mark, the native thread-pool sizes while preloading), and the
+search for what it forked among this process's children, by its session or
+its mark (``MARK_VAR``): what ``Template._sweep`` kills after a failure
+(see ``_func.template``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import marshal
+import os
+from pathlib import Path
+
+from .._proc import lifeline as _lifeline
+
+logger = logging.getLogger("aioproc")
+
+MARK_VAR = "AIOPROC_TEMPLATE"
+"""Environment variable of a template's exec environment naming that template:
+what tells its forks apart from this process's other children (``Template._sweep``)."""
+
+THREAD_VARS = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "BLIS_NUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+)
+"""Thread-pool sizes of the usual native libraries, set to 1 while preloading
+unless the user set them: a pool started at import would make the template
+unsafe to fork (torchrun sets ``OMP_NUM_THREADS=1`` for its workers alike)."""
+
+
+@functools.cache
+def _source() -> str:
+    return (Path(__file__).parent.parent / "_child" / "template.py").read_text()
+
+
+@functools.cache
+def _script_runner() -> bytes:
+    """``_child.script`` compiled and marshalled: the template builds it once."""
+    path = Path(__file__).parent.parent / "_child" / "script.py"
+    return marshal.dumps(compile(path.read_text(), str(path), "exec"))
+
+
+def _template_env(
+    preload: tuple[str, ...], mark: str, logged: set[tuple[str, ...]]
+) -> dict[str, str]:
+    """The template's exec environment: ours, the lifeline, its mark, the thread vars.
+
+    ``logged``: the preload sets whose thread vars were logged already
+    (``_func.template._thread_vars_logged``); ``preload`` is added to it.
+    """
+    env = {**os.environ, _lifeline.TOKEN_VAR: _lifeline.lineage(), MARK_VAR: mark}
+    unset = [var for var in THREAD_VARS if var not in os.environ]
+    if preload and unset:
+        env.update(dict.fromkeys(unset, "1"))
+        # once per preload set: a supervisor starts a template for every group
+        # that has none kept warm, and the same line each time is noise
+        log = logger.debug if preload in logged else logger.warning
+        logged.add(preload)
+        log(
+            "forkserver template: %s set to 1 while preloading %s, as torchrun does for its "
+            "workers (set them to choose): forked workers start with one thread per native "
+            "thread pool",
+            ", ".join(unset),
+            list(preload),
+        )
+    return env
+
+
+def _children() -> set[int]:
+    """This process's children (of every thread), running or zombie."""
+    pids: set[int] = set()
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return pids
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                pids.update(int(p) for p in f.read().split())
+        except OSError:
+            continue  # the thread just exited
+    return pids
+
+
+def _forked_by(pid: int, template: int, needle: bytes) -> bool:
+    """Whether our child ``pid`` is a fork of ``template`` (see ``Template._sweep``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        # after the command name: state, ppid, pgrp, session
+        _, _, pgrp, session = stat[stat.rindex(b")") + 2 :].split()[:4]
+        if int(session) == template or int(pgrp) == template:
+            return True
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return needle in f.read().split(b"\0")
+    except (OSError, ValueError):
+        return False
