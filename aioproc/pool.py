@@ -44,6 +44,7 @@ import anyio.abc
 
 from ._base.checks import check_duration, check_env, check_preload, check_start_method
 from ._base.loops import check_loop
+from ._base.owner import Owner
 from ._base.resource import OpenResource
 from ._base.shield import shielded
 from ._cluster.tfconfig import ClusterSpec, worker_slots
@@ -95,9 +96,7 @@ class WorkerPool:
         self._completed = 0
         self._failed = 0
         # the owner task and its task group: set by _open, for the pool's lifetime
-        self._owner: asyncio.Task[None] | None = None
-        self._tg: anyio.abc.TaskGroup | None = None
-        self._close_requested: anyio.Event | None = None
+        self._owner: Owner[None] = Owner(f"aioproc pool owner ({self.size} workers)")
         self._errors: list[Exception] = []  # from closing workers; raised by aclose()
         self._closed = False
 
@@ -147,18 +146,15 @@ class WorkerPool:
         Cancellation: every worker started or starting is stopped (shielded,
         bounded) before the cancellation propagates.
         """
-        if self._owner is not None:
+        if self._owner.started:
             raise RuntimeError(f"{self!r} was already opened")
         if self._preload is not None:
             # cancelled or failed, acquire leaves nothing behind; the owner
             # gives the lease back once every worker has stopped
             self._template = await _template.acquire(self._preload)
         # No await before the try: once the owner exists, it is always closed.
-        self._close_requested = anyio.Event()
         starts = [self._new_start(i) for i in range(self.size)]
-        self._owner = asyncio.get_running_loop().create_task(
-            self._own(), name=f"aioproc pool owner ({self.size} workers)"
-        )
+        self._owner.start(self._own, after=self._release_template)
         try:
             pending = {s.finished for s in starts}
             while pending:
@@ -175,26 +171,21 @@ class WorkerPool:
             self._arm_idle(i)
         return self
 
-    async def _own(self) -> None:
-        """The owner task: holds the task group that every start and retirement runs in."""
-        assert self._close_requested is not None
-        try:
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                for i, start in list(self._starts.items()):  # the first ones, made by _open
-                    tg.start_soon(self._run_start, i, start)
-                retiring = anyio.CancelScope()
-                tg.start_soon(self._retire_idle, retiring)
-                try:
-                    await self._close_requested.wait()
-                finally:
-                    # also when the owner itself is cancelled (the loop shutting down)
-                    retiring.cancel()
-                    self._stop_everything(tg)
-        finally:
-            if self._template is not None:
-                await shielded(_template.release(self._template))
-                self._template = None
+    async def _own(self, tg: anyio.abc.TaskGroup) -> None:
+        """The owner's body: every start and retirement runs in its task group."""
+        for i, start in list(self._starts.items()):  # the first ones, made by _open
+            tg.start_soon(self._run_start, i, start)
+        retiring = anyio.CancelScope()
+        tg.start_soon(self._retire_idle, retiring)
+        # also when the owner itself is cancelled (the loop shutting down)
+        await self._owner.closing(None)
+        retiring.cancel()
+        self._stop_everything(tg)
+
+    async def _release_template(self) -> None:
+        if self._template is not None:
+            await _template.release(self._template)
+            self._template = None
 
     async def _retire_idle(self, scope: anyio.CancelScope) -> None:
         """Retire the workers whose idle timer fired, from inside the task group.
@@ -220,11 +211,11 @@ class WorkerPool:
 
     def _new_start(self, i: int) -> PoolStart:
         start = PoolStart()
-        if self._owner is not None:  # else: one of the first starts, made by _open
+        if self._owner.started:  # else: one of the first starts, made by _open
             self._restarts += 1
         self._starts[i] = start
-        if self._tg is not None:  # else: the owner starts it when it begins
-            self._tg.start_soon(self._run_start, i, start)
+        if self._owner.group is not None:  # else: the owner starts it when it begins
+            self._owner.group.start_soon(self._run_start, i, start)
         return start
 
     async def _run_start(self, i: int, start: PoolStart) -> None:
@@ -313,8 +304,8 @@ class WorkerPool:
         """Stop the worker at ``i`` in the pool's task group (recycled, idle, dead)."""
         w = self._workers[i]
         self._workers[i] = None
-        if w is not None and self._tg is not None:
-            self._tg.start_soon(self._stop_worker, w)
+        if w is not None and self._owner.group is not None:
+            self._owner.group.start_soon(self._stop_worker, w)
 
     def _recycle_if_spent(self, i: int) -> None:
         w = self._workers[i]
@@ -410,7 +401,7 @@ class WorkerPool:
         runs; cancelled while its worker is (re)starting, the start goes on
         and the pool keeps the worker.
         """
-        check_loop(self._owner.get_loop() if self._owner is not None else None, self)
+        check_loop(self._owner.loop, self)
         limit = check_duration("submit(timeout=...)", timeout, allow_none=True, allow_negative=True)
         if limit is not None and limit <= 0:
             raise ValueError(f"submit(timeout=...) must be > 0 seconds, got {timeout!r}")
@@ -475,7 +466,7 @@ class WorkerPool:
 
         Cancellation: cancelling kills the workers still running the call.
         """
-        check_loop(self._owner.get_loop() if self._owner is not None else None, self)
+        check_loop(self._owner.loop, self)
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
         call_args, call_kwargs = tuple(args), dict(kwargs or {})
@@ -514,7 +505,7 @@ class WorkerPool:
 
         Cancellation: shielded and bounded.
         """
-        check_loop(self._owner.get_loop() if self._owner is not None else None, self)
+        check_loop(self._owner.loop, self)
         await shielded(self._close())
         errors, self._errors = self._errors, []
         for e in errors[1:]:
@@ -532,14 +523,8 @@ class WorkerPool:
                 if not fut.done():
                     fut.set_exception(RuntimeError(f"{self!r} was closed"))
             self._waiters.clear()
-        if self._close_requested is not None:
-            self._close_requested.set()
-        if self._owner is not None:
-            await asyncio.wait({self._owner})  # every closer waits for the one close
-            if not self._owner.cancelled():
-                error = self._owner.exception()
-                if error is not None:
-                    raise error  # a bug in the pool itself: never hidden
+        self._owner.request_close(None)
+        await self._owner.wait()  # every closer waits for the one close
 
 
 async def _started(pool: WorkerPool) -> WorkerPool:

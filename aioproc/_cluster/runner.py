@@ -29,6 +29,7 @@ import anyio
 import anyio.abc
 
 from .._base.checks import check_duration, check_env, check_signal
+from .._base.owner import Owner
 from .._base.shield import shielded
 from .._func.barrier import ControlHub
 from .._func.boot import CallEncoder
@@ -155,14 +156,13 @@ class ClusterRunner:
         self._closing = False
         self._active = 0
         self._idle: asyncio.Event | None = None
-        self._tg: anyio.abc.TaskGroup | None = None
-        self._supervisor: asyncio.Task[None] | None = None
-        self._close_request: asyncio.Future[None] | None = None
+        # a close request carries True; False: the owner was cancelled (kill now)
+        self._owner: Owner[bool] = Owner("aioproc-cluster")
 
     def __repr__(self) -> str:
-        if self._supervisor is None:
+        if not self._owner.started:
             state = "new"
-        elif self._supervisor.done():
+        elif self._owner.done:
             state = "closed"
         else:
             running = sum(t.running for t in self._tasks.values())
@@ -171,7 +171,7 @@ class ClusterRunner:
         return f"<ClusterRunner {name} {state}>"
 
     async def __aenter__(self) -> ClusterRunner:
-        if self._supervisor is None:
+        if not self._owner.started:
             try:
                 await self.start()
             except BaseException:
@@ -202,7 +202,7 @@ class ClusterRunner:
         Cancellation: the tasks launched so far keep running; leaving
         ``async with`` (or ``aclose()``) stops them.
         """
-        if self._supervisor is not None:
+        if self._owner.started:
             raise RuntimeError(f"{self!r} was already started")
         CallEncoder(self._fn).encode(self._args, self._kwargs)  # picklable, or TypeError now
         await self._open()
@@ -224,7 +224,7 @@ class ClusterRunner:
             self.cluster_spec[as_task_type]
         ):
             raise ValueError(f"{task_label(*key)} is not a task of {self.cluster_spec}")
-        if self._supervisor is not None:
+        if self._owner.started:
             raise RuntimeError(f"{self!r} was already started")
         CallEncoder(self._fn).encode(self._args, self._kwargs)
         await self._open()
@@ -265,7 +265,7 @@ class ClusterRunner:
 
         Cancellation: the task may still start; ``aclose()`` stops it.
         """
-        if self._supervisor is None or self._closing:
+        if not self._owner.started or self._closing:
             raise RuntimeError(f"{self!r} is not running: start() it first")
         if not isinstance(task_type, str) or not task_type:
             raise ValueError(f"task_type must be a non-empty str, got {task_type!r}")
@@ -285,30 +285,21 @@ class ClusterRunner:
         await self._launch([Task(key, fn, call_args, call_kwargs)])
 
     async def _open(self) -> None:
-        loop = asyncio.get_running_loop()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._close_request = loop.create_future()
-        ready: asyncio.Future[None] = loop.create_future()
-        self._supervisor = loop.create_task(self._supervise(ready), name="aioproc-cluster")
-        await ready
+        self._owner.start(self._supervise, after=self._close_sinks)
+        await self._owner.opened()
 
-    async def _supervise(self, ready: asyncio.Future[None]) -> None:
-        assert self._close_request is not None
-        try:
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                ready.set_result(None)
-                await asyncio.shield(self._close_request)
-                with anyio.CancelScope(shield=True):
-                    await self._stop_running("close", signal.SIGTERM)
-        finally:
-            self._tg = None
-            with anyio.CancelScope(shield=True):
-                await close_sinks(self._sinks)
+    async def _supervise(self, tg: anyio.abc.TaskGroup) -> None:
+        graceful = await self._owner.closing(False)
+        with anyio.CancelScope(shield=True):
+            await self._stop_running("close", signal.SIGTERM if graceful else signal.SIGKILL)
+
+    async def _close_sinks(self) -> None:
+        await close_sinks(self._sinks)
 
     async def _launch(self, tasks: list[Task]) -> None:
-        assert self._tg is not None
+        assert self._owner.group is not None
         assert self._idle is not None
         loop = asyncio.get_running_loop()
         launched: list[asyncio.Future[None]] = []
@@ -319,7 +310,7 @@ class ClusterRunner:
             launched.append(future)
             self._active += 1
             self._idle.clear()
-            self._tg.start_soon(self._run_task, task, future, name=f"aioproc-{task.label}")
+            self._owner.group.start_soon(self._run_task, task, future, name=f"aioproc-{task.label}")
         errors = [r for r in await asyncio.gather(*launched, return_exceptions=True) if r]
         if errors:
             # all or none of this launch: stop the tasks it did start
@@ -421,8 +412,9 @@ class ClusterRunner:
             except Exception:
                 logger.exception("on_exit callback failed for %s", task.label)
         chief_gone = task.exit_code == 0 or not self._will_restart(task)
-        if key[0] == "chief" and self.dependence_on_chief and chief_gone and self._tg is not None:
-            self._tg.start_soon(self._stop_dependents, name="aioproc-chief-exited")
+        group = self._owner.group
+        if key[0] == "chief" and self.dependence_on_chief and chief_gone and group is not None:
+            group.start_soon(self._stop_dependents, name="aioproc-chief-exited")
 
     def _comes_back(self, key: Hashable, code: int) -> bool:
         """The barrier's question: will a new attempt of this task take its place?"""
@@ -589,10 +581,8 @@ class ClusterRunner:
         Cancellation: runs shielded and bounded; a cancellation is re-raised
         once it is done.
         """
-        if self._supervisor is None or self._close_request is None:
+        if not self._owner.started:
             return
         self._closing = True
         self._halt.set()
-        if not self._close_request.done():
-            self._close_request.set_result(None)
-        await shielded(asyncio.wait({self._supervisor}))
+        await self._owner.close(True)

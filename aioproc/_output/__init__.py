@@ -4,5 +4,6 @@
 sinks, ``console`` is the non-blocking console writer, ``flow`` the
 backpressure every reader watches, ``sinkops`` the plumbing shared by the
 sinks (queues, error reports, closing them within a deadline), ``drain``
-the wait for the last bytes, and ``sink`` what a sink is.  Nothing here imports the other wings above it.
+the wait for the last bytes, and ``sink`` what a sink is.  Nothing here
+imports the wings above it.
 """
