@@ -40,6 +40,7 @@ from ._base.checks import check_filters as _check_filters
 from ._base.checks import check_signal as _validate_signal
 from ._base.loops import check_loop
 from ._base.offloop import Batched, helper, run_blocking
+from ._base.owner import Owner
 from ._base.shield import shielded
 from ._child import channel as _wire
 from ._errors.failure import ProcessFailure, read_error_file
@@ -228,9 +229,10 @@ class PContext:
         self._state = _State.NEW
         self._children: dict[int, Child] = {}
         self._stopping = False  # a failure stop or a close has begun
-        # owned by the supervisor task (created by start())
-        self._supervisor: asyncio.Task[None] | None = None
-        self._tg: anyio.abc.TaskGroup | None = None
+        # the supervisor: launches, watches, stops; started by start(), and
+        # asked to close with the graceful signal and its grace period
+        self._owner: Owner[tuple[int, float]] = Owner(f"aioproc-supervisor-{self.name}")
+        self._launch_error: BaseException | None = None
         self._launched: asyncio.Future[None] | None = None
         # resolved when start() leaves STARTING (launch begun, or start failed)
         self._starting: asyncio.Future[None] | None = None
@@ -239,7 +241,6 @@ class PContext:
         self._launch_done: asyncio.Event | None = None
         self._holding_guardian = False  # from the temp root's creation to the launch's end
         self._launch_scope: anyio.CancelScope | None = None
-        self._close_request: asyncio.Future[tuple[int, float]] | None = None
         self._grace_end = Deadline()  # a later close() can bring it forward
         self._watching: dict[int, anyio.CancelScope] = {}
         self._watched: dict[int, asyncio.Event] = {}
@@ -359,9 +360,6 @@ class PContext:
         loop = asyncio.get_running_loop()
         self._outcomes.start()
         self._launched = loop.create_future()
-        self._close_request = loop.create_future()
-        if self._early_close is not None:
-            self._close_request.set_result(self._early_close)  # no worker is launched
         self._launch_done = asyncio.Event()
         self._auto_stopped = asyncio.Event()
         self.stdouts = dict(dest.stdouts)
@@ -372,9 +370,13 @@ class PContext:
             self.filtered_stdout = dest.filtered_stdout
         if "stderr" in self._ranks.filter_sinks:
             self.filtered_stderr = dest.filtered_stderr
-        self._supervisor = loop.create_task(
-            self._supervise(dest, payloads), name=f"aioproc-supervisor-{self.name}"
+        self._owner.start(
+            functools.partial(self._supervise, dest, payloads),
+            on_error=self._emergency_stop,  # a bug escaped: never leave a worker behind
+            after=self._supervised,
         )
+        if self._early_close is not None:
+            self._owner.request_close(self._early_close)  # no worker is launched
         assert self._starting is not None
         self._starting.set_result(None)  # a close() waiting for the launch stops it now
         try:
@@ -395,55 +397,46 @@ class PContext:
             self._holding_guardian = False
             _lifeline.unhold()
 
-    async def _supervise(self, dest: LogsDest, payloads: dict[int, list[bytes]]) -> None:
+    async def _supervise(
+        self, dest: LogsDest, payloads: dict[int, list[bytes]], tg: anyio.abc.TaskGroup
+    ) -> None:
         """The group's one owner: launch, watch, stop after a failure, shut down."""
         assert self._launched is not None
-        assert self._close_request is not None
         assert self._launch_done is not None
-        launch_error: BaseException | None = None
-        try:
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                with anyio.CancelScope() as scope:
-                    self._launch_scope = scope
-                    try:
-                        await self._launch_all(tg, dest, payloads)
-                    except Exception as e:
-                        launch_error = e
-                        self._request_close(signal.SIGKILL, 0.0)
-                self._launch_scope = None
-                self._launching = False
-                self._unhold_guardian()  # every group is registered (or none will be)
-                self._launch_done.set()
-                self._ranks.discard_segments()  # of ranks never launched
-                self._mark_never_started()
-                if launch_error is None and not self._launched.done():
-                    self._launched.set_result(None)
-                try:
-                    sig, timeout = await asyncio.shield(self._close_request)
-                except asyncio.CancelledError:
-                    # the loop is shutting down with the group still open
-                    sig, timeout = signal.SIGKILL, 0.0
-                with anyio.CancelScope(shield=True):
-                    await self._shutdown(sig, timeout)
-        except BaseException:
-            # a bug escaped the task group: never leave a worker behind
-            with anyio.CancelScope(shield=True):
-                await self._emergency_stop()
-            raise
-        finally:
-            self._unhold_guardian()
-            self._state = _State.CLOSED
-            if not self._launched.done():
-                if launch_error is not None:
-                    self._launched.set_exception(launch_error)
-                else:
-                    self._launched.set_result(None)
+        with anyio.CancelScope() as scope:
+            self._launch_scope = scope
+            try:
+                await self._launch_all(tg, dest, payloads)
+            except Exception as e:
+                self._launch_error = e
+                self._request_close(signal.SIGKILL, 0.0)
+        self._launch_scope = None
+        self._launching = False
+        self._unhold_guardian()  # every group is registered (or none will be)
+        self._launch_done.set()
+        self._ranks.discard_segments()  # of ranks never launched
+        self._mark_never_started()
+        if self._launch_error is None and not self._launched.done():
+            self._launched.set_result(None)
+        # the loop shutting down with the group still open kills it at once
+        sig, timeout = await self._owner.closing((signal.SIGKILL, 0.0))
+        with anyio.CancelScope(shield=True):
+            await self._shutdown(sig, timeout)
+
+    async def _supervised(self) -> None:
+        """After the supervisor, however it ended."""
+        assert self._launched is not None
+        self._unhold_guardian()
+        self._state = _State.CLOSED
+        if not self._launched.done():
+            if self._launch_error is not None:
+                self._launched.set_exception(self._launch_error)
+            else:
+                self._launched.set_result(None)
 
     async def _launch_all(
         self, tg: anyio.abc.TaskGroup, dest: LogsDest, payloads: dict[int, list[bytes]]
     ) -> None:
-        assert self._close_request is not None
         template: _template.Template | None = None
         if self.start_method == "forkserver" and (self.is_function or self._ranks.scripts):
             # other binaries are spawned: exec would discard the template; a
@@ -505,7 +498,7 @@ class PContext:
             async with anyio.create_task_group() as launching:
                 for ranks in units:
                     await window.acquire()
-                    if self._close_request.done() or errors:
+                    if self._owner.close_requested or errors:
                         window.release()
                         break
                     name = f"aioproc-launch-{self.name}/{ranks.start}"
@@ -567,7 +560,7 @@ class PContext:
             if child.channel is not None:
                 child.channel.close_when_settled()
             return
-        if self._tg is None or self._state is _State.CLOSED:
+        if self._owner.group is None or self._state is _State.CLOSED:
             return  # recorded already (a close noticed it first)
         self._watched[rank] = asyncio.Event()
         name = f"aioproc-watch-{child.label}"
@@ -676,9 +669,9 @@ class PContext:
         failed = self._outcomes.record(rank, child, code, error_file, failure, logs)
         if self._hub is not None:
             self._hub.left(self._hub_keys.get(rank, rank), code)
-        if failed and not self._stopping and self._tg is not None:
+        if failed and not self._stopping and self._owner.group is not None:
             self._stopping = True
-            self._tg.start_soon(self._stop_after_failure, name=f"aioproc-stop-{self.name}")
+            self._owner.group.start_soon(self._stop_after_failure, name=f"aioproc-stop-{self.name}")
         if self._on_event is not None:
             exited = child.watcher.exit_time or time.time()
             self._notify(WorkerEvent("exited", rank, child.pid, code, exited))
@@ -747,7 +740,7 @@ class PContext:
         ``async with`` block (or ``close()``) stops them.  Once the result is
         final, the release runs shielded.
         """
-        check_loop(self._supervisor.get_loop() if self._supervisor else None, self)
+        check_loop(self._owner.loop, self)
         timeout = check_duration("wait(timeout=...)", timeout, allow_negative=True)
         if self._finished is None:
             raise RuntimeError(f"{self!r} has not been started")
@@ -784,7 +777,7 @@ class PContext:
         Cancellation: the stop runs shielded and bounded in time; a
         cancellation arriving meanwhile is re-raised once it is done.
         """
-        check_loop(self._supervisor.get_loop() if self._supervisor else None, self)
+        check_loop(self._owner.loop, self)
         sig = _validate_signal(signal.SIGTERM if death_sig is None else death_sig)
         timeout = check_duration("close(timeout=...)", timeout)
         if self._state is _State.STARTING and self._early_close is None:
@@ -797,10 +790,7 @@ class PContext:
         await shielded(self._close(sig, float(timeout)))
 
     def _request_close(self, sig: int, timeout: float) -> None:
-        assert self._close_request is not None
-        if not self._close_request.done():
-            self._close_request.set_result((sig, timeout))
-        else:
+        if not self._owner.request_close((sig, timeout)):
             # the stop under way keeps its signal; its grace period may end sooner
             grace = 0.0 if sig == signal.SIGKILL else timeout
             self._grace_end.bring_forward(time.monotonic() + grace)
@@ -818,10 +808,10 @@ class PContext:
             if self._start_failed():
                 self._state = _State.CLOSED
                 return
-        if self._supervisor is None:
+        if not self._owner.started:
             return
         self._request_close(sig, timeout)
-        await asyncio.wait({self._supervisor})
+        await self._owner.wait()
 
     async def _emergency_stop(self) -> None:
         for task in self._watchers:
