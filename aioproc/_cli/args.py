@@ -1,0 +1,424 @@
+"""The ``aioproc`` argument parser: its help texts, its formatter and its flags.
+
+``_build_parsers`` makes the top-level parser and its ``run`` subcommand;
+the flags are added one group at a time, in torchrun's grouping (node and
+worker counts, rendezvous, restarts, logs, the job, the start method,
+supervision), and in the order ``aioproc run --help`` lists them.  The
+groups are not argparse argument groups: the help shows one flat list of
+options, as it always has.  Each flag's value parser is in ``values``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .values import (
+    PROG,
+    SIGNALS_ENV,
+    _log_dir,
+    _number,
+    _parse_backend,
+    _parse_endpoint,
+    _parse_nnodes,
+    _parse_node_rank,
+    _parse_preload,
+    _parse_ranks,
+    _parse_rdzv_conf,
+    _parse_signals,
+    _parse_start_method,
+    _parse_std,
+    _port,
+    _run_id,
+    parse_backoff,
+    parse_nproc,
+)
+
+_RUN_DESCRIPTION = """\
+Run NPROC copies of a Python script (or a module, or a binary) on this host
+with torchrun's environment, restart them as a group when one fails, and
+report the failure with the worker's own traceback.
+
+Workers get torchrun's variables: RANK, LOCAL_RANK, GROUP_RANK, ROLE_RANK,
+ROLE_NAME, WORLD_SIZE, LOCAL_WORLD_SIZE, ROLE_WORLD_SIZE, GROUP_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS,
+TORCHELASTIC_RUN_ID and TORCHELASTIC_ERROR_FILE ("${local_rank}" in an argument
+becomes the worker's local rank).  torchrun's underscore spellings of the flags
+(--nproc_per_node, --max_restarts, ...) are accepted too.
+"""
+
+_RUN_EPILOG = """\
+output:
+  As with torchrun, without --tee/--redirects the workers write straight to
+  this command's stdout/stderr (unprefixed).  --tee copies lines to the
+  console prefixed with "[<role><rank>]:"; --redirects sends streams to files
+  under --log-dir only.  When stdout is a terminal (and rich is installed), a
+  live table of the workers (pid, state, uptime, restarts, last line or
+  progress bar) is drawn below their output; to show lines above the table,
+  every stream that is not redirected is then passed through aioproc and
+  printed prefixed (without creating log files for it).  --no-live, or a
+  non-terminal stdout, gives plain output.
+
+signals:
+  SIGTERM, SIGINT and SIGQUIT stop the workers with that signal (SIGKILL after
+  --grace-period) and the command exits 128 + the signal number.  SIGHUP is
+  ignored by this command (its workers run in sessions of their own), so a
+  job survives a terminal hang-up; torchrun instead stops its workers on
+  SIGHUP.  With --forward-sighup, SIGHUP stops the workers like SIGTERM and
+  the command exits 129.  --signals-to-handle (or torchrun's
+  TORCHELASTIC_SIGNALS_TO_HANDLE) replaces the list, e.g. SIGTERM,SIGUSR1 for
+  SLURM; SIGHUP is still ignored unless it is in the list.
+
+exit status:
+  0 when the workers succeed, 1 when they fail (after the restarts; torchrun's
+  failure summary is printed to stderr), 2 for usage errors, 128+N after
+  signal N.  With --rdzv-backend etcd, also 1 when the rendezvous fails:
+  etcd not reached within join_timeout, a round not completed in time, a
+  lost lease (fenced), or a job found closed on arrival, even one that
+  finished (a reused --rdzv-id: nothing ran here; torchrun exits 1 on its
+  RendezvousClosedError too).  A host that joined and waited for a place
+  while the job finished exits 0.
+
+environment:
+  AIOPROC_LOOP=uvloop runs the agent on uvloop (default: asyncio's loop).
+  LOGLEVEL sets this command's log level (default: WARNING), as in torchrun.
+  OMP_NUM_THREADS is set to 1 in the workers when there are several and it is
+  not set already (torchrun's behaviour).
+  TORCHELASTIC_SIGNALS_TO_HANDLE: the default of --signals-to-handle.
+  TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE: the default of
+  --log-line-prefix-template (as torchrun reads it).
+"""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows every default, and hides torchrun's underscore aliases."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or not action.option_strings or action.default is argparse.SUPPRESS:
+            return text
+        if action.nargs == 0:  # a switch
+            return text + (" (default: off)" if action.default is False else "")
+        return text + " (default: %(default)s)"
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        shown = [s for s in action.option_strings if "_" not in s]
+        if shown and len(shown) != len(action.option_strings):
+            action = argparse.Action(shown, action.dest, nargs=action.nargs, metavar=action.metavar)
+        return super()._format_action_invocation(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``aioproc`` argument parser, with its ``run`` subcommand."""
+    return _build_parsers()[0]
+
+
+def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The ``aioproc`` parser and its ``run`` subparser (``main`` reports usage errors on it)."""
+    from .. import __version__
+
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="aioproc: an asyncio-native process orchestrator.",
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    run = commands.add_parser(
+        "run",
+        help="run a script on NPROC workers, torchrun-style",
+        description=_RUN_DESCRIPTION,
+        epilog=_RUN_EPILOG,
+        formatter_class=_HelpFormatter,
+        usage="%(prog)s [options] script [args ...]",
+    )
+    _add_size_flags(run)
+    _add_rendezvous_flags(run)
+    _add_restart_flags(run)
+    _add_log_flags(run)
+    _add_job_flags(run)
+    _add_start_flags(run)
+    _add_supervision_flags(run)
+    add = run.add_argument
+    add("script", help="the Python script (module with -m, program with --no-python)")
+    add("script_args", nargs=argparse.REMAINDER, metavar="args", help="the script's arguments")
+    return parser, run
+
+
+def _add_size_flags(run: argparse.ArgumentParser) -> None:
+    """How many workers, on how many nodes, and this node's place."""
+    add = run.add_argument
+    add(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc_per_node",
+        type=parse_nproc,
+        default=1,
+        metavar="NPROC",
+        help="number of workers: a number, or 'cpu'/'auto' for one per CPU "
+        "('gpu' is not supported)",
+    )
+    add(
+        "--nnodes",
+        type=_parse_nnodes,
+        default=(1, 1),
+        metavar="N|MIN:MAX",
+        help="number of nodes (hosts), each running 'aioproc run': N, or MIN:MAX for an "
+        "elastic job (--rdzv-backend etcd) (default: 1, this host alone)",
+    )
+    add(
+        "--node-rank",
+        "--node_rank",
+        dest="node_rank",
+        type=_parse_node_rank,
+        default=0,
+        metavar="RANK",
+        help="this node's rank with --rdzv-backend static (default: 0)",
+    )
+    add(
+        "--standalone",
+        action="store_true",
+        help="this host alone, whatever --nnodes and --rdzv-* say (the default with --nnodes 1)",
+    )
+
+
+def _add_rendezvous_flags(run: argparse.ArgumentParser) -> None:
+    """How the nodes of a multi-node job meet."""
+    add = run.add_argument
+    add(
+        "--rdzv-backend",
+        "--rdzv_backend",
+        dest="rdzv_backend",
+        type=_parse_backend,
+        default="static",
+        metavar="BACKEND",
+        help="how several nodes meet: etcd (elastic: hosts may join, leave or be lost; "
+        "needs pip install 'aioproc[etcd]') or static (fixed --node-rank and "
+        "--master-addr/--master-port) (default: static); ignored with one node",
+    )
+    add(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        dest="rdzv_endpoint",
+        type=_parse_endpoint,
+        default="",
+        metavar="HOST[:PORT]",
+        help="the etcd server's client address (etcd: HOST:2379 by default)",
+    )
+    add(
+        "--rdzv-conf",
+        "--rdzv_conf",
+        dest="rdzv_conf",
+        type=_parse_rdzv_conf,
+        default="",
+        metavar="KEY=VALUE,...",
+        help="rendezvous options: join_timeout (600), last_call_timeout (30), "
+        "lease_ttl (3: seconds before a lost host is noticed), close_timeout (30)",
+    )
+    add(
+        "--local-addr",
+        "--local_addr",
+        dest="local_addr",
+        default=None,
+        metavar="ADDR",
+        help="the address this host is known by, MASTER_ADDR when it is group rank 0 "
+        "(default: its fully qualified name)",
+    )
+
+
+def _add_restart_flags(run: argparse.ArgumentParser) -> None:
+    """Restarts after a failure, monitoring, and the stop's grace period."""
+    add = run.add_argument
+    add(
+        "--max-restarts",
+        "--max_restarts",
+        dest="max_restarts",
+        type=_number(int, 0),
+        default=0,
+        metavar="N",
+        help="restarts of the whole group allowed after failures",
+    )
+    add(
+        "--backoff",
+        type=parse_backoff,
+        default=None,
+        metavar="INITIAL,FACTOR,MAX[,JITTER]",
+        help="wait before restart n (0-based) min(MAX, INITIAL*FACTOR**n) seconds, "
+        "scaled by a random factor in [1-JITTER, 1+JITTER] (default: restart at once)",
+    )
+    add(
+        "--monitor-interval",
+        "--monitor_interval",
+        dest="monitor_interval",
+        type=_number(float, 0),
+        default=0.1,
+        metavar="SECONDS",
+        help="accepted for torchrun compatibility: exits are noticed when they happen",
+    )
+    add(
+        "--grace-period",
+        dest="grace_period",
+        type=_number(float, 0),
+        default=30.0,
+        metavar="SECONDS",
+        help="seconds between SIGTERM (or the signal received) and SIGKILL when stopping workers",
+    )
+
+
+def _add_log_flags(run: argparse.ArgumentParser) -> None:
+    """Where the workers' output goes, and how console lines are prefixed."""
+    add = run.add_argument
+    add(
+        "-r",
+        "--redirects",
+        type=_parse_std,
+        default="0",
+        metavar="STD",
+        help="streams to write to log files instead of the console: 0 none, 1 stdout, "
+        "2 stderr, 3 both, for every rank or per rank as '0:3,1:0'",
+    )
+    add(
+        "-t",
+        "--tee",
+        type=_parse_std,
+        default="0",
+        metavar="STD",
+        help="streams to write to log files and also to the console, prefixed; "
+        "same values as --redirects",
+    )
+    add(
+        "--log-dir",
+        "--log_dir",
+        dest="log_dir",
+        type=_log_dir,
+        default=None,
+        metavar="DIR",
+        help="base directory of the logs (<DIR>/<run_id>_<random>/attempt_<n>/<rank>/...) "
+        "(default: a new temporary directory)",
+    )
+    add(
+        "--local-ranks-filter",
+        "--local_ranks_filter",
+        dest="local_ranks_filter",
+        type=_parse_ranks,
+        default="",
+        metavar="RANKS",
+        help="comma-separated local ranks whose output reaches the console, e.g. '0' "
+        "(default: all ranks)",
+    )
+    add(
+        "--log-line-prefix-template",
+        "--log_line_prefix_template",
+        dest="log_line_prefix_template",
+        default=None,
+        metavar="TEMPLATE",
+        help="prefix of console lines, with ${role_name}, ${rank}, ${local_rank} "
+        "(default: '[${role_name}${local_rank}]:')",
+    )
+
+
+def _add_job_flags(run: argparse.ArgumentParser) -> None:
+    """The job's names and the master address the workers get."""
+    add = run.add_argument
+    add("--role", default="default", help="the workers' role name (ROLE_NAME, line prefixes)")
+    add(
+        "--run-id",
+        "--rdzv-id",
+        "--rdzv_id",
+        dest="run_id",
+        type=_run_id,
+        default=None,
+        metavar="ID",
+        help="job id (TORCHELASTIC_RUN_ID, log directory prefix) (default: a random id)",
+    )
+    add(
+        "--master-addr",
+        "--master_addr",
+        dest="master_addr",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="MASTER_ADDR given to the workers",
+    )
+    add(
+        "--master-port",
+        "--master_port",
+        dest="master_port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="MASTER_PORT given to the workers (default: a free port)",
+    )
+
+
+def _add_start_flags(run: argparse.ArgumentParser) -> None:
+    """How the workers are started: start method, preload, script kind."""
+    add = run.add_argument
+    add(
+        "--start-method",
+        "--start_method",
+        dest="start_method",
+        type=_parse_start_method,
+        default="spawn",
+        metavar="{spawn,forkserver}",
+        help="how workers are started: spawn (a fresh interpreter each) or forkserver "
+        "(forked from a template interpreter that imported --preload once; the script "
+        "then runs in the forked worker; --no-python programs are always spawned; "
+        "fork is refused)",
+    )
+    add(
+        "--preload",
+        type=_parse_preload,
+        action="append",
+        default=[],
+        metavar="MODULES",
+        help="comma-separated modules the forkserver template imports before forking "
+        "the workers, e.g. 'torch,numpy' (repeatable; needs --start-method forkserver; "
+        "searched in the script's directory first) (default: none)",
+    )
+    add(
+        "--no-python",
+        "--no_python",
+        dest="no_python",
+        action="store_true",
+        help="run the script as a binary, without prepending 'python -u'",
+    )
+    add(
+        "-m",
+        "--module",
+        action="store_true",
+        help="run the script as a Python module (python -u -m script)",
+    )
+
+
+def _add_supervision_flags(run: argparse.ArgumentParser) -> None:
+    """The watchdog, the live view, and the signals that stop the run."""
+    add = run.add_argument
+    add(
+        "--watchdog",
+        action="store_true",
+        help="serve aioproc.timer watchdog timers to the workers; a worker whose timer "
+        "expires is killed and counts as failed",
+    )
+    add(
+        "--no-live",
+        dest="no_live",
+        action="store_true",
+        help="plain output even when stdout is a terminal",
+    )
+    add(
+        "--forward-sighup",
+        dest="forward_sighup",
+        action="store_true",
+        help="stop the workers on SIGHUP and exit 129 (default: SIGHUP is ignored, "
+        "so the job survives a terminal hang-up)",
+    )
+    add(
+        "--signals-to-handle",
+        "--signals_to_handle",
+        dest="signals_to_handle",
+        type=_parse_signals,
+        default=None,
+        metavar="SIGNALS",
+        help=f"comma-separated signals that stop the workers with that signal, e.g. "
+        f"'SIGTERM,SIGINT,SIGUSR1' (default: ${SIGNALS_ENV}, else SIGTERM,SIGINT,SIGQUIT; "
+        "SIGHUP is ignored unless listed or --forward-sighup)",
+    )
