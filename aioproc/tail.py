@@ -27,9 +27,11 @@ network file system; ``stop()`` still drains such files to their end.
 # inotify (or the backoff timer, or stop()) sets.  Clearing before reading
 # means a write that lands after the read is always noticed.
 #
-# Reads never block the loop: ``os.pread`` at our own offset runs in the
-# default executor and is shielded, so a cancelled read loses nothing and the
-# fd is closed only once the thread is done with it.  Framing and prefixing
+# Reads never block the loop: ``os.pread`` at our own offset runs on the
+# helper thread (``_base.offloop``, held while a follower runs), which
+# finishes a read even when its caller is cancelled, so a cancelled read
+# loses nothing and the fd is closed only once the thread is done with it.
+# The followers are the children of the tail's ``Owner``.  Framing and prefixing
 # are ``_output.LineFramer``'s, so a line is never split under two prefixes
 # whatever the read boundaries, and every write to the destination is a batch
 # of whole lines made on the loop thread: lines of different ranks never mix.
@@ -53,8 +55,12 @@ import struct
 import sys
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Any, TextIO, TypeVar
+from typing import TextIO, TypeVar
 
+import anyio.abc
+
+from ._base.offloop import helper, run_blocking
+from ._base.owner import Owner
 from ._output.tee import LineFramer
 
 __all__ = ["LineSink", "TailLog"]
@@ -215,21 +221,34 @@ def _write_whole(stream: TextIO, text: str) -> None:
         pass  # stream gone (closed pipe, closed file): the log files still hold everything
 
 
-def _discard(fut: asyncio.Future[Any]) -> None:
-    """Close what an executor call opened for a caller that was cancelled meanwhile."""
-    if fut.cancelled() or fut.exception() is not None:
-        return
-    opened = fut.result()
-    if isinstance(opened, int):
-        os.close(opened)
-    else:
-        opened.close()
+async def _open_off_loop(opener: Callable[[], _T]) -> _T:
+    """``opener()`` on the helper thread; what it opened is closed if the caller is cancelled.
+
+    Cancellation: the open finishes first (the helper thread runs every job
+    to its end), then what it returned is closed and the cancellation raised.
+    """
+    opened: list[_T] = []
+
+    def job() -> _T:
+        result = opener()
+        opened.append(result)
+        return result
+
+    try:
+        return await run_blocking(job)
+    except asyncio.CancelledError:
+        for result in opened:
+            if isinstance(result, int):
+                os.close(result)
+            else:
+                result.close()  # type: ignore[attr-defined]
+        raise
 
 
 class _Tail:
     """The state of one followed file."""
 
-    __slots__ = ("busy", "framer", "offset", "path", "prefix", "rank", "task", "wake")
+    __slots__ = ("framer", "offset", "path", "prefix", "rank", "wake")
 
     def __init__(self, rank: int, path: str, prefix: str) -> None:
         self.rank = rank
@@ -238,8 +257,6 @@ class _Tail:
         self.framer = LineFramer(prefix)
         self.offset = 0
         self.wake = asyncio.Event()
-        self.task: asyncio.Task[None] | None = None
-        self.busy: asyncio.Future[Any] | None = None  # executor call still using the fd
 
 
 class TailLog:
@@ -318,6 +335,7 @@ class TailLog:
         self._owned: TextIO | None = None
         self._notify: _Inotify | None = None
         self._done = asyncio.Event()
+        self._owner: Owner[None] = Owner(f"TailLog {self._name}")
 
     def __repr__(self) -> str:
         how = ""
@@ -359,12 +377,9 @@ class TailLog:
         if self._dst_path is not None:
             self._state = "starting"
             opener = functools.partial(open, self._dst_path, "a", encoding="utf-8")
-            fut = loop.run_in_executor(None, opener)
             try:
-                self._owned = await asyncio.shield(fut)
+                self._owned = await _open_off_loop(opener)
             except BaseException:
-                if not fut.done():
-                    fut.add_done_callback(_discard)
                 self._state = "stopped"
                 self._done.set()
                 raise
@@ -377,11 +392,25 @@ class TailLog:
         self._state = "running"
         if self._log_files:
             self._notify = _open_inotify(loop)
-        for rank, path in self._log_files.items():
-            t = _Tail(rank, os.fspath(path), self._prefixes[rank])
-            t.task = loop.create_task(self._follow(t), name=f"TailLog {self._name}{rank}")
-            self._tails.append(t)
+        self._tails = [
+            _Tail(rank, os.fspath(path), self._prefixes[rank])
+            for rank, path in self._log_files.items()
+        ]
+        self._owner.start(self._follow_all, after=self._release_all)
         return self
+
+    async def _follow_all(self, group: anyio.abc.TaskGroup) -> None:
+        for t in self._tails:
+            group.start_soon(self._follow, t, name=f"TailLog {self._name}{t.rank}")
+
+    async def _release_all(self) -> None:
+        if self._notify is not None:
+            self._notify.close()
+            self._notify = None
+        if self._owned is not None:
+            self._owned.close()
+        self._state = "stopped"
+        self._done.set()
 
     async def stop(self) -> None:
         """Drain every file to its end, emit held partial lines, and release everything.
@@ -405,29 +434,22 @@ class TailLog:
             self._done.set()
             return
         self._state = "stopping"
-        tasks = [t.task for t in self._tails if t.task is not None]
         for t in self._tails:
-            t.wake.set()
+            t.wake.set()  # each follower drains its file to the end and returns
         try:
-            if tasks:
-                await asyncio.wait(tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.wait(tasks)
+            await self._owner.wait()
+        except asyncio.CancelledError:
+            self._owner.cancel()
+            await asyncio.shield(self._done.wait())
             raise
-        finally:
-            if self._notify is not None:
-                self._notify.close()
-                self._notify = None
-            if self._owned is not None:
-                self._owned.close()
-            self._state = "stopped"
-            self._done.set()
 
     # --- one follower per file ------------------------------------------------
 
     async def _follow(self, t: _Tail) -> None:
+        with helper():  # one helper thread for the reads while the tail runs
+            await self._follow_file(t)
+
+    async def _follow_file(self, t: _Tail) -> None:
         fd: int | None = None
         try:
             fd = await self._wait_for_file(t)
@@ -442,14 +464,7 @@ class TailLog:
             logger.exception("TailLog %s: tail of %s (rank %d) failed", self._name, t.path, t.rank)
         finally:
             if fd is not None:
-                self._release(t, fd)
-
-    def _release(self, t: _Tail, fd: int) -> None:
-        busy = t.busy
-        if busy is not None and not busy.done():  # a cancelled read: the thread still has it
-            busy.add_done_callback(lambda _: os.close(fd))
-        else:
-            os.close(fd)
+                os.close(fd)  # the helper thread has returned: no read holds it
 
     async def _wait_for_file(self, t: _Tail) -> int | None:
         """The open fd of ``t.path`` once it exists; None if stopped before it did."""
@@ -460,14 +475,10 @@ class TailLog:
             last_try = self._state != "running"
             w = self._watch_parent(t)
             try:
-                fut = asyncio.get_running_loop().run_in_executor(None, _open_regular, t.path)
                 try:
-                    return await asyncio.shield(fut)
+                    return await _open_off_loop(functools.partial(_open_regular, t.path))
                 except FileNotFoundError:
                     pass
-                except asyncio.CancelledError:
-                    fut.add_done_callback(_discard)
-                    raise
                 if last_try:
                     return None
                 # a dangling symlink's target directory is not watched
@@ -528,13 +539,13 @@ class TailLog:
 
     async def _drain(self, t: _Tail, fd: int, *, final: bool) -> bool:
         """Read what the file holds now; ``final``: exactly up to its current size."""
-        end = (await self._in_thread(t, os.fstat, fd)).st_size if final else None
+        end = (await run_blocking(os.fstat, fd)).st_size if final else None
         got = False
         while True:
             want = _CHUNK if end is None else min(_CHUNK, end - t.offset)
             if want <= 0:
                 break
-            data = await self._in_thread(t, os.pread, fd, want, t.offset)
+            data = await run_blocking(os.pread, fd, want, t.offset)
             if not data:
                 break
             t.offset += len(data)
@@ -544,14 +555,6 @@ class TailLog:
             if end is None and (len(data) < want or self._state != "running"):
                 break
         return got
-
-    async def _in_thread(self, t: _Tail, fn: Callable[..., _T], *args: Any) -> _T:
-        # shielded: if we are cancelled, the thread still owns the fd until it returns
-        fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
-        t.busy = fut
-        result = await asyncio.shield(fut)
-        t.busy = None
-        return result
 
     async def _backoff(self, t: _Tail, delay: float) -> None:
         handle = asyncio.get_running_loop().call_later(delay, t.wake.set)
