@@ -44,108 +44,39 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
+from ._etcd_client import (
+    CHANNEL_OPTIONS,
+    KeyRange,
+    KeyValue,
+    bounded,
+    describe,
+    exchange,
+    import_aetcd,
+    prefix_end,
+)
 from .api import RendezvousConnectionError, RendezvousLeaseLostError
 
 if TYPE_CHECKING:
     import aetcd
 
-__all__ = ["EtcdSession", "KeyValue", "describe", "prefix_end", "ttl_seconds"]
+__all__ = ["EtcdSession"]
 
 logger = logging.getLogger("aioproc.rendezvous")
 
 T = TypeVar("T")
 
-# gRPC reconnects with a 1 s initial backoff growing to 120 s by default: an
-# agent must find a restarted etcd within a small part of its lease TTL,
-# and an attempt on a closed port costs next to nothing.  (gRPC takes the
-# "min" option as the least time a connection attempt is given.)
-_CHANNEL_OPTIONS = {
-    "grpc.initial_reconnect_backoff_ms": 50,
-    "grpc.min_reconnect_backoff_ms": 1000,
-    "grpc.max_reconnect_backoff_ms": 100,
-}
 _RETRY_FIRST, _RETRY_MAX = 0.05, 0.5  # backoff between calls to an unreachable etcd
 # The fence counts from the last renewal sent before an outage: the more
 # often the lease is renewed, the longer an outage it survives (two thirds
 # of the TTL less one period).
 _RENEWALS_PER_TTL = 30
 _PROGRESS_EVERY = 5.0  # seconds between "waiting for etcd" lines while opening
-
-
-async def bounded(coro: Awaitable[T], timeout: float) -> T:
-    """``await coro`` (a gRPC call), at most ``timeout`` seconds.
-
-    The call runs in a task of its own: grpc.aio answers a cancellation with
-    a CancelledError of its own making, which an anyio cancel scope would
-    not recognise as its own and would let escape.  Awaiting the task
-    through ``asyncio.wait`` keeps every cancellation this task receives
-    the caller's own; the call is cancelled with it.
-
-    Raises:
-        TimeoutError: the call took longer than ``timeout``.
-    """
-    task = asyncio.ensure_future(coro)
-    try:
-        done, _ = await asyncio.wait({task}, timeout=timeout)
-    except BaseException:
-        task.cancel()
-        task.add_done_callback(_retrieve)  # it ends by itself, promptly
-        raise
-    if not done:
-        task.cancel()
-        task.add_done_callback(_retrieve)
-        raise TimeoutError(f"etcd did not answer within {timeout:.3g} s")
-    return task.result()
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # a cancelled call's error is of no interest
-
-
-_GRPC_NOISE = re.compile(
-    r"^failed to connect to all addresses; last error: [A-Z_]+: (?:ipv[46]:\S+: |unix:\S+: )?"
-)
-
-
-def describe(e: BaseException) -> str:
-    """A failed etcd call's error in a few words, for a one-line message."""
-    if isinstance(e, TimeoutError):
-        return str(e) or "no answer"
-    text = " ".join(str(e).split()) or type(e).__name__
-    if text == "Deadline Exceeded":
-        return "no answer (deadline exceeded)"
-    return _GRPC_NOISE.sub("", text)
-
-
-def import_aetcd() -> Any:
-    """``aetcd``, or an ImportError that says how to install it."""
-    try:
-        import aetcd
-    except ImportError as e:
-        raise ImportError(
-            "the etcd rendezvous backend needs the aetcd package: pip install 'aioproc[etcd]'"
-        ) from e
-    return aetcd
-
-
-class KeyValue:
-    """A key of the job as last seen: its value and creation revision."""
-
-    __slots__ = ("create_revision", "lease", "mod_revision", "value")
-
-    def __init__(self, value: bytes, create_revision: int, mod_revision: int, lease: int) -> None:
-        self.value = value
-        self.create_revision = create_revision
-        self.mod_revision = mod_revision
-        self.lease = lease
 
 
 class EtcdSession:
@@ -187,7 +118,7 @@ class EtcdSession:
         self.ttl = ttl
         self.name = name
         self.client: aetcd.Client = self._aetcd.Client(
-            host, port, timeout=max(1, ttl), options=_CHANNEL_OPTIONS
+            host, port, timeout=max(1, ttl), options=CHANNEL_OPTIONS
         )
         self.keys: dict[bytes, KeyValue] = {}
         # the same keys by directory (up to the last "/"): the leader counts
@@ -204,9 +135,9 @@ class EtcdSession:
         self.renewals = 0  # keep-alives answered (not calls: one stream carries them)
         self.events = 0  # watch events received, for the scale benchmark
         self.version = 0  # moves at every change of the copy (see ``changed``)
-        self.control = _Range(prefix, liveness, deletions_only=False)
-        self._liveness = _Range(liveness, prefix_end(liveness), deletions_only=True)
-        self._followed: dict[tuple[bytes, bytes], _Range] = {}
+        self.control = KeyRange(prefix, liveness, deletions_only=False)
+        self._liveness = KeyRange(liveness, prefix_end(liveness), deletions_only=True)
+        self._followed: dict[tuple[bytes, bytes], KeyRange] = {}
         self._change = anyio.Event()
         self._last_ok = 0.0
         # told the time by which the next renewal must succeed, after each one
@@ -380,7 +311,7 @@ class EtcdSession:
             if not children:
                 del self.dirs[directory]
 
-    def _replace(self, copied: _Range, kvs: Any, revision: int) -> None:
+    def _replace(self, copied: KeyRange, kvs: Any, revision: int) -> None:
         """Make the copy of ``copied``'s range what a list at ``revision`` returned."""
         for key in [k for k in self.keys if copied.start <= k < copied.end]:
             self._pop(key)
@@ -400,7 +331,7 @@ class EtcdSession:
         """
         if (start, end) in self._followed:
             return
-        followed = _Range(start, end, deletions_only=False)
+        followed = KeyRange(start, end, deletions_only=False)
         result = await self.call(lambda: self.client.get_range(start, end))
         if (start, end) in self._followed:  # followed meanwhile, by another caller
             return
@@ -460,7 +391,7 @@ class EtcdSession:
 
     # ---------------------------------------------------------------- watch
 
-    async def _relist(self, watched: _Range) -> None:
+    async def _relist(self, watched: KeyRange) -> None:
         """A fresh list of ``watched``'s range, after its watch's history was compacted."""
         if watched is self._liveness:
             await self.refresh_liveness()
@@ -469,7 +400,7 @@ class EtcdSession:
         result = await self.call(lambda: self.client.get_range(watched.start, watched.end))
         self._replace(watched, result.kvs, int(result.header.revision))
 
-    def _apply(self, watched: _Range, event: Any) -> None:
+    def _apply(self, watched: KeyRange, event: Any) -> None:
         kv = event.kv
         self.events += 1
         if watched.deletions_only:
@@ -483,7 +414,7 @@ class EtcdSession:
         watched.revision = max(watched.revision, int(kv.mod_revision))
         self._notify()
 
-    async def _watch(self, watched: _Range) -> None:
+    async def _watch(self, watched: KeyRange) -> None:
         """Apply the watch's events to the copy; resume it when it breaks."""
         aetcd = self._aetcd
         kind = aetcd.rtypes.EventKind.DELETE if watched.deletions_only else None
@@ -576,7 +507,7 @@ class EtcdSession:
                 while True:
                     sent = time.monotonic()
                     # an answer slower than this is a stream to replace, well before the fence
-                    reply = await bounded(_exchange(stream, request, answer), self.ttl / 3)
+                    reply = await bounded(exchange(stream, request, answer), self.ttl / 3)
                     if reply.TTL <= 0:
                         return True
                     self.renewals += 1
@@ -597,30 +528,6 @@ class EtcdSession:
         self.lost = f"this node ({self.name}) was fenced: {why}; its workers are stopped"
         logger.warning("rendezvous: %s", why)
         self._notify()
-
-
-class _Range:
-    """A copied key range: where its watch resumes, and (if followed) the task applying it."""
-
-    def __init__(self, start: bytes, end: bytes, *, deletions_only: bool) -> None:
-        self.start, self.end = start, end
-        self.deletions_only = deletions_only
-        self.revision = 0
-        self.task: asyncio.Task[None] | None = None
-
-    async def stop(self) -> None:
-        """Cancel the watch task and wait for it (shielded)."""
-        task, self.task = self.task, None
-        if task is None:
-            return
-        task.cancel()
-        with anyio.CancelScope(shield=True):
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-            except Exception as e:  # a bug in the task: do not hide the run's own outcome
-                logger.warning("etcd watch task failed: %r", e)
 
 
 class _Open:
@@ -667,26 +574,3 @@ class _Open:
                 except Exception as e:  # a bug in a task: do not hide the run's own outcome
                     logger.warning("etcd session task %s failed: %r", task.get_name(), e)
         await self._session._stop()
-
-
-async def _exchange(stream: Any, request: Any, answer: type) -> Any:
-    """One renewal on a keep-alive stream: etcd's ``answer``.
-
-    Raises:
-        EOFError: etcd ended the stream (gRPC's end-of-stream marker came instead).
-    """
-    await stream.write(request)
-    reply = await stream.read()
-    if not isinstance(reply, answer):
-        raise EOFError("etcd ended the keep-alive stream")
-    return reply
-
-
-def prefix_end(prefix: bytes) -> bytes:
-    """The end of the key range of everything that starts with ``prefix``."""
-    return prefix[:-1] + bytes([prefix[-1] + 1])
-
-
-def ttl_seconds(value: float) -> int:
-    """A lease TTL in whole seconds (etcd's unit), at least 2."""
-    return max(2, math.ceil(value))

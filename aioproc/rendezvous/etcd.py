@@ -50,7 +50,10 @@ join): O(N) in total, where following every agent's keys costs O(N^2).
 
 This module is the handler (torch's API, the running world, the exit
 barrier); ``_etcd_round`` joins a round and, on its leader, completes it;
-``_etcd_store`` holds the session: the lease and the copies of the keys.
+``_etcd_keyspace`` owns the job's keys (their names, the checks on them,
+the transactions), which both use; ``_etcd_schema`` says what the keys may
+hold; ``_etcd_store`` holds the session: the lease and the copies of the
+keys; ``_etcd_client`` the calls to etcd.
 """
 
 from __future__ import annotations
@@ -66,17 +69,16 @@ from typing import Any
 
 import anyio
 
-from ._etcd_round import Joining, World, malformed
-from ._etcd_store import EtcdSession, KeyValue, import_aetcd, prefix_end, ttl_seconds
+from ._etcd_client import import_aetcd, ttl_seconds
+from ._etcd_keyspace import KEY_ROOT as KEY_ROOT
+from ._etcd_keyspace import EtcdKeyspace
+from ._etcd_round import Joining
+from ._etcd_schema import World
 from .api import (
-    RendezvousClosedError,
-    RendezvousGracefulExitError,
     RendezvousInfo,
     RendezvousJobFailedError,
-    RendezvousLeaseLostError,
     RendezvousNode,
     RendezvousParameters,
-    RendezvousStateError,
     RendezvousTimeoutError,
     WorldChange,
     parse_endpoint,
@@ -85,8 +87,6 @@ from .api import (
 __all__ = ["EtcdRendezvousHandler"]
 
 logger = logging.getLogger("aioproc.rendezvous")
-
-KEY_ROOT = "/aioproc/rdzv/"
 
 
 class EtcdRendezvousHandler:
@@ -120,16 +120,12 @@ class EtcdRendezvousHandler:
             )
         self.addr = params.local_addr or socket.getfqdn()
         self.node_id = f"{self.addr}_{os.getpid()}_{secrets.token_hex(3)}"
-        self._prefix = f"{KEY_ROOT}{params.run_id}/"
-        self._session: EtcdSession | None = None
+        # the job's keys: their names, this node's session, the checks and the writes
+        self._keys = EtcdKeyspace(params.run_id, self.node_id, self.addr, self)
         self._nproc = 1
         self._info: RendezvousInfo | None = None
         self._world_now: World | None = None  # the world of ``_info``
-        self._worlds: dict[bytes, tuple[int, World]] = {}  # parsed, by key and revision
         self._lost_cache: tuple[tuple[int, int], list[RendezvousNode]] | None = None
-        self._joined = False  # whether this node joined a round in this session
-        self._corrupt: str | None = None  # the first corrupt control key seen, described
-        self._warned: set[tuple[bytes, int]] = set()  # ignored keys (and revisions) told of
 
     def __repr__(self) -> str:
         state = f"round {self._info.round}" if self._info is not None else "not joined"
@@ -162,15 +158,17 @@ class EtcdRendezvousHandler:
     @property
     def requests(self) -> int:
         """Calls this agent made to etcd so far (the scale benchmark counts them)."""
-        return self._session.requests if self._session is not None else 0
+        session = self._keys.session
+        return session.requests if session is not None else 0
 
     @property
     def events(self) -> int:
         """Watch events this agent received so far (the scale benchmark counts them)."""
-        return self._session.events if self._session is not None else 0
+        session = self._keys.session
+        return session.events if session is not None else 0
 
     def is_closed(self) -> bool:
-        return self._get("closed") is not None
+        return self._keys.get("closed") is not None
 
     def num_nodes_waiting(self) -> int:
         """Agents waiting for the next round while this node's world runs.
@@ -182,11 +180,11 @@ class EtcdRendezvousHandler:
         if self._info is None:
             return 0
         r = self._info.round + 1
-        start = self._key(f"rounds/{r}/join/")
-        store = self._store()
-        if store.follows(start, prefix_end(start)):
+        start, end = self._keys.key_range(f"rounds/{r}/join/")
+        store = self._keys.store()
+        if store.follows(start, end):
             return len(store.children(start))
-        return 1 if self._get(f"lead/{r}") is not None else 0
+        return 1 if self._keys.get(f"lead/{r}") is not None else 0
 
     def session(
         self, local_world_size: int, lease_renewed: Callable[[float], None] | None = None
@@ -221,23 +219,31 @@ class EtcdRendezvousHandler:
         Cancellation: the join key stays until the session ends (it is
         leased), so a cancelled join leaves nothing behind.
         """
-        store = self._store()
-        joining = Joining(self, self._info)
+        keys = self._keys
+        store = keys.store()
+        joining = Joining(
+            keys,
+            self._info,
+            nproc=self._nproc,
+            min_nodes=self.min_nodes,
+            max_nodes=self.max_nodes,
+            last_call_timeout=self.last_call_timeout,
+        )
         self._info = self._world_now = None
         deadline = time.monotonic() + self.join_timeout
         joined = -1  # the round this node's join key is in
         with anyio.move_on_at(deadline):
             while True:
                 seen = store.version
-                self._raise_if_over(waiting=True)
-                current, current_rev = self._current()
+                keys.raise_if_over(waiting=True)
+                current, current_rev = keys.current()
                 r = current + 1
                 if joined != r:
                     if not await joining.join(r, current_rev):
                         await store.changed(seen)  # ``current`` moved meanwhile: look again
                         continue
                     joined = r
-                    self._joined = True
+                    keys.joined = True
                 world = await joining.wait(r, current_rev, deadline)
                 if world is not None:
                     info = world.info_for(self.node_id)
@@ -245,7 +251,7 @@ class EtcdRendezvousHandler:
                         self._info, self._world_now = info, world
                         return info
                 # the round completed without this node: wait for the next one
-        joins = await joining.leave(self._current()[0] + 1, joined)
+        joins = await joining.leave(keys.current()[0] + 1, joined)
         raise RendezvousTimeoutError(
             f"the rendezvous of job {self._params.run_id!r} did not complete within "
             f"{self.join_timeout:g} s (join_timeout): {joins} node(s) joined, "
@@ -265,11 +271,11 @@ class EtcdRendezvousHandler:
             RendezvousClosedError: another agent stopped the job.
             RendezvousLeaseLostError: this node lost its lease (fenced).
         """
-        store = self._store()
+        store = self._keys.store()
         world = self._running()
         while True:
             seen = store.version
-            self._raise_if_over()
+            self._keys.raise_if_over()
             change = await self._change(world)
             if change is not None:
                 return change
@@ -293,23 +299,24 @@ class EtcdRendezvousHandler:
             RendezvousJobFailedError: the job failed on another host.
             RendezvousLeaseLostError: this node lost its lease.
         """
-        store = self._store()
+        keys = self._keys
+        store = keys.store()
         world = self._running()
         done_dir = f"rounds/{world.round}/done/"
-        await self._put(done_dir + self.node_id, b"1", leased=True)
+        await keys.put(done_dir + self.node_id, b"1", leased=True)
         counted = -1  # how many lost members the last count allowed for
         with anyio.move_on_after(timeout) as scope:
             while True:
                 seen = store.version
-                closed = self._get("closed")
+                closed = keys.get("closed")
                 if closed is not None and json.loads(closed.value).get("reason") == "succeeded":
                     return None  # the member that counted them all closed it
-                self._raise_if_over()
+                keys.raise_if_over()
                 lost = self._lost(world)
                 if len(lost) != counted:
                     counted = len(lost)
                     # only members write done keys, and a lost member's go with its lease
-                    if await self._count(done_dir) >= len(world.nodes) - counted:
+                    if await keys.count(done_dir) >= len(world.nodes) - counted:
                         break
                     continue
                 change = await self._change(world)
@@ -318,7 +325,7 @@ class EtcdRendezvousHandler:
                 await store.changed(seen)
         if scope.cancelled_caught:
             logger.warning("exit barrier: timed out after %g s waiting for other hosts", timeout)
-        await self._close("succeeded")
+        await keys.close("succeeded")
         return None
 
     def _running(self) -> World:
@@ -336,16 +343,17 @@ class EtcdRendezvousHandler:
             RendezvousJobFailedError: a member was lost and fewer than
                 ``min_nodes`` nodes are left.
         """
-        moved = self._current()[0] != world.round
-        change = self._get(f"change/{world.round + 1}")
+        keys = self._keys
+        moved = keys.current()[0] != world.round
+        change = keys.get(f"change/{world.round + 1}")
         if not (moved or change is not None or self._lost(world)):
             return None
-        alive = await self._store().refresh_liveness()
+        alive = await keys.store().refresh_liveness()
         lost = self._lost(world)
         if lost:
             # a stop or a failure elsewhere ends agents too: if one came
             # first, it is the news (its watch event may trail the loss's)
-            await self._raise_if_over_now()
+            await keys.raise_if_over_now()
             hosts = ", ".join(f"{n.addr} ({n.node_id})" for n in lost)
             if alive < self.min_nodes:
                 raise RendezvousJobFailedError(
@@ -363,15 +371,7 @@ class EtcdRendezvousHandler:
 
     async def report_failure(self, failure: Mapping[str, Any]) -> None:
         """Tell every agent that the job failed here, for good (``failure``: its root cause)."""
-        store = self._store()
-        value = json.dumps({**failure, "host": self.addr, "node": self.node_id}).encode()
-        key = (self._prefix + "failed").encode()
-        tx = store.client.transactions
-        await store.call(
-            lambda: store.client.transaction(
-                compare=[tx.create(key) == 0], success=[tx.put(key, value)], failure=[]
-            )
-        )
+        await self._keys.fail(failure)
 
     async def shutdown(self) -> bool:
         """Close the rendezvous for every node (torch's ``shutdown``): a stop.
@@ -381,24 +381,24 @@ class EtcdRendezvousHandler:
             not be, or when this node never had a session open (it never
             reached etcd, so it joined nothing to close).
         """
-        if self._session is None:
+        if self._keys.session is None:
             return False
         try:
             with anyio.move_on_after(self.close_timeout):
-                await self._close("stopped")
+                await self._keys.close("stopped")
                 return True
         except Exception as e:  # the lease is gone, or etcd: nothing more to do
             logger.warning("rendezvous shutdown failed: %s", e)
         return False
 
     async def set_closed(self) -> None:
-        await self._close("stopped")
+        await self._keys.close("stopped")
 
     # ---------------------------------------------------------- protocol
 
     def _lost(self, world: World) -> list[RendezvousNode]:
         """Members of ``world`` whose lease is gone; cached until liveness news arrive."""
-        store = self._store()
+        store = self._keys.store()
         key = (world.round, store.liveness_version)
         if self._lost_cache is None or self._lost_cache[0] != key:
             lost = [
@@ -408,165 +408,6 @@ class EtcdRendezvousHandler:
             ]
             self._lost_cache = (key, lost)
         return self._lost_cache[1]
-
-    def _world(self, r: int) -> World | None:
-        """Round ``r``'s world from the copy (parsed once per version of its key)."""
-        key = self._key(f"completed/{r}")
-        kv = self._store().keys.get(key)
-        if kv is None:
-            return None
-        cached = self._worlds.get(key)
-        if cached is None or cached[0] != kv.mod_revision:
-            world = World.parse(r, kv.value)
-            self._worlds = {key: (kv.mod_revision, world)}  # one at a time is all it takes
-            cached = self._worlds[key]
-        return cached[1]
-
-    async def _count(self, directory: str) -> int:
-        """How many keys are in ``directory`` now (one read)."""
-        store = self._store()
-        key = self._key(directory)
-        result = await store.call(lambda: store.client.get_prefix(key, keys_only=True))
-        return len(result.kvs)
-
-    async def _close(self, reason: str) -> None:
-        store = self._store()
-        tx = store.client.transactions
-        closed = self._key("closed")
-        value = json.dumps({"reason": reason, "host": self.addr, "node": self.node_id}).encode()
-        # everything but the liveness keys (they go with their leases) and ``failed``
-        dirs = [self._key(d) for d in ("change/", "completed/", "lead/", "rounds/")]
-        await store.call(
-            lambda: store.client.transaction(
-                compare=[tx.create(closed) == 0],
-                success=[
-                    tx.put(closed, value),
-                    tx.delete(self._key("current")),
-                    *(tx.delete(d, range_end=prefix_end(d)) for d in dirs),
-                ],
-                failure=[],
-            )
-        )
-
-    def _raise_if_over(self, waiting: bool = False) -> None:
-        """Raise the error that ends this node's part in the job, if one does.
-
-        ``waiting``: called while this node waits for a round (see
-        ``_raise_if_ended``).
-        """
-        store = self._store()
-        if store.lost is not None:
-            raise RendezvousLeaseLostError(store.lost)
-        self._raise_if_corrupt()
-        failed, closed = self._get("failed"), self._get("closed")
-        self._raise_if_ended(
-            failed.value if failed is not None else None,
-            closed.value if closed is not None else None,
-            waiting,
-        )
-
-    async def _raise_if_over_now(self) -> None:
-        """``_raise_if_over`` on what etcd holds now rather than on the copy (one read)."""
-        store = self._store()
-        tx = store.client.transactions
-        _, responses = await store.call(
-            lambda: store.client.transaction(
-                compare=[],
-                success=[tx.get(self._key("failed")), tx.get(self._key("closed"))],
-                failure=[],
-            )
-        )
-        failed, closed = (r[0][0] if r else None for r in responses)
-        for name, value in (("failed", failed), ("closed", closed)):
-            if value is not None:
-                self._check_key(self._key(name), KeyValue(value, 0, 0, 0))
-        self._raise_if_corrupt()
-        self._raise_if_ended(failed, closed)
-
-    def _raise_if_corrupt(self) -> None:
-        if self._corrupt is not None:
-            raise RendezvousStateError(
-                f"the rendezvous of job {self._params.run_id!r} is corrupt: {self._corrupt}; "
-                f"something other than its agents writes under {self._prefix}"
-            )
-
-    def _raise_if_ended(
-        self, failed: bytes | None, closed: bytes | None, waiting: bool = False
-    ) -> None:
-        """Raise what ``failed`` and ``closed`` (checked values) say, if either is set.
-
-        A job that finished ends a node waiting for a round gracefully if
-        the node had joined one in this session (it stood by, or re-joined
-        after running); one that arrives to find it finished ran nothing,
-        which is no success (a reused run id).
-        """
-        if failed is not None:
-            failure = json.loads(failed)
-            raise RendezvousJobFailedError(
-                f"the job failed on host {failure.get('host')}: rank {failure.get('rank')} "
-                f"(local_rank {failure.get('local_rank')}) {failure.get('how', 'failed')}",
-                failure,
-            )
-        if closed is not None:
-            value = json.loads(closed)
-            finished = value.get("reason") == "succeeded"
-            job = self._params.run_id
-            if finished and waiting and self._joined:
-                raise RendezvousGracefulExitError(
-                    f"the job {job!r} finished while this node waited for a round: "
-                    "nothing is left to do"
-                )
-            if not finished:
-                how = f"was stopped on host {value.get('host')}"
-            elif waiting:
-                how = "already finished, before this node joined (a new job needs a new run id)"
-            else:
-                how = "already finished"
-            raise RendezvousClosedError(
-                f"the rendezvous of job {job!r} is closed: the job {how}", finished
-            )
-
-    def _check_key(self, key: bytes, kv: KeyValue) -> bool:
-        """Whether the protocol may use ``key`` (under the prefix) holding ``kv``.
-
-        A key it can ignore is named in one warning (per key and revision);
-        a corrupt control key is kept for ``_raise_if_over`` to fail the job.
-        """
-        problem = malformed(key[len(self._prefix) :], kv.value)
-        if problem is None:
-            return True
-        control, why = problem
-        shown = kv.value if len(kv.value) <= 60 else kv.value[:57] + b"..."
-        text = f"key {key.decode(errors='backslashreplace')} = {shown!r}: {why}"
-        if control:
-            if self._corrupt is None:
-                self._corrupt = text
-        elif (key, kv.mod_revision) not in self._warned:
-            self._warned.add((key, kv.mod_revision))
-            logger.warning("rendezvous of job %r: ignoring %s", self._params.run_id, text)
-        return False
-
-    # ------------------------------------------------------------ the copy
-
-    def _store(self) -> EtcdSession:
-        if self._session is None:
-            raise RuntimeError(f"{self!r}: use it inside 'async with handler.session(n)'")
-        return self._session
-
-    def _key(self, name: str) -> bytes:
-        return (self._prefix + name).encode()
-
-    def _get(self, name: str) -> KeyValue | None:
-        return self._store().keys.get(self._key(name))
-
-    def _current(self) -> tuple[int, int]:
-        kv = self._get("current")
-        return (int(kv.value), kv.mod_revision) if kv is not None else (-1, 0)
-
-    async def _put(self, name: str, value: bytes, *, leased: bool) -> None:
-        store = self._store()
-        lease = store.lease_id if leased else None
-        await store.call(lambda: store.client.put(self._key(name), value, lease=lease))
 
 
 class _Session:
@@ -579,36 +420,27 @@ class _Session:
 
     async def __aenter__(self) -> EtcdRendezvousHandler:
         h = self._handler
-        if h._session is not None:
+        keys = h._keys
+        if keys.session is not None:
             raise RuntimeError(f"{h!r} already has a session")
-        prefix = h._prefix.encode()
-        h._joined, h._corrupt = False, None
-        session = EtcdSession(
-            h._host,
-            h._port,
-            prefix,
-            prefix + b"nodes/",
-            h.lease_ttl,
-            h.addr,
-            check=h._check_key,
-        )
+        session = keys.new_session(h._host, h._port, h.lease_ttl)
         session.renewed = self._lease_renewed
         # reaching etcd counts against join_timeout too: an endpoint that
         # never answers fails in time, naming itself and the last error
         self._open = session.open(h.join_timeout)
         await self._open.__aenter__()
-        h._session = session
+        keys.session = session
         try:
             value = json.dumps({"addr": h.addr, "pid": os.getpid()}).encode()
-            await h._put(f"nodes/{h.node_id}", value, leased=True)
+            await keys.put(f"nodes/{h.node_id}", value, leased=True)
         except BaseException as e:
-            h._session = None
+            keys.session = None
             await self._open.__aexit__(type(e), e, e.__traceback__)
             raise
         return h
 
     async def __aexit__(self, *exc: Any) -> None:
         h = self._handler
-        h._session = None
+        h._keys.session = None
         h._info = h._world_now = None
         await self._open.__aexit__(*exc)
