@@ -3,7 +3,7 @@
 Public names are re-exported lazily: ``import aioproc`` (and importing a
 submodule such as ``aioproc.errors`` from inside a worker) loads no event loop
 machinery until a name that needs it is first used.  Worker processes rely on
-this to stay free of asyncio, anyio, aiofiles and uvloop.
+this to stay free of asyncio, anyio and uvloop.
 """
 
 from __future__ import annotations

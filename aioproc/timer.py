@@ -26,7 +26,7 @@ the pid the request names.
 
 This module runs inside workers: it imports only the standard library, and
 importing it is cheap (``json``, ``signal`` and ``faulthandler`` are loaded
-on first use).  It never imports asyncio, anyio, aiofiles, uvloop or a
+on first use).  It never imports asyncio, anyio, uvloop or a
 parent-side aioproc module.
 
 Stack dumps: on first use, ``faulthandler`` is registered for ``SIGUSR2``

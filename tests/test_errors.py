@@ -268,16 +268,14 @@ async def test_load_reads_the_error_file_off_the_loop_like_the_constructor(
 ) -> None:
     import threading
 
-    import aiofiles.threadpool
-
     opened_in: list[int] = []
-    real_open = aiofiles.threadpool.sync_open
+    real_read = errorfile.read_capped
 
-    def spy_open(*args: Any, **kwargs: Any) -> Any:
+    def spy_read(*args: Any, **kwargs: Any) -> Any:
         opened_in.append(threading.get_ident())
-        return real_open(*args, **kwargs)
+        return real_read(*args, **kwargs)
 
-    monkeypatch.setattr(aiofiles.threadpool, "sync_open", spy_open)
+    monkeypatch.setattr(errorfile, "read_capped", spy_read)
     path = write_json(tmp_path / "error.json", torch_record_data())
 
     pf = await ProcessFailure.load(2, 4242, 1, path, stopped=True)
@@ -298,8 +296,6 @@ async def test_load_reads_the_error_file_off_the_loop_like_the_constructor(
 async def test_load_with_an_oversized_missing_or_unreadable_error_file(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import aiofiles.threadpool
-
     big = sparse_error_file(tmp_path / "big.json", b'{"message": "x')
     pf = await ProcessFailure.load(0, 7, 1, big)
     assert pf.message == ProcessFailure(0, 7, 1, big).message
@@ -315,7 +311,7 @@ async def test_load_with_an_oversized_missing_or_unreadable_error_file(
     def denied(*args: Any, **kwargs: Any) -> Any:
         raise PermissionError(13, "Permission denied", str(unreadable))
 
-    monkeypatch.setattr(aiofiles.threadpool, "sync_open", denied)
+    monkeypatch.setattr(errorfile, "read_capped", denied)
     caplog.clear()
     pf = await ProcessFailure.load(1, 8, 2, str(unreadable))
     assert (

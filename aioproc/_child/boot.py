@@ -6,7 +6,7 @@ receives this module and ``_child.channel`` as compiled code, then INIT (the
 parent's ``sys.path``) and CALL (the function and its arguments), runs the
 function in the main thread and answers with RESULT or ERROR before exiting.
 
-Kept deliberately light: asyncio, anyio, aiofiles, uvloop and the parent-side
+Kept deliberately light: asyncio, anyio, uvloop and the parent-side
 aioproc modules are never imported here (a test checks ``sys.modules``), and
 ``signal``/``threading`` are replaced by their C cores so a worker starts
 almost as fast as a bare interpreter.  A function importable by name with

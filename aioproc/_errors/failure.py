@@ -192,7 +192,7 @@ class ProcessFailure:
 
         Call it as soon as the exit is noticed: the failure is ordered by
         when ``load`` was called, not by when the read finished. The file is
-        read with ``aiofiles`` (in a worker thread) and capped as by the
+        read off the loop (``load_error_file``) and capped as by the
         constructor.
 
         Returns:
@@ -348,14 +348,14 @@ def read_error_file(path: str) -> tuple[bytes, int] | OSError | None:
 async def load_error_file(
     path: str, max_size: int = MAX_ERROR_FILE_SIZE, *, executor: Executor | None = None
 ) -> tuple[bytes, int] | None:
-    """Read an error file off the event loop, capped (``aiofiles``).
+    """Read an error file off the event loop, capped.
 
     Args:
         path: the error.json to read.
         max_size: files larger than this many bytes are not read whole.
-        executor: where the reads run (default: the loop's default
-            executor); a supervisor passes its own, shut down at close, so
-            no thread outlives the group.
+        executor: where the read runs; by default aioproc's helper thread
+            (``_base.offloop``), which exists only while aioproc has
+            blocking work, so no thread outlives the read.
 
     Returns:
         ``(data, size)``: the whole file and its size, or, when ``size`` is
@@ -364,18 +364,23 @@ async def load_error_file(
 
     Raises:
         OSError: the file exists but cannot be read.
+
+    Cancellation: on the helper thread, the read (a few system calls)
+    finishes first and the cancellation is raised after it.
     """
     # imported here: workers import this module and must not load asyncio
-    import aiofiles
-    import aiofiles.os
+    import asyncio
 
-    if not await aiofiles.os.path.isfile(path, executor=executor):
+    from .._base.offloop import run_blocking
+
+    if executor is not None:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(executor, _read_if_file, path, max_size)
+    return await run_blocking(_read_if_file, path, max_size)
+
+
+def _read_if_file(path: str, max_size: int) -> tuple[bytes, int] | None:
+    # one read in one thread job: is it a file, its size, its bytes
+    if not os.path.isfile(path):
         return None
-    async with aiofiles.open(path, "rb", executor=executor) as fp:
-        size = os.fstat(fp.fileno()).st_size  # an open fd's metadata: no disk read
-        if size > max_size:
-            return await fp.read(_errorfile.PREVIEW_SIZE), size
-        data = await fp.read(max_size + 1)  # +1: notice a file that grew since fstat
-    if len(data) > max_size:
-        return data[: _errorfile.PREVIEW_SIZE], max(size, len(data))
-    return data, len(data)
+    return _errorfile.read_capped(path, max_size)
