@@ -245,6 +245,8 @@ class ClusterRunner:
                 else:
                     os.environ["TF_CONFIG"] = old
 
+        # its own thread, not the helper thread: this is the caller's task,
+        # running as long as the others, and would hold up every start and stop
         return await anyio.to_thread.run_sync(call)
 
     async def start_single_process(

@@ -42,14 +42,17 @@ one renewal period (1.9 s at ``lease_ttl=3``) passes without fencing.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
+import anyio.abc
 
+from .._base.owner import Owner
 from ._etcd_client import (
     CHANNEL_OPTIONS,
     KeyRange,
@@ -138,7 +141,7 @@ class EtcdSession:
         self.control = KeyRange(prefix, liveness, deletions_only=False)
         self._liveness = KeyRange(liveness, prefix_end(liveness), deletions_only=True)
         self._followed: dict[tuple[bytes, bytes], KeyRange] = {}
-        self._change = anyio.Event()
+        self._change = asyncio.Event()
         self._last_ok = 0.0
         # told the time by which the next renewal must succeed, after each one
         # (the agent's guardian fences the workers itself when it passes)
@@ -284,7 +287,7 @@ class EtcdSession:
     def _notify(self) -> None:
         self.version += 1
         self._change.set()
-        self._change = anyio.Event()
+        self._change = asyncio.Event()
 
     # ---------------------------------------------------------------- copy
 
@@ -531,46 +534,49 @@ class EtcdSession:
 
 
 class _Open:
-    """The session's lifetime: its tasks are created on entry and ended on exit.
+    """The session's lifetime: an ``Owner`` holds its tasks from entry to exit.
 
-    Plain tasks, not an anyio task group: the agent holds the session open
-    across its own cancel scopes, which a task group's scope must not straddle.
+    The owner's task group runs in a task of its own: the agent holds the
+    session open across its own cancel scopes, which a task group opened in
+    the agent's task would straddle.
     """
 
     def __init__(self, session: EtcdSession, timeout: float) -> None:
         self._session = session
         self._timeout = timeout
-        self._tasks: list[asyncio.Task[None]] = []
+        self._owner: Owner[None] = Owner("aioproc-etcd-session")
 
     async def __aenter__(self) -> EtcdSession:
         s = self._session
-        loop = asyncio.get_running_loop()
         s._opening = (time.monotonic() + self._timeout, self._timeout)
+        self._owner.start(self._hold)
         try:
             await s.call(s._grant)
+            await self._owner.opened()
             # kept alive from now on: the first list may have to wait for etcd too
-            self._tasks.append(loop.create_task(s._keep_alive(), name="aioproc-etcd-keepalive"))
+            self._start(s._keep_alive, "aioproc-etcd-keepalive")
             await s._list()
         except BaseException as e:
             await self.__aexit__(type(e), e, e.__traceback__)
             raise
         finally:
             s._opening = None
-        self._tasks += [
-            loop.create_task(s._watch(s.control), name="aioproc-etcd-watch"),
-            loop.create_task(s._watch(s._liveness), name="aioproc-etcd-watch-liveness"),
-        ]
+        self._start(functools.partial(s._watch, s.control), "aioproc-etcd-watch")
+        self._start(functools.partial(s._watch, s._liveness), "aioproc-etcd-watch-liveness")
         return s
 
+    def _start(self, task: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
+        group = self._owner.group
+        assert group is not None, "the owner ended before the session was open"
+        group.start_soon(task, name=name)
+
+    async def _hold(self, group: anyio.abc.TaskGroup) -> None:
+        await self._owner.closing(None)
+        group.cancel_scope.cancel()  # the tasks run until the session ends
+
     async def __aexit__(self, *exc: object) -> None:
-        for task in self._tasks:
-            task.cancel()
-        with anyio.CancelScope(shield=True):
-            for task in self._tasks:
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
-                except Exception as e:  # a bug in a task: do not hide the run's own outcome
-                    logger.warning("etcd session task %s failed: %r", task.get_name(), e)
+        try:
+            await self._owner.close(None)
+        except Exception as e:  # a bug in a task: do not hide the run's own outcome
+            logger.warning("etcd session task failed: %r", e)
         await self._session._stop()

@@ -6,9 +6,8 @@ the world never changes and nothing notices a lost host (as in torch).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
-
-import anyio
 
 from .api import RendezvousInfo, RendezvousNode, RendezvousParameters, WorldChange
 
@@ -90,7 +89,7 @@ class StaticRendezvousHandler:
 
     async def wait_for_change(self) -> WorldChange:
         """Never returns: a static world does not change."""
-        await anyio.Event().wait()
+        await asyncio.Event().wait()
         raise AssertionError("unreachable")
 
     async def exit_barrier(self, timeout: float) -> WorldChange | None:
