@@ -4,6 +4,18 @@ Public names are re-exported lazily: ``import aioproc`` (and importing a
 submodule such as ``aioproc.errors`` from inside a worker) loads no event loop
 machinery until a name that needs it is first used.  Worker processes rely on
 this to stay free of asyncio, anyio and uvloop.
+
+The public modules are faces over private wings, each importing only the
+ones below it (checked by ``tests/test_layers.py``)::
+
+    _child    inside workers and the template; the standard library only
+    _base     loop helpers, shielding, Owner, the helper thread, input checks
+    _errors   failures and @record; the standard library only
+    _output   pipe bytes -> lines -> sinks
+    _proc     one OS process: spawn, exit, channel, guardian, stop and release
+    _func     function workers, parent side
+    _group    what a PContext is made of
+    _cli, _cluster, _pool, _plugin    behind aioproc.cli, .cluster, .pool, .pytest_plugin
 """
 
 from __future__ import annotations

@@ -163,8 +163,8 @@ class LocalElasticAgent:
         self._running = False
         # set by stop() while a run is going on: (signal, grace period)
         self._stop_request: tuple[int, float] | None = None
-        self._stop_requested: anyio.Event | None = None
-        self._run_ended: anyio.Event | None = None
+        self._stop_requested: asyncio.Event | None = None
+        self._run_ended: asyncio.Event | None = None
         self._run_task: asyncio.Task[Any] | None = None
         # the workers, one attempt's group at a time (their pids, the signal announced)
         self._workers = Workers(
@@ -337,8 +337,8 @@ class LocalElasticAgent:
         self._run_task = asyncio.current_task()
         self._workers.signalled = False
         self._stop_request = None
-        self._stop_requested = anyio.Event()
-        self._run_ended = anyio.Event()
+        self._stop_requested = asyncio.Event()
+        self._run_ended = asyncio.Event()
         self._consecutive = 0
 
     def _new_watchdog(self) -> WatchdogServer | None:
