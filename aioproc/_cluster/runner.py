@@ -34,7 +34,7 @@ from .._base.shield import shielded
 from .._func.barrier import ControlHub
 from .._func.boot import CallEncoder
 from .._group.rank_launcher import SinkLike, make_sinks
-from ..agent.spec import RestartPolicy
+from .._group.restart import RestartPolicy
 from ..context import PContext
 from ..results import RunProcsResult
 from ..sinks import Sink, close_sinks

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._func.barrier import ControlHub
-from ..agent.spec import RestartPolicy
+from .._group.restart import RestartPolicy
 from ..logs import DefaultLogsSpecs, Std
 from ..results import WorkerEvent
 from ..sinks import Sink
