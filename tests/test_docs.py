@@ -1,0 +1,155 @@
+"""The documentation site (docs/): its examples run, its API reference is complete.
+
+mkdocs builds the site (``.ci/run`` builds it with ``--strict``, which fails on
+a broken link, anchor or reference); this test needs no mkdocs.
+
+A ```python block of a page whose previous non-blank line is ``<!-- run -->``
+is a complete program: it runs in a fresh interpreter, in the sandbox of
+``test_readme`` (an empty working dir, a private ``TMPDIR`` that must be left
+empty), and when the next block is a ```text block after ``<!-- output -->``,
+its stdout must be exactly those lines.  A block after ``<!-- run: pytest -->``
+is a test module, run by pytest in pytest-asyncio's strict mode: every test in
+it must pass.  Other blocks are excerpts and are not run.
+
+The reference pages (``docs/reference/``) document objects with
+mkdocstrings' ``::: identifier`` lines; every name in the ``__all__`` of the
+public modules must be one of them, or the same object under another name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import test_readme as readme
+from helpers import REPO_ROOT
+
+DOCS = Path(REPO_ROOT) / "docs"
+
+PUBLIC_MODULES = (
+    "aioproc",
+    "aioproc.cluster",
+    "aioproc.agent",
+    "aioproc.rendezvous",
+    "aioproc.errors",
+    "aioproc.testing",
+    "aioproc.timer",
+    "aioproc.redirects",
+)
+
+# an empty working dir and a private TMPDIR, removed afterwards (test_readme's)
+sandbox = readme.sandbox
+
+FENCE = re.compile(r"^```(\w*)")
+DIRECTIVE = re.compile(r"^::: ([\w.]+)\s*$", re.M)
+
+
+@dataclass
+class Block:
+    where: str  # page:line, for the test id
+    kind: str  # "python" (a program) or "pytest" (a test module)
+    code: str
+    output: list[str] | None  # the stdout expected, line by line
+
+
+def runnable_blocks() -> list[Block]:
+    blocks: list[Block] = []
+    for page in sorted(DOCS.rglob("*.md")):
+        lines = page.read_text().splitlines()
+        fences = []  # (start line, language, code, previous non-blank line)
+        i = 0
+        while i < len(lines):
+            match = FENCE.match(lines[i])
+            if match:
+                end = lines.index("```", i + 1)
+                before = next((x.strip() for x in reversed(lines[:i]) if x.strip()), "")
+                fences.append((i, match.group(1), "\n".join(lines[i + 1 : end]) + "\n", before))
+                i = end
+            i += 1
+        for n, (start, lang, code, before) in enumerate(fences):
+            if before not in ("<!-- run -->", "<!-- run: pytest -->"):
+                continue
+            assert lang == "python", f"{page.name}:{start + 1}: only python blocks run"
+            output = None
+            if n + 1 < len(fences) and fences[n + 1][3] == "<!-- output -->":
+                assert fences[n + 1][1] == "text", f"{page.name}: an output block is ```text"
+                output = fences[n + 1][2].splitlines()
+            kind = "pytest" if before == "<!-- run: pytest -->" else "python"
+            where = f"{page.relative_to(DOCS)}:{start + 1}"
+            blocks.append(Block(where, kind, code, output))
+    return blocks
+
+
+BLOCKS = runnable_blocks()
+
+
+def test_some_blocks_run() -> None:
+    assert len(BLOCKS) >= 3, "the markers <!-- run --> went missing"
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.where for b in BLOCKS])
+def test_block_runs_as_written(block: Block, sandbox: tuple[Path, dict[str, str]]) -> None:
+    work, env = sandbox
+    if block.kind == "pytest":
+        (work / "test_example.py").write_text(block.code)
+        argv = [sys.executable, "-m", "pytest", "test_example.py", "-q", "-p", "no:cacheprovider"]
+        argv += ["-p", "asyncio", "-p", "aioproc.pytest_plugin", "-c", os.devnull]
+        argv += ["-o", "asyncio_mode=strict", "-o", "asyncio_default_fixture_loop_scope=function"]
+        if pytest.version_tuple >= (8, 4):
+            # only the two plugins it needs (-p finds them by entry point name): seconds faster
+            env = {**env, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+        lines = readme.run(argv, work, env)
+        tests = len(re.findall(r"^(?:async )?def test_", block.code, re.M))
+        assert re.match(rf"{tests} passed\b", lines[-1]), lines
+    else:
+        script = work.parent / "block.py"
+        script.write_text(block.code)
+        lines = readme.run([sys.executable, str(script)], work, env)
+        if block.output is not None:
+            assert lines == block.output
+    assert os.listdir(env["TMPDIR"]) == []
+
+
+def documented() -> dict[str, Any]:
+    """Every ``::: identifier`` of the reference pages, resolved to its object."""
+    objects: dict[str, Any] = {}
+    for page in sorted((DOCS / "reference").glob("*.md")):
+        for ident in DIRECTIVE.findall(page.read_text()):
+            parts = ident.split(".")
+            for cut in range(len(parts), 0, -1):
+                try:
+                    obj: Any = importlib.import_module(".".join(parts[:cut]))
+                except ImportError:
+                    continue
+                for attr in parts[cut:]:
+                    obj = getattr(obj, attr)  # AttributeError: a name that is gone
+                objects[ident] = obj
+                break
+            else:
+                raise AssertionError(f"{page.name}: ::: {ident} names no module")
+    return objects
+
+
+def test_reference_documents_every_public_name() -> None:
+    docs = documented()
+    same_objects = [o for o in docs.values() if inspect.isclass(o) or callable(o)]
+    missing = []
+    for module_name in PUBLIC_MODULES:
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            ident = f"{module_name}.{name}"
+            value = getattr(module, name)
+            shown = ident in docs or (
+                (inspect.isclass(value) or callable(value))
+                and any(o is value for o in same_objects)
+            )
+            if not shown:
+                missing.append(ident)
+    assert not missing, f"add a ::: line to a page of docs/reference/ for {missing}"
