@@ -21,10 +21,11 @@ from collections.abc import Callable, Mapping
 
 import pytest
 
-# fixtures shared by the persistent-worker and pool tests (pw, fifo); the
-# plugin is also registered by its pytest11 entry point once aioproc is
-# installed, under this same name, so naming it here never registers it twice
-pytest_plugins = ["pw_fixtures", "aioproc.pytest_plugin", "pytester"]
+# fixtures shared by the persistent-worker and pool tests (pw, fifo) and by
+# the cluster and barrier tests (runners); the plugin is also registered by
+# its pytest11 entry point once aioproc is installed, under this same name,
+# so naming it here never registers it twice
+pytest_plugins = ["pw_fixtures", "cluster_fixtures", "aioproc.pytest_plugin", "pytester"]
 
 try:
     import uvloop

@@ -7,11 +7,17 @@ itself on ``sys.path`` (as it does for ``conftest.py``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import glob
+import importlib
+import json
 import os
+import socket
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 # the plugin's leak check reads /proc the same way the tests do
@@ -19,7 +25,7 @@ from aioproc._plugin.leakcheck import child_pids as child_pids
 from aioproc._plugin.leakcheck import open_fds as open_fds
 
 if TYPE_CHECKING:
-    import asyncio
+    import pytest
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 CHILDREN_DIR = os.path.join(TESTS_DIR, "children")
@@ -29,6 +35,49 @@ REPO_ROOT = os.path.dirname(TESTS_DIR)
 def python(code: str) -> list[str]:
     """argv running ``code`` in a fresh, unbuffered interpreter (never "python3")."""
     return [sys.executable, "-u", "-c", code]
+
+
+def import_child(monkeypatch: pytest.MonkeyPatch, name: str) -> ModuleType:
+    """The module ``children/<name>.py``, imported by name.
+
+    ``children/`` stays on ``sys.path`` for the test, so its functions are
+    named ``<name>.<function>`` and function workers import them the same way.
+    """
+    monkeypatch.syspath_prepend(CHILDREN_DIR)
+    return importlib.import_module(name)
+
+
+def loop_name() -> str:
+    """The running event loop's kind, "uvloop" or "asyncio" (also with no loop running)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return "asyncio"
+    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+
+
+def envs(n: int) -> dict[int, dict[str, str]]:
+    """No extra environment variables for each of ranks ``0 .. n-1``."""
+    return {r: {} for r in range(n)}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def result_of(returncode: int, out: str, err: str) -> dict[str, Any]:
+    """The dict of the last ``RESULT <json>`` line a child printed on ``out``.
+
+    Fails with the end of ``err`` if it exited non-zero or printed no such line.
+    """
+    assert returncode == 0, err[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert lines, err[-3000:]
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    return result
 
 
 def pid_gone(pid: int) -> bool:
@@ -46,8 +95,13 @@ def pid_gone(pid: int) -> bool:
     return False
 
 
-def aioproc_temp_dirs(tmpdir: str) -> set[str]:
-    """The private ``aioproc_*`` log dirs ``DefaultLogsSpecs()`` made in ``tmpdir``."""
+def aioproc_temp_dirs(tmpdir: str | None = None) -> set[str]:
+    """The private ``aioproc_*`` log dirs ``DefaultLogsSpecs()`` made in ``tmpdir``.
+
+    By default in ``tempfile.gettempdir()`` (as it is now: tests may patch it).
+    """
+    if tmpdir is None:
+        tmpdir = tempfile.gettempdir()
     return set(glob.glob(os.path.join(glob.escape(tmpdir), "aioproc_*")))
 
 
@@ -87,3 +141,29 @@ def run_on_new_loop(factory: Callable[[], asyncio.AbstractEventLoop], coro: Any)
     finally:
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
+
+
+# ------------------------------------------- in-process signals (test_signals*)
+
+
+def kill_self(sig: int) -> None:
+    """Send ``sig`` to this process: delivered before ``kill`` returns."""
+    os.kill(os.getpid(), sig)
+
+
+async def forever(limit: float = 5) -> None:
+    """Block until cancelled, failing the test after ``limit`` seconds."""
+    await asyncio.wait_for(asyncio.Event().wait(), limit)
+
+
+async def spin(turns: int = 10) -> None:
+    """Let the loop run a few iterations (read its wakeup fd, run callbacks)."""
+    for _ in range(turns):
+        await asyncio.sleep(0)
+
+
+def cancelling() -> int:
+    """The current task's ``cancelling()`` count (0 before Python 3.11)."""
+    task = asyncio.current_task()
+    assert task is not None
+    return task.cancelling() if sys.version_info >= (3, 11) else 0

@@ -79,12 +79,3 @@ async def still_alive_after(pids: list[int], timeout: float) -> set[int]:
         for fd in fds:
             loop.remove_reader(fd)
             os.close(fd)
-
-
-def reaped(pid: int) -> bool:
-    """True if ``pid`` no longer exists at all (not even as a zombie)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from helpers import CHILDREN_DIR
+from helpers import import_child
 from proc_utils import Fifo
 
 
 @pytest.fixture
 def pw(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """The worker-function module, importable here and (by path) in workers."""
-    monkeypatch.syspath_prepend(CHILDREN_DIR)
-    return importlib.import_module("pw_funcs")
+    return import_child(monkeypatch, "pw_funcs")
 
 
 @pytest.fixture

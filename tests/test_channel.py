@@ -1,9 +1,13 @@
-"""aioproc._proc.channel / _wire / _boot: the control channel between supervisor and worker.
+"""The control channel between supervisor and worker.
 
-The parent half is tested on a bare socketpair (the test plays the worker and
-writes raw bytes); the rest starts real function and persistent workers whose
-functions, in ``children/channel_funcs.py``, write forged frame headers to
-their own end of the channel.
+Its parent half is ``aioproc._proc.channel`` (``Channel``, on the loop), its
+child half ``aioproc._child.channel`` (frames read and written with blocking
+calls, served by the worker's ``aioproc._child.boot``).  The parent half is
+tested on a bare socketpair (the test plays the worker and writes raw
+bytes), the child half on one too (the test plays the supervisor); the rest
+starts real function and persistent workers whose functions, in
+``children/channel_funcs.py``, write forged frame headers to their own end
+of the channel.
 """
 
 from __future__ import annotations
@@ -11,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import importlib
 import multiprocessing
 import os
 import select
@@ -24,7 +27,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from helpers import CHILDREN_DIR, pid_gone
+from helpers import import_child, pid_gone
 
 import aioproc
 from aioproc import BrokenWorkerError, ChildFailedError, open_worker
@@ -39,8 +42,7 @@ MiB = 1 << 20
 @pytest.fixture
 def cf(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """The worker-function module, importable here and (by path) in workers."""
-    monkeypatch.syspath_prepend(CHILDREN_DIR)
-    return importlib.import_module("channel_funcs")
+    return import_child(monkeypatch, "channel_funcs")
 
 
 class Pair:
@@ -384,7 +386,7 @@ async def test_value_over_the_cap_fails_in_the_worker_with_a_clear_error(
     cf: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_wire, "MAX_FRAME_SIZE", MiB)  # read at each start
-    # in the frame: a value in shared memory is not capped (see test_oob)
+    # in the frame: a value in shared memory is not capped (see test_shm.py)
     monkeypatch.setattr(_shm, "AVAILABLE", False)
     with pytest.raises(ChildFailedError) as info:
         await asyncio.wait_for(aioproc.run(cf.make_bytes, 1, args=(2 * MiB,)), 30)

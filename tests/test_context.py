@@ -33,15 +33,16 @@ from typing import Any
 
 import pytest
 from helpers import (
-    CHILDREN_DIR,
     REPO_ROOT,
     aioproc_temp_dirs,
     child_pids,
+    import_child,
     open_fds,
     pid_gone,
     release_fifo,
     write_file,
 )
+from helpers import envs as envs_for
 
 import aioproc
 from aioproc import ChildFailedError, DefaultLogsSpecs, PContext, ProcessFailure, Std
@@ -117,8 +118,7 @@ def private_tmpdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 @pytest.fixture
 def workers(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     """``children/ctx_workers``, importable by name in the parent and its workers."""
-    monkeypatch.syspath_prepend(CHILDREN_DIR)
-    return importlib.import_module("ctx_workers")
+    return import_child(monkeypatch, "ctx_workers")
 
 
 @pytest.fixture
@@ -133,10 +133,6 @@ def fifo(tmp_path: Path) -> Iterator[tuple[str, Callable[[int], None]]]:
     path = str(tmp_path / "release.fifo")
     with release_fifo(path) as release:
         yield path, release
-
-
-def envs_for(nprocs: int) -> dict[int, dict[str, str]]:
-    return {r: {} for r in range(nprocs)}
 
 
 def failure_info(err: ChildFailedError) -> dict[int, tuple[int, bool]]:
@@ -421,7 +417,7 @@ async def test_worker_imports_no_event_loop_or_parent_modules(workers: types.Mod
 async def test_pickled_worker_imports_no_event_loop_or_parent_modules(
     workers: types.ModuleType,
 ) -> None:
-    # a lambda travels by value (_funcpickle), a different path in the worker
+    # a lambda travels by value (_func.pickling), a different path in the worker
     fn = lambda: sorted(sys.modules)  # noqa: E731
     result = await aioproc.run(fn, 1)
     assert _banned(result.return_values[0]) == []
@@ -984,7 +980,8 @@ async def test_spawn_failure_part_way_warns_nothing(
 
 
 def _patch_spawn(monkeypatch: pytest.MonkeyPatch, fake: Any) -> None:
-    """Replace the spawn used for binary (context) and function (_launch) workers."""
+    """Replace ``spawn`` where workers start: binary ones in ``_group.rank_launcher``,
+    function ones in ``_func.launch``."""
     import aioproc._func.launch as launch
     import aioproc._group.rank_launcher as ranks
 

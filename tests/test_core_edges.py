@@ -15,7 +15,6 @@ by the test on a pid a worker used to have; it must never be signalled.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import os
 import random
 import select
@@ -29,7 +28,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import CHILDREN_DIR, REPO_ROOT, child_pids, open_fds, release_fifo
+from helpers import (
+    CHILDREN_DIR,
+    REPO_ROOT,
+    child_pids,
+    envs,
+    import_child,
+    loop_name,
+    open_fds,
+    release_fifo,
+)
 from proc_utils import Fifo, still_alive_after
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
@@ -55,14 +63,6 @@ NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"
 LIMIT = 20  # seconds: bound on any wait for something that should be quick
 SEED = int(os.environ.get("AIOPROC_FAULT_SEED", random.randrange(1 << 30)))
 STRANGER_WATCH = 0.5  # seconds a stranger is watched for an unwanted signal
-
-
-def envs(n: int) -> dict[int, dict[str, str]]:
-    return {r: {} for r in range(n)}
-
-
-def loop_kind() -> str:
-    return "uvloop" if "uvloop" in type(asyncio.get_running_loop()).__module__ else "asyncio"
 
 
 def _can_force_pids() -> bool:
@@ -140,8 +140,7 @@ def children_of(pid: int) -> set[int]:
 @pytest.fixture
 def fault_worker(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     """``children/fault_worker``, importable by name here and in function workers."""
-    monkeypatch.syspath_prepend(CHILDREN_DIR)
-    return importlib.import_module("fault_worker")
+    return import_child(monkeypatch, "fault_worker")
 
 
 # ------------------------------------------------------------- pid reuse
@@ -187,7 +186,7 @@ async def test_guardian_never_kills_a_stranger_that_took_an_exited_workers_pid(
     """A supervisor SIGKILL makes the guardian kill only groups that are still the workers'."""
     async with Fifo(tmp_path / "status") as status:
         sup = subprocess.Popen(
-            [sys.executable, SUPERVISOR, "reuse", loop_kind(), status.path],
+            [sys.executable, SUPERVISOR, "reuse", loop_name(), status.path],
             stdin=subprocess.DEVNULL,
             env={**SUPERVISOR_ENV, "TMPDIR": str(tmp_path)},  # a SIGKILLed run keeps its logs
         )
@@ -493,7 +492,7 @@ async def test_killed_guardian_is_noticed_and_a_supervisor_sigkill_still_kills_w
     report = str(tmp_path / "report")
     async with Fifo(tmp_path / "status") as status:
         sup = subprocess.Popen(
-            [sys.executable, SUPERVISOR, "guardian", loop_kind(), status.path, report, mark],
+            [sys.executable, SUPERVISOR, "guardian", loop_name(), status.path, report, mark],
             stdin=subprocess.PIPE,
             env={**SUPERVISOR_ENV, "TMPDIR": str(tmp_path)},  # a SIGKILLed run keeps its logs
         )

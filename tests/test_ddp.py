@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 torch = pytest.importorskip(
     "torch", reason="torch is not installed (pip install torch==2.13.0 to run the DDP tests)"
@@ -25,12 +25,6 @@ def torch_tmpdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def final_loss(stdout: str) -> str:

@@ -28,7 +28,6 @@ import os
 import re
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,7 +37,7 @@ from typing import Any
 
 import pytest
 from conftest import _LOOP_FACTORIES
-from helpers import CHILDREN_DIR, REPO_ROOT, pid_gone
+from helpers import CHILDREN_DIR, REPO_ROOT, free_port, pid_gone
 from test_rendezvous_etcd import (
     ETCD,
     WORKER,
@@ -112,10 +111,7 @@ def _killed_at_exit(proc: subprocess.Popen[Any]) -> Iterator[subprocess.Popen[An
 def _endpoint(kind: str) -> Iterator[tuple[str, str]]:
     """An endpoint where no etcd answers, and a pattern of the error the agent should name."""
     if kind == "closed":
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        yield f"127.0.0.1:{port}", "Connection refused"
+        yield f"127.0.0.1:{free_port()}", "Connection refused"
         return
     if kind == "unresolvable":
         yield "no-such-host.invalid:2379", "no-such-host[.]invalid"

@@ -23,7 +23,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from helpers import CHILDREN_DIR, REPO_ROOT, release_fifo
+from helpers import CHILDREN_DIR, REPO_ROOT, loop_name, release_fifo
 from proc_utils import Fifo
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
@@ -40,10 +40,6 @@ RUN_WORKERS = 12  # chatty workers of fault_supervisor.py's run mode
 SEED = int(os.environ.get("AIOPROC_FAULT_SEED", random.randrange(1 << 30)))
 
 
-def loop_kind() -> str:
-    return "uvloop" if "uvloop" in type(asyncio.get_running_loop()).__module__ else "asyncio"
-
-
 async def kill_supervisor_at_random(
     tmp_path: Path, mode: str, ready: str, max_delay: float, iterations: int
 ) -> list[str]:
@@ -52,7 +48,7 @@ async def kill_supervisor_at_random(
 
     In ``run`` mode the workers start chattering when the test opens their gate.
     """
-    rng = random.Random(f"{SEED}-{mode}-{loop_kind()}")
+    rng = random.Random(f"{SEED}-{mode}-{loop_name()}")
     problems: list[str] = []
     for i in range(iterations):
         mark = uuid.uuid4().hex
@@ -60,7 +56,7 @@ async def kill_supervisor_at_random(
         with release_fifo(f"{report}.gate") as go:
             async with Fifo(tmp_path / f"status-{i}") as status:
                 sup = subprocess.Popen(
-                    [sys.executable, SUPERVISOR, mode, loop_kind(), status.path, report, mark],
+                    [sys.executable, SUPERVISOR, mode, loop_name(), status.path, report, mark],
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     env={**SUPERVISOR_ENV, "TMPDIR": str(tmp_path)},  # kept logs go there
@@ -109,7 +105,7 @@ async def test_supervisor_sigkilled_while_closing_leaves_no_process(tmp_path: Pa
 
 async def test_cancelling_start_wait_close_at_random_points_leaves_nothing() -> None:
     found = await soak_cancel.soak(SOAK_ITERATIONS, SEED)
-    assert found.total() == 0, f"seed {SEED} on {loop_kind()}: {found.summary()}\n" + "\n".join(
+    assert found.total() == 0, f"seed {SEED} on {loop_name()}: {found.summary()}\n" + "\n".join(
         found.details
     )
     assert found.iterations == SOAK_ITERATIONS

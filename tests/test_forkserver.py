@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import CHILDREN_DIR, REPO_ROOT, child_pids
+from helpers import CHILDREN_DIR, REPO_ROOT, child_pids, loop_name
 from proc_utils import Fifo, still_alive_after
 
 from aioproc import (
@@ -367,12 +367,8 @@ async def test_cancelling_a_forkserver_start_at_random_points_leaves_nothing(kin
         no_template_left()
 
 
-def loop_kind() -> str:
-    return "uvloop" if "uvloop" in type(asyncio.get_running_loop()).__module__ else "asyncio"
-
-
 async def test_supervisor_sigkilled_leaves_no_worker_nor_template(tmp_path: Path) -> None:
-    rng = random.Random(f"{SEED}-{loop_kind()}")
+    rng = random.Random(f"{SEED}-{loop_name()}")
     problems = []
     for i in range(4):
         mark = uuid.uuid4().hex
@@ -382,7 +378,7 @@ async def test_supervisor_sigkilled_leaves_no_worker_nor_template(tmp_path: Path
                 [
                     sys.executable,
                     os.path.join(CHILDREN_DIR, "fork_supervisor.py"),
-                    loop_kind(),
+                    loop_name(),
                     status.path,
                     report,
                 ],

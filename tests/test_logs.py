@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import tempfile
 from pathlib import Path
 
 import pytest
+from helpers import aioproc_temp_dirs
 
 from aioproc.logs import DefaultLogsSpecs, LogsDest, LogsSpecs, Std, to_map
 
@@ -30,10 +30,6 @@ def only_child(path: Path) -> Path:
     children = list(path.iterdir())
     assert len(children) == 1, children
     return children[0]
-
-
-def aioproc_temp_dirs() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "aioproc_*")))
 
 
 @pytest.fixture(autouse=True)

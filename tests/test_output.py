@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import io
 import itertools
 import logging
@@ -35,7 +34,7 @@ from typing import Any
 from unittest import mock
 
 import pytest
-from helpers import CHILDREN_DIR, release_fifo
+from helpers import CHILDREN_DIR, import_child, release_fifo
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from proc_utils import Fifo
@@ -72,8 +71,7 @@ KINDS = ("binary", "function")
 @pytest.fixture
 def ow(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """``out_workers``, importable by name here and (via sys.path) in function workers."""
-    monkeypatch.syspath_prepend(CHILDREN_DIR)
-    return importlib.import_module("out_workers")
+    return import_child(monkeypatch, "out_workers")
 
 
 def workload(
@@ -212,7 +210,7 @@ async def test_redirect_tee_every_combination_per_rank(
 async def test_redirect_err_tee_out_mixed(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], ow: ModuleType, kind: str
 ) -> None:
-    """The issue's example: ``redirects={0: ERR, 1: NONE}, tee={0: OUT, 1: ERR}``."""
+    """Mixed per rank: ``redirects={0: ERR, 1: NONE}, tee={0: OUT, 1: ERR}``."""
     spec = logs(tmp_path, redirects={0: Std.ERR, 1: Std.NONE}, tee={0: Std.OUT, 1: Std.ERR})
     entry, args = workload(kind, ow, "echo", {0: (0,), 1: (1,)})
     pc, _ = await run_group(entry, args, spec)
@@ -229,7 +227,7 @@ async def test_redirect_err_tee_out_mixed(
 
 
 def model_lines(data: bytes, max_line: int) -> list[str]:
-    """What the sinks must get for ``data``: the issue's rules, chunking ignored.
+    """What the sinks must get for ``data`` by the framing rules, chunking ignored.
 
     Lines end at ``\\n``; a line shows only its last non-empty ``\\r``
     segment; a final line without newline counts at EOF; a line longer than

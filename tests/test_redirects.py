@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import REPO_ROOT
 
 from aioproc.redirects import redirect, redirect_stdout
 
 CHILD = str(Path(__file__).parent / "children" / "redirect_child.py")
-REPO_ROOT = str(Path(__file__).parent.parent)  # the child imports this checkout's aioproc
 
 
 def run_case(case: str, where: Path) -> subprocess.CompletedProcess[str]:
@@ -25,7 +25,7 @@ def run_case(case: str, where: Path) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, "PYTHONPATH": REPO_ROOT},
+        env={**os.environ, "PYTHONPATH": REPO_ROOT},  # the child imports this checkout
     )
     assert proc.returncode == 0, proc.stderr
     return proc

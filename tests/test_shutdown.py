@@ -12,7 +12,8 @@ from pathlib import Path
 
 import anyio
 import pytest
-from proc_utils import Fifo, reaped, still_alive_after
+from helpers import envs, pid_gone
+from proc_utils import Fifo, still_alive_after
 
 import aioproc
 from aioproc import DefaultLogsSpecs, ForcedKillWarning, Std
@@ -28,10 +29,6 @@ def blocking_worker(fifo: str) -> None:
         f.write(f"{os.getpid()} 0\n")
     while True:
         signal.pause()
-
-
-def envs(n: int) -> dict[int, dict[str, str]]:
-    return {r: {} for r in range(n)}
 
 
 def test_forced_kill_warning_is_public_runtime_warning() -> None:
@@ -59,7 +56,7 @@ async def test_close_escalates_to_sigkill_and_names_the_stubborn_worker(tmp_path
     assert result.failures[0].exitcode == -signal.SIGKILL
     assert result.failures[1].exitcode == -signal.SIGTERM
     assert all(f.stopped for f in result.failures.values())
-    assert all(reaped(pid) for pid in pc.pids().values())
+    assert all(pid_gone(pid) for pid in pc.pids().values())
     # the grandchild of rank 0 inherited SIG_IGN for SIGTERM: only the group SIGKILL ends it
     assert await still_alive_after([g for _, g in pairs], timeout=5) == set()
 
@@ -110,7 +107,7 @@ async def test_grandchild_left_by_an_exited_worker_is_stopped_on_close(tmp_path:
             # a final result closes the group, as torch's wait() does
             result = await pc.wait()
             assert result is not None and not result.is_failed()
-            assert reaped(worker)
+            assert pid_gone(worker)
             assert await still_alive_after([grandchild], timeout=5) == set()
 
 
@@ -131,7 +128,7 @@ async def test_cancelling_wait_inside_async_with_leaves_nothing(tmp_path: Path) 
         with pytest.raises(asyncio.CancelledError):
             await task
     assert len(pids) == 3
-    assert all(reaped(pid) for pid in pids.values())
+    assert all(pid_gone(pid) for pid in pids.values())
 
 
 async def test_anyio_cancel_scope_stops_stubborn_workers_within_grace(tmp_path: Path) -> None:
@@ -148,7 +145,7 @@ async def test_anyio_cancel_scope_stops_stubborn_workers_within_grace(tmp_path: 
                 scope.cancel()
                 await pc.wait()
     assert scope.cancelled_caught
-    assert all(reaped(pid) for pid in pc.pids().values())
+    assert all(pid_gone(pid) for pid in pc.pids().values())
     assert await still_alive_after([g for _, g in pairs], timeout=5) == set()
 
 
@@ -215,7 +212,7 @@ async def test_signal_stops_workers_with_that_signal(sig: signal.Signals) -> Non
     result = pc.poll()
     assert result is not None
     assert {r: f.exitcode for r, f in result.failures.items()} == {0: -sig, 1: -sig}
-    assert all(reaped(pid) for pid in pc.pids().values())
+    assert all(pid_gone(pid) for pid in pc.pids().values())
 
 
 async def test_signal_exception_raised_in_body_stops_workers_with_its_signal() -> None:
@@ -249,13 +246,13 @@ async def test_unkillable_worker_is_reported_as_running_and_reaped_when_it_exits
             assert "did not exit after SIGKILL" in str(failure.message)
             assert "will be reaped when it exits" in str(failure.message)
             assert f"worker stuck/0 (pid {child.pid}) survived SIGKILL" in caplog.text
-            assert not reaped(child.pid)  # a zombie now, kept until its exit is noticed
+            assert not pid_gone(child.pid)  # a zombie now, kept until its exit is noticed
             # the exit is finally noticed: the late release reaps it
             code = child.watcher._status(block=True)
             assert code in (-signal.SIGTERM, -signal.SIGKILL)
             child.watcher._set(code)
             await asyncio.sleep(0)  # done-callbacks run on the next loop iteration
-            assert reaped(child.pid)
+            assert pid_gone(child.pid)
             await _lifeline.settle()  # the guardian, idle now, was dismissed
             assert _lifeline.current_pid() is None
         finally:
@@ -335,7 +332,7 @@ async def test_close_records_each_exit_once_with_all_its_output(tmp_path: Path) 
     for rank in range(3, n):
         lines = Path(pc.stdouts[rank]).read_text().splitlines()
         assert lines == [f"rank {rank} line {i}" for i in range(3000)]
-    assert all(reaped(pid) for pid in pc.pids().values())
+    assert all(pid_gone(pid) for pid in pc.pids().values())
 
 
 @pytest.mark.parametrize("layout", ["rank dirs", "temp dir"])
@@ -399,7 +396,7 @@ async def test_close_reports_every_error_file_written_on_sigterm(
             Path(pc.error_files[r]).unlink()
         pc.logs_specs.prune()  # nothing else was left behind
         assert not attempt.parent.parent.exists()
-    assert all(reaped(pid) for pid in pc.pids().values())
+    assert all(pid_gone(pid) for pid in pc.pids().values())
 
 
 def test_error_files_read_together_as_one_by_one(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from types import FrameType
 from typing import Any
 
 import pytest
-from helpers import run_on_new_loop
+from helpers import cancelling, forever, kill_self, run_on_new_loop, spin
 
 from aioproc.signals import SignalException, pending_signal, translate_signals
 
@@ -40,32 +40,11 @@ if uvloop is not None:
     uvloop.new_event_loop().close()
 
 
-def kill_self(sig: int) -> None:
-    os.kill(os.getpid(), sig)
-
-
-async def forever() -> None:
-    """Block until cancelled, failing the test after LIMIT seconds."""
-    await asyncio.wait_for(asyncio.Event().wait(), LIMIT)
-
-
-async def spin(turns: int = 10) -> None:
-    """Let the loop run a few iterations (read its wakeup fd, run callbacks)."""
-    for _ in range(turns):
-        await asyncio.sleep(0)
-
-
 async def interrupted(sig: int) -> None:
     """Send ``sig`` inside ``translate_signals((sig,))`` and await forever."""
     async with translate_signals((sig,)):
         kill_self(sig)
         await forever()
-
-
-def cancelling() -> int:
-    task = asyncio.current_task()
-    assert task is not None
-    return task.cancelling() if sys.version_info >= (3, 11) else 0
 
 
 @pytest.fixture

@@ -1,82 +1,46 @@
-"""The output engine under attack: stuck consoles, slow, raising and hanging sinks, full disks.
+"""The output engine under attack: slow, raising and hanging sinks, full disks.
 
 What a user embedding aioproc must be able to rely on:
 
-* a console nobody reads never freezes the supervisor (timers, exit
-  detection, signals) and never changes the host's own stdout;
 * a slow consumer slows the worker down (backpressure) instead of growing
   the supervisor's memory, and still gets every line, in order;
 * a sink that raises or hangs costs nobody else anything, and ``close()``
   always completes, within the documented deadline;
 * a full disk is reported, and the sinks still get every line;
-* tee pipes are grown only within a budget;
-* characters the console cannot encode are escaped, never losing lines.
+* tee pipes are grown only within a budget.
 
-Tests that need the supervisor's own stdout to be a stuck pipe, or its peak
-memory, run a small supervisor in a subprocess (``children/out_pressure.py``)
-on the test's kind of event loop.
+Tests that need the supervisor's peak memory run a small supervisor in a
+subprocess (``children/out_pressure.py``) on the test's kind of event loop.
+A stuck, slow or ascii-only console (the console writer) is test_console.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import fcntl
 import io
-import json
 import logging
 import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import CHILDREN_DIR, pid_gone
+from helpers import loop_name, pid_gone
+from output_helpers import DROPPED, LIMIT, flood, flood_lines, run_pressure, spec
 
 import aioproc
 from aioproc import (
     CallbackSink,
-    ConsoleSink,
-    DefaultLogsSpecs,
     OutputLine,
     OutputStream,
     Sink,
-    Std,
     sinks,
 )
 from aioproc._output import sinkops
 from aioproc._output.tee import TeeProtocol
 from aioproc._proc import spawn as _spawn
-
-FLOOD = os.path.join(CHILDREN_DIR, "out_flood.py")
-PRESSURE = os.path.join(CHILDREN_DIR, "out_pressure.py")
-LIMIT = 30.0  # seconds: bound on any single wait here (a hang detector, not a timing)
-DROPPED = "line(s) of worker output were dropped"
-
-
-def loop_name() -> str:
-    loop = asyncio.get_running_loop()
-    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
-
-
-def flood(n: int, width: int = 100) -> tuple[str, dict[int, tuple[str, ...]]]:
-    """A binary worker writing ``n`` numbered lines of ``width`` bytes to stdout."""
-    return sys.executable, {0: (FLOOD, str(n), str(width))}
-
-
-def flood_lines(n: int, width: int = 100) -> list[str]:
-    return [f"{i:08d}" + "." * (width - 9) for i in range(n)]
-
-
-def spec(tmp_path: Path, **kw: Any) -> DefaultLogsSpecs:
-    return DefaultLogsSpecs(log_dir=tmp_path / "logs", tee=Std.OUT, **kw)
 
 
 def sink_errors(caplog: pytest.LogCaptureFixture, sink: object) -> list[logging.LogRecord]:
@@ -123,254 +87,7 @@ class Collector(Sink):
         self.closed += 1
 
 
-# -------------------------------------------- 1. a console that never blocks
-
-
-def run_pressure(mode: str, loop: str, *args: str) -> dict[str, Any]:
-    """Run ``out_pressure.py`` with stdout a pipe nobody reads; its RESULT dict."""
-    r, w = os.pipe()
-    try:
-        with tempfile.TemporaryDirectory() as logs:
-            proc = subprocess.run(
-                [sys.executable, PRESSURE, mode, logs, loop, *args],
-                stdout=w,
-                stderr=subprocess.PIPE,
-                timeout=LIMIT,
-                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-            )
-    finally:
-        os.close(r)
-        os.close(w)
-    err = proc.stderr.decode()
-    assert proc.returncode == 0, err[-3000:]
-    lines = [line for line in err.splitlines() if line.startswith("RESULT ")]
-    assert lines, err[-3000:]
-    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
-    result["stderr"] = err
-    return result
-
-
-async def test_stuck_stdout_never_stalls_the_loop() -> None:
-    """Supervisor stdout is a pipe nobody reads; a worker floods its tee'd stdout.
-
-    Before: the supervisor blocked in write() for good (this test timed out).
-    """
-    res = await asyncio.to_thread(run_pressure, "stall", loop_name())
-    # a timer task kept firing on time while the console was stuck
-    assert res["max_late"] < 0.5, res
-    # the group could be closed, the worker is gone, the log file got the output
-    assert res["pid_gone"], res
-    assert res["log_bytes"] > 1 << 20, res
-    # the host's own stdout was never switched to non-blocking
-    assert res["stdout_nonblocking"] is False, res
-    # the lines the stuck console could not take are counted, once
-    assert res["stderr"].count(DROPPED) == 1, res["stderr"][-2000:]
-
-
-async def test_cli_with_tee_and_stuck_stdout_exits_143_on_sigterm(tmp_path: Path) -> None:
-    """``aioproc run --tee 3`` with stdout a pipe nobody reads still obeys SIGTERM."""
-    ready = tmp_path / "ready"
-    os.mkfifo(ready)
-    ready_fd = os.open(ready, os.O_RDWR)  # the test's end: the worker's open never blocks
-    r, w = os.pipe()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
-    env["AIOPROC_LOOP"] = loop_name()
-    env["OMP_NUM_THREADS"] = "1"
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "aioproc",
-            "run",
-            "--log-dir",
-            str(tmp_path / "logs"),
-            "--tee",
-            "3",
-            FLOOD,
-            "0",
-            "100",
-            str(ready),
-            # past the supervisor's stdout pipe (64 KiB): its console is stuck by now
-            str(1 << 20),
-            stdout=w,
-            stderr=subprocess.PIPE,
-            env=env,
-        )
-        os.close(w)
-        w = -1
-        try:
-            loop = asyncio.get_running_loop()
-            got = await asyncio.wait_for(loop.run_in_executor(None, os.read, ready_fd, 1), LIMIT)
-            assert got == b"r"
-            proc.send_signal(signal.SIGTERM)
-            # before: SIGTERM went unhandled while the supervisor sat in write()
-            _, err = await asyncio.wait_for(proc.communicate(), LIMIT)
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.communicate()
-        assert proc.returncode == 128 + signal.SIGTERM, err.decode()[-3000:]
-        assert "got SIGTERM" in err.decode()
-    finally:
-        os.close(ready_fd)
-        os.close(r)
-        if w >= 0:
-            os.close(w)
-
-
-def slow_read(fd: int) -> bytes:
-    """Read ``fd`` to EOF in small bites with pauses: a console slower than the worker."""
-    chunks = []
-    while data := os.read(fd, 16384):
-        chunks.append(data)
-        time.sleep(0.001)
-    return b"".join(chunks)
-
-
-@pytest.mark.parametrize("kind", ["pipe", "socket"])
-async def test_slow_console_gets_every_line_and_host_fd_stays_blocking(
-    tmp_path: Path, kind: str
-) -> None:
-    """ConsoleSink on a pipe or a socket (systemd's stdout) read slowly by the test."""
-    if kind == "pipe":
-        r, w = os.pipe()
-    else:
-        a, b = socket.socketpair()
-        r, w = a.detach(), b.detach()
-    out = open(w, "w", encoding="utf-8")  # noqa: SIM115 - closed below
-    try:
-        read_task = asyncio.create_task(asyncio.to_thread(slow_read, r))
-        entry, args = flood(50_000)  # 5 MB: past the console writer's buffer
-        async with aioproc.start_processes(
-            "w", entry, args, {0: {}}, spec(tmp_path), sinks=[ConsoleSink(stream=out)]
-        ) as pc:
-            result = await asyncio.wait_for(pc.wait(), LIMIT)
-        assert result is not None and not result.is_failed()
-        assert os.get_blocking(out.fileno())  # the host's fd was never made non-blocking
-        out.close()
-        data = await asyncio.wait_for(read_task, LIMIT)
-    finally:
-        if not out.closed:
-            out.close()
-        os.close(r)
-    assert data.decode().splitlines() == [f"[w0]:{line}" for line in flood_lines(50_000)]
-
-
-def _fds_on(pipe_fd: int) -> int:
-    """How many of this process's fds lead to ``pipe_fd``'s pipe (either end)."""
-    target = os.readlink(f"/proc/self/fd/{pipe_fd}")
-    count = 0
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{name}") == target:
-                count += 1
-        except OSError:
-            continue  # the listing's own fd, closed since
-    return count
-
-
-async def test_a_console_that_keeps_up_is_opened_once_and_released_when_idle(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Writes over many loop iterations share one private fd, closed once they stop."""
-    from aioproc._output import console as _console
-
-    opened = []
-    real_open = _console._open_backend
-
-    def counting_open(fd: int, st: os.stat_result) -> Any:
-        opened.append(fd)
-        return real_open(fd, st)
-
-    monkeypatch.setattr(_console, "_open_backend", counting_open)
-    r, w = os.pipe()
-    os.set_blocking(r, False)
-    out = open(w, "w", encoding="utf-8")  # noqa: SIM115 - closed below
-    try:
-        ours = _fds_on(w)  # the test's two ends
-        got = []
-        for i in range(50):
-            assert _console.console_write(out, f"line {i}\n") is not None
-            got.append(os.read(r, 65536))  # the console keeps up: it takes every write
-            await asyncio.sleep(0)
-        assert b"".join(got).decode().splitlines() == [f"line {i}" for i in range(50)]
-        assert len(opened) == 1  # not once per write
-        assert _fds_on(w) == ours + 1  # one private fd, kept
-        for _ in range(3):
-            await asyncio.sleep(0)  # two iterations without a write
-        assert _fds_on(w) == ours  # idle: released
-    finally:
-        out.close()
-        os.close(r)
-
-
-async def test_after_close_a_hosts_console_pipe_reaches_eof_without_another_loop_turn(
-    tmp_path: Path,
-) -> None:
-    """The host closes its end right after the group (its own sink, which aioproc
-    never closes) and reads to EOF without running the loop: no fd of ours is left.
-
-    The worker writes until close() stops it, so the tee writes to the console
-    up to the end of the close.
-    """
-    r, w = os.pipe()
-    os.set_blocking(r, False)
-    out = open(w, "w", encoding="utf-8")  # noqa: SIM115 - closed below
-    chunks = []
-    try:
-        entry, args = flood(10**8)  # runs until stopped
-        async with aioproc.start_processes(
-            "w", entry, args, {0: {}}, spec(tmp_path), sinks=[ConsoleSink(stream=out)]
-        ):
-            while sum(map(len, chunks)) < 1 << 20:
-                with contextlib.suppress(BlockingIOError):
-                    chunks.append(os.read(r, 1 << 20))  # keep up with the tee
-                await asyncio.sleep(0.001)
-        out.close()
-        while True:
-            data = os.read(r, 1 << 20)  # BlockingIOError: an fd of ours is still open
-            if not data:
-                break
-            chunks.append(data)
-    finally:
-        if not out.closed:
-            out.close()
-        os.close(r)
-    got = b"".join(chunks).decode().splitlines()
-    want = [f"[w0]:{line}" for line in flood_lines(len(got))]
-    assert len(got) > 1000
-    assert got[:-1] == want[:-1]
-    assert want[-1].startswith(got[-1])  # the line the stop cut, flushed at EOF
-
-
-async def test_host_prints_keep_their_place_before_teed_lines(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The host's buffered print() text is flushed before worker lines are written."""
-    r, w = os.pipe()
-    host_stdout = open(w, "w", encoding="utf-8")  # noqa: SIM115 - closed below
-    try:
-        read_task = asyncio.create_task(asyncio.to_thread(slow_read, r))
-        monkeypatch.setattr(sys, "stdout", host_stdout)
-        print("host before")  # sits in the TextIOWrapper's buffer: a pipe is block-buffered
-        entry, args = flood(3)
-        async with aioproc.start_processes("w", entry, args, {0: {}}, spec(tmp_path)) as pc:
-            result = await asyncio.wait_for(pc.wait(), LIMIT)
-        print("host after")
-        monkeypatch.undo()
-        host_stdout.close()
-        data = await asyncio.wait_for(read_task, LIMIT)
-    finally:
-        monkeypatch.undo()
-        if not host_stdout.closed:
-            host_stdout.close()
-        os.close(r)
-    assert result is not None and not result.is_failed()
-    teed = [f"[w0]:{line}" for line in flood_lines(3)]
-    assert data.decode().splitlines() == ["host before", *teed, "host after"]
-
-
-# ------------------------------------------- 2. backpressure, bounded memory
+# ---------------------------------------------- 1. backpressure, bounded memory
 
 
 async def test_slow_async_sink_bounds_parent_memory_and_gets_every_line() -> None:
@@ -416,7 +133,7 @@ async def test_output_stream_consumer_gets_every_line_in_order(tmp_path: Path) -
     assert os.path.getsize(pc.stdouts[0]) == 100_000 * 200
 
 
-# --------------------------------------------------------- 3. isolated sinks
+# --------------------------------------------------------- 2. isolated sinks
 
 
 class Raising(Sink):
@@ -580,7 +297,7 @@ async def test_close_sinks_never_raises_and_keeps_its_deadline(
     await sinks.close_sinks([], 0.2)  # nothing to do
 
 
-# ----------------------------------------------------------- 3b. full disks
+# ------------------------------------------------------------- 3. full disks
 
 
 class FullDisk(io.RawIOBase):
@@ -633,7 +350,7 @@ async def test_full_disk_is_reported_and_sinks_get_every_line(
     assert log.closed
 
 
-# ------------------------------------------------------------- 5. pipe budget
+# ------------------------------------------------------------- 4. pipe budget
 
 
 def pipe_size(fd: int) -> int:
@@ -688,41 +405,3 @@ def test_tee_pipes_grow_only_within_the_budget(
         _spawn._grow_pipe(pipes[-1][0])
         fresh.append(pipe_size(pipes[-1][0]))
     assert fresh == [_spawn.PIPE_SIZE, _spawn.PIPE_SIZE, default]
-
-
-# ------------------------------------------------------ 6. unencodable text
-
-
-TEXT = ["plain", "λ and ünïcode ✓", "after"]
-
-
-async def test_ascii_console_escapes_instead_of_dropping_lines(tmp_path: Path) -> None:
-    """An ascii stream without an fd (written directly) and an ascii pipe (non-blocking).
-
-    Before: one unencodable character dropped the whole chunk of lines.
-    """
-    memory = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
-    r, w = os.pipe()
-    pipe_out = open(w, "w", encoding="ascii")  # noqa: SIM115 - closed below
-    reader = open(r, "rb")  # noqa: SIM115 - closed below
-    try:
-        read_task = asyncio.create_task(asyncio.to_thread(reader.read))
-        data = "".join(f"{line}\n" for line in TEXT).encode().hex()
-        entry = sys.executable
-        args = {0: ("-S", os.path.join(CHILDREN_DIR, "out_workers.py"), "hexbytes", data)}
-        sinks_ = [ConsoleSink(stream=memory), ConsoleSink(stream=pipe_out)]
-        async with aioproc.start_processes(
-            "w", entry, args, {0: {}}, spec(tmp_path), sinks=sinks_
-        ) as pc:
-            result = await asyncio.wait_for(pc.wait(), LIMIT)
-        assert result is not None and not result.is_failed()
-        pipe_out.close()
-        piped = await asyncio.wait_for(read_task, LIMIT)
-    finally:
-        if not pipe_out.closed:
-            pipe_out.close()
-        reader.close()
-    want = ["[w0]:plain", "[w0]:\\u03bb and \\xfcn\\xefcode \\u2713", "[w0]:after"]
-    memory.flush()
-    assert memory.buffer.getvalue().decode("ascii").splitlines() == want  # type: ignore[attr-defined]
-    assert piped.decode("ascii").splitlines() == want

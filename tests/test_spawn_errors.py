@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import subprocess
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import REPO_ROOT, python
+from helpers import REPO_ROOT, loop_name, python, result_of
 
 import aioproc
 from aioproc import ChildFailedError, DefaultLogsSpecs, Std
@@ -73,11 +72,6 @@ print("RESULT " + json.dumps(runner(main())))
 """
 
 
-def loop_name() -> str:
-    loop = asyncio.get_running_loop()
-    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
-
-
 async def supervise(tmp_path: Path, kind: str, n: int) -> dict[str, Any]:
     """Run ``SUPERVISOR`` starting ``n`` ``kind`` workers; its RESULT dict."""
     if os.sysconf("SC_OPEN_MAX") <= HIGH_FD:
@@ -100,10 +94,7 @@ async def supervise(tmp_path: Path, kind: str, n: int) -> dict[str, Any]:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-    lines = [line for line in out.decode().splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, err.decode()[-3000:]
-    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
-    return result
+    return result_of(proc.returncode, out.decode(), err.decode())
 
 
 async def test_an_inherited_fd_above_a_lowered_fd_limit_does_not_break_starts(

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import CHILDREN_DIR, child_pids
+from helpers import CHILDREN_DIR, child_pids, loop_name
 from proc_utils import still_alive_after
 
 from aioproc import open_forkserver, open_pool, run, start_processes
@@ -36,10 +36,6 @@ SEED = int(os.environ.get("AIOPROC_FAULT_SEED", random.randrange(1 << 30)))
 NPROCS = 64
 KILLS = 10
 """Template kills per loop here; ``benchmarks/soak_faults.py`` does hundreds."""
-
-
-def loop_kind() -> str:
-    return "uvloop" if "uvloop" in type(asyncio.get_running_loop()).__module__ else "asyncio"
 
 
 def state(pid: int) -> str:
@@ -114,7 +110,7 @@ async def test_template_killed_mid_fork_leaves_no_worker_nor_zombie(tmp_path: Pa
     """SIGKILL the template at random moments of a 64-worker fork: the start fails
     with a clear error (or succeeds, if all were forked), and once the group is
     closed no worker runs and none is left unreaped."""
-    rng = random.Random(f"{SEED}-{loop_kind()}")
+    rng = random.Random(f"{SEED}-{loop_name()}")
     before = child_pids()
     problems: list[str] = []
     outcomes: dict[str, int] = {}

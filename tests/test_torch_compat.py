@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import REPO_ROOT
 
 CHILDREN = Path(__file__).parent / "children"
-REPO_ROOT = str(Path(__file__).parent.parent)
 LIMIT = 120
 
 

@@ -1,4 +1,4 @@
-"""Task functions for tests/test_cluster.py (importable by path in the tasks).
+"""Task functions for tests/test_cluster.py and tests/test_barrier.py (importable by path).
 
 A task learns who it is from ``TF_CONFIG``.  Tasks that must be caught
 mid-run print a line the test waits for (through a sink), then block.

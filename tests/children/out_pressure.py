@@ -1,4 +1,4 @@
-"""A supervisor for the backpressure tests, run in a subprocess of its own.
+"""A supervisor for the stuck-console and backpressure tests, run in a subprocess of its own.
 
     out_pressure.py stall LOG_DIR LOOP   stdout is a pipe nobody reads
     out_pressure.py rss LOG_DIR LOOP MB  MB through tee to a slow async sink

@@ -1,12 +1,14 @@
-"""Functions defined in a script's ``__main__`` run in workers without cloudpickle.
+"""By-value pickling (``aioproc._func.pickling``): functions from ``__main__`` in workers.
 
-Each test writes a real script, runs it as ``__main__`` with
-``sys.executable``, and reads the one JSON line it prints: the values its
-workers returned next to what the same functions return in the script
-itself, and whether a worker had to import cloudpickle (``_func.pickling``
-keeps it out of the worker for everything it can represent, and falls back
-to cloudpickle for the rest, which must keep working).  The in-process tests
-at the end pin the encoding itself against cloudpickle's.
+A function defined in a script's ``__main__`` cannot be imported by a worker,
+so ``_func.pickling`` pickles it by value, without cloudpickle.  Each test
+writes a real script, runs it as ``__main__`` with ``sys.executable``, and
+reads the one JSON line it prints: the values its workers returned next to
+what the same functions return in the script itself, and whether a worker
+had to import cloudpickle (``_func.pickling`` keeps it out of the worker for
+everything it can represent, and falls back to cloudpickle for the rest,
+which must keep working).  The in-process tests at the end pin the encoding
+itself against cloudpickle's.
 """
 
 from __future__ import annotations

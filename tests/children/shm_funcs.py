@@ -1,4 +1,4 @@
-"""Functions the large-value tests run in workers (stdlib only; numpy if given one)."""
+"""Functions test_shm.py runs in workers: large values (stdlib only; numpy if given one)."""
 
 from __future__ import annotations
 

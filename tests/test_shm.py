@@ -1,16 +1,18 @@
-"""Large values out of band: protocol-5 buffers in shared memory (``_child.shm``, ``channel``).
+"""Shared memory: large values cross as protocol-5 buffers in sealed memfds.
 
-Values of ``SHM_MIN`` bytes or more cross in a sealed memfd passed beside the
-frame; the receiver's arrays and memoryviews view its mapping.  Values with
-smaller out-of-band buffers carry them in the frame.  Small values keep the
-marshal/pickle fast path.  The autouse leak check also fails any test that
-leaves an fd (a memfd included) open.
+Values of ``SHM_MIN`` bytes or more are written into a sealed memfd
+(``aioproc._child.shm``) passed beside their frame on the channel
+(``aioproc._child.channel`` in the worker, ``aioproc._proc.channel`` in the
+supervisor); the receiver's arrays and memoryviews view its mapping.  Values
+with smaller out-of-band buffers carry them in the frame.  Small values keep
+the marshal/pickle fast path.  The autouse leak check also fails any test
+that leaves an fd (a memfd included) open.  Worker functions live in
+``children/shm_funcs.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import mmap
 import os
 import signal
@@ -20,7 +22,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from helpers import CHILDREN_DIR
+from helpers import import_child
 from proc_utils import Fifo
 
 import aioproc
@@ -35,8 +37,7 @@ SIZES = [100, 200 * 1024, 2 * MiB + 3, 9 * MiB]  # in-band, in the frame, shared
 
 @pytest.fixture
 def of(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(CHILDREN_DIR)
-    return importlib.import_module("oob_funcs")
+    return import_child(monkeypatch, "shm_funcs")
 
 
 @pytest.fixture

@@ -1,0 +1,301 @@
+"""The console writer (``aioproc._output.console``): a console that never blocks.
+
+Tee'd lines reach the parent's stdout/stderr through ``console_write``: a
+``ConsoleWriter`` (a private non-blocking fd) for a console that can block
+(pipe, socket, terminal), ``safe_write`` for one that cannot (a file, a
+stream without an fd); ``release_consoles`` closes the fds idle consoles
+keep.  What a user must be able to rely on:
+
+* a console nobody reads never freezes the supervisor (timers, exit
+  detection, signals) and never changes the host's own stdout;
+* a slow console still gets every line, and a console that keeps up is
+  opened once and released when idle, leaving no fd of ours on it;
+* the host's own ``print()`` output keeps its place before teed lines;
+* characters the console cannot encode are escaped, never losing lines.
+
+Tests that need the supervisor's own stdout to be a stuck pipe run a small
+supervisor in a subprocess (``children/out_pressure.py``) on the test's kind
+of event loop.  ``ConsoleSink``'s progress bars are test_output.py's, other
+sinks under fault test_sinks_faults.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import CHILDREN_DIR, loop_name
+from output_helpers import DROPPED, FLOOD, LIMIT, flood, flood_lines, run_pressure, spec
+
+import aioproc
+from aioproc import ConsoleSink
+
+# ------------------------------------------------- a console that never blocks
+
+
+async def test_stuck_stdout_never_stalls_the_loop() -> None:
+    """Supervisor stdout is a pipe nobody reads; a worker floods its tee'd stdout.
+
+    Before: the supervisor blocked in write() for good (this test timed out).
+    """
+    res = await asyncio.to_thread(run_pressure, "stall", loop_name())
+    # a timer task kept firing on time while the console was stuck
+    assert res["max_late"] < 0.5, res
+    # the group could be closed, the worker is gone, the log file got the output
+    assert res["pid_gone"], res
+    assert res["log_bytes"] > 1 << 20, res
+    # the host's own stdout was never switched to non-blocking
+    assert res["stdout_nonblocking"] is False, res
+    # the lines the stuck console could not take are counted, once
+    assert res["stderr"].count(DROPPED) == 1, res["stderr"][-2000:]
+
+
+async def test_cli_with_tee_and_stuck_stdout_exits_143_on_sigterm(tmp_path: Path) -> None:
+    """``aioproc run --tee 3`` with stdout a pipe nobody reads still obeys SIGTERM."""
+    ready = tmp_path / "ready"
+    os.mkfifo(ready)
+    ready_fd = os.open(ready, os.O_RDWR)  # the test's end: the worker's open never blocks
+    r, w = os.pipe()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    env["AIOPROC_LOOP"] = loop_name()
+    env["OMP_NUM_THREADS"] = "1"
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "aioproc",
+            "run",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--tee",
+            "3",
+            FLOOD,
+            "0",
+            "100",
+            str(ready),
+            # past the supervisor's stdout pipe (64 KiB): its console is stuck by now
+            str(1 << 20),
+            stdout=w,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        os.close(w)
+        w = -1
+        try:
+            loop = asyncio.get_running_loop()
+            got = await asyncio.wait_for(loop.run_in_executor(None, os.read, ready_fd, 1), LIMIT)
+            assert got == b"r"
+            proc.send_signal(signal.SIGTERM)
+            # before: SIGTERM went unhandled while the supervisor sat in write()
+            _, err = await asyncio.wait_for(proc.communicate(), LIMIT)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.communicate()
+        assert proc.returncode == 128 + signal.SIGTERM, err.decode()[-3000:]
+        assert "got SIGTERM" in err.decode()
+    finally:
+        os.close(ready_fd)
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
+def slow_read(fd: int) -> bytes:
+    """Read ``fd`` to EOF in small bites with pauses: a console slower than the worker."""
+    chunks = []
+    while data := os.read(fd, 16384):
+        chunks.append(data)
+        time.sleep(0.001)
+    return b"".join(chunks)
+
+
+@pytest.mark.parametrize("kind", ["pipe", "socket"])
+async def test_slow_console_gets_every_line_and_host_fd_stays_blocking(
+    tmp_path: Path, kind: str
+) -> None:
+    """ConsoleSink on a pipe or a socket (systemd's stdout) read slowly by the test."""
+    if kind == "pipe":
+        r, w = os.pipe()
+    else:
+        a, b = socket.socketpair()
+        r, w = a.detach(), b.detach()
+    out = open(w, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+    try:
+        read_task = asyncio.create_task(asyncio.to_thread(slow_read, r))
+        entry, args = flood(50_000)  # 5 MB: past the console writer's buffer
+        async with aioproc.start_processes(
+            "w", entry, args, {0: {}}, spec(tmp_path), sinks=[ConsoleSink(stream=out)]
+        ) as pc:
+            result = await asyncio.wait_for(pc.wait(), LIMIT)
+        assert result is not None and not result.is_failed()
+        assert os.get_blocking(out.fileno())  # the host's fd was never made non-blocking
+        out.close()
+        data = await asyncio.wait_for(read_task, LIMIT)
+    finally:
+        if not out.closed:
+            out.close()
+        os.close(r)
+    assert data.decode().splitlines() == [f"[w0]:{line}" for line in flood_lines(50_000)]
+
+
+def _fds_on(pipe_fd: int) -> int:
+    """How many of this process's fds lead to ``pipe_fd``'s pipe (either end)."""
+    target = os.readlink(f"/proc/self/fd/{pipe_fd}")
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == target:
+                count += 1
+        except OSError:
+            continue  # the listing's own fd, closed since
+    return count
+
+
+async def test_a_console_that_keeps_up_is_opened_once_and_released_when_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Writes over many loop iterations share one private fd, closed once they stop."""
+    from aioproc._output import console as _console
+
+    opened = []
+    real_open = _console._open_backend
+
+    def counting_open(fd: int, st: os.stat_result) -> Any:
+        opened.append(fd)
+        return real_open(fd, st)
+
+    monkeypatch.setattr(_console, "_open_backend", counting_open)
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    out = open(w, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+    try:
+        ours = _fds_on(w)  # the test's two ends
+        got = []
+        for i in range(50):
+            assert _console.console_write(out, f"line {i}\n") is not None
+            got.append(os.read(r, 65536))  # the console keeps up: it takes every write
+            await asyncio.sleep(0)
+        assert b"".join(got).decode().splitlines() == [f"line {i}" for i in range(50)]
+        assert len(opened) == 1  # not once per write
+        assert _fds_on(w) == ours + 1  # one private fd, kept
+        for _ in range(3):
+            await asyncio.sleep(0)  # two iterations without a write
+        assert _fds_on(w) == ours  # idle: released
+    finally:
+        out.close()
+        os.close(r)
+
+
+async def test_after_close_a_hosts_console_pipe_reaches_eof_without_another_loop_turn(
+    tmp_path: Path,
+) -> None:
+    """The host closes its end right after the group (its own sink, which aioproc
+    never closes) and reads to EOF without running the loop: no fd of ours is left.
+
+    The worker writes until close() stops it, so the tee writes to the console
+    up to the end of the close.
+    """
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    out = open(w, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+    chunks = []
+    try:
+        entry, args = flood(10**8)  # runs until stopped
+        async with aioproc.start_processes(
+            "w", entry, args, {0: {}}, spec(tmp_path), sinks=[ConsoleSink(stream=out)]
+        ):
+            while sum(map(len, chunks)) < 1 << 20:
+                with contextlib.suppress(BlockingIOError):
+                    chunks.append(os.read(r, 1 << 20))  # keep up with the tee
+                await asyncio.sleep(0.001)
+        out.close()
+        while True:
+            data = os.read(r, 1 << 20)  # BlockingIOError: an fd of ours is still open
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        if not out.closed:
+            out.close()
+        os.close(r)
+    got = b"".join(chunks).decode().splitlines()
+    want = [f"[w0]:{line}" for line in flood_lines(len(got))]
+    assert len(got) > 1000
+    assert got[:-1] == want[:-1]
+    assert want[-1].startswith(got[-1])  # the line the stop cut, flushed at EOF
+
+
+async def test_host_prints_keep_their_place_before_teed_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host's buffered print() text is flushed before worker lines are written."""
+    r, w = os.pipe()
+    host_stdout = open(w, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+    try:
+        read_task = asyncio.create_task(asyncio.to_thread(slow_read, r))
+        monkeypatch.setattr(sys, "stdout", host_stdout)
+        print("host before")  # sits in the TextIOWrapper's buffer: a pipe is block-buffered
+        entry, args = flood(3)
+        async with aioproc.start_processes("w", entry, args, {0: {}}, spec(tmp_path)) as pc:
+            result = await asyncio.wait_for(pc.wait(), LIMIT)
+        print("host after")
+        monkeypatch.undo()
+        host_stdout.close()
+        data = await asyncio.wait_for(read_task, LIMIT)
+    finally:
+        monkeypatch.undo()
+        if not host_stdout.closed:
+            host_stdout.close()
+        os.close(r)
+    assert result is not None and not result.is_failed()
+    teed = [f"[w0]:{line}" for line in flood_lines(3)]
+    assert data.decode().splitlines() == ["host before", *teed, "host after"]
+
+
+# ------------------------------------------------------ unencodable text
+
+
+TEXT = ["plain", "λ and ünïcode ✓", "after"]
+
+
+async def test_ascii_console_escapes_instead_of_dropping_lines(tmp_path: Path) -> None:
+    """An ascii stream without an fd (written directly) and an ascii pipe (non-blocking).
+
+    Before: one unencodable character dropped the whole chunk of lines.
+    """
+    memory = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    r, w = os.pipe()
+    pipe_out = open(w, "w", encoding="ascii")  # noqa: SIM115 - closed below
+    reader = open(r, "rb")  # noqa: SIM115 - closed below
+    try:
+        read_task = asyncio.create_task(asyncio.to_thread(reader.read))
+        data = "".join(f"{line}\n" for line in TEXT).encode().hex()
+        entry = sys.executable
+        args = {0: ("-S", os.path.join(CHILDREN_DIR, "out_workers.py"), "hexbytes", data)}
+        sinks_ = [ConsoleSink(stream=memory), ConsoleSink(stream=pipe_out)]
+        async with aioproc.start_processes(
+            "w", entry, args, {0: {}}, spec(tmp_path), sinks=sinks_
+        ) as pc:
+            result = await asyncio.wait_for(pc.wait(), LIMIT)
+        assert result is not None and not result.is_failed()
+        pipe_out.close()
+        piped = await asyncio.wait_for(read_task, LIMIT)
+    finally:
+        if not pipe_out.closed:
+            pipe_out.close()
+        reader.close()
+    want = ["[w0]:plain", "[w0]:\\u03bb and \\xfcn\\xefcode \\u2713", "[w0]:after"]
+    memory.flush()
+    assert memory.buffer.getvalue().decode("ascii").splitlines() == want  # type: ignore[attr-defined]
+    assert piped.decode("ascii").splitlines() == want
