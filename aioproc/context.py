@@ -9,7 +9,9 @@ number of times) asks it to stop and waits until it has finished; the
 
 A worker's exit (a pidfd, not polling) starts a watcher task, which waits
 for the bytes the worker wrote before exiting (``_output.drain``) and records the
-outcome; the shutdown waits for the watchers, bounded.  The first
+outcome; the shutdown waits for the watchers, bounded.  A function worker
+that returned waits, as torch's do, until every rank has its outcome (or
+the group is stopped) before it exits (``_returned``).  The first
 failure makes the supervisor stop every other worker (all-or-nothing); the
 group's result is final when every rank is done.  ``close()`` stops whatever
 still runs, gracefully then by force (``_proc.shutdown``), during a launch too
@@ -27,6 +29,7 @@ import logging
 import os
 import signal
 import time
+import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
@@ -255,6 +258,13 @@ class PContext:
             start_method == "forkserver" and self._ranks.scripts
         )
         self._rank_dirs: dict[int, str] = {}  # rank dirs reify left to the launch
+        # Function workers hold after their result until the group has every
+        # rank's (see _returned): the ranks holding, the ranks whose outcome
+        # is in or on its way (a result, an exit, never started), and whether
+        # the group let its workers go (every outcome in, or a stop began).
+        self._holding: set[int] = set()
+        self._done_ranks: set[int] = set()
+        self._released = False
 
     @property
     def _finished(self) -> asyncio.Future[None] | None:
@@ -462,6 +472,8 @@ class PContext:
             if self._hub is not None and child.channel is not None:
                 key = self._hub_keys.get(rank, rank)
                 self._hub.attach(key, child.channel, key if isinstance(key, str) else child.label)
+            if self._released and rank in self._holding:
+                self._release(rank)  # it returned before its launch was over
             self._notify(WorkerEvent("started", rank, child.pid, None, time.time()))
             child.watcher.future.add_done_callback(functools.partial(self._exited, rank, child))
 
@@ -520,12 +532,20 @@ class PContext:
         hub, key = self._hub, self._hub_keys.get(rank, rank)
         if hub is None:
             return outcome
+        # weak: the worker's channel holds this handler, and this group its
+        # workers; a cycle would keep every result (its shared memory, its
+        # mapped fd) alive until the next garbage collection
+        returned = weakref.WeakMethod(self._returned)
 
         def on_frame(kind: int, body: bytearray) -> None:
             if kind == _wire.ARRIVE or kind == _wire.STACKS:
                 hub.on_frame(key, kind, body)
             else:
                 outcome(kind, body)
+                if kind == _wire.RESULT:
+                    group_returned = returned()
+                    if group_returned is not None:
+                        group_returned(rank)
 
         return on_frame
 
@@ -533,6 +553,52 @@ class PContext:
         for rank in range(self.nprocs):
             if rank not in self._children:
                 self._outcomes.never_started(rank)
+                self._rank_done(rank)
+
+    # ------------------------------------------------------------ holding
+
+    def _returned(self, rank: int) -> None:
+        """``rank`` sent its result: it now waits for TERMINATE to exit.
+
+        As torch's ``start_processes`` holds each worker until the parent
+        has read every local result, a worker whose function returned stays
+        alive until every rank of the group has an outcome (or the group is
+        stopped): a gloo process group never destroyed is then torn down by
+        no rank while another still uses it (see "Holding" in
+        ``_child.boot``).  A lone rank is let go at once.
+        """
+        self._holding.add(rank)
+        self._rank_done(rank)
+        if rank in self._holding and self._hub is not None:
+            # still held, but it will never reach the barrier again (it exits
+            # with 0 once let go): the ranks waiting there must not wait for it
+            self._hub.left(self._hub_keys.get(rank, rank), 0)
+
+    def _rank_done(self, rank: int) -> None:
+        """``rank``'s outcome is in or on its way; once every rank's is, let them all go."""
+        self._done_ranks.add(rank)
+        if self._released or len(self._done_ranks) >= self.nprocs:
+            self._release_all()
+
+    def _release_all(self) -> None:
+        """Let every held worker exit: the group has every outcome, or it is being stopped.
+
+        A stop sends TERMINATE before its signal, so a held worker exits
+        by itself, however its code handles the signal.
+        """
+        self._released = True
+        for rank in sorted(self._holding):
+            self._release(rank)
+
+    def _release(self, rank: int) -> None:
+        child = self._children.get(rank)
+        if child is None or child.channel is None:
+            return  # returned before its launch was over: ``started`` lets it go
+        self._holding.discard(rank)
+        if child.returncode is None:
+            # the result is read already: nothing the worker writes is lost
+            # if it is gone before this arrives
+            child.channel.send(_wire.TERMINATE)
 
     def _notify(self, event: WorkerEvent) -> None:
         if self._on_event is None:
@@ -554,6 +620,8 @@ class PContext:
         plain task (anyio's ``start_soon`` needs to be called from a task):
         the shutdown waits for it, bounded, and cancels it if it is late.
         """
+        self._holding.discard(rank)
+        self._rank_done(rank)
         if rank in self._left_to_close:
             # close() records it with the others once the stop is over; its
             # channel is closed now, while the other workers are still exiting
@@ -679,6 +747,7 @@ class PContext:
     async def _stop_after_failure(self) -> None:
         assert self._launch_done is not None
         assert self._auto_stopped is not None
+        self._release_all()  # the held workers exit now, not after the grace period
         try:
             with anyio.CancelScope() as scope:
                 self._auto_stop = scope
@@ -826,6 +895,7 @@ class PContext:
 
     async def _shutdown_held(self, sig: int, timeout: float) -> None:
         self._stopping = True
+        self._release_all()  # the held workers exit now, not after the grace period
         assert self._auto_stopped is not None
         if self._auto_stop is not None:
             # a later close() decides the signal and the grace period

@@ -125,7 +125,13 @@ class WatchdogClient(TimerClient):
     """
 
     def acquire(self, scope_id: str, expiration_time: float) -> None:
-        self._acquire(scope_id, expiration_time - time.time(), stacklevel=4)
+        if isinstance(expiration_time, _Deadline):
+            # from an expires() block: its exact ``after`` (no clock round
+            # trip), a warning that names the user's ``with`` line, and
+            # whether the agent will hear of the block
+            expiration_time.accepted = self._acquire(scope_id, expiration_time.after, stacklevel=5)
+        else:
+            self._acquire(scope_id, expiration_time - time.time(), stacklevel=4)
 
     def release(self, scope_id: str) -> None:
         timer_id = _scope_ids.pop((os.getpid(), scope_id), None)
@@ -230,7 +236,10 @@ def expires(after: float, scope: str | None = None, client: TimerClient | None =
         scope: name of the timer in the failure message.  Default, as in
             torch: the caller's ``"<file>#<line>"``.
         client: the ``TimerClient`` to use; default: the one given to
-            ``configure``, else the agent's watchdog.
+            ``configure``, else the agent's watchdog.  As in torch, entering
+            the block calls its ``acquire(scope, expiration_time)`` and
+            leaving it its ``release(scope)``, subclasses of
+            ``WatchdogClient`` included.
 
     Returns:
         A single-use context manager.
@@ -263,6 +272,22 @@ def expires(after: float, scope: str | None = None, client: TimerClient | None =
     return _Expires(float(after), scope, client)
 
 
+class _Deadline(float):
+    """The ``expiration_time`` an ``expires`` block gives its client's ``acquire``.
+
+    A float to any client (``time.time()`` seconds, as torch passes it);
+    ``WatchdogClient.acquire`` also reads the block's exact ``after`` from it
+    and sets ``accepted`` False when the agent will never hear of the block
+    (no watchdog, or too many requests queued): ``release`` is then not
+    called either.
+    """
+
+    __slots__ = ("accepted", "after")
+
+    after: float
+    accepted: bool
+
+
 class _Expires:
     """One ``expires(...)`` block: acquire on enter, release on exit."""
 
@@ -284,13 +309,14 @@ class _Expires:
             raise RuntimeError(f"{self!r} was already entered; call expires() for each block")
         self._used = True
         client = self._client if self._client is not None else _client
-        if isinstance(client, WatchdogClient):
-            # no clock round trip; a block the agent never heard of is not active
-            if not client._acquire(self.scope, self.after, stacklevel=4):
-                return
-        else:
-            client.acquire(self.scope, time.time() + self.after)
-        self._entered = client
+        # always the client's public acquire, as torch's expires calls it: a
+        # subclass or an instrumented client sees every block
+        deadline = _Deadline(time.time() + self.after)
+        deadline.after = self.after
+        deadline.accepted = True
+        client.acquire(self.scope, deadline)
+        if deadline.accepted:  # a block the agent never heard of is not active
+            self._entered = client
 
     def __exit__(
         self,

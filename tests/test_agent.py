@@ -6,6 +6,7 @@ import asyncio
 import gc
 import itertools
 import json
+import logging
 import os
 import signal
 import sys
@@ -20,6 +21,8 @@ import aioproc
 from aioproc import Std
 from aioproc.agent import AgentEvent, LocalElasticAgent, RestartPolicy, WorkerSpec, WorkerState
 from aioproc.agent.events import EventHub
+from aioproc.rendezvous import RendezvousParameters
+from aioproc.rendezvous.static import StaticRendezvousHandler
 
 FLAKY = str(Path(__file__).parent / "children" / "agent_flaky.py")
 
@@ -621,3 +624,37 @@ async def test_a_reader_made_just_before_run_sees_every_event() -> None:
     assert seen[0] == "attempt_started"
     assert seen.count("worker_started") == 2
     assert seen[-1] == "group_succeeded"
+
+
+class _ExitBarrierFails(StaticRendezvousHandler):
+    """A one-node world whose exit barrier raises what no rendezvous error is."""
+
+    async def exit_barrier(self, timeout: float) -> None:
+        raise OSError("the store went away")
+
+
+async def test_an_exit_barrier_error_after_success_is_logged_and_the_run_succeeds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # torch's _exit_barrier logs such an error and the run reports success
+    params = RendezvousParameters("static", "127.0.0.1:29400", "job", 1, 1, node_rank=0)
+    spec = WorkerSpec(
+        role="trainer",
+        local_world_size=2,
+        entrypoint=abs,
+        args=(-3,),
+        rdzv_handler=_ExitBarrierFails(params),
+    )
+    agent = LocalElasticAgent(spec, log_dir=str(tmp_path))
+    with caplog.at_level(logging.ERROR, logger="aioproc"):
+        result = await agent.run()
+    assert result.state == WorkerState.SUCCEEDED
+    assert result.return_values == {0: 3, 1: 3}
+    assert agent.state == WorkerState.SUCCEEDED
+    (record,) = [r for r in caplog.records if "exit barrier" in r.getMessage()]
+    assert record.levelno == logging.ERROR
+    assert record.getMessage() == (
+        "exit barrier failed; this host's workers succeeded all the same"
+    )
+    assert record.exc_info is not None
+    assert repr(record.exc_info[1]) == "OSError('the store went away')"

@@ -2,10 +2,11 @@
 
 The cases port the ideas of TF's ``multi_process_runner_test.py`` (runner
 and pool runner), plus what TF had to skip: segfaulting and SIGKILLed tasks
-are failures.  Task functions live in ``children/cluster_funcs.py``.  A test
-that must catch a task mid-run waits for a line it printed (through a sink),
-never on a sleep; every process is gone afterwards (the autouse leak check,
-and ``pid_gone`` where a pid is known).
+are failures.  Task functions live in ``children/cluster_funcs.py``; the
+barrier is test_barrier.py's.  A test that must catch a task mid-run waits
+for a line it printed (through a sink), never on a sleep; every process is
+gone afterwards (the autouse leak check, and ``pid_gone`` where a pid is
+known).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import random
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from helpers import pid_gone
+from cluster_fixtures import make
+from helpers import CHILDREN_DIR, child_pids, import_child, pid_gone
 
 import aioproc
 from aioproc import cluster
@@ -36,17 +38,13 @@ from aioproc.cluster import (
 from aioproc.errors import RemoteTraceback
 from aioproc.sinks import Sink
 
-CHILDREN_DIR = str(Path(__file__).parent / "children")
 QUICK = RestartPolicy(initial_delay=0.0)
 
 
 @pytest.fixture
 def cf(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """The task-function module, importable here and (by path) in the tasks."""
-    monkeypatch.syspath_prepend(CHILDREN_DIR)
-    import importlib
-
-    return importlib.import_module("cluster_funcs")
+    return import_child(monkeypatch, "cluster_funcs")
 
 
 class Lines(Sink):
@@ -88,22 +86,6 @@ class Exits:
         while not set(keys) <= {k for k, _ in self.seen}:
             self._changed.clear()
             await self._changed.wait()
-
-
-@pytest.fixture
-async def runners() -> AsyncIterator[list[ClusterRunner]]:
-    """Runners a test builds by hand; closed even when the test fails."""
-    made: list[ClusterRunner] = []
-    yield made
-    for r in made:
-        await r.aclose()
-
-
-def make(made: list[ClusterRunner], *args: object, **kwargs: object) -> ClusterRunner:
-    kwargs.setdefault("stream_output", False)
-    runner = ClusterRunner(*args, **kwargs)  # type: ignore[arg-type]
-    made.append(runner)
-    return runner
 
 
 # ------------------------------------------------ MultiProcessRunner cases
@@ -183,9 +165,12 @@ async def test_output_is_prefixed_and_returned(cf: ModuleType) -> None:
         stream_output=False,
     )
     for i in (0, 1):
-        assert f"[worker-{i}]:    This is something printed." in result.stdout
-        assert f"[worker-{i}]:    This went to stderr." in result.stdout
+        # each line keeps its newline, as in TF
+        assert f"[worker-{i}]:    This is something printed.\n" in result.stdout
+        assert f"[worker-{i}]:    This went to stderr.\n" in result.stdout
     assert len(result.stdout) == 4
+    # so a TF test's check for a line that must not be there is not vacuous
+    assert "[worker-0]:    This is something printed." not in result.stdout
     assert result.return_value == ["This is returned data."] * 2
 
 
@@ -247,8 +232,8 @@ async def test_streaming_includes_tasks_added_later(
     for task_type, index in jobs:
         tag = f"[{task_type}-{index}]:".ljust(14) + " "
         for i in range(5):
-            assert f"{tag}(logging) {task_type}-{index}, i: {i}" in result.stdout
-            assert f"{tag}(print) {task_type}-{index}, i: {i}" in result.stdout
+            assert f"{tag}(logging) {task_type}-{index}, i: {i}\n" in result.stdout
+            assert f"{tag}(print) {task_type}-{index}, i: {i}\n" in result.stdout
     assert not any("-3" in line for line in result.stdout)
     assert len(result.stdout) == len(jobs) * 10
     # a task outside the spec is named in its TF_CONFIG all the same
@@ -278,17 +263,6 @@ async def test_terminate_all_does_not_ignore_errors(
         await runner.join()
 
 
-async def test_barrier(cf: ModuleType) -> None:
-    spec = create_cluster_spec(has_chief=True, num_workers=2)
-    result = await cluster.run(cf.with_barrier, spec, stream_output=False)
-    assert result.return_value == ["chief", "worker", "worker"]
-
-
-def test_barrier_called_in_main_process() -> None:
-    with pytest.raises(RuntimeError, match="only inside a function worker"):
-        cluster.barrier()
-
-
 async def test_timeout_reports_stacks_and_partial_output(
     cf: ModuleType, runners: list[ClusterRunner]
 ) -> None:
@@ -315,7 +289,7 @@ async def test_timeout_reports_stacks_and_partial_output(
     assert "in blocked_in_known_function" in error.stacks[("worker", 0)]
     assert "in prints_then_blocks" in error.stacks[("worker", 0)]
     stdout = error.mpr_result.stdout
-    assert "[worker-0]:    something printed" in stdout
+    assert "[worker-0]:    something printed\n" in stdout
     assert any("in blocked_in_known_function" in line and "[worker-0]" in line for line in stdout)
     assert error.mpr_result.return_value == ["ps done"]
     assert error.mpr_result.terminated == {("worker", 0)}
@@ -421,7 +395,7 @@ async def test_auto_restart_and_timeout(cf: ModuleType) -> None:
             stream_output=False,
             timeout=20,
         )
-    running = [line for line in info.value.mpr_result.stdout if line.endswith("Running")]  # type: ignore[attr-defined]
+    running = [line for line in info.value.mpr_result.stdout if line.endswith("Running\n")]  # type: ignore[attr-defined]
     assert len(running) == 4  # the first attempt and 3 restarts: the budget
 
 
@@ -633,38 +607,7 @@ async def test_not_share_gpu(cf: ModuleType, monkeypatch: pytest.MonkeyPatch) ->
     assert split.return_value == ["4", "5"]
 
 
-# ----------------------------------------------------------------- barrier
-
-
-async def test_dead_task_breaks_the_barrier(cf: ModuleType) -> None:
-    spec = create_cluster_spec(has_chief=True, num_workers=2)
-    with pytest.raises(threading.BrokenBarrierError) as info:
-        await cluster.run(cf.barrier_unless, spec, args=(1,), stream_output=False)
-    assert "barrier broken: worker-1 exited with code 0 without reaching it" in str(info.value)
-
-
-async def test_barrier_in_run_groups(cf: ModuleType) -> None:
-    result = await aioproc.run(cf.barrier_rank, 3, args={r: (r,) for r in range(3)})
-    assert result.return_values == {0: 0, 1: 1, 2: 2}
-
-
-async def test_killed_task_breaks_the_barrier_of_the_others(cf: ModuleType) -> None:
-    spec = create_cluster_spec(has_chief=True, num_workers=2)
-    with pytest.raises(UnexpectedSubprocessExitError, match="worker-1 exited with exit code -9"):
-        try:
-            await cluster.run(cf.barrier_then_die, spec, stream_output=False)
-        except UnexpectedSubprocessExitError as e:
-            broken = "BrokenBarrierError: barrier broken: worker-1 was killed by signal 9"
-            values = e.mpr_result.return_value
-            assert values == [f"{broken} without reaching it"] * 2
-            raise
-
-
-async def test_barrier_in_forkserver_workers(cf: ModuleType) -> None:
-    result = await aioproc.run(
-        cf.barrier_rank, 2, args={r: (r,) for r in range(2)}, start_method="forkserver"
-    )
-    assert result.return_values == {0: 0, 1: 1}
+# ------------------------------------------------------------ worker threads
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
@@ -681,21 +624,6 @@ async def test_cluster_workers_keep_a_thread_that_answers_stack_requests(
     spec = create_cluster_spec(has_chief=True, num_workers=2)
     result = await cluster.run(cf.threads_then_barrier, spec, stream_output=False)
     assert result.return_value == [2, 2, 2]
-
-
-async def test_rank_that_returns_breaks_the_barrier_in_run(cf: ModuleType) -> None:
-    with pytest.raises(aioproc.ChildFailedError) as info:
-        await aioproc.run(
-            cf.barrier_rank_leaves,
-            3,
-            args={r: (r,) for r in range(3)},
-            logs_specs=aioproc.DefaultLogsSpecs(log_dir=os.devnull),
-        )
-    cause = info.value.__cause__
-    assert isinstance(cause, threading.BrokenBarrierError)
-    assert str(cause) == (
-        "barrier broken: barrier_rank_leaves/1 exited with code 0 without reaching it"
-    )
 
 
 # ------------------------------------------------------- kwargs, bad input
@@ -793,17 +721,11 @@ async def test_cancelled_run_leaves_no_process(cf: ModuleType) -> None:
 
     task = asyncio.ensure_future(go())
     await lines.wait_for("blocking now", times=2)
-    pids = [int(p) for p in _children_of_self()]
+    pids = [int(p) for p in child_pids()]
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert pids and all(pid_gone(p) for p in pids)
-
-
-def _children_of_self() -> set[int]:
-    from helpers import child_pids
-
-    return child_pids()
 
 
 async def test_repr_and_lifecycle_misuse(cf: ModuleType, runners: list[ClusterRunner]) -> None:
@@ -885,13 +807,3 @@ async def test_restarts_back_off_by_policy(cf: ModuleType) -> None:
             stream_output=False,
         )
     assert asked == [0, 1, 2]  # one delay per restart, growing; none once the budget is spent
-
-
-async def test_in_process_task_takes_no_part_in_the_barrier(
-    cf: ModuleType, runners: list[ClusterRunner]
-) -> None:
-    spec = create_cluster_spec(has_chief=True, num_workers=2)
-    runner = make(runners, cf.with_barrier_unless_chief, spec)
-    assert await runner.start_in_process_as("chief", 0) == "chief"
-    result = await runner.join()
-    assert result.return_value == ["worker", "worker"]

@@ -115,23 +115,22 @@ def test_every_rank_runs_the_body_with_its_env_and_fixture_values(
 def test_a_failing_rank_is_the_failure_named_by_rank_with_every_ranks_output(
     pytester: pytest.Pytester,
 ) -> None:
-    os.mkfifo(pytester.path / "rank0_exited")
     write_test(
         pytester,
         """
-        import os, sys
+        import os, sys, threading
         import pytest
-        from aioproc.testing import rank
+        from aioproc.testing import barrier, rank
 
         @pytest.mark.aioproc(nprocs=2)
         def test_ranks_disagree():
             open(f"pid_{rank()}", "w").write(str(os.getpid()))
             print(f"out of rank {rank()}")
             print(f"err of rank {rank()}", file=sys.stderr)
-            if rank() == 0:  # held open until rank 0's process is gone
-                globals()["held"] = open("rank0_exited", "w")
-            else:
-                open("rank0_exited").read()  # EOF: rank 0 has passed and exited
+            if rank() == 1:  # the barrier breaks once rank 0 has passed (returned):
+                with pytest.raises(threading.BrokenBarrierError):
+                    barrier()
+                # rank 0's process waits for rank 1's end, as torch's workers wait
                 check(rank())
 
         def check(value):

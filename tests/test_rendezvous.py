@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import re
 import socket
@@ -76,7 +77,9 @@ def test_create_handler_names_an_unknown_backend() -> None:
     [
         ({"lease_ttl": "0"}, "rdzv option lease_ttl must be a number of seconds >= 1, got '0'"),
         ({"join_timeout": "nan"}, "rdzv option join_timeout must be a number of seconds >= 0"),
-        ({"bogus": "1"}, "unknown etcd rendezvous option(s) bogus; known: join_timeout"),
+        ({"timeout": "-1"}, "rdzv option timeout must be a number of seconds >= 0"),
+        ({"cacert": "/ca.pem"}, "etcd rendezvous option(s) cacert: aioproc connects to etcd"),
+        ({"protocol": "https"}, "etcd rendezvous option(s) protocol: aioproc connects to etcd"),
     ],
 )
 def test_etcd_options_are_checked_before_anything_starts(
@@ -87,6 +90,24 @@ def test_etcd_options_are_checked_before_anything_starts(
     with pytest.raises(ValueError, match=re.escape(message)) as info:
         create_handler(params)
     assert str(info.value).startswith(message)
+
+
+def test_etcd_options_it_does_not_use_are_accepted_with_one_debug_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """As torch's backends: ``is_host``, ``read_timeout`` and the like are not refused."""
+    pytest.importorskip("aetcd")
+    conf = {"is_host": "true", "read_timeout": "60", "timeout": "90", "protocol": "http"}
+    params = RendezvousParameters("etcd", "localhost:2379", "job", 1, 2, **conf)
+    with caplog.at_level(logging.DEBUG, logger="aioproc.rendezvous"):
+        handler = create_handler(params)
+    assert handler.join_timeout == 90.0  # torch's etcd backend: timeout is the join timeout
+    assert handler.unused_options == ("is_host", "read_timeout")
+    assert [r.getMessage() for r in caplog.records] == [
+        "etcd rendezvous: option(s) is_host, read_timeout not used by this backend"
+    ]
+    both = RendezvousParameters("etcd", "localhost:2379", "j", 1, 2, timeout="90", join_timeout="5")
+    assert create_handler(both).join_timeout == 5.0
 
 
 def test_the_etcd_backend_without_aetcd_says_how_to_install_it() -> None:

@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from helpers import CHILDREN_DIR, REPO_ROOT, pid_gone
+from helpers import CHILDREN_DIR, REPO_ROOT, free_port, pid_gone
 
 pytest.importorskip("aetcd", reason="aetcd not installed: pip install 'aioproc[etcd]'")
 
@@ -62,12 +61,6 @@ def _iptables_usable() -> str | None:
 CONF = f"last_call_timeout=1,lease_ttl={TTL},join_timeout=30"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Etcd:
     """A real etcd server on a free loopback port, restartable on its data dir.
 
@@ -77,8 +70,8 @@ class Etcd:
     def __init__(self, data_dir: str, *options: str) -> None:
         self.data_dir = data_dir
         self.options = options
-        self.port = _free_port()
-        self.peer_port = _free_port()
+        self.port = free_port()
+        self.peer_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -808,4 +801,55 @@ def test_job_survives_an_etcd_restart(own_etcd: Etcd, tmp_path: Any) -> None:
     assert len(recs) == 4  # nobody restarted
     assert_world(recs, 4, job)
     assert not glob.glob(os.path.join(out, "*.term"))
+    assert_only_closed(etcd, job)
+
+
+def test_agents_of_three_roles_get_torchs_role_ranks(etcd: Etcd, tmp_path: Any) -> None:
+    """7 agents (master, trainer, ps; 1 to 3 workers each) meet; ranks are torch's.
+
+    Each agent publishes its role and nproc with its join; whatever group
+    ranks the round gives them, every worker's ranks are those torch's
+    ``_assign_worker_ranks`` computes for that order (``torch_assignment``).
+    """
+    from test_role_ranks import expected_env, torch_assignment
+
+    job = "roles"
+    roles = [
+        ("master", 1),
+        ("trainer", 2),
+        ("ps", 1),
+        ("trainer", 3),
+        ("ps", 2),
+        ("trainer", 1),
+        ("ps", 1),
+    ]
+    child = os.path.join(CHILDREN_DIR, "role_agents.py")
+    proc = subprocess.run(
+        [sys.executable, child, etcd.endpoint, job, *(f"{r}:{n}" for r, n in roles)],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env=dict(os.environ, PYTHONPATH=REPO_ROOT),
+        cwd=str(tmp_path),
+    )
+    assert proc.returncode == 0, proc.stderr
+    agents = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [(a["role"], a["nproc"]) for a in agents] == roles
+    assert {a["state"] for a in agents} == {"SUCCEEDED"}
+    # the world in group-rank order, as the round formed it
+    order = sorted(agents, key=lambda a: a["group_rank"])
+    assert [a["group_rank"] for a in order] == list(range(len(roles)))
+    nodes = [(a["role"], a["nproc"]) for a in order]
+    assigned = torch_assignment(nodes)
+    for a in agents:
+        group_rank = a["group_rank"]
+        base, world, role_base, role_world = assigned[group_rank]
+        assert a["workers"] == [
+            [local, base + local, role_base + local, world, role_world]
+            for local in range(a["nproc"])
+        ]
+        # every worker's environment, keyed by its global rank
+        assert a["values"] == {
+            str(base + local): expected_env(nodes, group_rank, local) for local in range(a["nproc"])
+        }
     assert_only_closed(etcd, job)

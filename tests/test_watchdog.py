@@ -751,3 +751,44 @@ def test_configure_client_and_torch_style_api() -> None:
     ]
     assert 6 < requests[2]["after"] <= 7
     assert {r["pid"] for r in requests} == {pid}
+
+
+def test_expires_calls_the_clients_acquire_and_release_as_torch_does() -> None:
+    # a subclass of the agent's client (instrumented, as torch users wrap
+    # theirs) sees every block through its public methods, and the watchdog
+    # still gets the requests: the subclass calls up
+    requests, out, pid = run_timer_code(
+        """
+        import os, time
+        from aioproc import timer
+        print(os.getpid(), flush=True)
+
+        class Counting(timer.WatchdogClient):
+            def acquire(self, scope_id, expiration_time):
+                left = expiration_time - time.time()
+                print("acquire", scope_id, 4 < left <= 5, isinstance(expiration_time, float))
+                super().acquire(scope_id, expiration_time)
+            def release(self, scope_id):
+                print("release", scope_id)
+                super().release(scope_id)
+
+        with timer.expires(after=5, scope="passed", client=Counting()):
+            pass
+        timer.configure(Counting())
+        with timer.expires(after=5, scope="configured"):
+            pass
+        """
+    )
+    assert out.splitlines() == [
+        "acquire passed True True",
+        "release passed",
+        "acquire configured True True",
+        "release configured",
+    ]
+    ids = [r["id"] for r in requests[::2]]
+    assert requests == [
+        {"op": "acquire", "pid": pid, "id": ids[0], "scope": "passed", "after": 5.0},
+        {"op": "release", "pid": pid, "id": ids[0]},
+        {"op": "acquire", "pid": pid, "id": ids[1], "scope": "configured", "after": 5.0},
+        {"op": "release", "pid": pid, "id": ids[1]},
+    ]

@@ -20,12 +20,19 @@ def barrier() -> None:
     call of every worker meets the n-th call of the others.
 
     Raises:
-        RuntimeError: called outside a function worker started by aioproc
-            (in the supervisor, or in a persistent/pool worker).
+        ValueError: called outside a function worker started by aioproc
+            (in the supervisor, or in a persistent/pool worker), as TF's
+            ``multi_process_runner`` raises there, with TF's words.
         threading.BrokenBarrierError: a worker of the group ended without
             reaching the barrier; the message names it.
     """
     boot: Any = sys.modules.get("aioproc._child.boot")
     if boot is None:
         from . import boot
+    if boot._ONE_SHOT_FD is None:
+        raise ValueError(
+            "barrier is not defined. It is likely because you are calling barrier() in the "
+            "main process. barrier() can only be called in the subprocesses: the function "
+            "workers aioproc starts (cluster.run, ClusterRunner, run or start_processes)."
+        )
     boot.barrier_wait()

@@ -5,6 +5,8 @@ where ``fd`` is this worker's end of a socketpair.  Over it the child
 receives this module and ``_child.channel`` as compiled code, then INIT (the
 parent's ``sys.path``) and CALL (the function and its arguments), runs the
 function in the main thread and answers with RESULT or ERROR before exiting.
+After a RESULT it waits for the supervisor's TERMINATE before it exits (see
+"Holding" below).
 
 Kept deliberately light: asyncio, anyio, uvloop and the parent-side
 aioproc modules are never imported here (a test checks ``sys.modules``), and
@@ -21,12 +23,24 @@ Lifeline: in a worker of a cluster run, whose supervisor may ask for its
 stacks at any time, a daemon thread blocks on the channel; EOF means the
 supervisor is gone, and the worker then SIGKILLs its own process group
 (itself and every descendant).  Any other one-shot worker runs no thread of
-its own: the supervisor sends it nothing but RELEASE after CALL, which
-``barrier()`` reads in the thread that waits; a dead supervisor's groups
-are killed by its guardian (``_proc.lifeline``), as binary workers' are, and a
-channel the supervisor closes on a protocol error comes with a SIGKILL to
-the group.  A second thread costs every exit: 64 workers exit 2.5-4.4 ms
-later with one blocked in ``read()`` (``benchmarks/RESULTS.md``).
+its own: the supervisor sends it nothing but RELEASE and TERMINATE after
+CALL, which ``barrier()`` and the hold (below) read in the thread that waits;
+a dead supervisor's groups are killed by its guardian (``_proc.lifeline``),
+as binary workers' are, and a channel the supervisor closes on a protocol
+error comes with a SIGKILL to the group.  A second thread costs every exit:
+64 workers exit 2.5-4.4 ms later with one blocked in ``read()``
+(``benchmarks/RESULTS.md``).
+
+Holding: as torch's ``start_processes`` does, a worker whose function
+returned stays alive until the supervisor has read every local worker's
+result.  Exiting while the others still run would tear down what the
+function left behind (a gloo process group never destroyed, whose peers are
+still talking to it) under their feet, and they abort.  So after its RESULT
+a worker waits for TERMINATE, which the supervisor sends once every rank of
+the group has its outcome, or when it stops the group (before the stop's
+signal); an interrupt (SIGINT, the default handler) or EOF end the wait
+too.  Failures (ERROR, ``sys.exit`` in the function) exit at once: the
+supervisor stops the group anyway.
 """
 
 from __future__ import annotations
@@ -59,8 +73,9 @@ def _lifeline(fd: int, started: Any) -> None:
 def _serve_requests(fd: int, *, until_release: bool) -> str:
     """Read the supervisor's requests; kill this worker's group when it goes away.
 
-    After CALL the supervisor sends only RELEASE (a barrier passed or broke)
-    and DUMP (print every thread's stack); EOF means it is gone.  Returns
+    After CALL the supervisor sends only RELEASE (a barrier passed or broke),
+    DUMP (print every thread's stack) and, after the RESULT, TERMINATE (the
+    hold is over: see "Holding"); EOF means it is gone.  Returns
     RELEASE's text if ``until_release`` (a waiter at the barrier reading for
     itself); otherwise hands it to the waiter.
     """
@@ -75,6 +90,8 @@ def _serve_requests(fd: int, *, until_release: bool) -> str:
                 _BARRIER["lock"].release()
             elif kind == _wire.DUMP:
                 _dump_stacks(fd)
+            elif kind == _wire.TERMINATE and _HOLD is not None and _HOLD.locked():
+                _HOLD.release()  # the group has every result: the main thread exits
     except (_wire.ChannelClosed, OSError):
         pass
     os.killpg(os.getpgid(0), _signal.SIGKILL)
@@ -88,6 +105,40 @@ _ONE_SHOT_FD: int | None = None
 """The channel of a one-shot function worker once it runs its function."""
 
 _BARRIER: dict[str, Any] = {"lock": None, "answer": ""}
+
+_HOLD: Any = None
+"""With a lifeline thread: the lock the main thread waits on after its RESULT,
+released by the lifeline when TERMINATE comes (see "Holding")."""
+
+
+def _hold(fd: int) -> None:
+    """After the RESULT: wait for the supervisor's TERMINATE (see "Holding").
+
+    The lifeline thread, if any, reads the channel and releases ``_HOLD``;
+    otherwise this thread reads it.  EOF: the supervisor is done with this
+    worker (or gone: its guardian ends the group), so the wait is over too.
+    A SIGINT's ``KeyboardInterrupt`` ends the wait quietly, by that signal:
+    the function had returned, there is no traceback to show.
+    """
+    try:
+        if _HOLD is not None:
+            _HOLD.acquire()
+            return
+        # in poll(), not read(): the parent reading a large RESULT would wake
+        # a reader of this socket at each of its reads (see ``_serve``)
+        import select
+
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        while _wire.read_frame(fd, poller)[0] != _wire.TERMINATE:
+            pass  # after a RESULT nothing else is sent: never reached
+    except (_wire.ChannelClosed, OSError):
+        pass
+    except KeyboardInterrupt:
+        _flush_std()
+        _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
+        os.kill(os.getpid(), _signal.SIGINT)
+        os._exit(130)  # not reached unless SIGINT is blocked
 
 
 def _write(fd: int, kind: int, *parts: bytes) -> None:
@@ -415,7 +466,7 @@ def _serve(fd: int, has_init: bool) -> None:
 
 
 def main(fd: int) -> None:
-    global _FD_SOCKET
+    global _FD_SOCKET, _HOLD
     os.set_inheritable(fd, False)  # descendants must not hold the lifeline open
     kind, body = _wire.read_frame(fd)
     if kind == _wire.FD_SOCKET:
@@ -437,6 +488,7 @@ def main(fd: int) -> None:
     kind, body = _wire.read_frame(fd)
     if kind != _wire.CALL:
         raise RuntimeError(f"aioproc worker: expected CALL frame, got kind {kind}")
+    hold = init.get("hold", False)
     if init.get("lifeline", True):
         # Wait until the thread runs: a thread still starting up when a quick
         # function returns and the interpreter finalizes crashes Python 3.10
@@ -445,6 +497,9 @@ def main(fd: int) -> None:
         started.acquire()
         _BARRIER["lock"] = _thread.allocate_lock()
         _BARRIER["lock"].acquire()  # released by the lifeline on RELEASE
+        if hold:
+            _HOLD = _thread.allocate_lock()
+            _HOLD.acquire()  # released by the lifeline on TERMINATE
         _thread.start_new_thread(_lifeline, (fd, started))
         started.acquire()
     global _ONE_SHOT_FD
@@ -490,5 +545,8 @@ def main(fd: int) -> None:
         _send_result(fd, payload, segments)
     except OSError:
         raise SystemExit(1) from None  # supervisor gone mid-answer
+    del payload, segments
+    if hold:
+        _hold(fd)  # until the supervisor has every local worker's result
     # Exit the normal way so atexit handlers and non-daemon threads behave as in a script.
     sys.exit(0)

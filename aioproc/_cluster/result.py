@@ -32,7 +32,7 @@ class MultiProcessRunnerResult:
             TensorFlow does.
         stdout: with ``return_output=True``, every line the tasks wrote
             (stdout and stderr), prefixed ``[worker-1]:`` and padded as TF
-            pads it, without the newline, in order of arrival.
+            pads it, ending with its newline as in TF, in order of arrival.
         task_values: ``{(task_type, task_id): value}`` of every task whose
             last attempt returned (``None`` values included).
         exit_codes: ``{(task_type, task_id): exit code}`` of every task's

@@ -36,13 +36,19 @@ def line_prefix(task_type: str, task_id: int) -> str:
 
 
 class Collect(Sink):
-    """``return_output``: every line, prefixed, in order of arrival."""
+    """``return_output``: every line, prefixed, with its newline, in order of arrival.
+
+    TF's reader thread keeps each line's newline (it iterates over the text
+    pipe), so a test written for TF that looks for ``"...\n"`` in
+    ``stdout`` finds it here too.  A last line the task ended without a
+    newline gets one all the same: the sinks see whole lines only.
+    """
 
     def __init__(self, out: list[str]) -> None:
         self._out = out
 
     def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
-        self._out.extend(prefix + line for line in lines)
+        self._out.extend(prefix + line + "\n" for line in lines)
 
 
 @dataclass

@@ -87,6 +87,7 @@ def init_frame(
     has_init: bool = False,
     max_frame_size: int | None = None,
     lifeline: bool = True,
+    hold: bool = True,
 ) -> bytes:
     """Body of the INIT frame: what a worker needs before it runs user code.
 
@@ -97,7 +98,10 @@ def init_frame(
     The key travels only over the private channel, never in env or argv.
     ``lifeline``: whether a one-shot worker reads its channel with a thread
     of its own (needed where the supervisor may ask for its stacks at any
-    time; see ``_child.boot``).
+    time; see ``_child.boot``).  ``hold``: whether a one-shot worker whose
+    function returned waits for TERMINATE before it exits, which its group
+    sends once it has every rank's result (torch's ``start_processes``; see
+    "Holding" in ``_child.boot``).  A persistent worker (``serve``) ignores it.
     """
     # imported here, once per supervisor: ~7 ms that `import aioproc` need not pay
     from multiprocessing import process
@@ -109,6 +113,7 @@ def init_frame(
             "serve": serve,
             "has_init": has_init,
             "lifeline": lifeline,
+            "hold": hold,
             "max_frame": _wire.MAX_FRAME_SIZE if max_frame_size is None else max_frame_size,
             "authkey": bytes(process.current_process().authkey),
         }

@@ -83,18 +83,22 @@ class Outcomes:
         """
         value: Any = None
         problem = ""
+        # A function worker whose result came waits for its peers' (see
+        # ``_child.boot``); a stop that ends that wait by its signal ends a
+        # worker that had returned: its value stands.
+        returned = code == 0 or (child.stop_requested and rank in self._results)
         if child.watcher.lost:
             problem = (
                 f"exit status lost: process {child.pid} was reaped by somebody else's "
                 "waitpid() in this process (a SIGCHLD handler or a child watcher reaping "
                 "every child?), so how it ended is unknown"
             )
-        elif code == 0 and rank in self._results:
+        elif returned and rank in self._results:
             try:
                 value = _wire.decode_value(self._results.pop(rank))
             except Exception as e:
                 problem = f"return value could not be unpickled in the supervisor: {e!r}"
-        if code == 0 and not problem:
+        if returned and not problem:
             self.values[rank] = value
             self.check_finished()
             return False

@@ -125,9 +125,11 @@ class Hosts:
 
     # ------------------------------------------------------------ the session
 
-    async def open(self, local_world_size: int) -> RunEnd | None:
+    async def open(self, local_world_size: int, role: str) -> RunEnd | None:
         """Open the handler's session for the run; the run's end if it does not open.
 
+        The session publishes ``local_world_size`` and ``role`` with each
+        join: every host assigns ranks from them (``RendezvousInfo``).
         Every renewal of the session's lease moves the fence's deadline.  A
         store not reached within the join timeout ends the run (FAILED,
         with the handler's one-line reason); a stop while connecting ends
@@ -145,7 +147,7 @@ class Hosts:
             fence.renew(deadline + grace, lag=grace)
 
         session: contextlib.AbstractAsyncContextManager[Any] = handler.session(
-            local_world_size, renewed
+            local_world_size, renewed, role=role
         )
         from ..rendezvous import RendezvousError
 
@@ -257,7 +259,14 @@ class Hosts:
     async def exit_barrier(self) -> WorldChange | RendezvousError | None:
         """Wait for the other hosts' workers; a change if the world re-forms meanwhile.
 
-        With one host: None, at once.
+        Any other error of the barrier (the store gone, a bug) is logged
+        with its traceback and the barrier counts as passed, as torch's
+        ``_exit_barrier`` does: this host's workers succeeded, and a failed
+        wait for the others must not turn that into a failure.  A signal
+        (``SignalException``) still ends the run.  With one host: None, at
+        once.
+
+        Cancellation: propagates (the wait for the other hosts ends).
         """
         handler = self.handler
         if handler is None:
@@ -268,6 +277,11 @@ class Hosts:
             return await handler.exit_barrier(self._exit_barrier_timeout)
         except RendezvousError as e:
             return e
+        except Exception as e:
+            if type(e).__name__ == "SignalException":
+                raise  # a signal ends the run, as in torch
+            logger.exception("exit barrier failed; this host's workers succeeded all the same")
+            return None
 
     async def change_in_flight(self) -> WorldChange | RendezvousError | None:
         """A world change that arrives within ``FAILURE_SETTLE`` of a failed attempt.

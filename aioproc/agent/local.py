@@ -366,7 +366,7 @@ class LocalElasticAgent:
             The run's end if the session does not open (see ``Hosts.open``),
             else None.
         """
-        opened = await hosts.open(self._spec.local_world_size)
+        opened = await hosts.open(self._spec.local_world_size, self._spec.role)
         if opened is not None:
             return self._end(opened)
         if watchdog is not None:

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from .api import DEFAULT_ROLE
+
 if TYPE_CHECKING:
     from ._etcd_client import KeyValue
     from ._etcd_keyspace import EtcdKeyspace
@@ -44,6 +46,8 @@ class Joining:
         keys: the job's keys: the node's session, its copy of them, the writes on them.
         prev: the round this node ran before, if any (its group rank is kept).
         nproc: this node's number of workers (its join says so).
+        role: the role of this node's workers (its join says so too): the
+            world carries both, so every node assigns role ranks as torch does.
         min_nodes, max_nodes: how many nodes a round's world may have.
         last_call_timeout: how long a leader waits for more joins once
             the round could complete with fewer than ``max_nodes``.
@@ -55,6 +59,7 @@ class Joining:
         prev: RendezvousInfo | None,
         *,
         nproc: int,
+        role: str = DEFAULT_ROLE,
         min_nodes: int,
         max_nodes: int,
         last_call_timeout: float,
@@ -62,6 +67,7 @@ class Joining:
         self._keys = keys
         self._prev = prev
         self._nproc = nproc
+        self._role = role
         self._min_nodes = min_nodes
         self._max_nodes = max_nodes
         self._last_call_timeout = last_call_timeout
@@ -85,7 +91,13 @@ class Joining:
         if prev is not None and prev.round == r - 1:
             prev_rank = prev.group_rank
         value = json.dumps(
-            {"addr": keys.addr, "port": port, "nproc": self._nproc, "prev_rank": prev_rank}
+            {
+                "addr": keys.addr,
+                "port": port,
+                "nproc": self._nproc,
+                "role": self._role,
+                "prev_rank": prev_rank,
+            }
         ).encode()
         claim = keys.get(f"lead/{r}") is None
         why = self._change_made(r)
@@ -214,6 +226,7 @@ class Joining:
                     "addr": value["addr"],
                     "port": value["port"],
                     "nproc": value["nproc"],
+                    "role": value.get("role", DEFAULT_ROLE),
                     "rev": kv.create_revision,
                 }
             )

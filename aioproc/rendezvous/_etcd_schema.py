@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .api import RendezvousInfo, RendezvousNode
+from .api import DEFAULT_ROLE, RendezvousInfo, RendezvousNode
 
 __all__ = ["World", "malformed"]
 
@@ -42,10 +42,19 @@ class World:
         for n in nodes:
             if not (isinstance(n["id"], str) and isinstance(n["addr"], str)):
                 raise TypeError(f"a node's id and addr must be strings, got {n!r}")
+            if not _is_role(n.get("role", DEFAULT_ROLE)):
+                raise TypeError(f"a node's role must be a non-empty string, got {n!r}")
         return cls(
             r,
             tuple(
-                RendezvousNode(n["id"], n["addr"], int(n["port"]), int(n["nproc"])) for n in nodes
+                RendezvousNode(
+                    n["id"],
+                    n["addr"],
+                    int(n["port"]),
+                    int(n["nproc"]),
+                    n.get("role", DEFAULT_ROLE),
+                )
+                for n in nodes
             ),
             {n["id"]: int(n["rev"]) for n in nodes},
         )
@@ -135,7 +144,13 @@ def _is_join(value: bytes) -> bool:
         and _is_int(port, 1, 65535)
         and _is_int(nproc, 1)
         and (prev is None or _is_int(prev, 0))
+        and _is_role(join.get("role", DEFAULT_ROLE))
     )
+
+
+def _is_role(value: Any) -> bool:
+    # a join or a world without one comes from an agent that ran one role: the default
+    return isinstance(value, str) and bool(value)
 
 
 def _is_int(value: Any, low: int, high: int | None = None) -> bool:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "DEFAULT_ROLE",
     "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousError",
@@ -111,6 +112,10 @@ class RendezvousJobFailedError(RendezvousError):
         self.failure = dict(failure) if failure is not None else None
 
 
+DEFAULT_ROLE = "default"
+"""The role of a node that names none (torch's ``DEFAULT_ROLE``)."""
+
+
 @dataclass(frozen=True)
 class RendezvousNode:
     """One agent of a completed round.
@@ -121,22 +126,31 @@ class RendezvousNode:
         port: a free port on ``addr``, reserved for ``MASTER_PORT`` should
             this node be group rank 0.
         nproc: its ``local_world_size``.
+        role: the role of its workers (``WorkerSpec.role``): ranks within a
+            role are counted over the nodes of that role only.
     """
 
     node_id: str
     addr: str
     port: int
     nproc: int
+    role: str = DEFAULT_ROLE
 
 
 @dataclass(frozen=True)
 class RendezvousInfo:
     """What a completed round gives this agent.
 
+    The ranks of this node's workers follow torch's
+    ``SimpleElasticAgent._assign_worker_ranks``: walking the nodes in
+    group-rank order, global ranks count every node's workers
+    (``base_global_rank``, ``world_size``), role ranks only the workers of
+    nodes with this node's role (``base_role_rank``, ``role_world_size``).
+
     Attributes:
         round: the round's number (0 first).
         group_rank: this node's rank among the nodes.
-        nodes: every node, in group-rank order.
+        nodes: every node, in group-rank order, each with its nproc and role.
     """
 
     round: int
@@ -155,6 +169,23 @@ class RendezvousInfo:
     def base_global_rank(self) -> int:
         """Global rank of this node's local rank 0 (torch's assignment)."""
         return sum(n.nproc for n in self.nodes[: self.group_rank])
+
+    @property
+    def role(self) -> str:
+        """This node's role."""
+        return self.nodes[self.group_rank].role
+
+    @property
+    def base_role_rank(self) -> int:
+        """Role rank of this node's local rank 0: the workers of its role on the nodes before it."""
+        role = self.role
+        return sum(n.nproc for n in self.nodes[: self.group_rank] if n.role == role)
+
+    @property
+    def role_world_size(self) -> int:
+        """How many workers of this node's role the world has, on every node."""
+        role = self.role
+        return sum(n.nproc for n in self.nodes if n.role == role)
 
     @property
     def master_addr(self) -> str:

@@ -6,7 +6,8 @@ control keys first (every agent copies them: a few writes per round):
 
 ``change/<r>``            a join that makes the running world (round r - 1) re-form
 ``closed``                the job is over (finished, or stopped by a signal)
-``completed/<r>``         round r's world: its nodes in group-rank order
+``completed/<r>``         round r's world: its nodes in group-rank order, each with
+                          its address, port, nproc and role (torch's rank assignment)
 ``current``               the number of the last completed round
 ``failed``                the job failed for good: the root cause
 ``lead/<r>``              (leased) the joiner that completes round r
@@ -14,7 +15,8 @@ control keys first (every agent copies them: a few writes per round):
 then the keys written by every agent, which no agent copies in full:
 
 ``nodes/<id>``            (leased) one per live agent: its lease is its liveness
-``rounds/<r>/join/<id>``  (leased) an agent waiting for round r
+``rounds/<r>/join/<id>``  (leased) an agent waiting for round r: its address, port,
+                          nproc and role
 ``rounds/<r>/done/<id>``  (leased) an agent whose workers finished (exit barrier)
 
 A round ``r`` is open while ``current`` is ``r - 1``.  An agent joins by
@@ -75,6 +77,7 @@ from ._etcd_keyspace import EtcdKeyspace
 from ._etcd_round import Joining
 from ._etcd_schema import World
 from .api import (
+    DEFAULT_ROLE,
     RendezvousInfo,
     RendezvousJobFailedError,
     RendezvousNode,
@@ -87,6 +90,11 @@ from .api import (
 __all__ = ["EtcdRendezvousHandler"]
 
 logger = logging.getLogger("aioproc.rendezvous")
+
+# what the etcd backend reads (``protocol=http`` included: the only one it speaks)
+_READ_OPTIONS = frozenset(
+    {"join_timeout", "timeout", "last_call_timeout", "close_timeout", "lease_ttl", "protocol"}
+)
 
 
 class EtcdRendezvousHandler:
@@ -103,26 +111,36 @@ class EtcdRendezvousHandler:
         import_aetcd()  # fail now, with the install hint, not when the agent runs
         self._params = params
         self._host, self._port = parse_endpoint(params.endpoint, 2379)
-        self.join_timeout = params.get_seconds("join_timeout", 600.0)
+        # torch's etcd backend takes its join timeout as ``timeout``
+        timeout = "join_timeout" if "join_timeout" in params.config else "timeout"
+        self.join_timeout = params.get_seconds(timeout, 600.0)
         self.last_call_timeout = params.get_seconds("last_call_timeout", 30.0)
         self.close_timeout = params.get_seconds("close_timeout", 30.0)
         self.lease_ttl = ttl_seconds(params.get_seconds("lease_ttl", 3.0, minimum=1.0))
-        unknown = set(params.config) - {
-            "join_timeout",
-            "last_call_timeout",
-            "close_timeout",
-            "lease_ttl",
-        }
-        if unknown:
+        tls = sorted(
+            key
+            for key in ("cacert", "cert", "key", "protocol")
+            if params.config.get(key) not in (None, "", "http")
+        )
+        if tls:
+            # a user who asked for TLS must not get a plain connection
             raise ValueError(
-                f"unknown etcd rendezvous option(s) {', '.join(sorted(unknown))}; known: "
-                "join_timeout, last_call_timeout, close_timeout, lease_ttl"
+                f"etcd rendezvous option(s) {', '.join(tls)}: aioproc connects to etcd "
+                "over plain http only (no TLS); use an endpoint reachable without it"
+            )
+        self.unused_options = tuple(sorted(set(params.config) - _READ_OPTIONS))
+        """Options this backend does not read: accepted, as torch's backends do."""
+        if self.unused_options:
+            logger.debug(
+                "etcd rendezvous: option(s) %s not used by this backend",
+                ", ".join(self.unused_options),
             )
         self.addr = params.local_addr or socket.getfqdn()
         self.node_id = f"{self.addr}_{os.getpid()}_{secrets.token_hex(3)}"
         # the job's keys: their names, this node's session, the checks and the writes
         self._keys = EtcdKeyspace(params.run_id, self.node_id, self.addr, self)
         self._nproc = 1
+        self._role = DEFAULT_ROLE
         self._info: RendezvousInfo | None = None
         self._world_now: World | None = None  # the world of ``_info``
         self._lost_cache: tuple[tuple[int, int], list[RendezvousNode]] | None = None
@@ -187,7 +205,10 @@ class EtcdRendezvousHandler:
         return 1 if self._keys.get(f"lead/{r}") is not None else 0
 
     def session(
-        self, local_world_size: int, lease_renewed: Callable[[float], None] | None = None
+        self,
+        local_world_size: int,
+        lease_renewed: Callable[[float], None] | None = None,
+        role: str = DEFAULT_ROLE,
     ) -> _Session:
         """Connect, take a lease, follow the job's keys, for the agent's run.
 
@@ -198,8 +219,12 @@ class EtcdRendezvousHandler:
             lease_renewed: called after the lease is granted and after every
                 renewal, with the time (``time.monotonic()``) at which this
                 node fences itself unless another renewal succeeds first.
+            role: the role of this node's workers; each join publishes it
+                with ``local_world_size``, so that every node of a round
+                assigns role ranks as torch does (``RendezvousInfo``).
         """
         self._nproc = local_world_size
+        self._role = role
         return _Session(self, lease_renewed)
 
     async def next_rendezvous(self) -> RendezvousInfo:
@@ -225,6 +250,7 @@ class EtcdRendezvousHandler:
             keys,
             self._info,
             nproc=self._nproc,
+            role=self._role,
             min_nodes=self.min_nodes,
             max_nodes=self.max_nodes,
             last_call_timeout=self.last_call_timeout,

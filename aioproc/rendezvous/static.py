@@ -2,6 +2,10 @@
 
 Every node is told its rank and the world's size; nothing is exchanged, so
 the world never changes and nothing notices a lost host (as in torch).
+Without a store, no node learns another's nproc or role: every node is taken
+to run as many workers as this one, in this one's role (torch exchanges both
+through rank 0's TCPStore, which aioproc does not host), so role ranks equal
+global ranks.
 """
 
 from __future__ import annotations
@@ -9,7 +13,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from .api import RendezvousInfo, RendezvousNode, RendezvousParameters, WorldChange
+from .api import (
+    DEFAULT_ROLE,
+    RendezvousInfo,
+    RendezvousNode,
+    RendezvousParameters,
+    WorldChange,
+)
 
 __all__ = ["StaticRendezvousHandler"]
 
@@ -43,6 +53,7 @@ class StaticRendezvousHandler:
         self.master_addr = str(params.get("master_addr") or host)
         self.master_port = int(params.get_as_int("master_port") or port)
         self._nproc = 1
+        self._role = DEFAULT_ROLE
 
     def __repr__(self) -> str:
         return (
@@ -71,17 +82,29 @@ class StaticRendezvousHandler:
         return 0
 
     def session(
-        self, local_world_size: int, lease_renewed: Callable[[float], None] | None = None
+        self,
+        local_world_size: int,
+        lease_renewed: Callable[[float], None] | None = None,
+        role: str = DEFAULT_ROLE,
     ) -> _NoSession:
-        """Nothing to connect to; no lease (``lease_renewed`` is never called)."""
+        """Nothing to connect to; no lease (``lease_renewed`` is never called).
+
+        Every node of the world is taken to run ``local_world_size`` workers
+        of ``role`` (see the module docstring).
+        """
         self._nproc = local_world_size
+        self._role = role
         return _NoSession()
 
     async def next_rendezvous(self) -> RendezvousInfo:
         n = self._params.max_nodes
         nodes = tuple(
             RendezvousNode(
-                f"node{i}", self.master_addr if i == 0 else "", self.master_port, self._nproc
+                f"node{i}",
+                self.master_addr if i == 0 else "",
+                self.master_port,
+                self._nproc,
+                self._role,
             )
             for i in range(n)
         )
