@@ -6,7 +6,9 @@ environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``, ``TORCHELASTIC_*``), restarts the group on failure up to
 ``--max-restarts`` times, and exits with torchrun's failure summary, so a
 script written for ``torchrun`` runs unchanged.  ``main()`` is the console
-script; ``python -m aioproc run ...`` is the same.
+script; ``python -m aioproc run ...`` is the same.  Every torchrun 2.13
+flag is accepted with torchrun's meaning, and defaults to its ``PET_``
+variable (README: "torchrun migration").
 
 Design: the command parses its flags into a ``WorkerSpec`` and a
 ``LogsSpecs``, then runs ``LocalElasticAgent.run()`` in ``asyncio.run`` under

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import REPO_ROOT, pid_gone
+from helpers import REPO_ROOT, free_port, loop_name, pid_gone
 from terminal import Action, Terminal, run_steps_on_pty
 
 from aioproc.agent import RestartPolicy
@@ -56,19 +55,13 @@ class Result:
 
 def cli_env(**extra: str) -> dict[str, str]:
     """The environment for the command: ours, on the test's kind of loop."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    # torchrun's variables from the developer's shell would change the flags' defaults
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "PET_"))}
+    env.pop("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", None)
     env["AIOPROC_LOOP"] = loop_name()
     env["OMP_NUM_THREADS"] = "1"  # keeps the agent's OMP warning out of the output
     env.update(extra)
     return env
-
-
-def loop_name() -> str:
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        return "asyncio"
-    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
 
 
 async def aioproc_run(
@@ -106,12 +99,6 @@ def env_reports(out: str, prefix: str = "[default{rank}]:") -> dict[int, dict[st
         if m:
             reports[int(m[1])] = json.loads(m[2])
     return reports
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def summary_sections(err: str) -> tuple[str, str]:
@@ -423,10 +410,22 @@ async def test_signal_stops_the_workers_and_sets_the_exit_code(
     assert [pid for pid in pids if not pid_gone(pid)] == []
 
 
+@pytest.mark.parametrize(
+    ("flags", "env"),
+    [
+        (["--grace-period", "1"], {}),
+        (["--shutdown-timeout", "1"], {}),  # torchrun's name
+        (["--shutdown_timeout=1"], {}),
+        ([], {"PET_SHUTDOWN_TIMEOUT": "1"}),
+        ([], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1"}),
+        (["--shutdown-timeout", "1"], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "600"}),
+    ],
+    ids=["grace-period", "shutdown-timeout", "underscores", "PET", "torch-env", "flag-wins"],
+)
 async def test_workers_ignoring_sigterm_are_killed_after_the_grace_period(
-    tmp_path: Path,
+    tmp_path: Path, flags: list[str], env: dict[str, str]
 ) -> None:
-    proc, pids = await start_sleepers(tmp_path, "--grace-period", "1", SLEEP_SCRIPT, "stubborn")
+    proc, pids = await start_sleepers(tmp_path, *flags, SLEEP_SCRIPT, "stubborn", env=env)
     signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     _, err = await asyncio.wait_for(proc.communicate(), LIMIT)
@@ -645,7 +644,11 @@ RUN_FLAGS = [
     "--tee",
     "--log-dir",
     "--local-ranks-filter",
+    "--duplicate-stdout-filters",
+    "--duplicate-stderr-filters",
     "--log-line-prefix-template",
+    "--logs-specs",
+    "--event-log-handler",
     "--role",
     "--run-id",
     "--master-addr",
@@ -654,6 +657,9 @@ RUN_FLAGS = [
     "--preload",
     "--no-python",
     "--module",
+    "--run-path",
+    "--virtual-local-rank",
+    "--numa-binding",
     "--watchdog",
     "--no-live",
     "--forward-sighup",
@@ -691,6 +697,8 @@ def test_help_lists_every_flag_with_its_default() -> None:
         assert "(default:" in blocks[flag], f"{flag} has no default in --help: {blocks[flag]}"
     assert "SIGHUP" in proc.stdout and "torchrun" in proc.stdout
     assert "--rdzv-id" in blocks["--run-id"]
+    assert "--shutdown-timeout" in blocks["--grace-period"]
+    assert "PET_<NAME>" in proc.stdout
 
 
 def test_version() -> None:
@@ -706,8 +714,8 @@ def test_version() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--nproc-per-node", "gpu"], "does not count GPUs"),
         (["--nproc-per-node", "0"], "positive number"),
+        (["--nproc-per-node", "gpus"], "or auto, cpu, gpu or xpu, got 'gpus'"),
         (["--tee", "7"], "invalid Std value"),
         (["--redirects", "0:3,0:1"], "given twice"),
         (["--backoff", "1,2"], "initial,factor,max"),
@@ -723,7 +731,12 @@ def test_version() -> None:
         (["--nnodes=1:4"], "--nnodes 1:4 is elastic: use --rdzv-backend etcd"),
         (
             ["--nnodes=2:3", "--rdzv-backend=c10d"],
-            "--rdzv-backend 'c10d' cannot join several nodes in aioproc; use etcd or static",
+            "--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT] (the host whose agent "
+            "serves the rendezvous; port 29400 by default)",
+        ),
+        (
+            ["--nnodes=2:3", "--rdzv-backend=zk"],
+            "--rdzv-backend 'zk' cannot join several nodes in aioproc; use c10d, etcd or static",
         ),
         (
             ["--nnodes=2:3", "--rdzv-backend=etcd"],
@@ -763,7 +776,6 @@ def test_version() -> None:
             "--preload json,os needs --start-method forkserver (only the forkserver "
             "template preloads modules)",
         ),
-        (["--start-method", "fork"], "start_method='fork' is refused: forking this process"),
         (["--start-method", "vfork"], "unknown start_method 'vfork'"),
         (
             ["--start-method", "forkserver", "--preload", "json,a b"],
@@ -894,7 +906,7 @@ def test_no_command_prints_help() -> None:
 
 def test_nproc_and_backoff_parsing() -> None:
     assert parse_nproc("4") == 4
-    assert parse_nproc("cpu") == parse_nproc("auto") == (os.cpu_count() or 1)
+    assert parse_nproc("cpu") == parse_nproc("CPU") == len(os.sched_getaffinity(0))
     assert parse_backoff("1,2,60") == RestartPolicy(initial_delay=1, factor=2, max_delay=60)
     assert parse_backoff(" 0.5, 3, 9, 0.1 ") == RestartPolicy(
         initial_delay=0.5, factor=3, max_delay=9, jitter=0.1

@@ -5,7 +5,10 @@ the flags are added one group at a time, in torchrun's grouping (node and
 worker counts, rendezvous, restarts, logs, the job, the start method,
 supervision), and in the order ``aioproc run --help`` lists them.  The
 groups are not argparse argument groups: the help shows one flat list of
-options, as it always has.  Each flag's value parser is in ``values``.
+options, as it always has.  Each flag's value parser is in ``values``, and
+so are ``EnvDefault`` and ``EnvSwitch``, the actions that give every
+torchrun flag its ``PET_<NAME>`` default as torchrun's ``env`` and
+``check_env`` do.
 """
 
 from __future__ import annotations
@@ -13,14 +16,20 @@ from __future__ import annotations
 import argparse
 
 from .values import (
+    LOGS_SPECS_GROUP,
     PROG,
+    SHUTDOWN_TIMEOUT_ENV,
     SIGNALS_ENV,
+    EnvDefault,
+    EnvSwitch,
     _log_dir,
     _number,
     _parse_backend,
     _parse_endpoint,
+    _parse_filters,
     _parse_nnodes,
     _parse_node_rank,
+    _parse_numa,
     _parse_preload,
     _parse_ranks,
     _parse_rdzv_conf,
@@ -42,8 +51,10 @@ Workers get torchrun's variables: RANK, LOCAL_RANK, GROUP_RANK, ROLE_RANK,
 ROLE_NAME, WORLD_SIZE, LOCAL_WORLD_SIZE, ROLE_WORLD_SIZE, GROUP_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS,
 TORCHELASTIC_RUN_ID and TORCHELASTIC_ERROR_FILE ("${local_rank}" in an argument
-becomes the worker's local rank).  torchrun's underscore spellings of the flags
-(--nproc_per_node, --max_restarts, ...) are accepted too.
+becomes the worker's local rank).  Every torchrun flag is accepted, with
+torchrun's meaning, in both spellings (--nproc-per-node, --nproc_per_node), and
+defaults to its PET_ variable as in torchrun; where aioproc must differ, the
+flag's help says how.
 """
 
 _RUN_EPILOG = """\
@@ -71,14 +82,17 @@ signals:
 exit status:
   0 when the workers succeed, 1 when they fail (after the restarts; torchrun's
   failure summary is printed to stderr), 2 for usage errors, 128+N after
-  signal N.  With --rdzv-backend etcd, also 1 when the rendezvous fails:
-  etcd not reached within join_timeout, a round not completed in time, a
+  signal N.  With --rdzv-backend c10d or etcd, also 1 when the rendezvous
+  fails: the store not reached within join_timeout, a round not completed in time, a
   lost lease (fenced), or a job found closed on arrival, even one that
   finished (a reused --rdzv-id: nothing ran here; torchrun exits 1 on its
   RendezvousClosedError too).  A host that joined and waited for a place
   while the job finished exits 0.
 
 environment:
+  PET_<NAME>: the default of torchrun's flag --<name> (PET_NPROC_PER_NODE=4 is
+  --nproc-per-node 4 unless the flag is given; a switch such as PET_STANDALONE
+  is an integer, 0 for off), as torchrun (and Kubeflow's PyTorchJob) sets them.
   AIOPROC_LOOP=uvloop runs the agent on uvloop (default: asyncio's loop).
   LOGLEVEL sets this command's log level (default: WARNING), as in torchrun.
   OMP_NUM_THREADS is set to 1 in the workers when there are several and it is
@@ -86,6 +100,11 @@ environment:
   TORCHELASTIC_SIGNALS_TO_HANDLE: the default of --signals-to-handle.
   TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE: the default of
   --log-line-prefix-template (as torchrun reads it).
+  TORCH_ELASTIC_SHUTDOWN_TIMEOUT: the default of --shutdown-timeout (torchrun's).
+  PYTHON_EXEC: the interpreter that runs the script (default: this one), as in
+  torchrun.
+  CUDA_VISIBLE_DEVICES: the GPUs counted by --nproc-per-node gpu/auto and
+  handed out by --virtual-local-rank and --numa-binding.
 """
 
 
@@ -144,6 +163,11 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     return parser, run
 
 
+def _pet(dest: str) -> str:
+    """torchrun's variable for a flag's dest: ``nproc_per_node`` is read from PET_NPROC_PER_NODE."""
+    return f"PET_{dest.upper()}"
+
+
 def _add_size_flags(run: argparse.ArgumentParser) -> None:
     """How many workers, on how many nodes, and this node's place."""
     add = run.add_argument
@@ -151,24 +175,32 @@ def _add_size_flags(run: argparse.ArgumentParser) -> None:
         "--nproc-per-node",
         "--nproc_per_node",
         dest="nproc_per_node",
+        action=EnvDefault,
+        env=_pet("nproc_per_node"),
         type=parse_nproc,
         default=1,
         metavar="NPROC",
-        help="number of workers: a number, or 'cpu'/'auto' for one per CPU "
-        "('gpu' is not supported)",
+        help="number of workers: N, or auto (one per accelerator, else one per CPU), cpu, "
+        "gpu or xpu (one per device; an error where there is none); devices are counted by "
+        "torch when it can be imported, else by the NVIDIA driver (nvidia-smi), as "
+        "CUDA_VISIBLE_DEVICES restricts them",
     )
     add(
         "--nnodes",
+        action=EnvDefault,
+        env=_pet("nnodes"),
         type=_parse_nnodes,
         default=(1, 1),
         metavar="N|MIN:MAX",
         help="number of nodes (hosts), each running 'aioproc run': N, or MIN:MAX for an "
-        "elastic job (--rdzv-backend etcd) (default: 1, this host alone)",
+        "elastic job (--rdzv-backend c10d or etcd) (default: 1, this host alone)",
     )
     add(
         "--node-rank",
         "--node_rank",
         dest="node_rank",
+        action=EnvDefault,
+        env=_pet("node_rank"),
         type=_parse_node_rank,
         default=0,
         metavar="RANK",
@@ -176,7 +208,8 @@ def _add_size_flags(run: argparse.ArgumentParser) -> None:
     )
     add(
         "--standalone",
-        action="store_true",
+        action=EnvSwitch,
+        env=_pet("standalone"),
         help="this host alone, whatever --nnodes and --rdzv-* say (the default with --nnodes 1)",
     )
 
@@ -188,36 +221,47 @@ def _add_rendezvous_flags(run: argparse.ArgumentParser) -> None:
         "--rdzv-backend",
         "--rdzv_backend",
         dest="rdzv_backend",
+        action=EnvDefault,
+        env=_pet("rdzv_backend"),
         type=_parse_backend,
         default="static",
         metavar="BACKEND",
-        help="how several nodes meet: etcd (elastic: hosts may join, leave or be lost; "
-        "needs pip install 'aioproc[etcd]') or static (fixed --node-rank and "
+        help="how several nodes meet: c10d (elastic; the agent on the --rdzv-endpoint host "
+        "runs the rendezvous store, an etcd server: pip install 'aioproc[etcd]'), etcd "
+        "(elastic, through an etcd server of your own) or static (fixed --node-rank and "
         "--master-addr/--master-port) (default: static); ignored with one node",
     )
     add(
         "--rdzv-endpoint",
         "--rdzv_endpoint",
         dest="rdzv_endpoint",
+        action=EnvDefault,
+        env=_pet("rdzv_endpoint"),
         type=_parse_endpoint,
         default="",
         metavar="HOST[:PORT]",
-        help="the etcd server's client address (etcd: HOST:2379 by default)",
+        help="c10d: the host whose agent runs the store, and its port (29400 by "
+        "default); etcd: the etcd server's client address (HOST:2379 by default)",
     )
     add(
         "--rdzv-conf",
         "--rdzv_conf",
         dest="rdzv_conf",
+        action=EnvDefault,
+        env=_pet("rdzv_conf"),
         type=_parse_rdzv_conf,
         default="",
         metavar="KEY=VALUE,...",
         help="rendezvous options: join_timeout (600), last_call_timeout (30), "
-        "lease_ttl (3: seconds before a lost host is noticed), close_timeout (30)",
+        "lease_ttl (3: seconds before a lost host is noticed), close_timeout (30); "
+        "c10d also: is_host, timeout (= join_timeout), read_timeout",
     )
     add(
         "--local-addr",
         "--local_addr",
         dest="local_addr",
+        action=EnvDefault,
+        env=_pet("local_addr"),
         default=None,
         metavar="ADDR",
         help="the address this host is known by, MASTER_ADDR when it is group rank 0 "
@@ -232,6 +276,8 @@ def _add_restart_flags(run: argparse.ArgumentParser) -> None:
         "--max-restarts",
         "--max_restarts",
         dest="max_restarts",
+        action=EnvDefault,
+        env=_pet("max_restarts"),
         type=_number(int, 0),
         default=0,
         metavar="N",
@@ -249,6 +295,8 @@ def _add_restart_flags(run: argparse.ArgumentParser) -> None:
         "--monitor-interval",
         "--monitor_interval",
         dest="monitor_interval",
+        action=EnvDefault,
+        env=_pet("monitor_interval"),
         type=_number(float, 0),
         default=0.1,
         metavar="SECONDS",
@@ -256,11 +304,16 @@ def _add_restart_flags(run: argparse.ArgumentParser) -> None:
     )
     add(
         "--grace-period",
+        "--shutdown-timeout",
+        "--shutdown_timeout",
         dest="grace_period",
+        action=EnvDefault,
+        env=_pet("shutdown_timeout"),
         type=_number(float, 0),
-        default=30.0,
+        default=None,
         metavar="SECONDS",
-        help="seconds between SIGTERM (or the signal received) and SIGKILL when stopping workers",
+        help="seconds between SIGTERM (or the signal received) and SIGKILL when stopping "
+        f"workers; torchrun's --shutdown-timeout (default: ${SHUTDOWN_TIMEOUT_ENV}, else 30)",
     )
 
 
@@ -270,6 +323,8 @@ def _add_log_flags(run: argparse.ArgumentParser) -> None:
     add(
         "-r",
         "--redirects",
+        action=EnvDefault,
+        env=_pet("redirects"),
         type=_parse_std,
         default="0",
         metavar="STD",
@@ -279,6 +334,8 @@ def _add_log_flags(run: argparse.ArgumentParser) -> None:
     add(
         "-t",
         "--tee",
+        action=EnvDefault,
+        env=_pet("tee"),
         type=_parse_std,
         default="0",
         metavar="STD",
@@ -289,6 +346,8 @@ def _add_log_flags(run: argparse.ArgumentParser) -> None:
         "--log-dir",
         "--log_dir",
         dest="log_dir",
+        action=EnvDefault,
+        env=_pet("log_dir"),
         type=_log_dir,
         default=None,
         metavar="DIR",
@@ -299,12 +358,28 @@ def _add_log_flags(run: argparse.ArgumentParser) -> None:
         "--local-ranks-filter",
         "--local_ranks_filter",
         dest="local_ranks_filter",
+        action=EnvDefault,
+        env=_pet("local_ranks_filter"),
         type=_parse_ranks,
         default="",
         metavar="RANKS",
         help="comma-separated local ranks whose output reaches the console, e.g. '0' "
         "(default: all ranks)",
     )
+    for stream in ("stdout", "stderr"):
+        add(
+            f"--duplicate-{stream}-filters",
+            f"--duplicate_{stream}_filters",
+            dest=f"duplicate_{stream}_filters",
+            action=EnvDefault,
+            env=_pet(f"duplicate_{stream}_filters"),
+            type=_parse_filters,
+            default=[],
+            metavar="TEXT,...",
+            help=f"tee'd {stream} lines containing any of these comma-separated strings "
+            f"(',,' is a comma) are also written to attempt_<n>/filtered_{stream}.log "
+            "(default: none)",
+        )
     add(
         "--log-line-prefix-template",
         "--log_line_prefix_template",
@@ -314,17 +389,49 @@ def _add_log_flags(run: argparse.ArgumentParser) -> None:
         help="prefix of console lines, with ${role_name}, ${rank}, ${local_rank} "
         "(default: '[${role_name}${local_rank}]:')",
     )
+    add(
+        "--logs-specs",
+        "--logs_specs",
+        dest="logs_specs",
+        action=EnvDefault,
+        env=_pet("logs_specs"),
+        default=None,
+        metavar="NAME",
+        help=f"the entry point NAME of group '{LOGS_SPECS_GROUP}' that decides where the "
+        "logs go, as in torchrun: an aioproc or a torch LogsSpecs class; with one other "
+        "than the default, output is plain (no live view) (default: DefaultLogsSpecs)",
+    )
+    add(
+        "--event-log-handler",
+        "--event_log_handler",
+        dest="event_log_handler",
+        action=EnvDefault,
+        env=_pet("event_log_handler"),
+        default="null",
+        metavar="NAME",
+        help="where torch's elastic events (worker START, final states, agent "
+        "SUCCEEDED/FAILED, as JSON lines) go: null (nowhere), console (stderr), "
+        "dynamic_rendezvous (nowhere), or a handler registered in torch's events module",
+    )
 
 
 def _add_job_flags(run: argparse.ArgumentParser) -> None:
     """The job's names and the master address the workers get."""
     add = run.add_argument
-    add("--role", default="default", help="the workers' role name (ROLE_NAME, line prefixes)")
+    add(
+        "--role",
+        action=EnvDefault,
+        env=_pet("role"),
+        default="default",
+        help="the workers' role name (ROLE_NAME, line prefixes)",
+    )
     add(
         "--run-id",
         "--rdzv-id",
         "--rdzv_id",
         dest="run_id",
+        action=EnvDefault,
+        env=_pet("rdzv_id"),
         type=_run_id,
         default=None,
         metavar="ID",
@@ -334,6 +441,8 @@ def _add_job_flags(run: argparse.ArgumentParser) -> None:
         "--master-addr",
         "--master_addr",
         dest="master_addr",
+        action=EnvDefault,
+        env=_pet("master_addr"),
         default="127.0.0.1",
         metavar="ADDR",
         help="MASTER_ADDR given to the workers",
@@ -342,6 +451,8 @@ def _add_job_flags(run: argparse.ArgumentParser) -> None:
         "--master-port",
         "--master_port",
         dest="master_port",
+        action=EnvDefault,
+        env=_pet("master_port"),
         type=_port,
         default=None,
         metavar="PORT",
@@ -350,19 +461,23 @@ def _add_job_flags(run: argparse.ArgumentParser) -> None:
 
 
 def _add_start_flags(run: argparse.ArgumentParser) -> None:
-    """How the workers are started: start method, preload, script kind."""
+    """How the workers are started: start method, preload, script kind, devices, CPUs."""
     add = run.add_argument
     add(
         "--start-method",
         "--start_method",
         dest="start_method",
+        action=EnvDefault,
+        env=_pet("start_method"),
         type=_parse_start_method,
         default="spawn",
-        metavar="{spawn,forkserver}",
+        metavar="{spawn,forkserver,fork}",
         help="how workers are started: spawn (a fresh interpreter each) or forkserver "
         "(forked from a template interpreter that imported --preload once; the script "
-        "then runs in the forked worker; --no-python programs are always spawned; "
-        "fork is refused)",
+        "then runs in the forked worker; --no-python programs are always spawned); "
+        "torchrun's fork is accepted: a script is spawned (torchrun too execs scripts "
+        "whatever the method), --run-path workers are forked from the forkserver "
+        "template, never from this command's process",
     )
     add(
         "--preload",
@@ -378,14 +493,51 @@ def _add_start_flags(run: argparse.ArgumentParser) -> None:
         "--no-python",
         "--no_python",
         dest="no_python",
-        action="store_true",
+        action=EnvSwitch,
+        env=_pet("no_python"),
         help="run the script as a binary, without prepending 'python -u'",
     )
     add(
         "-m",
         "--module",
-        action="store_true",
+        action=EnvSwitch,
+        env=_pet("module"),
         help="run the script as a Python module (python -u -m script)",
+    )
+    add(
+        "--run-path",
+        "--run_path",
+        dest="run_path",
+        action=EnvSwitch,
+        env=_pet("run_path"),
+        help="run the script in Python function workers with runpy.run_path, as torchrun "
+        "does (no 'python -u script' command line); takes precedence over --no-python "
+        "and -m, as in torchrun",
+    )
+    add(
+        "--virtual-local-rank",
+        "--virtual_local_rank",
+        dest="virtual_local_rank",
+        action=EnvSwitch,
+        env=_pet("virtual_local_rank"),
+        help="every worker gets LOCAL_RANK=0 and sees only its own GPU, as device 0: "
+        "CUDA_VISIBLE_DEVICES is the local rank's entry of this command's "
+        "CUDA_VISIBLE_DEVICES (else the local rank itself), as in torchrun",
+    )
+    add(
+        "--numa-binding",
+        "--numa_binding",
+        dest="numa_binding",
+        action=EnvDefault,
+        env=_pet("numa_binding"),
+        type=_parse_numa,
+        default=None,
+        metavar="{node,socket,exclusive,core-complex}",
+        help="bind each worker's CPUs near its GPU (local rank i: GPU i), in torch's modes: "
+        "node (the GPU's NUMA node), socket (its socket), exclusive (a share of its "
+        "node's cores no other worker gets), core-complex (one last-level cache); set on "
+        "every thread of the worker as it starts, no numactl needed; a no-op, said once, "
+        "where the machine shows no NUMA nodes or no GPU (default: no binding)",
     )
 
 
@@ -415,6 +567,8 @@ def _add_supervision_flags(run: argparse.ArgumentParser) -> None:
         "--signals-to-handle",
         "--signals_to_handle",
         dest="signals_to_handle",
+        action=EnvDefault,
+        env=_pet("signals_to_handle"),
         type=_parse_signals,
         default=None,
         metavar="SIGNALS",

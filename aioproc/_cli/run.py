@@ -3,27 +3,41 @@
 ``_make_run`` checks the flags that only make sense together, and turns
 them into a ``_Run``: the agent's ``WorkerSpec`` (with the rendezvous
 handler of a multi-node job), its ``LogsSpecs`` (the live view's when
-stdout is a terminal), and what the supervision needs (signals, grace
-period, prefix template).  Nothing starts here.  The agent, the logs and
-the rendezvous are imported when a run is made, never for ``--help``.
+stdout is a terminal, or ``--logs-specs``'s), and what the supervision
+needs (signals, grace period, prefix template, torch's event log, the
+CPUs ``--numa-binding`` gives each rank).  Nothing starts here.  The
+agent, the logs and the rendezvous are imported when a run is made, never
+for ``--help``.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .values import MULTI_NODE_BACKENDS, SIGNALS_ENV, _parse_signals
+from .values import (
+    MULTI_NODE_BACKENDS,
+    SHUTDOWN_TIMEOUT_ENV,
+    SIGNALS_ENV,
+    _number,
+    _parse_signals,
+)
 
 if TYPE_CHECKING:
     from ..agent import WorkerSpec
     from ..logs import LogsSpecs
+    from .torchrun import EventLog
 
 PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+PYTHON_EXEC_ENV = "PYTHON_EXEC"  # torchrun's interpreter for the script
+
+logger = logging.getLogger("aioproc.cli")
 
 
 @dataclass
@@ -40,6 +54,9 @@ class _Run:
     signals: tuple[signal.Signals, ...]
     log_line_prefix_template: str | None
     show_log_dir: bool  # --log-dir was given: say where this run's logs are
+    event_log: EventLog | None = None  # --event-log-handler's, unless it drops everything
+    numa: dict[int, frozenset[int]] = field(default_factory=dict)  # local rank -> its CPUs
+    notes: list[str] = field(default_factory=list)  # said once, as the run starts
 
 
 def _handled_signals(ns: argparse.Namespace) -> tuple[signal.Signals, ...]:
@@ -55,40 +72,127 @@ def _handled_signals(ns: argparse.Namespace) -> tuple[signal.Signals, ...]:
     return (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
 
 
-def _make_run(ns: argparse.Namespace) -> _Run:
-    from ..agent import RestartPolicy, WorkerSpec
-    from ..logs import DefaultLogsSpecs
+def _grace_period(ns: argparse.Namespace) -> float:
+    """``--shutdown-timeout`` (or its PET_ variable), else torch's variable, else 30 s."""
+    if ns.grace_period is not None:
+        return float(ns.grace_period)
+    from_env = os.environ.get(SHUTDOWN_TIMEOUT_ENV)
+    if from_env is None:
+        return 30.0
+    try:
+        return float(_number(float, 0)(from_env))
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"{SHUTDOWN_TIMEOUT_ENV}: {e}") from None
 
+
+def _start_method(ns: argparse.Namespace) -> str:
+    """The start method; torchrun's ``fork`` becomes the method that does what it does there.
+
+    torchrun execs a script whatever the method, so its scripts are spawned
+    here too; the only workers it forks are ``--run-path`` ones, which are
+    forked here from the forkserver template, never from this command's
+    process (its event loop and threads would be copied into every worker).
+    """
+    if ns.start_method != "fork":
+        return str(ns.start_method)
+    return "forkserver" if ns.run_path else "spawn"
+
+
+def _entrypoint(ns: argparse.Namespace) -> tuple[Callable[..., Any] | str, list[str]]:
+    """What each worker runs and its arguments, as torchrun's ``config_from_args`` builds them."""
+    if ns.run_path:  # torchrun's precedence: over --no-python and -m
+        from .torchrun import run_script_path
+
+        if not os.path.exists(ns.script):
+            raise ValueError(f"--run-path needs an existing script, got {ns.script!r}")
+        return run_script_path, [ns.script, *ns.script_args]
     if ns.no_python and ns.module:
         raise ValueError("--no-python and -m/--module cannot be used together")
+    if ns.no_python:
+        return ns.script, list(ns.script_args)
+    python = os.environ.get(PYTHON_EXEC_ENV) or sys.executable  # as torchrun reads it
+    return python, ["-u", *(["-m"] if ns.module else []), ns.script, *ns.script_args]
+
+
+def _make_logs_specs(ns: argparse.Namespace) -> tuple[LogsSpecs, bool]:
+    """``--logs-specs``'s class (torchrun's entry point) made with the log flags; and live or not.
+
+    The live view needs aioproc's own layout: with another class, output
+    is plain.
+    """
+    from ..logs import DefaultLogsSpecs, LogsSpecs
+
+    redirects, tee = ns.redirects, ns.tee  # argparse parses string defaults too
+    factory: Callable[..., LogsSpecs] = DefaultLogsSpecs
+    if ns.logs_specs is not None:
+        from .torchrun import logs_specs_class
+
+        factory = logs_specs_class(ns.logs_specs)
+    if factory is DefaultLogsSpecs and not ns.no_live and _live_possible():
+        from .live import LiveLogsSpecs
+
+        return LiveLogsSpecs(ns.log_dir, redirects, tee, ns.local_ranks_filter), True
+    try:
+        specs = factory(
+            log_dir=ns.log_dir,
+            redirects=redirects,
+            tee=tee,
+            local_ranks_filter=ns.local_ranks_filter,
+        )
+    except Exception as e:
+        raise ValueError(f"--logs-specs {ns.logs_specs!r}: {type(e).__name__}: {e}") from None
+    if not isinstance(specs, LogsSpecs):
+        raise ValueError(f"--logs-specs {ns.logs_specs!r} made {specs!r}, not a LogsSpecs")
+    return specs, False
+
+
+def _numa(ns: argparse.Namespace) -> tuple[dict[int, frozenset[int]], list[str]]:
+    """``--numa-binding``: each local rank's CPUs, and what to tell the user about it."""
+    if ns.numa_binding is None:
+        return {}, []
+    from .devices import numa_cpus, ranges
+
+    cpus, note = numa_cpus(ns.numa_binding, ns.nproc_per_node)
+    flag = f"--numa-binding {ns.numa_binding}"
+    if not cpus:
+        return {}, [f"{flag}: no worker is bound: {note}"]
+    for rank, mine in sorted(cpus.items()):
+        logger.info("%s: local rank %d runs on CPUs %s", flag, rank, ranges(mine))
+    return cpus, [f"{flag}: {note}"] if note else []
+
+
+def _event_log(ns: argparse.Namespace) -> EventLog | None:
+    """``--event-log-handler``'s recorder; None for torch's handlers that drop every event."""
+    from .torchrun import EventLog, event_handler
+
+    handler = event_handler(ns.event_log_handler)
+    if type(handler) is logging.NullHandler:
+        return None
+    return EventLog(ns.event_log_handler, handler, ns.rdzv_backend)
+
+
+def _make_run(ns: argparse.Namespace) -> _Run:
+    from ..agent import RestartPolicy, WorkerSpec
+
+    start_method = _start_method(ns)
     preload = [name for names in ns.preload for name in names]
-    if preload and ns.start_method != "forkserver":
+    if preload and start_method != "forkserver":
         raise ValueError(
             f"--preload {','.join(preload)} needs --start-method forkserver "
             "(only the forkserver template preloads modules)"
         )
-    if preload and ns.no_python:
+    if preload and ns.no_python and not ns.run_path:
         raise ValueError(
             "--preload needs a Python script or module: --no-python programs are spawned"
         )
-    if ns.no_python:
-        entrypoint: str = ns.script
-        args: list[str] = list(ns.script_args)
-    else:
-        entrypoint = sys.executable
-        args = ["-u", *(["-m"] if ns.module else []), ns.script, *ns.script_args]
-    redirects, tee = ns.redirects, ns.tee  # argparse parses string defaults too
-    live = not ns.no_live and _live_possible()
-    logs_specs: LogsSpecs
-    if live:
-        from .live import LiveLogsSpecs
-
-        logs_specs = LiveLogsSpecs(ns.log_dir, redirects, tee, ns.local_ranks_filter)
-    else:
-        logs_specs = DefaultLogsSpecs(ns.log_dir, redirects, tee, ns.local_ranks_filter)
+    entrypoint, args = _entrypoint(ns)
+    grace_period = _grace_period(ns)
+    logs_specs, live = _make_logs_specs(ns)
+    numa, notes = _numa(ns)
     sigs = list(_handled_signals(ns))
     if ns.forward_sighup and signal.SIGHUP not in sigs:
         sigs.append(signal.SIGHUP)
+    event_log = _event_log(ns)
     rdzv_handler = _make_rdzv_handler(ns)
     spec = WorkerSpec(
         role=ns.role,
@@ -97,17 +201,20 @@ def _make_run(ns: argparse.Namespace) -> _Run:
         args=tuple(args),
         max_restarts=ns.max_restarts,
         monitor_interval=ns.monitor_interval,
-        redirects=redirects,
-        tee=tee,
+        redirects=ns.redirects,
+        tee=ns.tee,
         local_ranks_filter=ns.local_ranks_filter,
         master_addr=ns.master_addr,
         master_port=ns.master_port,
         restart_policy=ns.backoff or RestartPolicy(),
         watchdog=ns.watchdog,
+        duplicate_stdout_filters=ns.duplicate_stdout_filters or None,
+        duplicate_stderr_filters=ns.duplicate_stderr_filters or None,
         preload=preload,
         # torchrun exports the list it handles; workers see the same variable
         env={SIGNALS_ENV: ",".join(sig.name for sig in sigs)},
         rdzv_handler=rdzv_handler,
+        virtual_local_rank=ns.virtual_local_rank,
     )
     template = ns.log_line_prefix_template
     if template is None:
@@ -117,12 +224,15 @@ def _make_run(ns: argparse.Namespace) -> _Run:
         spec=spec,
         logs_specs=logs_specs,
         run_id=ns.run_id,
-        grace_period=ns.grace_period,
-        start_method=ns.start_method,
+        grace_period=grace_period,
+        start_method=start_method,
         live=live,
         signals=tuple(sigs),
         log_line_prefix_template=template,
         show_log_dir=ns.log_dir is not None and ns.log_dir != os.devnull,
+        event_log=event_log,
+        numa=numa,
+        notes=notes,
     )
 
 
@@ -141,15 +251,18 @@ def _make_rdzv_handler(ns: argparse.Namespace) -> Any:
 
     backend = ns.rdzv_backend
     if backend not in MULTI_NODE_BACKENDS:
+        names = [b for b in MULTI_NODE_BACKENDS if b != "etcd-v3"]  # etcd's alias
         raise ValueError(
             f"--rdzv-backend {backend!r} cannot join several nodes in aioproc; "
-            f"use {' or '.join(MULTI_NODE_BACKENDS[::2])}"
+            f"use {', '.join(names[:-1])} or {names[-1]}"
         )
+    if backend == "c10d":
+        return _make_c10d_handler(ns)
     conf: dict[str, Any] = dict(ns.rdzv_conf)
     if backend == "static":
         if min_nodes != max_nodes:
             raise ValueError(
-                f"--nnodes {min_nodes}:{max_nodes} is elastic: use --rdzv-backend etcd, "
+                f"--nnodes {min_nodes}:{max_nodes} is elastic: use --rdzv-backend etcd or c10d, "
                 f"or a fixed --nnodes N with --rdzv-backend static"
             )
         if ns.node_rank >= max_nodes:
@@ -177,6 +290,45 @@ def _make_rdzv_handler(ns: argparse.Namespace) -> Any:
     )
     try:
         return create_handler(params)
+    except ImportError as e:
+        raise ValueError(str(e)) from None
+
+
+def _make_c10d_handler(ns: argparse.Namespace) -> Any:
+    """torchrun's c10d backend: the agent on the endpoint's host serves the store.
+
+    That agent runs an etcd server (keeping its data under ``--log-dir``,
+    else in the temp dir); every agent meets in it.  Whether this agent is
+    that one, and where its etcd binary is, is settled here, before
+    anything starts.  ``--rdzv-id`` defaults to torchrun's ``none``: the
+    store is the job's own.
+
+    Raises:
+        ValueError: no endpoint, a bad option, aetcd missing, or this agent
+            hosts the store and finds no etcd binary (the message says how
+            to get one).
+    """
+    from ..agent._c10d import create_c10d_handler
+    from ..rendezvous import RendezvousParameters
+
+    if not ns.rdzv_endpoint:
+        raise ValueError(
+            "--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT] (the host whose agent "
+            "serves the rendezvous; port 29400 by default)"
+        )
+    min_nodes, max_nodes = ns.nnodes
+    params = RendezvousParameters(
+        "c10d",
+        ns.rdzv_endpoint,
+        ns.run_id or "none",
+        min_nodes,
+        max_nodes,
+        local_addr=ns.local_addr,
+        **dict(ns.rdzv_conf),
+    )
+    root = ns.log_dir if ns.log_dir not in (None, os.devnull) else None
+    try:
+        return create_c10d_handler(params, data_root=root)
     except ImportError as e:
         raise ValueError(str(e)) from None
 

@@ -53,6 +53,7 @@ async def _supervise(run: _Run) -> int:
     from ..agent import events as ev
     from ..errors import ChildFailedError, RemoteTraceback
     from ..signals import SignalException, translate_signals
+    from .devices import bind
 
     view: LiveView | None = None
     if run.live:
@@ -73,7 +74,13 @@ async def _supervise(run: _Run) -> int:
         if event.kind == ev.ATTEMPT_STARTED:
             attempt = event.attempt
             stopper.started = True
+        if event.kind == ev.WORKER_STARTED and event.pid is not None:
+            cpus = run.numa.get(event.local_rank if event.local_rank is not None else -1)
+            if cpus is not None:
+                bind(event.pid, cpus)  # --numa-binding, before the worker gets far
         show_event(event)
+        if run.event_log is not None:
+            run.event_log.on_event(event, agent.get_worker_group(), agent.run_id)
         if run.show_log_dir and event.kind == ev.WORKER_STARTED and event.local_rank == 0:
             run_dir = _run_log_dir(run.logs_specs)
             if run_dir is not None and event.attempt == 0:
@@ -90,6 +97,8 @@ async def _supervise(run: _Run) -> int:
         on_event=on_event,
     )
     stopper = _Stopper(agent, run.grace_period, say)
+    for note in run.notes:
+        say(f"{PROG} run: {note}")
     try:
         try:
             if view is not None:
@@ -97,10 +106,19 @@ async def _supervise(run: _Run) -> int:
             with follow_job_control():
                 async with translate_signals(run.signals, on_signal=stopper.on_signal):
                     result = await agent.run()
+        except BaseException as e:
+            if run.event_log is not None:  # torch's agent FAILED: its run raised
+                run.event_log.failed(agent.get_worker_group(), agent.run_id, attempt, e)
+            raise
+        else:
+            if run.event_log is not None:  # torch's agent SUCCEEDED: its run returned
+                run.event_log.finished(agent.get_worker_group(), agent.run_id, attempt, result)
         finally:
             await stopper.aclose()
             if view is not None:
                 view.stop()  # before anything else is printed
+            if run.event_log is not None:
+                run.event_log.close()
     except SignalException as e:
         sig = signal.Signals(e.sigval)
         if stopper.started:

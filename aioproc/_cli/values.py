@@ -7,6 +7,10 @@ starts.  ``PROG``, ``SIGNALS_ENV`` and ``MULTI_NODE_BACKENDS`` live here, at
 the bottom of ``_cli``, because the parser, the run and the messages all
 name them.  The parsers that need the agent or the checks import them when
 called, so ``aioproc --help`` stays fast.
+
+``EnvDefault`` and ``EnvSwitch`` are torchrun's ``env`` and ``check_env``
+actions: a flag not given takes its ``PET_<NAME>`` variable, parsed as the
+flag would be, and a bad value is a usage error naming the variable.
 """
 
 from __future__ import annotations
@@ -24,35 +28,44 @@ if TYPE_CHECKING:
 
 PROG = "aioproc"
 SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
-MULTI_NODE_BACKENDS = ("etcd", "etcd-v3", "static")
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+LOGS_SPECS_GROUP = "torchrun.logs_specs"
+# c10d: an etcd server hosted by the agent on the endpoint's host (torchrun's default)
+MULTI_NODE_BACKENDS = ("c10d", "etcd", "etcd-v3", "static")
 
 _UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
 
 
 def parse_nproc(value: str) -> int:
-    """``--nproc-per-node``: a positive int, or ``cpu``/``auto`` for ``os.cpu_count()``.
+    """``--nproc-per-node``: a positive int, or cpu, gpu, xpu or auto, counted as torchrun counts.
+
+    ``cpu`` is the number of CPUs this process may run on, ``gpu``/``xpu``
+    the accelerators (an error where there are none), ``auto`` the
+    accelerators if any, else the CPUs.  Accelerators are counted by torch
+    when it can be imported, else by the NVIDIA driver (see
+    ``aioproc._cli.devices``).
 
     Raises:
-        argparse.ArgumentTypeError: ``gpu`` (aioproc does not count GPUs) or
-            anything else that is not a positive number.
+        argparse.ArgumentTypeError: not a positive number, an accelerator
+            kind this host has none of, or an unknown word.
     """
-    text = value.strip().lower()
-    if text in ("cpu", "auto"):
-        return os.cpu_count() or 1
-    if text == "gpu":
-        raise argparse.ArgumentTypeError(
-            "'gpu' is not supported: aioproc does not count GPUs; give the number of "
-            "workers (e.g. --nproc-per-node 8), or 'cpu'/'auto' for one per CPU"
-        )
+    text = value.strip()
     try:
         n = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a positive number of workers, 'cpu' or 'auto', got {value!r}"
-        ) from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of workers, got {value!r}")
-    return n
+        n = None
+    if n is not None:
+        if n <= 0:
+            raise argparse.ArgumentTypeError(
+                f"expected a positive number of workers, got {value!r}"
+            )
+        return n
+    from .devices import count_workers
+
+    try:
+        return count_workers(text.lower())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_backoff(value: str) -> RestartPolicy:
@@ -114,12 +127,36 @@ def _parse_signals(value: str) -> tuple[signal.Signals, ...]:
 
 
 def _parse_start_method(value: str) -> str:
+    """``--start-method``: spawn, forkserver, or torchrun's fork (which ``_make_run`` maps)."""
     from .._base.checks import check_start_method
 
+    if value == "fork":
+        return value  # torchrun's: its scripts are exec'd whatever the method (see run.py)
     try:
         return check_start_method(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _parse_filters(value: str) -> list[str]:
+    """``--duplicate-std*-filters``: comma-separated strings, ``,,`` for a comma (torchrun's).
+
+    Empty items are dropped, so an empty value duplicates nothing (as
+    torchrun's help promises; its parser would keep ``""``, which every
+    line contains).
+    """
+    placeholder = "\0"  # cannot be in an argument
+    items = value.replace(",,", placeholder).split(",")
+    return [item.replace(placeholder, ",") for item in items if item]
+
+
+def _parse_numa(value: str) -> str:
+    """``--numa-binding``: one of torch's affinity modes."""
+    from .devices import NUMA_MODES
+
+    if value not in NUMA_MODES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(NUMA_MODES)}, got {value!r}")
+    return value
 
 
 def _parse_preload(value: str) -> list[str]:
@@ -253,3 +290,114 @@ def _port(value: str) -> int:
     if port > 65535:
         raise argparse.ArgumentTypeError(f"expected a TCP port (1-65535), got {value!r}")
     return port
+
+
+# ------------------------------------------------- torchrun's PET_ defaults
+
+
+class _FromEnv(str):
+    """A flag's default taken from its ``PET_`` variable; a bad one is named in the error."""
+
+    env_name: str
+
+    def __new__(cls, value: str, env_name: str) -> _FromEnv:
+        text = super().__new__(cls, value)
+        text.env_name = env_name
+        return text
+
+
+def _naming_env(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse``, whose error for a value from a ``PET_`` variable names that variable."""
+
+    def parse_value(value: str) -> Any:
+        try:
+            return parse(value)
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
+            if not isinstance(value, _FromEnv):
+                raise
+            raise argparse.ArgumentTypeError(
+                f"{value.env_name}={str(value)!r} (the default of this flag): {e}"
+            ) from None
+
+    # argparse names the type in its own messages
+    parse_value.__name__ = getattr(parse, "__name__", "value")
+    return parse_value
+
+
+def _env_switch(value: str) -> bool:
+    """A switch's ``PET_`` value as torchrun reads it: an integer, 0 for off."""
+    try:
+        return bool(int(value))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer (0: off, 1: on), got {value!r}"
+        ) from None
+
+
+class EnvDefault(argparse.Action):
+    """torchrun's ``env`` action: the flag's default is the variable ``env`` when it is set.
+
+    As ``torch.distributed.argparse_util.env``: ``PET_NPROC_PER_NODE=4``
+    means ``--nproc-per-node 4`` unless the flag is given, and the value is
+    parsed as the flag's would be (a bad one is a usage error naming the
+    variable).
+    """
+
+    def __init__(
+        self,
+        option_strings: list[str],
+        dest: str,
+        env: str,
+        default: Any = None,
+        type: Callable[[str], Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.env = env
+        value = os.environ.get(env)
+        if value is not None:
+            default = _FromEnv(value, env)  # argparse parses a str default with ``type``
+        super().__init__(
+            option_strings, dest, default=default, type=_naming_env(type or str), **kwargs
+        )
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, values)
+
+
+class EnvSwitch(argparse.Action):
+    """torchrun's ``check_env`` action: a switch the variable ``env`` can turn on.
+
+    As ``torch.distributed.argparse_util.check_env``: ``PET_STANDALONE=1``
+    means ``--standalone``; ``0`` leaves it off; anything but an integer is
+    a usage error naming the variable.
+    """
+
+    def __init__(
+        self, option_strings: list[str], dest: str, env: str, help: str | None = None
+    ) -> None:
+        self.env = env
+        value = os.environ.get(env)
+        super().__init__(
+            option_strings,
+            dest,
+            nargs=0,
+            const=True,
+            default=False if value is None else _FromEnv(value, env),
+            type=_naming_env(_env_switch),
+            help=help,
+        )
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, True)

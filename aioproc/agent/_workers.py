@@ -19,7 +19,7 @@ import os
 import signal
 import socket
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
 
@@ -35,7 +35,15 @@ if TYPE_CHECKING:
     from ..rendezvous import RendezvousInfo
     from .watchdog import WatchdogServer
 
-__all__ = ["LOCAL_RANK_MACRO", "Workers", "free_port", "substitute", "worker_env"]
+__all__ = [
+    "LOCAL_RANK_MACRO",
+    "AssignedRanks",
+    "Workers",
+    "assigned_ranks",
+    "free_port",
+    "substitute",
+    "worker_env",
+]
 
 logger = logging.getLogger("aioproc")
 
@@ -131,7 +139,8 @@ class Workers:
         n = spec.local_world_size
         if info is not None:
             master_addr, master_port = info.master_addr, info.master_port
-        base = info.base_global_rank if info is not None else 0
+        ranks = assigned_ranks(n, info)
+        base = ranks.base_global_rank
         envs = {
             r: worker_env(spec, self._run_id, r, attempt, master_addr, master_port, info)
             for r in range(n)
@@ -144,7 +153,6 @@ class Workers:
         self._watchdog_expired = {}
         self._starting(attempt)
         group = self.group
-        world = info.world_size if info is not None else n
         group.group_rank = info.group_rank if info is not None else 0
         group.group_world_size = info.group_world_size if info is not None else 1
         group.master_addr, group.master_port = master_addr, master_port
@@ -152,9 +160,9 @@ class Workers:
             Worker(
                 local_rank=r,
                 global_rank=base + r,
-                role_rank=base + r,
-                world_size=world,
-                role_world_size=world,
+                role_rank=ranks.base_role_rank + r,
+                world_size=ranks.world_size,
+                role_world_size=ranks.role_world_size,
             )
             for r in range(n)
         ]
@@ -293,19 +301,18 @@ def worker_env(
 ) -> dict[str, str]:
     """torchrun's environment for ``local_rank`` in ``attempt`` (``spec.env`` beneath it)."""
     n = spec.local_world_size
-    rank = local_rank + (info.base_global_rank if info is not None else 0)
-    world = info.world_size if info is not None else n
+    ranks = assigned_ranks(n, info)
     env = dict(spec.env or {})
     env.update(
         LOCAL_RANK=str(local_rank),
-        RANK=str(rank),
+        RANK=str(ranks.base_global_rank + local_rank),
         GROUP_RANK=str(info.group_rank if info is not None else 0),
-        ROLE_RANK=str(rank),
+        ROLE_RANK=str(ranks.base_role_rank + local_rank),
         ROLE_NAME=spec.role,
         LOCAL_WORLD_SIZE=str(n),
-        WORLD_SIZE=str(world),
+        WORLD_SIZE=str(ranks.world_size),
         GROUP_WORLD_SIZE=str(info.group_world_size if info is not None else 1),
-        ROLE_WORLD_SIZE=str(world),
+        ROLE_WORLD_SIZE=str(ranks.role_world_size),
         MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
         TORCHELASTIC_RESTART_COUNT=str(attempt),
@@ -325,7 +332,35 @@ def worker_env(
                 n,
             )
         env["OMP_NUM_THREADS"] = "1"
+    if spec.virtual_local_rank:
+        # torch's virtual local rank: each worker sees its own GPU only, as device 0
+        env["LOCAL_RANK"] = "0"
+        env["CUDA_VISIBLE_DEVICES"] = spec.visible_device(local_rank)
     return env
+
+
+class AssignedRanks(NamedTuple):
+    """Where this host's workers stand: its local rank 0's ranks, and the sizes."""
+
+    base_global_rank: int
+    world_size: int
+    base_role_rank: int
+    role_world_size: int
+
+
+def assigned_ranks(local_world_size: int, info: RendezvousInfo | None) -> AssignedRanks:
+    """torch's ``_assign_worker_ranks`` for this host (``info``: its round, None: one host).
+
+    Over several hosts, every host published its nproc and role in the
+    rendezvous; ``RendezvousInfo`` walks the hosts in group-rank order, as
+    torch's rank-0 agent does.  With one host, role and global ranks are
+    the local ranks.
+    """
+    if info is None:
+        return AssignedRanks(0, local_world_size, 0, local_world_size)
+    return AssignedRanks(
+        info.base_global_rank, info.world_size, info.base_role_rank, info.role_world_size
+    )
 
 
 def substitute(args: Sequence[Any], local_rank: int) -> tuple[Any, ...]:

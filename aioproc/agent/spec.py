@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -67,6 +68,9 @@ class WorkerSpec:
             for a job over several hosts (each runs an agent); None: this
             host alone.  ``master_addr``/``master_port`` are then ignored:
             group rank 0 publishes its own through the rendezvous.
+        virtual_local_rank: torch's virtual local rank mode: every worker
+            gets ``LOCAL_RANK=0`` and ``CUDA_VISIBLE_DEVICES`` naming only
+            its own GPU (see ``visible_device``).
     """
 
     role: str
@@ -87,6 +91,7 @@ class WorkerSpec:
     duplicate_stderr_filters: Sequence[str] | None = None
     preload: Sequence[str] = ()
     rdzv_handler: RendezvousHandler | None = None
+    virtual_local_rank: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, str) or not self.role:
@@ -145,7 +150,34 @@ class WorkerSpec:
                 f"WorkerSpec.rdzv_handler must come from aioproc.rendezvous.create_handler, "
                 f"got {self.rdzv_handler!r}"
             )
+        if not isinstance(self.virtual_local_rank, bool):
+            raise TypeError(
+                f"WorkerSpec.virtual_local_rank must be a bool, got {self.virtual_local_rank!r}"
+            )
+        if self.virtual_local_rank:
+            self.visible_device(self.local_world_size - 1)  # every rank has a device
         self.args = tuple(self.args)
+
+    def visible_device(self, local_rank: int) -> str:
+        """``CUDA_VISIBLE_DEVICES`` of ``local_rank`` with ``virtual_local_rank`` (torch's).
+
+        The local rank's entry of this process's ``CUDA_VISIBLE_DEVICES``,
+        or the local rank itself when that is not set.
+
+        Raises:
+            ValueError: ``CUDA_VISIBLE_DEVICES`` names fewer devices than
+                the local ranks (torch raises the same).
+        """
+        parent = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if parent is None:
+            return str(local_rank)
+        devices = parent.split(",")
+        if local_rank >= len(devices):
+            raise ValueError(
+                f"virtual local rank: local rank {local_rank} has no GPU of its own: "
+                f"CUDA_VISIBLE_DEVICES={parent!r} names {len(devices)}"
+            )
+        return devices[local_rank].strip()
 
     def get_entrypoint_name(self) -> str:
         """The entrypoint's name (torch's method of the same name)."""
