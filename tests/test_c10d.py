@@ -44,13 +44,13 @@ from test_rendezvous_etcd import (
     wait_for_records,
 )
 
-from aioproc.agent._etcd_server import _listen_host
 from aioproc.rendezvous import RendezvousParameters
 from aioproc.rendezvous._c10d import (
     c10d_options,
     find_etcd,
     matches_machine_hostname,
 )
+from aioproc.rendezvous._etcd_server import _listen_host
 
 ETCD = find_etcd()
 needs_etcd = pytest.mark.skipif(

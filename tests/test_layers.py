@@ -70,7 +70,6 @@ ORDER = (
     "signals",
     "timer",
     "redirects",
-    "rendezvous",
     "_output",  # pipe bytes -> lines -> sinks
     "errors",
     "results",
@@ -79,6 +78,7 @@ ORDER = (
     "tail",
     "testing",
     "_proc",  # one OS process: spawn, exit, channel, guardian, stop
+    "rendezvous",  # c10d's agent runs the store as a child process of its own
     "_func",  # function workers, parent side
     "_group",  # what a PContext is made of
     "worker",

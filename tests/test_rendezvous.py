@@ -66,10 +66,22 @@ def test_parameters_refuse_bad_values(kwargs: dict[str, Any], message: str) -> N
 
 def test_create_handler_names_an_unknown_backend() -> None:
     with pytest.raises(ValueError, match="unknown rendezvous backend") as info:
-        create_handler(RendezvousParameters("c10d", "localhost:0", "job", 1, 2))
-    assert (
-        str(info.value) == "unknown rendezvous backend 'c10d'; aioproc has: etcd, etcd-v3, static"
+        create_handler(RendezvousParameters("zookeeper", "localhost:0", "job", 1, 2))
+    assert str(info.value) == (
+        "unknown rendezvous backend 'zookeeper'; aioproc has: c10d, etcd, etcd-v3, static"
     )
+
+
+def test_create_handler_builds_a_c10d_handler_as_torchs_registry_does() -> None:
+    """torch's API users (LocalElasticAgent's specs) get c10d from the same entry point."""
+    pytest.importorskip("aetcd")
+    from aioproc.rendezvous.c10d import C10dRendezvousHandler
+
+    # is_host=false: a client of a store another agent runs, so no etcd binary is needed
+    params = RendezvousParameters("c10d", "127.0.0.9:29555", "job", 1, 2, is_host="false")
+    handler = create_handler(params)
+    assert type(handler) is C10dRendezvousHandler
+    assert handler.join_timeout == 600.0
 
 
 @pytest.mark.parametrize(

@@ -308,8 +308,8 @@ def _make_c10d_handler(ns: argparse.Namespace) -> Any:
             hosts the store and finds no etcd binary (the message says how
             to get one).
     """
-    from ..agent._c10d import create_c10d_handler
     from ..rendezvous import RendezvousParameters
+    from ..rendezvous.c10d import create_c10d_handler
 
     if not ns.rdzv_endpoint:
         raise ValueError(

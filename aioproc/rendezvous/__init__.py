@@ -1,9 +1,11 @@
 """Multi-host rendezvous: agents on several hosts agree on a world (torch's names).
 
 ``create_handler(RendezvousParameters(...))`` builds the handler a
-``WorkerSpec`` takes as ``rdzv_handler``: ``"etcd"`` (dynamic membership
-through an etcd v3 server; needs ``pip install 'aioproc[etcd]'``) or
-``"static"`` (fixed node ranks, no store).  Importing this package imports
+``WorkerSpec`` takes as ``rdzv_handler``: ``"c10d"`` (dynamic membership;
+the agent on the endpoint's host runs the store, an etcd server, as a child
+of its own), ``"etcd"`` (dynamic membership through an etcd v3 server of
+your own; both need ``pip install 'aioproc[etcd]'``) or ``"static"`` (fixed
+node ranks, no store).  Importing this package imports
 no etcd client: only building an etcd handler does.
 """
 
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from .etcd import EtcdRendezvousHandler
     from .static import StaticRendezvousHandler
 
+    # the c10d handler is an EtcdRendezvousHandler
     RendezvousHandler: TypeAlias = EtcdRendezvousHandler | StaticRendezvousHandler
 
 __all__ = [
@@ -48,7 +51,7 @@ __all__ = [
     "create_handler",
 ]
 
-BACKENDS = ("etcd", "etcd-v3", "static")
+BACKENDS = ("c10d", "etcd", "etcd-v3", "static")
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
@@ -60,6 +63,10 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """
     if not isinstance(params, RendezvousParameters):
         raise TypeError(f"params must be RendezvousParameters, got {params!r}")
+    if params.backend == "c10d":
+        from .c10d import create_c10d_handler
+
+        return create_c10d_handler(params)
     if params.backend in ("etcd", "etcd-v3"):
         from .etcd import EtcdRendezvousHandler
 

@@ -10,8 +10,8 @@ This module decides what can be decided before anything starts, with the
 standard library alone: which options the etcd rendezvous gets and which
 are torch's (``c10d_options``), whether this agent hosts the store
 (``matches_machine_hostname``, torch's heuristic), and where its etcd
-binary is (``find_etcd``).  The server process and the handler live in
-``aioproc.agent._c10d``, above the process layer.
+binary is (``find_etcd``).  The server process is ``_etcd_server`` and the
+handler ``c10d``.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from .._base.shield import shielded
 from .._proc.exits import ExitWatcher
 from .._proc.shutdown import release, stop_groups
 from .._proc.spawn import Child, spawn
-from ..rendezvous._c10d import format_hostport
+from ._c10d import format_hostport
 
 __all__ = ["EmbeddedEtcd", "EtcdStartError"]
 

@@ -32,14 +32,15 @@ from typing import Any, TypeVar
 
 import anyio
 
-from ..rendezvous._c10d import (
+from ._c10d import (
     C10dOptions,
     c10d_options,
     etcd_missing,
     find_etcd,
     matches_machine_hostname,
 )
-from ..rendezvous.api import (
+from ._etcd_server import EmbeddedEtcd, EtcdStartError
+from .api import (
     RendezvousConnectionError,
     RendezvousError,
     RendezvousInfo,
@@ -47,8 +48,7 @@ from ..rendezvous.api import (
     RendezvousParameters,
     WorldChange,
 )
-from ..rendezvous.etcd import EtcdRendezvousHandler
-from ._etcd_server import EmbeddedEtcd, EtcdStartError
+from .etcd import EtcdRendezvousHandler
 
 __all__ = ["C10dRendezvousHandler", "create_c10d_handler"]
 
