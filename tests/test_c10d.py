@@ -513,6 +513,46 @@ def test_host_loss_reforms_the_world_with_the_rest(tmp_path: Any) -> None:
 
 
 @needs_etcd
+def test_a_host_arriving_below_max_reforms_the_world_with_it(tmp_path: Any) -> None:
+    """2:3 hosts: a world of 2 runs, a third arrives, the world re-forms with all 3."""
+    out, job = str(tmp_path), "scaleup"
+    endpoint = f"{HOST}:{free_port()}"
+    args = ("--hold-unless-world", "6")
+
+    def agent(i: int, loop: str = "asyncio") -> Agent:
+        return Agent(
+            endpoint, job, f"127.0.0.{i}", out, *args, nnodes="2:3", is_host=i == 2, loop=loop
+        )
+
+    with agents_cleanup([agent(2), agent(3)]) as agents:
+        first = wait_for_records(out, 4, 4, agents)
+        etcd = [
+            p for p, argv in children(agents[0].proc.pid).items() if "--name=aioproc-c10d" in argv
+        ]
+        assert len(etcd) == 1 and len(data_dirs(out)) == 1
+        agents.append(agent(4, loop="uvloop"))  # arrives while the world of 2 hosts runs
+        results = [a.finish() for a in agents]
+    assert [rc for rc, _ in results] == [0, 0, 0], results
+    errs = "\n".join(err for _, err in results)
+    assert_world(first, 4, job)
+    assert {r["host"] for r in first} == {"127.0.0.2", "127.0.0.3"}
+    second = records(out, 6)
+    try:  # a scale-up is no failure: the restart budget (0) is untouched
+        assert_world(second, 6, job, restarts="0")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{errs}") from None
+    assert {r["host"] for r in second} == {"127.0.0.2", "127.0.0.3", "127.0.0.4"}
+    # each first-world worker was stopped once (SIGTERM); the first hosts keep their group ranks
+    assert len(glob.glob(os.path.join(out, "*-w4-*.term"))) == 4
+    assert len(records(out, 4)) == 4
+    group = {r["host"]: r["env"]["GROUP_RANK"] for r in first}
+    assert {r["host"]: r["env"]["GROUP_RANK"] for r in second if r["host"] in group} == group
+    # nothing left behind: no worker of either world, no etcd, no store data
+    assert wait_gone([*etcd, *(r["pid"] for r in first + second)]) == []
+    assert data_dirs(out) == []
+
+
+@needs_etcd
 def test_hosting_agent_killed_fails_the_others_naming_the_store_leaving_nothing(
     tmp_path: Any,
 ) -> None:
