@@ -8,7 +8,7 @@ environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 script written for ``torchrun`` runs unchanged.  ``main()`` is the console
 script; ``python -m aioproc run ...`` is the same.  Every torchrun 2.13
 flag is accepted with torchrun's meaning, and defaults to its ``PET_``
-variable (README: "torchrun migration").
+variable (docs/guides/torchrun.md, "Every flag and variable").
 
 Design: the command parses its flags into a ``WorkerSpec`` and a
 ``LogsSpecs``, then runs ``LocalElasticAgent.run()`` in ``asyncio.run`` under

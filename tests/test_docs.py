@@ -7,9 +7,12 @@ A ```python block of a page whose previous non-blank line is ``<!-- run -->``
 is a complete program: it runs in a fresh interpreter, in the sandbox of
 ``test_readme`` (an empty working dir, a private ``TMPDIR`` that must be left
 empty), and when the next block is a ```text block after ``<!-- output -->``,
-its stdout must be exactly those lines.  A block after ``<!-- run: pytest -->``
-is a test module, run by pytest in pytest-asyncio's strict mode: every test in
-it must pass.  Other blocks are excerpts and are not run.
+its stdout must be exactly those lines (after ``<!-- output: any order -->``,
+the same lines in any order, for workers whose lines interleave).  A block
+after ``<!-- run: pytest -->`` is a test module, run by pytest in
+pytest-asyncio's strict mode: every test in it must pass.  A block after a
+line "Excerpt of `examples/x.py`" must appear in that file, which
+``test_readme`` runs.  Other blocks are excerpts and are not run.
 
 The reference pages (``docs/reference/``) document objects with
 mkdocstrings' ``::: identifier`` lines; every name in the ``__all__`` of the
@@ -57,6 +60,7 @@ class Block:
     kind: str  # "python" (a program) or "pytest" (a test module)
     code: str
     output: list[str] | None  # the stdout expected, line by line
+    any_order: bool  # the output's lines may come in any order
 
 
 def runnable_blocks() -> list[Block]:
@@ -78,12 +82,14 @@ def runnable_blocks() -> list[Block]:
                 continue
             assert lang == "python", f"{page.name}:{start + 1}: only python blocks run"
             output = None
-            if n + 1 < len(fences) and fences[n + 1][3] == "<!-- output -->":
+            marker = fences[n + 1][3] if n + 1 < len(fences) else ""
+            if marker in ("<!-- output -->", "<!-- output: any order -->"):
                 assert fences[n + 1][1] == "text", f"{page.name}: an output block is ```text"
                 output = fences[n + 1][2].splitlines()
             kind = "pytest" if before == "<!-- run: pytest -->" else "python"
             where = f"{page.relative_to(DOCS)}:{start + 1}"
-            blocks.append(Block(where, kind, code, output))
+            any_order = marker == "<!-- output: any order -->"
+            blocks.append(Block(where, kind, code, output, any_order))
     return blocks
 
 
@@ -112,9 +118,37 @@ def test_block_runs_as_written(block: Block, sandbox: tuple[Path, dict[str, str]
         script = work.parent / "block.py"
         script.write_text(block.code)
         lines = readme.run([sys.executable, str(script)], work, env)
-        if block.output is not None:
+        if block.output is not None and block.any_order:
+            assert sorted(lines) == sorted(block.output)
+        elif block.output is not None:
             assert lines == block.output
     assert os.listdir(env["TMPDIR"]) == []
+
+
+EXCERPT = re.compile(r"^Excerpt of `(examples/[\w-]+\.py)`")
+
+
+def excerpts() -> list[tuple[str, str, str]]:
+    """(page, example file, code) of every block quoted from ``examples/``."""
+    found = []
+    for page in sorted(DOCS.rglob("*.md")):
+        lines = page.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith("```") and line != "```":
+                before = next((x.strip() for x in reversed(lines[:i]) if x.strip()), "")
+                if match := EXCERPT.match(before):
+                    end = lines.index("```", i + 1)
+                    found.append((page.name, match.group(1), "\n".join(lines[i + 1 : end]) + "\n"))
+    return found
+
+
+def test_excerpts_appear_in_their_example_files() -> None:
+    found = excerpts()
+    assert found, "the excerpts of examples/ went missing"
+    for page, example, code in found:
+        assert example.rsplit("/", 1)[-1] in readme.EXAMPLE_OUTPUT, example  # it runs
+        source = (Path(REPO_ROOT) / example).read_text()
+        assert code in source, f"{page}: the excerpt of {example} is not in that file"
 
 
 def documented() -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Every code block in README.md runs as written.
+"""Every code block in README.md runs as written, and every link in it resolves.
 
 A ```python block is either a complete program, run here in a fresh
 interpreter in an empty directory (its output checked against
@@ -6,7 +6,9 @@ interpreter in an empty directory (its output checked against
 "Excerpt of [`examples/x.py`](...)", and then its text must appear in that
 file, which runs here too.  The Quick start commands run as well (all but
 ``pip install``).  Every run gets a private ``TMPDIR`` inside a temp dir
-that is removed afterwards, and must leave that ``TMPDIR`` empty.
+that is removed afterwards, and must leave that ``TMPDIR`` empty.  The
+examples of the documentation pages (docs/) run in ``test_docs``, with the
+excerpts they quote from ``examples/``.
 """
 
 from __future__ import annotations
@@ -27,33 +29,11 @@ README = Path(REPO_ROOT) / "README.md"
 
 EXPECTED: dict[str, list[str]] = {
     # section heading -> regexes that stdout lines must match, in order
-    "Use": [
+    "Example": [
         r"\{0: 0\.1038, 1: 0\.1038, 2: 0\.1038, 3: 0\.1038\}",
         r"\[trainer[01]\]:h[io]",
         r"\[trainer[01]\]:h[io]",
         r"False \{0: 'hi\\n', 1: 'ho\\n'\}",
-    ],
-    "Output: tee, sinks, progress bars, TailLog": [
-        *[r"\[train [01]\] step [01] loss=(1\.00|0\.50)"] * 4,
-        r"True",
-        r"4",
-    ],
-    "Cluster runner": [
-        re.escape("[('chief', 0), ('worker', 0), ('worker', 10)]"),
-        re.escape("[chief-0]:     chief 0 ready"),
-        r"True",
-        r"\[worker-[01]\]:    worker [01] ready",
-        r"\[worker-[01]\]:    worker [01] ready",
-        re.escape("worker ")
-        + r"[01]"
-        + re.escape(": bad steps -1 {('worker', 0): 1, ('worker', 1): 1}"),
-    ],
-    "Persistent workers and pools": [
-        r"\(9, 'loaded', 5\) 4 step 1",
-        re.escape(
-            "PoolStats(size=4, busy=0, idle=4, starting=0, queued=0, restarts=0, "
-            "completed=7, failed=0)"
-        ),
     ],
 }
 
@@ -149,11 +129,38 @@ def test_complete_block_runs_as_written(section: str, sandbox: tuple[Path, dict[
 
 
 def test_excerpts_appear_in_their_example_files() -> None:
-    excerpts = [b for b in readme_blocks("python") if b.excerpt_of is not None]
-    assert excerpts
-    for b in excerpts:
-        source = (Path(REPO_ROOT) / b.excerpt_of).read_text()
-        assert b.code in source, f"the README excerpt of {b.excerpt_of} is not in that file"
+    for b in readme_blocks("python"):
+        if b.excerpt_of is not None:
+            source = (Path(REPO_ROOT) / b.excerpt_of).read_text()
+            assert b.code in source, f"the README excerpt of {b.excerpt_of} is not in that file"
+
+
+def anchors(page: Path) -> set[str]:
+    """The ids of a Markdown page's headings, as GitHub and mkdocs' toc make them."""
+    ids = set()
+    for line in page.read_text().splitlines():
+        if match := re.match(r"#{1,6} (.+)", line):
+            text = re.sub(r"[^\w\- ]", "", match.group(1).strip().lower())
+            ids.add(text.replace(" ", "-"))
+    return ids
+
+
+def test_every_link_resolves() -> None:
+    """Relative links name a file of the repository and, with ``#``, one of its headings."""
+    links = re.findall(r"\]\(([^)\s]+)\)", README.read_text())
+    assert links
+    for link in links:
+        if link.startswith(("https://", "http://")):
+            continue
+        path, _, anchor = link.partition("#")
+        target = (README.parent / path) if path else README
+        assert target.exists(), f"the README links to {link}, which is not in the repository"
+        if anchor:
+            assert anchor in anchors(target), f"the README links to {link}: no such heading"
+
+
+def test_landing_page_is_short() -> None:
+    assert len(README.read_text().splitlines()) < 250
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLE_OUTPUT))
