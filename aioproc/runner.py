@@ -97,6 +97,14 @@ def start_processes(
         TypeError, ValueError, RuntimeError, FileNotFoundError,
         PermissionError, NotADirectoryError: for bad input, before anything
         is started.
+
+    Cancellation: cancelled while the group starts, every worker started so
+    far is killed with its group (shielded, bounded) before the
+    cancellation propagates, or stopped with the signal and the grace
+    period when ``translate_signals`` cancelled it; nothing is left
+    running.  A cancellation inside ``async with`` stops the workers as the
+    block exits: SIGTERM (or the translated signal), SIGKILL after the
+    grace period, shielded.
     """
     pc = PContext(
         name,

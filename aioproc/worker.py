@@ -209,7 +209,12 @@ class WorkerProcess:
     # ------------------------------------------------------------------- API
 
     async def ping(self) -> None:
-        """Round trip to the worker; raises ``BrokenWorkerError`` if it died."""
+        """Round trip to the worker; raises ``BrokenWorkerError`` if it died.
+
+        Cancellation: as for :meth:`call`, a ping that was sent cannot be
+        withdrawn: cancelling it kills the worker, and later calls raise
+        ``BrokenWorkerError``.
+        """
         check_loop(self._child.watcher.loop, self)
         async with self._lock:
             kind, _ = await self._request(_wire.PING, [])
