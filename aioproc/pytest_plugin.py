@@ -97,6 +97,16 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         _private_tmp = None
 
 
+def _plugin_active(config: pytest.Config, module: str) -> bool:
+    """Whether the plugin ``module`` is registered, however it was loaded.
+
+    An entry point registers it under its entry-point name (``asyncio``,
+    ``timeout``), ``-p module`` under the module's name: ask for the module.
+    """
+    plugin = sys.modules.get(module)
+    return plugin is not None and config.pluginmanager.is_registered(plugin)
+
+
 def _leakcheck_on(config: pytest.Config) -> bool:
     return bool(config.getoption("aioproc_leakcheck") or config.getini(LEAKCHECK))
 
@@ -110,7 +120,7 @@ def _scope(item: pytest.Item, name: str) -> str:
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     everywhere = _leakcheck_on(config)
-    backstop = config.pluginmanager.has_plugin("timeout")
+    backstop = _plugin_active(config, "pytest_timeout")
     for item in items:
         names: list[str] | None = getattr(item, "fixturenames", None)
         if names is not None and (everywhere or item.get_closest_marker(LEAKCHECK)):
@@ -138,7 +148,7 @@ def _default_timeout(item: pytest.Item) -> float | None:
     value: Any = None
     if marker is not None:
         value = marker.args[0] if marker.args else marker.kwargs.get("timeout")
-    elif item.config.pluginmanager.has_plugin("timeout"):
+    elif _plugin_active(item.config, "pytest_timeout"):
         value = item.config.getoption("timeout", None)
         if value is None:
             value = item.config.getini("timeout")
@@ -202,15 +212,22 @@ def pytest_fixture_setup(
     # The factories are async fixtures.  anyio runs them for its tests as they
     # are; pytest-asyncio, in strict mode, only runs fixtures made with
     # pytest_asyncio.fixture: give it such a copy, on the test's loop scope.
+    # The copy stays until the fixture is torn down, because pytest-asyncio
+    # looks at the fixture again when it calls the test.
     if (
         fixturedef.argname not in _FACTORIES
         or "anyio_backend" in request.fixturenames
-        or not request.config.pluginmanager.has_plugin("asyncio")
+        or not _plugin_active(request.config, "pytest_asyncio.plugin")
     ):
         return (yield)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fixturedef, "func", _asyncio_fixture(fixturedef.func, request))
-        return (yield)
+    original = fixturedef.func
+    fixturedef.func = _asyncio_fixture(original, request)  # type: ignore[misc]
+
+    def restore() -> None:
+        fixturedef.func = original  # type: ignore[misc]
+
+    fixturedef.addfinalizer(restore)
+    return (yield)
 
 
 def _asyncio_fixture(func: Callable[..., Any], request: pytest.FixtureRequest) -> Any:

@@ -435,6 +435,39 @@ def test_group_and_pool_fixtures_close_what_they_started(
     assert_all_gone(pids)
 
 
+@pytest.mark.parametrize("autoload", [True, False], ids=["entry-points", "explicit-p"])
+def test_strict_mode_fixtures_raise_no_deprecation_warning(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, autoload: bool
+) -> None:
+    """In strict mode pytest-asyncio warns about async fixtures not made with
+    its decorator: the factories give it none, whether pytest-asyncio came in
+    by its entry point or by ``-p pytest_asyncio.plugin``."""
+    write_test(
+        pytester,
+        """
+        import sys
+        import pytest
+
+        @pytest.mark.asyncio
+        async def test_all_three(aioproc_group, aioproc_pool, aioproc_cluster):
+            pc = await aioproc_group(sys.executable, 1, args=("-c", "pass"))
+            assert not (await pc.wait()).is_failed()
+            pool = await aioproc_pool(1)
+            assert await pool.submit(len, "abc") == 3
+            runner = await aioproc_cluster(len, {"worker": 1}, args=("ab",), stream_output=False)
+            assert (await runner.join(60)).return_value == [2]
+        """,
+    )
+    extra: tuple[str, ...] = ()
+    if not autoload:
+        monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+        extra = ("-p", "pytest_asyncio.plugin", "-p", "pytest_timeout")
+    result = pytester.runpytest_subprocess(
+        *PLUGIN, *extra, "-o", "asyncio_mode=strict", "-W", "error::pytest.PytestDeprecationWarning"
+    )
+    result.assert_outcomes(passed=1)
+
+
 def test_a_test_interrupted_while_awaiting_still_closes_its_groups(
     pytester: pytest.Pytester,
 ) -> None:
