@@ -108,6 +108,8 @@ def test_block_runs_as_written(block: Block, sandbox: tuple[Path, dict[str, str]
         argv = [sys.executable, "-m", "pytest", "test_example.py", "-q", "-p", "no:cacheprovider"]
         argv += ["-p", "asyncio", "-p", "aioproc.pytest_plugin", "-c", os.devnull]
         argv += ["-o", "asyncio_mode=strict", "-o", "asyncio_default_fixture_loop_scope=function"]
+        # pytest's own tmp_path dirs stay out of the TMPDIR checked below
+        argv += ["--basetemp", str(work / "pytest-tmp")]
         if pytest.version_tuple >= (8, 4):
             # only the two plugins it needs (-p finds them by entry point name): seconds faster
             env = {**env, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
