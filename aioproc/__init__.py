@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from .agent import WorkerSpec as WorkerSpec
     from .agent import WorkerState as WorkerState
     from .context import PContext as PContext
+    from .context import preimport as preimport
     from .errors import BrokenWorkerError as BrokenWorkerError
     from .errors import ChildFailedError as ChildFailedError
     from .errors import ErrorHandler as ErrorHandler
@@ -78,6 +79,7 @@ _EXPORTS: dict[str, str] = {
     "WorkerSpec": "agent",
     "WorkerState": "agent",
     "PContext": "context",
+    "preimport": "context",
     "RunProcsResult": "results",
     "run": "runner",
     "start_processes": "runner",

@@ -68,7 +68,7 @@ from .logs import DefaultLogsSpecs, LogsDest, LogsSpecs
 from .results import DEFAULT_GRACE_PERIOD, RunProcsResult, WorkerEvent
 from .signals import SignalException, pending_signal
 
-__all__ = ["PContext", "RunProcsResult", "WorkerEvent", "close_on_exit"]
+__all__ = ["PContext", "RunProcsResult", "WorkerEvent", "close_on_exit", "preimport"]
 
 logger = logging.getLogger("aioproc")
 
@@ -130,6 +130,36 @@ async def _prune_after(reads: Sequence[asyncio.Future[Any]], specs: LogsSpecs) -
 
 _DRAIN_TIMEOUT = 2.0
 """Bound on waiting for EOF of a killed group's pipes (a setsid'd descendant may hold them)."""
+
+
+def preimport() -> None:
+    """Import and compile now what the first ``start_processes`` of this process needs.
+
+    ``import aioproc`` loads nothing heavy, so the first group a process
+    starts pays for the rest inside one callback of the running loop: anyio's
+    asyncio backend (imported by anyio on first use), ``multiprocessing``
+    (whose authkey function workers are given), the boot code every function
+    worker is sent (compiled once per process) and the warm-start modules.
+    That is 30-80 ms, during which the host's loop runs nothing else.  A
+    service calls ``preimport()`` once at start-up, before it serves, so
+    that its first start holds the loop no longer than any other.
+
+    Synchronous and cheap to repeat: later calls find everything loaded.  It
+    starts no process or thread, installs no signal handler and needs no
+    running loop.
+    """
+    import importlib
+
+    # the backend anyio loads on the first task group or cancel scope; the
+    # same module serves uvloop, which anyio runs as asyncio
+    importlib.import_module("anyio._backends._asyncio")
+    from multiprocessing import process  # noqa: F401  (imported by init_frame)
+
+    from ._func import boot, fork, template_exec  # noqa: F401  (fork: warm start)
+
+    boot.boot_blob()
+    template_exec._source()
+    template_exec._script_runner()
 
 
 class _State(enum.Enum):

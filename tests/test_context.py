@@ -1084,6 +1084,67 @@ async def test_failure_during_start_stops_later_ranks(
         await pc.close(timeout=1)
 
 
+def test_rank_dirs_are_made_in_chunks_that_double_the_big_ones_by_one_process() -> None:
+    """A launch's units (rank 0 alone, then batches) are grouped into a few chunks:
+    the first two alone, for the first workers, then chunks that double, whose
+    dirs one ``mkdir`` process makes, so the thread making them takes the GIL
+    a few times instead of once per dir."""
+    from aioproc._group import rankdirs as _rankdirs
+
+    units = [range(0, 1), *(range(i, min(i + 16, 1024)) for i in range(1, 1024, 16))]
+    dirs = {r: str(r) for r in range(1024)}
+    layout = _rankdirs.chunks(units, dirs)
+    assert [sum(map(len, chunk)) for chunk in layout] == [1, 16, 32, 64, 128, 256, 527]
+    assert [u for chunk in layout for u in chunk] == units  # every unit once, in order
+    # function workers start one by one: a unit per rank
+    single = [range(r, r + 1) for r in range(6)]
+    assert _rankdirs.chunks(single, dirs) == [single[:1], single[1:2], single[2:]]
+    # only the ranks that get a dir count
+    assert _rankdirs.chunks(units[:3], {0: "0"}) == [units[:1], units[1:2], units[2:3]]
+
+
+def test_a_chunk_the_mkdir_process_cannot_finish_fails_with_its_own_error(
+    tmp_path: Path,
+) -> None:
+    from aioproc._group import rankdirs as _rankdirs
+
+    attempt = tmp_path / "attempt_0"
+    attempt.mkdir()
+    paths = [str(attempt / str(r)) for r in range(2 * _rankdirs.PROCESS_FROM)]
+    _rankdirs._make_dirs(paths)
+    assert sorted(os.listdir(attempt), key=int) == [os.path.basename(p) for p in paths]
+
+    # the 40th of the next chunk would be made inside a file: the process
+    # fails, and what follows names that path with the kernel's own error
+    (tmp_path / "file").write_text("")
+    paths = [str(tmp_path / f"b{r}") for r in range(2 * _rankdirs.PROCESS_FROM)]
+    paths[40] = str(tmp_path / "file" / "40")
+    with pytest.raises(NotADirectoryError) as info:
+        _rankdirs._make_dirs(paths)
+    assert info.value.filename == paths[40]
+    assert all(os.path.isdir(p) for p in paths[:40])
+
+
+async def test_hundreds_of_ranks_find_their_dirs_made_before_they_start(tmp_path: Path) -> None:
+    # rank dirs of the later chunks come from mkdir processes; each worker
+    # writes its error file into its own, which must exist when it starts
+    n = 200
+    code = 'echo "$LOCAL_RANK" > "$TORCHELASTIC_ERROR_FILE"'
+    async with aioproc.start_processes(
+        "dirs",
+        "/bin/sh",
+        {r: ("-c", code) for r in range(n)},
+        {r: {"LOCAL_RANK": str(r)} for r in range(n)},
+        DefaultLogsSpecs(tmp_path),
+    ) as pc:
+        result = await pc.wait()
+    assert result is not None and not result.failures
+    assert not [t for t in threading.enumerate() if t.name.startswith("aioproc-dirs")]
+    for r in range(n):
+        assert Path(pc.error_files[r]).read_text() == f"{r}\n"
+        assert os.path.dirname(pc.error_files[r]).endswith(f"/{r}")
+
+
 async def test_function_workers_start_as_their_own_rank_dir_exists(
     workers: types.ModuleType,
 ) -> None:

@@ -57,3 +57,30 @@ def test_what_workers_import_loads_no_event_loop(statement: str) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_preimport_leaves_nothing_for_the_first_start_to_import() -> None:
+    """After ``preimport()``, a first group imports no module on the loop, and nothing started."""
+    code = (
+        "import asyncio, json, signal, sys, threading\n"
+        "import aioproc\n"
+        "from aioproc import run  # as a service imports what it calls\n"
+        "sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD)\n"
+        "before = {s: signal.getsignal(s) for s in sigs}\n"
+        "aioproc.preimport()\n"
+        "aioproc.preimport()  # a second call finds everything loaded\n"
+        "state = {'threads': threading.active_count(),"
+        " 'same': before == {s: signal.getsignal(s) for s in sigs}}\n"
+        "def f(r):\n"
+        "    return r\n"
+        "async def main():\n"
+        "    loaded = set(sys.modules)\n"
+        "    for entrypoint, args in ((f, (0,)), (sys.executable, ('-c', 'pass'))):\n"
+        "        result = await run(entrypoint, 1, args)\n"
+        "        assert not result.failures, result\n"
+        "    return sorted(set(sys.modules) - loaded)\n"
+        "state['new'] = asyncio.run(main())\n"
+        "print(json.dumps(state))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == {"threads": 1, "same": True, "new": []}
