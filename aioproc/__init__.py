@@ -12,6 +12,7 @@ ones below it (checked by ``tests/test_layers.py``)::
     _base     loop helpers, shielding, Owner, the helper thread, input checks
     _errors   failures and @record; the standard library only
     _output   pipe bytes -> lines -> sinks
+    _limits   resource limits (cgroups, rlimits), usage, the process budget
     _proc     one OS process: spawn, exit, channel, guardian, stop and release
     _func     function workers, parent side
     _group    what a PContext is made of
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
     from typing import Any
 
     from ._child.boot import worker_state as worker_state
+    from ._limits.capacity import Capacity as Capacity
+    from ._limits.spec import Limits as Limits
+    from ._limits.usage import Usage as Usage
     from .agent import AgentEvent as AgentEvent
     from .agent import LocalElasticAgent as LocalElasticAgent
     from .agent import RestartPolicy as RestartPolicy
@@ -110,6 +114,9 @@ _EXPORTS: dict[str, str] = {
     "WorkerProcess": "worker",
     "open_worker": "worker",
     "worker_state": "_child.boot",
+    "Capacity": "_limits.capacity",
+    "Limits": "_limits.spec",
+    "Usage": "_limits.usage",
     "Forkserver": "forkserver",
     "open_forkserver": "forkserver",
 }

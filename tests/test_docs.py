@@ -45,6 +45,7 @@ PUBLIC_MODULES = (
     "aioproc.testing",
     "aioproc.timer",
     "aioproc.redirects",
+    "aioproc.metrics",
 )
 
 # an empty working dir and a private TMPDIR, removed afterwards (test_readme's)

@@ -67,6 +67,8 @@ ORDER = (
     "_child",  # inside workers: the standard library only
     "_base",  # loop helpers, shielding, the helper thread, generic checks
     "_errors",  # failures and @record, standard library only
+    "_metrics",  # the recorder's hooks (all the launcher imports) and the exporters
+    "metrics",
     "signals",
     "timer",
     "redirects",
@@ -77,6 +79,7 @@ ORDER = (
     "sinks",
     "tail",
     "testing",
+    "_limits",  # resource limits (cgroups, rlimits), usage, the process budget
     "_proc",  # one OS process: spawn, exit, channel, guardian, stop
     "rendezvous",  # c10d's agent runs the store as a child process of its own
     "_func",  # function workers, parent side

@@ -1,0 +1,299 @@
+"""Metrics for services and schedulers: what every group, worker and pool does.
+
+Off by default, and free while off: importing ``aioproc`` does not import
+this module, and the launcher's hooks cost one attribute check per event
+until a recorder is enabled::
+
+    import aioproc.metrics
+
+    recorder = aioproc.metrics.enable()  # the process-wide Recorder
+    server = await aioproc.metrics.serve("127.0.0.1", 9464)  # GET /metrics
+    ...
+    await server.aclose()
+
+A host service that already exports with ``prometheus_client`` registers
+aioproc's metrics into its own registry instead (``pip install
+'aioproc[metrics]'``)::
+
+    aioproc.metrics.enable()
+    aioproc.metrics.register(registry)  # a CollectorRegistry; None: the default one
+
+``serve()`` and ``render()`` need no extra: they write Prometheus's text
+format 0.0.4 themselves, the same bytes ``prometheus_client`` would.
+
+**The hooks.**  The launcher reads the recorder in force
+(``aioproc._metrics.hooks.current``, a ``NullRecorder`` until ``enable()``)
+once when a group, pool or agent opens, and before each hook checks its
+``enabled`` attribute.  The hooks and where the launcher calls them:
+
+- ``worker_started(group, role)``: a worker's ``"started"`` event (its pid
+  is known and watched), once per worker start, restarts included;
+- ``worker_exited(group, role, outcome)``: its ``"exited"`` event, once per
+  start (``outcome_of(returncode, stopped=...)`` names the outcome);
+- ``group_started(group, role, seconds)``: the group's start, after its
+  last worker started;
+- ``group_exited(group, role, outcome)``: when the group's result is final
+  (``wait()``/``poll()`` returns it, or a close stopped the group);
+- ``group_stopped(group, role, seconds)``: the end of a ``close()`` that
+  signalled workers, from the first signal to the last reap;
+- ``restarted(group, role, remaining)``: the agent schedules a restart;
+- ``run_finished(group, role, outcome, restarts)``: ``LocalElasticAgent.run()``
+  returns (torch's ``_record_metrics``);
+- ``output(group, role, stream, lines, nbytes)``: the tee splits a chunk it
+  read from a pipe into lines (once per chunk);
+- ``backpressure(group, role, stream, seconds)``: flow control resumes (or
+  closes) a stream it had paused because a consumer fell behind;
+- ``pool_call(pool, outcome, seconds)``: a pool call's result reaches its
+  caller;
+- ``rendezvous_round(role, backend, outcome, seconds)``: the agent's
+  rendezvous returns or raises.
+
+None of them is called by the launcher yet: ``start_processes``, the pool,
+the agent and ``aioproc run --metrics-port`` are wired in a later change.
+
+**The metrics.**  Where torch.distributed.elastic records the same thing,
+aioproc keeps its meaning under a Prometheus name (torch's ``put_metric``
+names, and the names its ``@prof`` decorator puts, ``Class.method.success``,
+``.failure`` and ``.duration.ms``; torch's durations are milliseconds,
+aioproc's seconds):
+
+- ``aioproc_groups_started_total`` (counter): ``LocalElasticAgent._start_workers.success``
+- ``aioproc_groups_exited_total`` (counter, by outcome): ``workers.{role}.succeeded``,
+  ``workers.{role}.failed``
+- ``aioproc_restarts_total`` (counter): ``SimpleElasticAgent._restart_workers.success``
+- ``aioproc_remaining_restarts`` (gauge): ``workers.{role}.remaining_restarts``
+- ``aioproc_runs_total`` (counter, by outcome and retried): ``workers.{role}.run_total``
+  and ``workers.{role}.run_{success,failed}_{with,no}_retries``
+- ``aioproc_group_start_seconds`` (histogram): ``LocalElasticAgent._start_workers.duration.ms``
+- ``aioproc_group_stop_seconds`` (histogram): ``LocalElasticAgent._stop_workers.duration.ms``
+- ``aioproc_rendezvous_rounds_total`` (counter, by outcome):
+  ``SimpleElasticAgent._rendezvous.success``, ``.failure``
+- ``aioproc_rendezvous_seconds`` (histogram): ``SimpleElasticAgent._rendezvous.duration.ms``
+
+and, with no torch counterpart: ``aioproc_groups_running``,
+``aioproc_workers_started_total``, ``aioproc_workers_running``,
+``aioproc_workers_exited_total`` (by outcome), ``aioproc_output_lines_total``,
+``aioproc_output_bytes_total`` and ``aioproc_output_backpressure_seconds_total``
+(by stream), ``aioproc_pool_calls_total`` (by outcome) and
+``aioproc_pool_call_seconds``.  ``CATALOGUE`` lists them all with their labels.
+
+torch's ``workers.{role}.run_success_with_retries`` is
+``aioproc_runs_total{outcome="succeeded",retried="true"}``, its
+``run_failed_no_retries`` ``{outcome="failed",retried="false"}``, and its
+``run_total`` the sum over both labels.  torch puts ``workers.{role}.succeeded``
+and ``.failed`` once per monitor poll; aioproc polls nothing and counts
+each group once, when it is over.  torch's ``workers.{role}.flakiness`` is
+not exported: it is ``aioproc_restarts_total`` over the restarts allowed.
+
+Labels stay few: ``group`` (the name given to ``start_processes``; a
+``Recorder(group_label=...)`` maps job names that are all different to a
+few values), ``role``, ``stream``, ``outcome``, ``pool``, ``backend``;
+never a pid or a rank.
+
+**OpenTelemetry** is not supported, on purpose.  Its SDK is a dependency
+tree of its own (API, SDK, an exporter) with a meter provider and a
+periodic reader thread to set up, and it would either duplicate every
+value in OTel instruments or register observable callbacks that re-read
+this registry; OTel's own Prometheus exporter goes through
+``prometheus_client`` anyway.  A service that uses OpenTelemetry scrapes
+``serve()``'s endpoint with the OpenTelemetry Collector's Prometheus
+receiver, which keeps aioproc free of the SDK.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ._metrics import hooks as _hooks
+from ._metrics.families import Counter, Gauge, Histogram, Registry
+from ._metrics.hooks import OUTCOMES, POOL_OUTCOMES, STREAMS, NullRecorder
+from ._metrics.recorder import (
+    CATALOGUE,
+    DURATION_BUCKETS,
+    POOL_BUCKETS,
+    MetricInfo,
+    Recorder,
+    outcome_of,
+)
+from ._metrics.server import MetricsServer
+from ._metrics.server import start as _start_server
+from ._metrics.text import CONTENT_TYPE
+from ._metrics.text import render as _render
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import Collector, CollectorRegistry
+
+__all__ = [
+    "CATALOGUE",
+    "CONTENT_TYPE",
+    "Counter",
+    "DURATION_BUCKETS",
+    "Gauge",
+    "Histogram",
+    "MetricInfo",
+    "MetricsServer",
+    "NullRecorder",
+    "OUTCOMES",
+    "POOL_BUCKETS",
+    "POOL_OUTCOMES",
+    "Recorder",
+    "Registry",
+    "STREAMS",
+    "disable",
+    "enable",
+    "get_recorder",
+    "is_enabled",
+    "outcome_of",
+    "register",
+    "render",
+    "serve",
+]
+
+# defined in the wing, imported from here
+for _name in (
+    "Counter",
+    "Gauge",
+    "Histogram",
+    "MetricInfo",
+    "MetricsServer",
+    "NullRecorder",
+    "Recorder",
+    "Registry",
+    "outcome_of",
+):
+    globals()[_name].__module__ = __name__
+del _name
+
+
+def enable(recorder: Recorder | None = None) -> Recorder:
+    """Make ``recorder`` the process-wide recorder, and return it.
+
+    Groups, pools and agents opened from then on record into it; those
+    already open keep the recorder they started with.
+
+    Args:
+        recorder: the recorder to use; None: the one already enabled, or a
+            new ``Recorder()``.
+
+    Returns:
+        The recorder in force.
+
+    Raises:
+        TypeError: ``recorder`` is not a ``Recorder``.
+    """
+    if recorder is None:
+        if isinstance(_hooks.current, Recorder):
+            return _hooks.current
+        recorder = Recorder()
+    elif not isinstance(recorder, Recorder):
+        raise TypeError(f"enable() takes an aioproc.metrics.Recorder, got {recorder!r}")
+    _hooks.current = recorder
+    return recorder
+
+
+def disable() -> Recorder | None:
+    """Turn metrics off: the process-wide recorder records nothing again.
+
+    Returns:
+        The recorder that was in force, or None if metrics were off.
+    """
+    previous = _hooks.current
+    _hooks.current = _hooks.DEFAULT
+    return previous if isinstance(previous, Recorder) else None
+
+
+def get_recorder() -> NullRecorder:
+    """The process-wide recorder: the ``Recorder`` enabled, else a ``NullRecorder``."""
+    return _hooks.current
+
+
+def is_enabled() -> bool:
+    """Whether a recorder is enabled for the process."""
+    return _hooks.current.enabled
+
+
+def _registry(recorder: Recorder | Registry | None) -> Registry | None:
+    if recorder is None:
+        current = _hooks.current
+        return current.registry if isinstance(current, Recorder) else None
+    if isinstance(recorder, Registry):
+        return recorder
+    if isinstance(recorder, Recorder):
+        return recorder.registry
+    raise TypeError(f"expected an aioproc.metrics.Recorder or Registry, got {recorder!r}")
+
+
+def render(recorder: Recorder | Registry | None = None) -> str:
+    """The metrics in Prometheus's text format 0.0.4 (``CONTENT_TYPE``).
+
+    Args:
+        recorder: whose metrics; None: the process-wide recorder's (an empty
+            text while metrics are off).
+
+    Returns:
+        The text, every family with its ``# HELP`` and ``# TYPE`` lines.
+    """
+    registry = _registry(recorder)
+    return "" if registry is None else _render(registry.collect())
+
+
+def register(
+    registry: CollectorRegistry | None = None, *, recorder: Recorder | None = None
+) -> Collector:
+    """Export aioproc's metrics through ``prometheus_client`` (the ``metrics`` extra).
+
+    The collector reads the recorder at each scrape, so the host's registry
+    always shows the values ``render()`` shows.  Unregister it with
+    ``registry.unregister(collector)``.
+
+    Args:
+        registry: the host service's ``CollectorRegistry``; None:
+            ``prometheus_client.REGISTRY``.
+        recorder: whose metrics; None: the process-wide recorder at each
+            scrape (nothing while metrics are off).
+
+    Returns:
+        The collector registered.
+
+    Raises:
+        ModuleNotFoundError: prometheus_client is not installed.
+        ValueError: the registry already has metrics of these names.
+    """
+    # imported here: prometheus_client is optional, and serve() does without it
+    from ._metrics import prom
+
+    if recorder is not None:
+        fixed = _registry(recorder)
+        return prom.register(lambda: fixed, registry)
+    return prom.register(lambda: _registry(None), registry)
+
+
+async def serve(
+    host: str = "127.0.0.1", port: int = 0, *, recorder: Recorder | None = None
+) -> MetricsServer:
+    """Serve ``GET /metrics`` over HTTP on the running loop, without prometheus_client.
+
+    ``server = await serve(host, port)``, then ``server.port`` and
+    ``await server.aclose()``; or ``async with await serve(...) as server:``.
+    Other paths answer 404; a connection serves one request.
+
+    Args:
+        host: the address to listen on; the default takes no traffic from
+            other machines.
+        port: the port; 0: one the system chooses (``server.port`` says which).
+        recorder: whose metrics; None: the process-wide recorder at each
+            request (an empty page while metrics are off).
+
+    Returns:
+        The server, listening.
+
+    Raises:
+        OSError: the address cannot be bound (in use, not local).
+
+    **Cancellation:** cancelling ``serve()`` before it returns leaves no
+    socket open; ``aclose()`` cancels the requests in flight and waits for
+    their connections to close.
+    """
+    if recorder is not None:
+        _registry(recorder)  # a TypeError now rather than at the first scrape
+    return await _start_server(lambda: render(recorder), host, port)
