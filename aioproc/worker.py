@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import marshal
 import os
 import signal
 import subprocess
@@ -30,16 +31,19 @@ from ._child import channel as _wire
 from ._child import shm as _shm
 from ._errors.failure import BrokenWorkerError
 from ._func import template as _template
-from ._func.boot import CallEncoder, init_frame, rebuild_exception
+from ._func.boot import CallEncoder, Definitions, encode_call, init_frame, rebuild_exception
 from ._func.launch import Frame, launch_function
 from ._func.template import Template
 from ._output.tee import TeeProtocol
-from ._proc.channel import Channel
+from ._proc.channel import Channel, frame
 from ._proc.shutdown import release, stop_groups, warn_forced
 from ._proc.spawn import Child
 from .sinks import ConsoleSink, Sink
 
 __all__ = ["WorkerProcess", "open_worker"]
+
+_get_running_loop = asyncio._get_running_loop  # None outside a loop; no exception to raise
+_MARSHAL_BYTE = _wire.MARSHAL_BYTE
 
 STDERR_TAIL = 20
 """Lines of a worker's stderr kept for ``BrokenWorkerError`` messages."""
@@ -63,6 +67,66 @@ class _TailSink(Sink):
         self.lines_seen.extend(lines)
 
 
+class _Turn:
+    """One request at a time, in arrival order (``asyncio.Lock``'s contract).
+
+    Taken without a coroutine when free (``take_now``), the case of every
+    call made one after the other; a waiter is handed the turn directly by
+    ``release``, so nobody arriving meanwhile can overtake it.
+    """
+
+    __slots__ = ("_held", "_waiters")
+
+    def __init__(self) -> None:
+        self._held = False
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    def locked(self) -> bool:
+        return self._held
+
+    def take_now(self) -> bool:
+        if self._held or self._waiters:
+            return False
+        self._held = True
+        return True
+
+    async def take(self) -> None:
+        """Wait for the turn.
+
+        Cancellation: a waiter cancelled before its turn leaves the queue; one
+        cancelled as the turn reached it passes the turn on.
+        """
+        if self.take_now():
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release()
+            else:
+                try:
+                    self._waiters.remove(waiter)
+                except ValueError:
+                    pass  # dropped by release() already
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # the turn passes on: still held
+                return
+        self._held = False
+
+    async def __aenter__(self) -> None:
+        await self.take()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
 class WorkerProcess:
     """A persistent worker; built by ``open_worker`` (or a pool).
 
@@ -84,7 +148,8 @@ class WorkerProcess:
         self._shutdown_timeout = shutdown_timeout
         self._tail = tail
         self._console = console
-        self._lock = asyncio.Lock()
+        self._lock = _Turn()
+        self._definitions = Definitions()  # the by-value functions this worker keeps
         self._reply: asyncio.Future[tuple[int, bytearray]] | None = None
         self._closed = False
         self._killed = False
@@ -123,8 +188,9 @@ class WorkerProcess:
     # ------------------------------------------------------------- internals
 
     def _on_frame(self, kind: int, body: bytearray) -> None:
-        if self._reply is not None and not self._reply.done():
-            self._reply.set_result((kind, body))
+        reply = self._reply
+        if reply is not None and not reply.done():
+            reply.set_result((kind, body))
 
     def _on_channel_failed(self, failed: asyncio.Future[BrokenWorkerError]) -> None:
         # the worker broke the frame protocol: nothing it sends can be trusted
@@ -169,14 +235,8 @@ class WorkerProcess:
         tail = f"; last lines of its stderr:\n{tail}" if tail else "; its stderr was empty"
         return error(f"worker {self.name} (pid {self.pid}) {how} {when}{tail}")
 
-    def _send(
-        self, kind: int, parts: list[bytes], segments: list[_shm.Segment] | None = None
-    ) -> asyncio.Future[tuple[int, bytearray]]:
-        """Write a request at once and return the future its reply resolves.
-
-        The caller holds the lock, awaits the future, calls ``_abandon`` if
-        that is cancelled and clears ``_reply`` however it ends.
-        """
+    def _check_usable(self) -> None:
+        """Raise what says why no request can be sent now, if so."""
         if self._child.returncode is not None:
             code = self._child.returncode
             raise self._broken(code, "before this request (while idle)", _Undelivered)
@@ -185,9 +245,17 @@ class WorkerProcess:
         failed = self._channel.failed
         if failed.done():
             raise BrokenWorkerError(f"worker {self.name} (pid {self.pid}): {failed.result()}")
+
+    def _send(self, kind: int, parts: list[bytes]) -> asyncio.Future[tuple[int, bytearray]]:
+        """Write a request at once and return the future its reply resolves.
+
+        The caller holds the lock, awaits the future, calls ``_abandon`` if
+        that is cancelled and clears ``_reply`` however it ends.
+        """
+        self._check_usable()
         reply: asyncio.Future[tuple[int, bytearray]] = self._loop.create_future()
         self._reply = reply
-        self._channel.send(kind, *parts, segments=segments or ())
+        self._channel.send(kind, *parts)
         return reply
 
     def _abandon(self) -> None:
@@ -236,26 +304,43 @@ class WorkerProcess:
         since the request cannot be withdrawn; later calls raise
         ``BrokenWorkerError`` (a pool replaces the worker).
         """
-        check_loop(self._child.watcher.loop, self)
-        return await self._call(fn, args, kwargs)
-
-    async def _call(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """``call``; encoded here at each attempt (a pool may send a call twice,
-        and shared-memory segments are closed once sent)."""
-        # large arguments go to shared memory, closed however the call ends
+        if _get_running_loop() is not self._loop:
+            check_loop(self._child.watcher.loop, self)
+        # Encoded at each attempt: a pool may send a call twice, and the
+        # shared-memory segments of large arguments are closed however it ends.
         segments: list[_shm.Segment] | None = [] if self._channel.fd_socket is not None else None
-        parts = CallEncoder(fn).encode(args, kwargs, segments)
+        parts, cached = encode_call(fn, args, kwargs, segments)
         # The hot path (``_request`` inlined): an idle worker's request is
         # written before anything suspends, the protocol resolves the reply
         # future as the frame is read, and this coroutine resumes in the next
         # loop iteration; no task, timeout scope or queue in between.
-        lock = self._lock
+        turn = self._lock
+        defined = None
         try:
-            await lock.acquire()
+            if turn._held or turn._waiters:  # take_now, inlined
+                await turn.take()
+            else:
+                turn._held = True
             try:
-                reply = self._send(_wire.CALL, parts, segments)
+                # _send, inlined
+                if (
+                    self._closed
+                    or self._child.returncode is not None
+                    or self._channel.failed.done()
+                ):
+                    self._check_usable()
+                before = b""
+                if cached is not None:
+                    # decided as the frame goes out, in the order frames go out
+                    definition = self._definitions.use(cached)
+                    if definition is not None:
+                        before, defined = frame(_wire.DEFINE, definition), cached.fid
+                reply: asyncio.Future[tuple[int, bytearray]] = self._loop.create_future()
+                self._reply = reply
+                if segments or before:
+                    self._channel.send(_wire.CALL, *parts, segments=segments or (), before=before)
+                else:
+                    self._channel.send(_wire.CALL, *parts)
                 try:
                     kind, body = await reply
                 except asyncio.CancelledError:
@@ -265,17 +350,30 @@ class WorkerProcess:
                     self._reply = None
                 self.calls += 1
             finally:
-                lock.release()
+                if turn._waiters:
+                    turn.release()
+                else:  # release, inlined
+                    turn._held = False
         finally:
             if segments:
                 for segment in segments:
                     segment.close()
+        if kind == _wire.RESULT and body[0] == _MARSHAL_BYTE:
+            return marshal.loads(memoryview(body)[1:])  # decode_value's usual case, inlined
         if kind == _wire.ERROR:
+            if defined is not None:
+                self._definitions.forget(defined)
             exc = rebuild_exception(body)
             if exc is None:
                 raise RuntimeError(f"worker {self.name}: call failed (unreadable error report)")
             raise exc
         return _wire.decode_value(body)
+
+    async def _call(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """``call`` with the arguments as the pool keeps them."""
+        return await self.call(fn, *args, **kwargs)
 
     async def aclose(self) -> None:
         """Ask the worker to exit, wait ``shutdown_timeout``, then kill its group.
@@ -399,6 +497,7 @@ async def _start_worker(
                     f"init_timeout={init_timeout:g} s"
                 )
         worker = WorkerProcess(name, child, child.channel, shutdown_timeout, tail, console)
+        child.channel.deliver_to(worker._on_frame)  # on_frame's forwarding, skipped
         return worker
     except BaseException:
         for segment in segments or ():

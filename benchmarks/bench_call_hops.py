@@ -9,7 +9,14 @@ round by round, a bare floor and aioproc:
   (a ``BufferedProtocol`` resolving one future per reply) and a forked child
   that waits in ``poll`` and answers with ``os.read``/``os.write``: two
   process wakeups and two loop iterations, no framing, no encoding.
+- ``framed``: ``bare`` plus the least any framed call must do in Python on
+  both sides: a 9-byte header built and parsed, the request
+  ``("builtins", "int", (), {})`` marshalled and unmarshalled, the function
+  looked up and called, its value marshalled back and unmarshalled.  The
+  floor under ``aioproc`` for this design (Python at both ends).
 - ``aioproc``: ``await w.call(int)`` on a persistent worker.
+- ``script fn``: ``await w.call(f)`` of a no-op defined as in a script's
+  ``__main__``: sent by value once, then called by id (the function cache).
 
 Each runs three times: where the kernel puts the two processes (``free``),
 both pinned to CPU 0 (``one CPU``) and pinned to CPUs 0 and 1
@@ -27,10 +34,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import marshal
 import os
 import select
 import socket
 import statistics
+import struct
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -129,11 +139,77 @@ async def bare(placement: str, n: int) -> tuple[float, ...]:
         await loop.run_in_executor(None, os.waitpid, pid, 0)
 
 
-async def worker(placement: str, n: int) -> tuple[float, ...]:
+def _script_noop() -> Callable[[], None]:
+    """A no-op defined as a script defines its functions (``__module__`` is ``__main__``)."""
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    exec("def noop():\n    pass\n", namespace)
+    fn: Callable[[], None] = namespace["noop"]
+    return fn
+
+
+SCRIPT_NOOP = _script_noop()
+
+
+class _Framed(asyncio.BufferedProtocol):
+    def __init__(self) -> None:
+        self.buf = bytearray(1 << 16)
+        self.reply: asyncio.Future[Any] | None = None
+
+    def get_buffer(self, sizehint: int) -> bytearray:
+        return self.buf
+
+    def buffer_updated(self, nbytes: int) -> None:
+        assert self.reply is not None
+        kind, length = _HEADER.unpack_from(self.buf)
+        assert kind == 10
+        assert length == nbytes - _HEADER.size
+        self.reply.set_result(marshal.loads(memoryview(self.buf)[_HEADER.size : nbytes]))
+
+
+_HEADER = struct.Struct(">BQ")
+
+
+def _framed_child(fd: int) -> None:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    while poller.poll() and (data := os.read(fd, 1 << 16)):
+        module, qualname, args, kwargs = marshal.loads(memoryview(data)[9:])
+        value = getattr(sys.modules[module], qualname)(*args, **kwargs)
+        out = marshal.dumps(value)
+        os.write(fd, b"".join((b"\n", len(out).to_bytes(8, "big"), out)))
+    os._exit(0)
+
+
+async def framed(placement: str, n: int) -> tuple[float, ...]:
+    parent, child_end = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        parent.close()
+        _framed_child(child_end.fileno())
+    child_end.close()
+    loop = asyncio.get_running_loop()
+    transport, proto = await loop.connect_accepted_socket(_Framed, parent)
+
+    async def one() -> None:
+        proto.reply = loop.create_future()
+        body = marshal.dumps(("builtins", "int", (), {}))
+        transport.write(_HEADER.pack(2, len(body)) + body)
+        await proto.reply
+
+    try:
+        _place(placement, pid)
+        return await _timed(one, pid, n)
+    finally:
+        _unpin()
+        transport.close()  # the child sees EOF and exits
+        await loop.run_in_executor(None, os.waitpid, pid, 0)
+
+
+async def worker(placement: str, n: int, fn: Callable[[], Any] = int) -> tuple[float, ...]:
     async with aioproc.open_worker(name="hops") as w:
 
         async def one() -> None:
-            await w.call(int)
+            await w.call(fn)
 
         try:
             _place(placement, w.pid)
@@ -157,7 +233,12 @@ def main(argv: list[str]) -> int:
     for _ in range(args.rounds):
         for loop in loops:
             for placement in placements:
-                for name, fn in (("bare", bare), ("aioproc", worker)):
+                for name, fn in (
+                    ("bare", bare),
+                    ("framed", framed),
+                    ("aioproc", worker),
+                    ("script fn", functools.partial(worker, fn=SCRIPT_NOOP)),
+                ):
                     key = (loop, placement, name)
                     sample = _util.run_on(loop, lambda f=fn, pl=placement: f(pl, args.calls))
                     got.setdefault(key, []).append(sample)

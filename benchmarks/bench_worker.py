@@ -15,6 +15,13 @@ anyio, aioproc), every worker started and warmed up before any clock starts:
   same through a 4-worker executor and anyio with a ``CapacityLimiter(4)``.
 - 10 MB payloads: the same with ``big_calls`` calls of 10 MB bytes in, the
   length out.
+- script functions: a function defined in the user's script (``__main__``)
+  travels by value, the rest by reference.  ``w.call(f, 0)`` of such a
+  function against the same call of its twin importable by name
+  (``_workers.ret_rank``) on the same worker, blocks of calls alternating
+  (target: 1.1x); and ``script_calls`` concurrent ``pool.submit(f, 0)`` over
+  4 workers against the 4-worker executor, which pickles ``f`` by name and
+  finds it in its forked workers' ``__main__`` (target: 0.6x).
 
 The functions are builtins (``int`` as the no-op, ``len``), so every variant
 sends them by reference and no worker imports anything to run them.  The
@@ -48,6 +55,7 @@ from typing import Any
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _util
+import _workers
 import anyio
 import anyio.to_process
 from _util import Config, Row, Sample, Series, Target, rows_from, run_on
@@ -64,6 +72,28 @@ BASELINE_NAMES = {
     "anyio": "anyio.to_process.run_sync",
 }
 LATENCY_TARGET = Target("ratio", 1.5)  # small-call latency within 1.5x of ProcessPoolExecutor
+SCRIPT_LATENCY_TARGET = Target("ratio", 1.1)  # a script's function: as fast as an importable one
+SCRIPT_POOL_TARGET = Target("ratio", 0.6)
+LATENCY_BLOCKS = 10  # module and script calls alternate in this many blocks per round
+
+
+def _script_function() -> Callable[[int], int]:
+    """``_workers.ret_rank``'s twin, defined as a script defines its functions.
+
+    Its ``__module__`` is ``__main__``, so aioproc sends it by value; it is
+    also set on the running ``__main__`` so that the executor, which pickles
+    functions by name, finds it there and in its forked workers.
+    """
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    exec("def script_ret_rank(rank):\n    return rank\n", namespace)
+    fn: Callable[[int], int] = namespace["script_ret_rank"]
+    main = sys.modules.get("__main__")  # absent while anyio's workers import this
+    if main is not None:
+        setattr(main, "script_ret_rank", fn)  # noqa: B010
+    return fn
+
+
+SCRIPT_FN = _script_function()
 
 
 @dataclass(frozen=True)
@@ -71,6 +101,7 @@ class Sizes:
     latency_calls: int
     small_calls: int
     big_calls: int
+    script_calls: int = 1000
 
     @classmethod
     def of(cls, cfg: Config) -> Sizes:
@@ -104,6 +135,13 @@ class Variant:
         await asyncio.gather(*(self.many(len, SMALL) for _ in range(4 * POOL_WORKERS)))
         await asyncio.gather(*(self.many(len, b"w" * BIG_SIZE) for _ in range(POOL_WORKERS)))
 
+    async def warm_script(self) -> None:
+        """The script-function rows: both functions known to every worker."""
+        for _ in range(20):
+            await self.one(_workers.ret_rank, 0)
+            await self.one(SCRIPT_FN, 0)
+        await asyncio.gather(*(self.many(SCRIPT_FN, 0) for _ in range(4 * POOL_WORKERS)))
+
 
 class Executor(Variant):
     def __init__(self) -> None:
@@ -114,6 +152,7 @@ class Executor(Variant):
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         await self.warm()
+        await self.warm_script()
 
     async def one(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await self.loop.run_in_executor(self.ex1, fn, *args)
@@ -163,6 +202,7 @@ class Aioproc(Variant):
         self.worker = await aioproc.open_worker(name="bench")
         self.pool = await aioproc.open_pool(POOL_WORKERS, name="bench-pool")
         await self.warm()
+        await self.warm_script()
 
     async def one(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await self.worker.call(fn, *args)
@@ -195,7 +235,34 @@ async def batch(v: Variant, n: int, payload: bytes) -> float:
     return dt
 
 
-METRICS = ("latency", "small", "big")
+async def script_latency(v: Variant, n: int) -> tuple[float, float]:
+    """Median seconds of one sequential call: (module function, script function).
+
+    The two alternate in blocks on the same worker, so drift in the machine's
+    load reaches both alike.
+    """
+    times: dict[Any, list[float]] = {_workers.ret_rank: [], SCRIPT_FN: []}
+    block = max(1, n // LATENCY_BLOCKS)
+    for _ in range(LATENCY_BLOCKS):
+        for fn, out in times.items():
+            for _ in range(block):
+                t0 = time.perf_counter()
+                await v.one(fn, 0)
+                out.append(time.perf_counter() - t0)
+    return statistics.median(times[_workers.ret_rank]), statistics.median(times[SCRIPT_FN])
+
+
+async def script_batch(v: Variant, n: int) -> float:
+    """Seconds from submitting ``n`` concurrent ``SCRIPT_FN(i)`` calls to the last result."""
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(v.many(SCRIPT_FN, i) for i in range(n)))
+    dt = time.perf_counter() - t0
+    if results != list(range(n)):
+        raise AssertionError(f"wrong results: {results[:5]}")
+    return dt
+
+
+METRICS = ("latency", "small", "big", "script_latency", "script_pool")
 
 
 async def one_round(sizes: Sizes) -> dict[str, dict[str, Sample]]:
@@ -223,6 +290,14 @@ async def one_round(sizes: Sizes) -> dict[str, dict[str, Sample]]:
                 out[metric][name] = await _util.measure_async(
                     functools.partial(measure, variants[name])
                 )
+        # script functions: aioproc's own module-function call is the baseline
+        # of the first, the executor that of the second
+        module, script = await script_latency(variants["aioproc"], sizes.latency_calls)
+        out["script_latency"] = {"module": Sample(module), "aioproc": Sample(script)}
+        for name in ("ppe", "aioproc"):
+            out["script_pool"][name] = await _util.measure_async(
+                functools.partial(script_batch, variants[name], sizes.script_calls)
+            )
     finally:
         for v in reversed(started):
             await v.close()
@@ -234,15 +309,17 @@ async def one_round(sizes: Sizes) -> dict[str, dict[str, Sample]]:
 
 def measure(cfg: Config, sizes: Sizes) -> dict[str, dict[str, dict[str, Series]]]:
     """``{metric: {loop: {variant: series}}}``, rounds interleaved across loops."""
-    out = {m: {loop: {v: Series() for v in VARIANTS} for loop in cfg.loops} for m in METRICS}
+    out: dict[str, dict[str, dict[str, Series]]] = {
+        m: {loop: collections.defaultdict(Series) for loop in cfg.loops} for m in METRICS
+    }
     for i in range(cfg.warmup + cfg.rounds):
         for loop in cfg.loops:
             got = run_on(loop, lambda: one_round(sizes))
             if i < cfg.warmup:
                 continue
             for m in METRICS:
-                for v in VARIANTS:
-                    out[m][loop][v].samples.append(got[m][v])
+                for v, sample in got[m].items():
+                    out[m][loop][v].samples.append(sample)
     return out
 
 
@@ -267,6 +344,27 @@ def worker_rows(cfg: Config) -> list[Row]:
             unit="µs",
             note=f"baseline: {BASELINE_NAMES[base]}, 1 worker",
         )
+    by_loop = {
+        loop: (_us(d["module"]), _us(d["aioproc"])) for loop, d in data["script_latency"].items()
+    }
+    rows += rows_from(
+        "PW script function: one `w.call(f, 0)`, `f` from `__main__` "
+        f"(median of {sizes.latency_calls})",
+        by_loop,
+        SCRIPT_LATENCY_TARGET,
+        unit="µs",
+        note="baseline: the same call of its twin importable by name, same worker",
+    )
+    by_loop = {loop: (d["ppe"], d["aioproc"]) for loop, d in data["script_pool"].items()}
+    for row in rows_from(
+        f"PW script function: {sizes.script_calls} x `pool.submit(f, i)`, `f` from `__main__`",
+        by_loop,
+        SCRIPT_POOL_TARGET,
+        note=f"baseline: {BASELINE_NAMES['ppe']}, {POOL_WORKERS} workers",
+    ):
+        n = sizes.script_calls
+        row.note += f"; {n / row.candidate:,.0f} vs {n / row.baseline:,.0f} calls/s"
+        rows.append(row)
     for metric, n, size in (
         ("small", sizes.small_calls, len(SMALL)),
         ("big", sizes.big_calls, BIG_SIZE),

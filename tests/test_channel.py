@@ -33,7 +33,7 @@ import aioproc
 from aioproc import BrokenWorkerError, ChildFailedError, open_worker
 from aioproc._child import channel as _wire
 from aioproc._child import shm as _shm
-from aioproc._proc.channel import Channel
+from aioproc._proc.channel import Channel, frame
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -162,6 +162,44 @@ async def test_cap_is_inclusive_and_frames_arrive_in_pieces() -> None:
     finally:
         p.worker.close()
         await p.channel.aclose()
+
+
+async def test_one_whole_frame_in_one_read_is_checked_like_any_other() -> None:
+    # a reply that comes whole in one read takes a shorter path: same checks
+    p = await open_pair(max_frame_size=16)
+    try:
+        p.worker.sendall(_wire.header(_wire.RESULT, 16) + b"M" * 16)
+        await asyncio.wait_for(p.channel.settled(), 10)
+        assert p.frames == [(_wire.RESULT, b"M" * 16)]
+        p.worker.sendall(_wire.header(_wire.RESULT, 17) + b"M" * 17)
+        error = await failure_of(p)
+        assert "RESULT (10) frame of 17 bytes (17 bytes), over the 16 bytes limit" in str(error)
+        assert p.frames == [(_wire.RESULT, b"M" * 16)]
+    finally:
+        p.worker.close()
+        await p.channel.aclose()
+    p = await open_pair()
+    try:
+        p.worker.sendall(_wire.header(_wire.DEFINE, 3) + b"abc")
+        error = await failure_of(p)
+        assert "worker sent a DEFINE (8) frame, a kind only the supervisor sends" in str(error)
+        assert p.frames == []
+    finally:
+        p.worker.close()
+        await p.channel.aclose()
+
+
+async def test_a_definition_goes_out_with_its_call_in_one_write(pair: Pair) -> None:
+    """The worker wakes once for a DEFINE and the CALL that uses it."""
+    pair.channel.send(_wire.CALL, b"M", b"call", before=frame(_wire.DEFINE, b"definition"))
+    fd = pair.worker.fileno()
+    poller = _StrictPoller(fd)
+    got = [_wire.read_frame(fd, poller) for _ in range(2)]
+    assert [(kind, bytes(body)) for kind, body in got] == [
+        (_wire.DEFINE, b"definition"),
+        (_wire.CALL, b"Mcall"),
+    ]
+    assert poller.waits == 1
 
 
 async def test_small_and_big_frames_mixed_in_any_pieces_arrive_intact(pair: Pair) -> None:

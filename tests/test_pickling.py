@@ -423,3 +423,188 @@ async def test_unpicklable_global_is_a_clear_error_before_anything_starts() -> N
 
     with pytest.raises(TypeError, match=r"function .*locked.* cannot be pickled: .*lock"):
         await aioproc.run(locked, 1)
+
+
+# ------------------------------------------- the call cache (persistent workers)
+
+from aioproc._child import pickling as _funcload  # noqa: E402
+
+
+def script_namespace(source: str) -> dict[str, Any]:
+    """Run ``source`` as a script's ``__main__`` would: its functions travel by value."""
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    exec(textwrap.dedent(source), namespace)
+    return namespace
+
+
+CACHED_SCRIPT = """
+    import math
+    SCALE = 1
+    def f(x, k=1, *, m=1):
+        return x * SCALE * k * m + helper()
+    def helper():
+        return 0
+    def make(n):
+        def get():
+            return n
+        def set_(v):
+            nonlocal n
+            n = v
+        return get, set_
+"""
+
+
+def test_unchanged_function_is_pickled_once_and_any_change_gets_a_new_id() -> None:
+    ns = script_namespace(CACHED_SCRIPT)
+    f = ns["f"]
+    first = _funcpickle.cached(f)
+    assert first is not None
+    assert _funcpickle.cached(f) is first  # nothing changed: the same pickle, the same id
+    fids = {first.fid}
+
+    def changed() -> Any:
+        entry = _funcpickle.cached(f)
+        assert entry is not None
+        assert entry.fid not in fids, "a change kept the old id"
+        fids.add(entry.fid)
+        assert _funcpickle.cached(f) is entry
+        return pickle.loads(entry.data)
+
+    ns["SCALE"] = True  # equal to 1, not the same object: must not pass for it
+    assert changed().__globals__["SCALE"] is True
+    f.__defaults__ = (2,)
+    assert changed()(1) == 2
+    assert f.__kwdefaults__ is not None
+    f.__kwdefaults__["m"] = 3  # changed in place
+    assert changed()(1) == 6
+    f.tag = "t"  # type: ignore[attr-defined]
+    assert changed().tag == "t"
+    ns["helper"] = lambda: 100  # a function the cached one calls
+    assert changed()(1) == 106
+    f.__code__ = (lambda x, k=1, *, m=1: -x).__code__
+    assert changed()(1) == -1
+    f.__qualname__ = "renamed"
+    assert changed().__qualname__ == "renamed"
+    get, set_ = ns["make"](1)
+    entry = _funcpickle.cached(get)
+    assert entry is not None and pickle.loads(entry.data)() == 1
+    set_(7)  # a closure cell the parent rebinds
+    again = _funcpickle.cached(get)
+    assert again is not None and again.fid != entry.fid
+    assert pickle.loads(again.data)() == 7
+
+
+def test_a_helper_changed_behind_the_function_is_seen() -> None:
+    ns = script_namespace(CACHED_SCRIPT)
+    f, helper = ns["f"], ns["helper"]
+    entry = _funcpickle.cached(f)
+    assert entry is not None
+    helper.__defaults__ = ()  # helper's own state is part of f's pickle
+    assert _funcpickle.cached(f) is not entry
+    ns["SCALE"] = 2
+    assert pickle.loads(_funcpickle.cached(f).data)(3) == 6  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "ITEMS = [1]\ndef f():\n    return sum(ITEMS)\n",
+        "def f(acc=[]):\n    return acc\n",
+        "def f(*, opts={}):\n    return opts\n",
+        "import threading\nLOCK = threading.Lock()\ndef f():\n    return LOCK\n",
+        "class Box:\n    pass\ndef f():\n    return Box\n",
+    ],
+    ids=["global list", "default list", "kwdefault dict", "unpicklable", "__main__ class"],
+)
+def test_functions_with_mutable_state_are_not_cached(source: str) -> None:
+    # their state must be pickled at every call: nothing to gain, much to get wrong
+    assert _funcpickle.cached(script_namespace(source)["f"]) is None
+
+
+def test_a_function_with_a_large_constant_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    ns = script_namespace("BLOB = b'x' * 4096\ndef f():\n    return len(BLOB)\n")
+    assert _funcpickle.cached(ns["f"]) is not None
+    monkeypatch.setattr(_funcpickle, "CACHE_MAX_BYTES", 1024)
+    ns["BLOB"] = b"y" * 4096
+    assert _funcpickle.cached(ns["f"]) is None
+
+
+def test_functions_named_by_reference_and_other_callables_are_not_cached() -> None:
+    assert _funcpickle.cached(json.dumps) is None
+    assert _funcpickle.cached(functools.partial(len)) is None
+    assert _funcpickle.cached(len) is None
+
+
+def test_cache_is_bounded_and_holds_functions_weakly(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    monkeypatch.setattr(_funcpickle, "CACHE_SIZE", 3)
+    fns = [script_namespace(f"def f():\n    return {i}\n")["f"] for i in range(5)]
+    for fn in fns:
+        assert _funcpickle.cached(fn) is not None
+    assert len(_funcpickle._cache) <= 3
+    assert id(fns[-1]) in _funcpickle._cache
+    key = id(fns[-1])
+    del fns, fn
+    gc.collect()
+    assert key not in _funcpickle._cache
+
+
+def test_worker_puts_a_defined_function_back_before_each_call() -> None:
+    """What a call changes in the worker does not reach the next one (as with a
+    fresh copy per call, which is what a worker got without the cache)."""
+    ns = script_namespace(
+        """
+        COUNT = 0
+        def bump(step=1):
+            global COUNT, NEW
+            COUNT += step
+            NEW = 1
+            bump.calls = getattr(bump, "calls", 0) + 1
+            bump.__defaults__ = (100,)
+            return [COUNT, bump.calls]
+        def counter():
+            n = 0
+            def inc():
+                nonlocal n
+                n += 1
+                return n
+            return inc
+        """
+    )
+    for name, fn, expected in (("bump", ns["bump"], [1, 1]), ("inc", ns["counter"](), 1)):
+        entry = _funcpickle.cached(fn)
+        assert entry is not None, name
+        rebuilt, plan = _funcload.define(entry.data)
+        for _ in range(3):
+            _funcload.restore(plan)
+            assert rebuilt() == expected, name
+        if name == "bump":
+            assert "NEW" in rebuilt.__globals__
+            _funcload.restore(plan)
+            assert "NEW" not in rebuilt.__globals__
+            assert rebuilt.__defaults__ == (1,) and not hasattr(rebuilt, "calls")
+
+
+def test_worker_restores_recursive_and_mutually_recursive_functions() -> None:
+    ns = script_namespace(
+        """
+        def is_even(n):
+            return True if n == 0 else is_odd(n - 1)
+        def is_odd(n):
+            return False if n == 0 else is_even(n - 1)
+        """
+    )
+    entry = _funcpickle.cached(ns["is_even"])
+    assert entry is not None
+    fn, plan = _funcload.define(entry.data)
+    assert len(plan[1]) == 2  # both functions are put back
+    fn.__globals__["is_odd"] = None  # broken by a call...
+    _funcload.restore(plan)
+    assert fn(10) is True  # ...and mended before the next
+    recursive = make_recursive()
+    entry = _funcpickle.cached(recursive)
+    assert entry is not None
+    fn, plan = _funcload.define(entry.data)
+    _funcload.restore(plan)
+    assert fn(5) == 5 and fn.__closure__[0].cell_contents is fn

@@ -19,6 +19,7 @@ import random
 import re
 import signal
 import sys
+import textwrap
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -961,3 +962,49 @@ async def test_cancelling_or_timing_out_submits_at_random_points_leaves_nothing_
         await pool.aclose()
     assert child_pids() == before
     assert outcomes["ran"] and outcomes["never ran"], outcomes
+
+
+# --------------------------------------------- functions sent by value, once
+
+
+def script_function(source: str, name: str) -> Callable[..., object]:
+    """A function defined as in a script's ``__main__``: it travels by value."""
+    namespace: dict[str, object] = {"__name__": "__main__"}
+    exec(textwrap.dedent(source), namespace)
+    fn = namespace[name]
+    assert callable(fn)
+    return fn
+
+
+async def test_replacement_workers_are_sent_the_functions_they_never_saw(
+    dropped: Dropped,
+) -> None:
+    # every call on a fresh worker (recycled after each call, or one killed
+    # while idle): an id the worker never saw would fail the call
+    square = script_function("def square(x):\n    return x * x\n", "square")
+    async with open_pool(2, name="defs", max_calls_per_worker=1) as pool:
+        dropped.keep(pool)
+        for round_ in range(2):
+            assert await asyncio.gather(*(pool.submit(square, i) for i in range(6))) == [
+                i * i for i in range(6)
+            ], round_
+            assert sorted(await pool.run(square, (3,))) == [9, 9]
+        assert pool.stats().restarts >= 12
+    async with open_pool(2, name="defs2") as pool:
+        dropped.keep(pool)
+        assert await pool.run(square, (2,)) == [4, 4]
+        pids = live_pids(pool)
+        os.kill(pids[0], signal.SIGKILL)  # dies idle: its call goes to a replacement
+        assert await asyncio.wait_for(pool.run(square, (5,)), 10) == [25, 25]
+        assert pool.pids()[0] not in (None, pids[0])
+
+
+async def test_script_function_calls_see_the_scripts_globals_as_they_are_now() -> None:
+    namespace: dict[str, object] = {"__name__": "__main__"}
+    exec("LIMIT = 1\ndef clip(x):\n    return min(x, LIMIT)\n", namespace)
+    clip = namespace["clip"]
+    assert callable(clip)
+    async with open_pool(2) as pool:
+        assert await asyncio.gather(*(pool.submit(clip, 5) for _ in range(4))) == [1] * 4
+        namespace["LIMIT"] = 3
+        assert await asyncio.gather(*(pool.submit(clip, 5) for _ in range(4))) == [3] * 4

@@ -11,14 +11,18 @@ before it acts; nothing here synchronises on a sleep.
 from __future__ import annotations
 
 import asyncio
+import functools
+import importlib.machinery
 import os
 import pickle
 import re
 import signal
 import sys
+import textwrap
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 from helpers import child_pids, pid_gone
@@ -26,6 +30,8 @@ from proc_utils import Fifo, still_alive_after
 
 import aioproc
 from aioproc import BrokenWorkerError, ForcedKillWarning, WorkerProcess, open_worker
+from aioproc._func import pickling as _funcpickle
+from aioproc._func.boot import Definitions
 from aioproc.errors import RemoteTraceback
 
 BIG = 100 * 1024 * 1024
@@ -349,3 +355,168 @@ async def test_100mb_in_and_out(pw: ModuleType) -> None:
         out = await asyncio.wait_for(w.call(pw.make_bytes, BIG, 7), 30)
         assert len(out) == BIG and out[:3] == bytes([7, 8, 9]) and out[-1] == (7 + BIG - 1) % 256
         await w.ping()
+
+
+# ------------------------------------------- functions sent by value, once
+#
+# A script's functions cannot be imported by a worker: they travel by value.
+# A persistent worker is sent each one once and then called by id (see
+# ``_func.pickling.cached``); these tests pin that every call still sees
+# exactly what a fresh copy would.
+
+
+def script(source: str) -> dict[str, Any]:
+    """Run ``source`` as a script's ``__main__`` would: its functions travel by value."""
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    exec(textwrap.dedent(source), namespace)
+    return namespace
+
+
+def sent_by_id(w: WorkerProcess, fn: Any) -> bool:
+    """Whether the next call of ``fn`` on ``w`` names it by id, without a definition."""
+    entry = _funcpickle.cached(fn)
+    return entry is not None and entry.fid in w._definitions._ids
+
+
+FUNCS_IN_WORKER = "len(__import__('sys').modules['aioproc._child.boot']._FUNCS)"
+
+
+async def test_script_function_sees_every_change_made_between_calls() -> None:
+    ns = script(
+        """
+        SCALE = 1
+        TABLE = (1, 2)
+        def f(x, k=1, *, m=1):
+            return [x * SCALE * k * m, TABLE, getattr(f, "tag", None)]
+        def scale():
+            return SCALE
+        def make(n):
+            def get():
+                return n
+            def set_(v):
+                nonlocal n
+                n = v
+            return get, set_
+        """
+    )
+    f, scale = ns["f"], ns["scale"]
+    get, set_ = ns["make"](1)
+    async with open_worker() as w:
+        assert await w.call(f, 3) == [3, (1, 2), None]
+        assert sent_by_id(w, f)
+        assert await w.call(f, 3) == [3, (1, 2), None]
+        assert await w.call(scale) == 1
+        ns["SCALE"] = True  # equal to 1, but not the same value
+        assert await w.call(scale) is True
+        ns["SCALE"] = 2  # a global the function reads
+        ns["TABLE"] = (3,)
+        assert await w.call(f, 3) == [6, (3,), None]
+        f.__defaults__ = (10,)  # rebound defaults
+        assert await w.call(f, 3) == [60, (3,), None]
+        assert f.__kwdefaults__ is not None
+        f.__kwdefaults__["m"] = -1  # keyword defaults changed in place
+        assert await w.call(f, 3) == [-60, (3,), None]
+        f.tag = "t"
+        assert await w.call(f, 3) == [-60, (3,), "t"]
+        assert await w.call(get) == 1
+        set_(7)  # a closure cell
+        assert await w.call(get) == 7
+        assert sent_by_id(w, get)
+
+
+async def test_changes_a_call_makes_in_the_worker_do_not_reach_the_next_call() -> None:
+    ns = script(
+        """
+        COUNT = 0
+        def bump():
+            global COUNT
+            COUNT += 1
+            bump.calls = getattr(bump, "calls", 0) + 1
+            return [COUNT, bump.calls]
+        def counter():
+            n = 0
+            def inc():
+                nonlocal n
+                n += 1
+                return n
+            return inc
+        """
+    )
+    inc = ns["counter"]()
+    async with open_worker() as w:
+        # as when each call carried its own copy (and as cloudpickle does)
+        assert [await w.call(ns["bump"]) for _ in range(3)] == [[1, 1]] * 3
+        assert [await w.call(inc) for _ in range(3)] == [1, 1, 1]
+        assert sent_by_id(w, inc)
+
+
+async def test_recursion_partials_lambdas_and_closures() -> None:
+    ns = script(
+        """
+        def fact(n):
+            return 1 if n <= 1 else n * fact(n - 1)
+        def is_even(n):
+            return True if n == 0 else is_odd(n - 1)
+        def is_odd(n):
+            return False if n == 0 else is_even(n - 1)
+        def power(base, exp=2):
+            return base ** exp
+        """
+    )
+    fact = ns["fact"]
+    offset = 5
+    async with open_worker() as w:
+        for _ in range(2):  # defined, then by id
+            assert await w.call(fact, 6) == 720
+            assert await w.call(ns["is_even"], 9) is False
+            assert await w.call(functools.partial(ns["power"], exp=3), 2) == 8
+            assert await w.call(functools.partial(fact, 4)) == 24
+            assert await w.call(lambda x: fact(x) + offset, 3) == 11
+            assert await w.call(functools.partial(len), "abc") == 3
+        assert sent_by_id(w, fact) and sent_by_id(w, ns["power"])
+
+
+async def test_functions_with_mutable_state_travel_whole_at_every_call() -> None:
+    ns = script(
+        """
+        ITEMS = [1]
+        def total(extra=None):
+            return sum(ITEMS) + (extra or 0)
+        """
+    )
+    async with open_worker() as w:
+        assert await w.call(ns["total"]) == 1
+        ns["ITEMS"].append(2)  # mutated in place: no identity changes
+        assert await w.call(ns["total"]) == 3
+        assert await w.call(ns["total"], 4) == 7
+        assert not sent_by_id(w, ns["total"])
+
+
+async def test_worker_keeps_a_bounded_number_of_functions() -> None:
+    fns = [script(f"def f(x):\n    return x + {i}\n")["f"] for i in range(5)]
+    async with open_worker() as w:
+        w._definitions = Definitions(limit=2)
+        for _ in range(2):
+            for i, fn in enumerate(fns):
+                assert await w.call(fn, 10) == 10 + i
+                assert await w.call(eval, FUNCS_IN_WORKER) <= 2
+
+
+async def test_a_definition_that_fails_in_the_worker_is_sent_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a module the parent has (in sys.modules) but the worker cannot import yet
+    ghost = ModuleType("aioproc_test_ghost")
+    ghost.__spec__ = importlib.machinery.ModuleSpec("aioproc_test_ghost", None)
+    ghost.VALUE = 5  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "aioproc_test_ghost", ghost)
+    ns = script("def read():\n    return aioproc_test_ghost.VALUE\n")
+    ns["aioproc_test_ghost"] = ghost
+    async with open_worker() as w:
+        for _ in range(2):
+            with pytest.raises(ModuleNotFoundError, match="aioproc_test_ghost"):
+                await w.call(ns["read"])
+        (tmp_path / "aioproc_test_ghost.py").write_text("VALUE = 6\n")
+        await w.call(exec, f"import sys; sys.path.insert(0, {str(tmp_path)!r})")
+        assert await w.call(ns["read"]) == 6  # the worker's own module, as by reference
+        assert await w.call(eval, FUNCS_IN_WORKER) == 1

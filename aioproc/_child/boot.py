@@ -19,6 +19,12 @@ such a worker never even imports ``pickle``; everything else is pickled
 module); cloudpickle is imported by the unpickler only for what
 ``_func.pickling`` leaves to it (classes defined in ``__main__``, for one).
 
+A persistent worker also keeps functions the supervisor defines once
+(DEFINE: a by-value function and its id, sent in the same write as the CALL
+that first uses it); later CALLs name them by id, and ``_child.pickling``
+puts such a function back as it was defined before each call, so a call
+sees what a freshly unpickled copy would (see ``_func.pickling.cached``).
+
 Lifeline: in a worker of a cluster run, whose supervisor may ask for its
 stacks at any time, a daemon thread blocks on the channel; EOF means the
 supervisor is gone, and the worker then SIGKILLs its own process group
@@ -215,25 +221,81 @@ def error_report(exc: BaseException) -> dict[str, Any]:
 
 _FROMLIST = ("__name__",)  # makes __import__ return the module itself, not its package
 
+_FUNCS: dict[int, Any] = {}
+"""Functions the supervisor defined in this persistent worker (DEFINE), by its id:
+``(function, restore, its plan)``, or the exception that unpickling one raised."""
+
+
+def _funcload() -> Any:
+    """``_child.pickling``: registered by the boot code, imported when run in place."""
+    module = sys.modules.get("aioproc._child.pickling")
+    if module is None:
+        module = __import__("aioproc._child.pickling", None, None, _FROMLIST)
+    return module
+
+
+def _define(body: bytes | bytearray) -> None:
+    """DEFINE: unpickle a function once and keep it under the supervisor's id.
+
+    The supervisor says which ids to forget (it bounds what a worker keeps);
+    an unpickling error is kept too and raised by the call that uses the id.
+    """
+    fid, drops, data = marshal.loads(body)
+    for old in drops:
+        _FUNCS.pop(old, None)
+    try:
+        funcload = _funcload()
+        fn, plan = funcload.define(data)
+        _FUNCS[fid] = (fn, funcload.restore, plan)
+    except Exception as e:
+        _FUNCS[fid] = e
+
+
+def _defined(fid: int) -> Any:
+    """The function defined under ``fid``, put back as it was defined."""
+    entry = _FUNCS.get(fid)
+    if type(entry) is tuple:
+        fn, restore, plan = entry
+        restore(plan)
+        return fn
+    if entry is None:
+        raise RuntimeError(f"aioproc worker: no function was defined under id {fid}")
+    raise entry
+
 
 def _load_call(body: bytes | bytearray) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     view = memoryview(body)
     if body[0] == _wire.MARSHAL_BYTE:
-        module, qualname, args, kwargs = marshal.loads(view[1:])
+        call = marshal.loads(view[1:])
+        if len(call) == 3:  # a function the supervisor defined (DEFINE)
+            fid, args, kwargs = call
+            entry = _FUNCS.get(fid)
+            if type(entry) is tuple:  # _defined, inlined
+                entry[1](entry[2])
+                return entry[0], args, kwargs
+            return _defined(fid), args, kwargs
+        module, qualname, args, kwargs = call
         # a module already imported (and not half-way) is taken from
         # sys.modules: __import__ costs ~1.5 us, a fifth of a no-op call's turn
         fn: Any = sys.modules.get(module)
         if fn is None or getattr(getattr(fn, "__spec__", None), "_initializing", False):
             fn = __import__(module, None, None, _FROMLIST)
-        for part in qualname.split("."):
-            fn = getattr(fn, part)
+        if "." in qualname:
+            for part in qualname.split("."):
+                fn = getattr(fn, part)
+        else:
+            fn = getattr(fn, qualname)
         return fn, args, kwargs
     import _pickle
 
     codec = view[:1]
     fn_len = int.from_bytes(view[1:9], "big")
-    fn = _pickle.loads(view[9 : 9 + fn_len])
-    rest = view[9 + fn_len :]
+    if fn_len:
+        fn = _pickle.loads(view[9 : 9 + fn_len])
+        rest = view[9 + fn_len :]
+    else:  # the id of a function the supervisor defined
+        fn = _defined(int.from_bytes(view[9:17], "big"))
+        rest = view[17:]
     if codec == _wire.PICKLE:
         args, kwargs = _pickle.loads(rest)
     else:
@@ -426,25 +488,53 @@ def _serve(fd: int, has_init: bool) -> None:
 
     poller = select.poll()
     poller.register(fd, select.POLLIN)
+    read_frame = _wire.read_frame
+    header_size = _wire.HEADER_SIZE
     while True:
         try:
-            kind, body = _wire.read_frame(fd, poller)
+            if _wire._pending:
+                kind, body = read_frame(fd, poller)
+            else:
+                # read_frame's usual case, inlined: one read brings one whole frame
+                poller.poll()
+                data = os.read(fd, _wire.READ_SIZE)
+                if len(data) >= header_size and len(data) == header_size + int.from_bytes(
+                    data[1:header_size], "big"
+                ):
+                    kind, body = data[0], data[header_size:]
+                else:
+                    _wire._pending = data
+                    kind, body = read_frame(fd)
+                del data
         except (_wire.ChannelClosed, OSError):
             os._exit(0)
-        if kind == _wire.PING:
-            _wire.write_frame(fd, _wire.PONG)
-            continue
-        if kind == _wire.TERMINATE:
-            _flush_std()
-            sys.exit(0)
         if kind != _wire.CALL:
-            raise RuntimeError(f"aioproc worker: unexpected frame kind {kind}")
+            if kind == _wire.DEFINE:
+                _define(body)  # its CALL follows, usually in the same read
+            elif kind == _wire.PING:
+                _wire.write_frame(fd, _wire.PONG)
+            elif kind == _wire.TERMINATE:
+                _flush_std()
+                sys.exit(0)
+            else:
+                raise RuntimeError(f"aioproc worker: unexpected frame kind {kind}")
+            continue
         try:
             fn, args, kwargs = _load_call(body)
             del body
             value = fn(*args, **kwargs)
             if first:
                 STATE, value = value, None
+            if type(value) in _SCALARS:
+                # the common answer, framed here: one marshal call and one write
+                data = marshal.dumps(value)
+                size = len(data) + 1
+                if size <= _MAX_FRAME:
+                    frame = b"".join((_RESULT_KIND, size.to_bytes(8, "big"), _wire.MARSHAL, data))
+                    sent = os.write(fd, frame)
+                    if sent < len(frame):
+                        _wire._write_all(fd, memoryview(frame)[sent:])
+                    continue
             parts, segments = _encode(value)
             _check_size(parts, "return value of type {}", value)
         except (SystemExit, KeyboardInterrupt):
@@ -463,6 +553,11 @@ def _serve(fd: int, has_init: bool) -> None:
             _send_result(fd, parts, segments)
         else:  # only this thread writes to a persistent worker's channel
             _wire.write_frame(fd, _wire.RESULT, *parts)
+
+
+_SCALARS = frozenset({type(None), bool, int, float})
+"""Return types a persistent worker frames itself (marshal, a few bytes)."""
+_RESULT_KIND = _wire.RESULT.to_bytes(1, "big")
 
 
 def main(fd: int) -> None:

@@ -33,12 +33,14 @@ HEADER_SIZE = 9
 
 # parent -> child
 INIT = 1  # marshal: {"sys_path": [...], "serve": bool}
-CALL = 2  # codec byte + (MARSHAL: (module, qualname, args, kwargs) | PICKLE: see bootstrap)
+CALL = 2  # codec byte + (MARSHAL: (module, qualname, args, kwargs) or (fid, args, kwargs)
+#                       | PICKLE: see _child.boot._load_call)
 PING = 3  # persistent workers: answered with PONG
 TERMINATE = 4  # persistent workers: exit 0 now
 FD_SOCKET = 5  # the fd number (ascii) of the worker's end of the fd-passing socket
 RELEASE = 6  # barrier: empty body = passed, else utf-8 text saying why it broke
 DUMP = 7  # dump every thread's stack (faulthandler); answered with STACKS
+DEFINE = 8  # persistent workers: marshal (fid, drops, pickle): keep a function under an id
 # child -> parent
 PONG = 12
 RESULT = 10  # codec byte + the return value
@@ -72,6 +74,7 @@ KIND_NAMES = {
     FD_SOCKET: "FD_SOCKET",
     RELEASE: "RELEASE",
     DUMP: "DUMP",
+    DEFINE: "DEFINE",
     PONG: "PONG",
     RESULT: "RESULT",
     ERROR: "ERROR",
@@ -391,19 +394,22 @@ def read_frame(fd: int, poller: Any = None) -> tuple[int, bytes | bytearray]:
     than in ``read`` (see ``main._serve`` for why).
     """
     global _pending
-    if poller is not None and not _pending:
-        poller.poll()
-    buf = _pending or os.read(fd, READ_SIZE)
+    buf = _pending
+    if not buf:
+        if poller is not None:
+            poller.poll()
+        buf = os.read(fd, READ_SIZE)
     while len(buf) < HEADER_SIZE:
         chunk = os.read(fd, READ_SIZE)
         if not chunk:
             raise ChannelClosed(f"channel closed after {len(buf)} of {HEADER_SIZE} header bytes")
         buf += chunk
-    kind, length = parse_header(buf)
+    # parse_header, inlined: this runs once per request of a persistent worker
+    length = int.from_bytes(buf[1:HEADER_SIZE], "big")
     end = HEADER_SIZE + length
     if len(buf) >= end:
         _pending = buf[end:]
-        return kind, buf[HEADER_SIZE:end]
+        return buf[0], buf[HEADER_SIZE:end]
     body = bytearray(length)
     got = len(buf) - HEADER_SIZE
     body[:got] = memoryview(buf)[HEADER_SIZE:]
@@ -415,7 +421,7 @@ def read_frame(fd: int, poller: Any = None) -> tuple[int, bytes | bytearray]:
         if n == 0:
             raise ChannelClosed(f"channel closed after {got} of {length} body bytes")
         got += n
-    return kind, body
+    return buf[0], body
 
 
 def write_frame(fd: int, kind: int, *parts: bytes) -> None:

@@ -12,6 +12,7 @@ format matches.
 
 from __future__ import annotations
 
+import collections
 import functools
 import marshal
 import pickle
@@ -26,7 +27,8 @@ import cloudpickle
 from .._child import channel as _wire
 from .._child import shm as _shm
 from .._errors.failure import RemoteTraceback
-from .pickling import dumps, function_ref
+from . import pickling as _funcpickle
+from .pickling import Cached, cached, dumps, function_ref, lookup
 
 BOOT_CODE = """\
 import marshal, os, sys
@@ -120,6 +122,56 @@ def init_frame(
     )
 
 
+WORKER_FUNCTIONS = 128
+"""By-value functions one persistent worker keeps (DEFINE) before it forgets the
+least recently called."""
+
+_UNKNOWN: Any = object()
+_NO_ID = (0).to_bytes(8, "big")  # in a pickled CALL: no pickle, a function id follows
+
+
+class Definitions:
+    """The functions one persistent worker keeps, as its supervisor tracks them.
+
+    The supervisor decides alone which ids a worker keeps and tells it which
+    to forget, so the two never disagree; a worker that replaces another
+    starts with a fresh ``Definitions`` and is sent every function again.
+    """
+
+    __slots__ = ("_drops", "_ids", "_limit")
+
+    def __init__(self, limit: int = WORKER_FUNCTIONS) -> None:
+        self._ids: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._drops: list[int] = []
+        self._limit = limit
+
+    def use(self, entry: Cached) -> bytes | None:
+        """Body of the DEFINE frame to send just before a call of ``entry``, if needed."""
+        ids = self._ids
+        if entry.fid in ids:
+            ids.move_to_end(entry.fid)
+            return None
+        return self._define(entry)
+
+    def _define(self, entry: Cached) -> bytes:
+        fid = entry.fid
+        drops, self._drops = self._drops, []
+        while len(self._ids) >= self._limit:
+            drops.append(self._ids.popitem(last=False)[0])
+        self._ids[fid] = None
+        return marshal.dumps((fid, drops, entry.data))
+
+    def forget(self, fid: int) -> None:
+        """The call that defined ``fid`` failed: define it again at its next call.
+
+        The failure may have been the unpickling, which another try can get
+        past (a module installed since, say); the worker is told to drop
+        what it kept with the next definition.
+        """
+        if self._ids.pop(fid, 0) is None:
+            self._drops.append(fid)
+
+
 class CallEncoder:
     """Encodes CALL frame bodies for one function, pickling it at most once.
 
@@ -127,13 +179,16 @@ class CallEncoder:
     marshal data (the worker then never imports pickle); otherwise the
     function is pickled once and each call's arguments separately, by value
     where needed (``_func.pickling``: cloudpickle only for what needs it).
+    For a persistent worker (``encode_call``) a by-value function is sent
+    once per worker and then named by its id (see ``_func.pickling.cached``).
     """
 
     __slots__ = ("_fn", "_pickled", "_ref")
 
-    def __init__(self, fn: Any) -> None:
+    def __init__(self, fn: Any, ref: tuple[str, str] | None = _UNKNOWN) -> None:
+        """``ref``: ``function_ref(fn)`` when the caller has it already."""
         self._fn = fn
-        self._ref = function_ref(fn)
+        self._ref = function_ref(fn) if ref is _UNKNOWN else ref
         self._pickled: bytes | None = None
 
     def encode(
@@ -163,6 +218,17 @@ class CallEncoder:
                 self._pickled = dumps(self._fn)
             except Exception as e:
                 raise TypeError(f"function {self._fn!r} cannot be pickled: {e}") from e
+        fn = self._pickled
+        return self._args(args, kwargs, segments, len(fn).to_bytes(8, "big"), fn)
+
+    def _args(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        segments: list[_shm.Segment] | None,
+        *fn_parts: bytes,
+    ) -> list[bytes]:
+        """A pickled CALL body: codec, ``fn_parts``, then the arguments."""
         try:
             # data: plain pickle opcodes (the worker imports no cloudpickle for
             # them); a function or class among them travels by value
@@ -171,8 +237,51 @@ class CallEncoder:
             )
         except Exception as e:
             raise TypeError(f"arguments for {self._fn!r} cannot be pickled: {e}") from e
-        fn = self._pickled
-        return [codec, len(fn).to_bytes(8, "big"), fn, *pickled_args]
+        return [codec, *fn_parts, *pickled_args]
+
+
+def encode_call(
+    fn: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    segments: list[_shm.Segment] | None,
+) -> tuple[list[bytes], Cached | None]:
+    """CALL body parts for a persistent worker, and the by-value function it names.
+
+    With a ``Cached`` entry the body names the function by its id: the
+    caller must precede the frame with the DEFINE that ``Definitions.use``
+    gives (decided when the frame is written, not now: a call that waits
+    for its turn may be cancelled before it is sent).  A
+    ``functools.partial`` is unwrapped into its function and arguments,
+    which is what calling it does, so that function is cached (or named by
+    reference) too.
+
+    Raises:
+        TypeError: ``fn`` or the arguments cannot be pickled.
+    """
+    while type(fn) is functools.partial:
+        args = (*fn.args, *args)
+        kwargs = {**fn.keywords, **kwargs} if fn.keywords else kwargs
+        fn = fn.func
+    marshallable = (not args and not kwargs) or (
+        _wire._marshallable(args) and _wire._marshallable(kwargs)
+    )
+    # first: a cached function needs no function_ref (the rest: one dict lookup)
+    entry = lookup(fn) if id(fn) in _funcpickle._cache else None
+    if entry is None:
+        ref = function_ref(fn)
+        if ref is not None and marshallable:
+            return [_wire.MARSHAL, marshal.dumps((*ref, args, kwargs))], None  # CallEncoder's
+        entry = cached(fn) if ref is None and type(fn) is _FunctionType else None
+        if entry is None:
+            return CallEncoder(fn, ref).encode(args, kwargs, segments), None
+    if marshallable:
+        return [_wire.MARSHAL, marshal.dumps((entry.fid, args, kwargs))], entry
+    fid = entry.fid.to_bytes(8, "big")
+    return CallEncoder(fn)._args(args, kwargs, segments, _NO_ID, fid), entry
+
+
+_FunctionType = type(encode_call)
 
 
 def rebuild_exception(body: bytes | bytearray) -> BaseException | None:

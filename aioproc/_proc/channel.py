@@ -97,6 +97,22 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
         if self.failed.done():
             return  # aborted: bytes read in the same wakeup are ignored
         if self._body is None:
+            if not self._have and nbytes >= _wire.HEADER_SIZE:
+                # The usual reply: exactly one whole small frame, read at once.
+                # Delivered here, without the general parser's bookkeeping.
+                kind, length = _HEADER.unpack_from(self._scratch)
+                if (
+                    nbytes - _wire.HEADER_SIZE == length
+                    and kind in self._kinds
+                    and length <= self._max
+                ):
+                    body = self._scratch[_wire.HEADER_SIZE : nbytes]
+                    if kind == _wire.RESULT and body and body[0] == _SHM_BYTE:
+                        self._deliver(kind, body)
+                    else:
+                        self._on_frame(kind, body)
+                    self._progress.advance(nbytes)
+                    return
             self._have += nbytes
             self._parse()
         else:
@@ -177,6 +193,11 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
         self._progress.finish()
         if not self.closed.done():
             self.closed.set_result(None)
+
+
+def frame(kind: int, body: bytes) -> bytes:
+    """A whole frame, for ``Channel.send(before=...)``."""
+    return _HEADER.pack(kind, len(body)) + body
 
 
 class Channel:
@@ -263,11 +284,28 @@ class Channel:
         )
         return cls(transport, protocol, sock)
 
-    def send(self, kind: int, *parts: bytes, segments: Sequence[_shm.Segment] = ()) -> None:
+    def deliver_to(self, on_frame: FrameHandler) -> None:
+        """From now on, hand every whole frame to ``on_frame`` instead.
+
+        For an owner that exists only once the channel is open (a persistent
+        worker's handle, after its start): a direct call per frame rather
+        than one through a forwarding function.
+        """
+        self._protocol._on_frame = on_frame
+
+    def send(
+        self,
+        kind: int,
+        *parts: bytes,
+        segments: Sequence[_shm.Segment] = (),
+        before: bytes = b"",
+    ) -> None:
         """Queue one frame whose body is ``parts`` concatenated.
 
         The transport writes it as the child reads it.  Parts of a big frame
-        are not copied; a small one is joined into a single write.
+        are not copied; a small one is joined into a single write, with
+        ``before`` (whole frames made by ``frame``: a DEFINE for this CALL),
+        so the worker wakes once for both.
         ``segments`` (the memfds of a SHM body) go first, on the fd socket,
         and are closed here whatever happens; if they cannot be passed, the
         channel is aborted, so the worker sees EOF instead of waiting for
@@ -290,8 +328,10 @@ class Channel:
         size = sum(map(len, parts))
         if size <= _wire.JOIN_LIMIT:
             # one write, so one send(): the worker wakes once per small frame
-            self._transport.write(b"".join((_HEADER.pack(kind, size), *parts)))
+            self._transport.write(b"".join((before, _HEADER.pack(kind, size), *parts)))
             return
+        if before:
+            self._transport.write(before)
         self._transport.write(_HEADER.pack(kind, size))
         for part in parts:
             if part:
