@@ -25,6 +25,7 @@ from typing import Any
 
 from ._base.checks import check_duration, check_env, check_preload, check_start_method
 from ._base.loops import check_loop
+from ._base.offloop import run_detached
 from ._base.resource import OpenResource
 from ._base.shield import shielded
 from ._child import channel as _wire
@@ -308,8 +309,13 @@ class WorkerProcess:
             check_loop(self._child.watcher.loop, self)
         # Encoded at each attempt: a pool may send a call twice, and the
         # shared-memory segments of large arguments are closed however it ends.
-        segments: list[_shm.Segment] | None = [] if self._channel.fd_socket is not None else None
+        segments: list[_shm.Segment] | None = (
+            _shm.Deferred() if self._channel.fd_socket is not None else None
+        )
         parts, cached = encode_call(fn, args, kwargs, segments)
+        if segments and not await fill_segments(segments):
+            segments = None  # no memory for the memfds: the value travels in the frame
+            parts, cached = encode_call(fn, args, kwargs, None)
         # The hot path (``_request`` inlined): an idle worker's request is
         # written before anything suspends, the protocol resolves the reply
         # future as the frame is read, and this coroutine resumes in the next
@@ -411,6 +417,40 @@ class WorkerProcess:
             )
 
 
+FILL_OFF_LOOP = 4 << 20
+"""Bytes of large values from which they are copied into shared memory on a
+thread: below, the copy takes about a millisecond, less than a thread costs."""
+
+
+async def fill_segments(segments: Sequence[_shm.Segment]) -> bool:
+    """Copy a call's large values into their memfds, off the loop when they are big.
+
+    Returns False (the segments closed) when the memfds cannot be filled
+    (no memory for them): the caller encodes the value into the frame.
+
+    Cancellation: the copy runs to completion on its thread and the
+    segments are closed after it; the caller must not use them again.
+    """
+
+    def fill() -> None:
+        for segment in segments:
+            segment.fill()
+
+    def close() -> None:
+        for segment in segments:
+            segment.close()
+
+    try:
+        if sum(segment.size for segment in segments) < FILL_OFF_LOOP:
+            fill()
+        else:
+            await run_detached(fill, close)
+    except OSError:
+        close()
+        return False
+    return True
+
+
 async def _start_worker(
     name: str,
     init: Callable[..., Any] | None,
@@ -429,8 +469,11 @@ async def _start_worker(
         for key, val in env.items():
             if not isinstance(key, str) or not isinstance(val, str):
                 raise TypeError(f"env must map str to str; got {key!r}: {val!r}")
-    segments: list[_shm.Segment] | None = [] if _shm.AVAILABLE else None
+    segments: list[_shm.Segment] | None = _shm.Deferred() if _shm.AVAILABLE else None
     init_parts = CallEncoder(init).encode(init_args, {}, segments) if init is not None else None
+    if segments and not await fill_segments(segments):
+        segments = None  # no memory for the memfds: the value travels in the frame
+        init_parts = CallEncoder(init).encode(init_args, {}, None)
     full_env = {**os.environ, **(env or {})}
     tail = _TailSink(STDERR_TAIL)
     console = ConsoleSink()

@@ -94,7 +94,7 @@ def p6(cfg: Config) -> list[Row]:
     rows = rows_from(
         f"P6 close() of {n} running function workers",
         series,
-        Target("ratio", 1.1),  # raised from "<= 50 ms" (issue 12)
+        Target("ratio", 1.1),  # a ratio: an absolute limit depends on the machine
         note="baseline: raw subprocesses, SIGTERM each -> all awaited",
     )
     # the same with a log_dir of the caller's, which close() never prunes:

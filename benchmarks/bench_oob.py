@@ -33,11 +33,13 @@ from typing import Any
 
 import _util
 from _util import Config, Row, Target, interleaved, interleaved_sync_baseline, rows_from
+from bench_p7 import Ticker
 
 import aioproc
 
 ARRAYS = 16
-TARGET = Target("ratio", 0.3)  # issue 12: <= 0.3x ProcessPoolExecutor's time
+TARGET = Target("ratio", 0.3)  # <= 0.3x ProcessPoolExecutor's time
+HOLD = Target("max", 0.005, "ms")  # no callback holds the loop longer, whatever the size
 
 
 def make_data(cfg: Config) -> dict[str, Any]:
@@ -95,12 +97,34 @@ def oob_rows(cfg: Config) -> list[Row] | str:
         check(data, got)
         return dt
 
+    async def idle_hold() -> float:
+        ticker = Ticker()
+        await asyncio.sleep(0.3)
+        return (await ticker.stop())[1]
+
+    async def worker_hold() -> float:
+        async with aioproc.open_worker(name="p9") as w:
+            await w.call(dict, data)  # warm-up
+            ticker = Ticker()
+            await asyncio.sleep(0.01)  # the ticker is running
+            got = await w.call(dict, data)
+            worst = (await ticker.stop())[1]
+        check(data, got)
+        return worst
+
     what = f"P9: a {_size(data)} dict of {ARRAYS} numpy arrays to `w.call` and back"
     rows = rows_from(
         what,
         interleaved(cfg, executor, worker),
         TARGET,
         note="baseline: concurrent.futures.ProcessPoolExecutor (fork, run_in_executor), 1 worker",
+    )
+    rows += rows_from(
+        f"P9 hold: the longest loop hold while the {_size(data)} goes to the worker and back",
+        interleaved(cfg, idle_hold, worker_hold),
+        HOLD,
+        note="the loop thread's CPU time between two 1 ms ticks (what one callback ran); "
+        "baseline: the same ticker on an idle loop",
     )
     torch_rows = _torch_rows(cfg, data, worker, what)
     return rows + torch_rows

@@ -19,7 +19,7 @@ started on a free port in a temp data dir.  For each N the table gives, as media
   agent that watched every agent's keys would receive O(N) itself;
 - the whole lifetime per node (session open, round, exit barrier, close).
 
-Targets (issue 11): O(N) requests per round in total; < 2 s for 256 nodes.
+Targets: O(N) requests per round in total; < 2 s for 256 nodes.
 Needs the ``etcd`` binary and aetcd (``pip install 'aioproc[etcd]'``).
 """
 

@@ -13,10 +13,12 @@ that leaves an fd (a memfd included) open.  Worker functions live in
 from __future__ import annotations
 
 import asyncio
+import errno
 import mmap
 import os
 import signal
 import socket
+import threading
 from collections.abc import AsyncIterator
 from types import ModuleType
 from typing import Any
@@ -324,3 +326,71 @@ async def test_shared_memory_values_are_not_held_to_the_frame_cap(
     async with open_worker(name="capped") as w:
         assert await w.call(of.make_bytes, "bytes", 4 * MiB) == _payload("bytes", 4 * MiB)
         assert bytes(await w.call(of.identity, memoryview(bytes(4 * MiB)))) == bytes(4 * MiB)
+
+
+async def test_large_arguments_are_copied_into_shared_memory_off_the_loop(
+    worker: WorkerProcess, of: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A big value's copy runs on a thread; a small one's stays on the loop."""
+    threads: list[tuple[int, int]] = []
+    fill = _shm.Segment.fill
+
+    def spy(segment: _shm.Segment) -> None:
+        if not segment.filled:  # sending checks again: a no-op by then
+            threads.append((segment.size, threading.get_ident()))
+        fill(segment)
+
+    monkeypatch.setattr(_shm.Segment, "fill", spy)
+    loop_thread = threading.get_ident()
+    big, small = _payload("bytes", 8 * MiB), _payload("bytes", 2 * MiB)
+    assert await worker.call(of.identity, big) == big
+    assert await worker.call(of.identity, small) == small
+    copies = [(size >= 8 * MiB, ident == loop_thread) for size, ident in threads]
+    assert copies == [(True, False), (False, True)]
+    assert not [t for t in threading.enumerate() if t.name == "aioproc-copy"]
+
+
+async def test_a_call_cancelled_during_its_copy_leaves_the_worker_usable(
+    worker: WorkerProcess, of: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled before its frame was sent: nothing reached the worker, and the
+    memfd is closed once the copy that was still writing it ends."""
+    started, release = threading.Event(), threading.Event()
+    fill = _shm.Segment.fill
+
+    def slow(segment: _shm.Segment) -> None:
+        started.set()
+        release.wait(30)
+        fill(segment)
+
+    monkeypatch.setattr(_shm.Segment, "fill", slow)
+    call = asyncio.ensure_future(worker.call(of.identity, bytes(8 * MiB)))
+    assert await asyncio.to_thread(started.wait, 30)
+    assert _memfds() == 1  # reserved, being filled
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert _memfds() == 1  # still the copy's: closing it now could close a reused fd
+    release.set()
+    copier = next(t for t in threading.enumerate() if t.name == "aioproc-copy")
+    await asyncio.to_thread(copier.join, 30)
+    await asyncio.sleep(0)  # the loop closes it in the callback the copier posted
+    assert _memfds() == 0
+    monkeypatch.setattr(_shm.Segment, "fill", fill)
+    assert await worker.call(of.identity, 7) == 7
+
+
+async def test_memfds_that_cannot_be_filled_send_the_value_in_the_frame(
+    worker: WorkerProcess, of: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_memory(segment: _shm.Segment) -> None:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(_shm.Segment, "fill", no_memory)
+    for size in (2 * MiB, 8 * MiB):  # on the loop, on a thread
+        value = _payload("memoryview", size)
+        # the worker's argument views the frame's buffer, not a mapping
+        assert await worker.call(of.describe, value) == ("memoryview", "bytearray", True)
+        assert await worker.call(of.identity, value) == value
+    await worker.call(of.identity, 1)  # the loop drops its last reference to the reply
+    assert _memfds() == 0

@@ -170,6 +170,67 @@ async def run_blocking(fn: Callable[..., T], /, *args: object) -> T:
         return await shielded(future)
 
 
+async def run_detached(fn: Callable[[], T], abandon: Callable[[], None]) -> T:
+    """Run ``fn()`` on a thread of its own and return its result.
+
+    For long copies (a large value into shared memory) that should neither
+    hold the loop nor queue behind, or hold up, the helper thread's starts
+    and stops.  The thread exists only while ``fn`` runs.
+
+    Cancellation: the caller is released at once; ``fn`` runs to completion
+    on its thread and ``abandon()`` is called after it (on the loop, or on
+    the thread once the loop has closed), so what ``fn`` uses is released
+    only when nothing uses it any more.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+    abandoned = delivered = released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            abandon()
+
+    def finish(result: Any, error: BaseException | None) -> None:
+        nonlocal delivered
+        # cancelling the caller cancels ``future`` at once, before the
+        # caller's except clause runs: either way nobody takes the result
+        if abandoned or future.done():
+            release()
+        else:
+            delivered = True
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+    def work() -> None:
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = fn()
+        except BaseException as e:  # the caller's to handle
+            error = e
+        try:
+            loop.call_soon_threadsafe(finish, result, error)
+        except RuntimeError:  # the loop has closed: nobody waits
+            abandon()
+
+    thread = threading.Thread(target=work, name="aioproc-copy", daemon=True)
+    thread.start()
+    try:
+        result = await future
+    except asyncio.CancelledError:
+        if delivered:
+            release()  # finished, but its caller is gone
+        else:
+            abandoned = True  # ``finish`` releases when ``fn`` returns
+        raise
+    thread.join()  # it has posted its result: it is returning
+    return result
+
+
 class Batched(Generic[A, T]):
     """``fn(arg)`` for many callers, run together: one helper-thread job per burst.
 

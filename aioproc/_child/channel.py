@@ -194,7 +194,8 @@ def pickle_parts(obj: Any, pickler: Any, segments: list[Any] | None) -> list[byt
     PICKLE (a plain stream, as ``dumps`` gives) unless the value carries
     out-of-band buffers or is ``SHM_MIN`` bytes or more; then SHM when
     ``segments`` is a list (the value is written once into a memfd appended
-    to it), else BUFFERS (descriptor, stream and buffers in the frame).
+    to it; only reserved when the list is a ``_shm.Deferred``, whose owner
+    fills it), else BUFFERS (descriptor, stream and buffers in the frame).
     """
     sink = _Sink()
     buffers: list[Any] = []
@@ -225,9 +226,11 @@ def pickle_parts(obj: Any, pickler: Any, segments: list[Any] | None) -> list[byt
 
         if _shm.AVAILABLE:
             try:
-                segments.append(
-                    _shm.Segment.create(end, sink.parts, zip(offsets, raws, strict=True))
+                # a Deferred list's owner copies the value in later, off its loop
+                make = (
+                    _shm.Segment.reserve if type(segments) is _shm.Deferred else _shm.Segment.create
                 )
+                segments.append(make(end, sink.parts, zip(offsets, raws, strict=True)))
                 return [SHM, head]
             except OSError:
                 pass  # out of memfds or memory for one: the frame carries it instead

@@ -58,36 +58,78 @@ class Segment:
     when collected, so no path can keep the memory alive.
     """
 
-    __slots__ = ("fd", "size")
+    __slots__ = ("_pending", "fd", "size")
 
     def __init__(self, fd: int, size: int) -> None:
         self.fd = fd
         self.size = size
+        self._pending: tuple[list[Any], list[tuple[int, Any]]] | None = None
 
     @classmethod
     def create(cls, size: int, stream: list[Any], buffers: Iterable[tuple[int, Any]]) -> Segment:
         """A sealed memfd of ``size`` bytes: ``stream`` at 0, each buffer at its offset."""
+        segment = cls.reserve(size, stream, buffers)
+        segment.fill()
+        return segment
+
+    @classmethod
+    def reserve(cls, size: int, stream: list[Any], buffers: Iterable[tuple[int, Any]]) -> Segment:
+        """A memfd of ``size`` bytes that ``fill`` writes ``stream`` and ``buffers`` into later.
+
+        The copy is what takes time (a fraction of a second per GiB), so a
+        sender on an event loop reserves on the loop and fills on a thread;
+        until then the segment keeps the value's parts alive.
+        """
         fd = os.memfd_create("aioproc-value", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
-            pos = 0
-            for part in stream:
-                pos = _write_at(fd, _flat(part), pos)
-            for offset, raw in buffers:
-                _write_at(fd, raw, offset)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         except BaseException:
             os.close(fd)
             raise
-        return cls(fd, size)
+        segment = cls(fd, size)
+        segment._pending = (stream, list(buffers))
+        return segment
+
+    @property
+    def filled(self) -> bool:
+        """Whether the value is in the memfd (and sealed)."""
+        return self._pending is None
+
+    def fill(self) -> None:
+        """Copy the value in and seal the memfd; nothing to do once filled.
+
+        Thread-safe against nothing: one thread fills, and the segment is
+        neither sent nor closed until it has returned.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        stream, buffers = pending
+        pos = 0
+        for part in stream:
+            pos = _write_at(self.fd, _flat(part), pos)
+        for offset, raw in buffers:
+            _write_at(self.fd, raw, offset)
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
 
     def close(self) -> None:
+        self._pending = None
         fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
 
     def __del__(self) -> None:
         self.close()
+
+
+class Deferred(list[Segment]):
+    """A list of segments whose owner fills them itself (off its event loop).
+
+    ``pickle_parts`` reserves the memfds of a value put in such a list and
+    leaves the copy to the owner; in a plain list they come filled.
+    """
+
+    __slots__ = ()
 
 
 def _flat(buf: Any) -> memoryview:
@@ -110,7 +152,7 @@ def fd_socketpair() -> tuple[socket.socket, socket.socket] | None:
 
 
 def send(sock: Any, segments: Iterable[Segment]) -> None:
-    """Pass each segment's fd on ``sock``, in order, then close the segment.
+    """Fill each segment if it is not, pass its fd on ``sock``, in order, then close it.
 
     Every segment is closed, also when sending fails (the receiver then
     never sees the frame's memory: the caller must end the channel).
@@ -119,6 +161,7 @@ def send(sock: Any, segments: Iterable[Segment]) -> None:
     for segment in segments:
         try:
             if error is None:
+                segment.fill()  # a no-op where the sender filled it already
                 fds = segment.fd.to_bytes(_FD_SIZE, sys.byteorder, signed=True)
                 sock.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
         except OSError as e:
