@@ -56,9 +56,12 @@ from ._group.checks import check_start
 from ._group.checks import validate_group as _validate
 from ._group.outcomes import NEVER_STARTED as NEVER_STARTED
 from ._group.outcomes import Outcomes
-from ._group.rank_launcher import RankLauncher, SinkLike
+from ._group.rank_launcher import ROLE, RankLauncher, SinkLike
 from ._group.rank_launcher import make_sinks as _make_sinks
 from ._group.rankdirs import RankDirs
+from ._group.resources import GroupResources, LimitsArg
+from ._limits.capacity import Capacity
+from ._metrics import hooks as _hooks
 from ._output.console import release_consoles
 from ._proc import lifeline as _lifeline
 from ._proc.posix_spawn import name_fd_limit
@@ -187,7 +190,8 @@ class PContext:
     ``kwargs``: ``{local_rank: {name: value}}`` for function workers.
     ``hub``/``hub_keys``: the ``ControlHub`` behind ``barrier()`` (default:
     one for this group's ranks); the cluster runner shares one among its
-    tasks' one-rank groups, keyed by task.
+    tasks' one-rank groups, keyed by task.  ``limits``/``capacity``: as
+    ``start_processes`` takes them (``_group.resources``).
     """
 
     def __init__(
@@ -211,9 +215,12 @@ class PContext:
         kwargs: Mapping[int, Mapping[str, Any]] | None = None,
         hub: ControlHub | None = None,
         hub_keys: Mapping[int, Hashable] | None = None,
+        limits: LimitsArg = None,
+        capacity: Capacity | None = None,
     ) -> None:
         grace_period = check_duration("grace_period", grace_period)
         _validate(name, entrypoint, args, envs, logs_specs, log_line_prefixes, start_method)
+        self._resources = GroupResources(name, len(args), limits, capacity)
         self.kwargs = _check_kwargs(entrypoint, args, kwargs)
         self.preload = check_preload(start_method, preload)
         own_sinks = _make_sinks(sinks)
@@ -251,6 +258,13 @@ class PContext:
             pass_fds=tuple(pass_fds),
         )
         self._outcomes = Outcomes(self.nprocs)
+        # read once: metrics enabled later count from the next group on
+        self._rec = _hooks.current
+        if self._rec.enabled:
+            self._ranks.recorder = self._rec
+        self._began = 0.0  # when start() was called, for group_started
+        self._group_started = False
+        self._capacity_wait: anyio.CancelScope | None = None
         # barrier() and stack dumps of function workers; a cluster run shares
         # one hub among its tasks' groups, keyed by task, and only it asks
         # for stacks: only its workers need a thread reading their channel
@@ -360,6 +374,7 @@ class PContext:
             try:
                 if not self.is_function:
                     _check_executable(str(self.entrypoint), self.envs)
+                await self._take_resources()
             except BaseException:
                 self._ranks.discard_segments()  # large args in shared memory
                 raise
@@ -369,8 +384,26 @@ class PContext:
         finally:
             if self._state is _State.STARTING:
                 self._state = _State.NEW  # failed before the launch: nothing was started
+            if self._state is _State.NEW:
+                self._resources.close()  # no worker exists: slots and cgroups go back
             if not self._starting.done():
                 self._starting.set_result(None)
+
+    async def _take_resources(self) -> None:
+        """Wait for the group's process slots, then open its placements.
+
+        A ``close()`` meanwhile ends the wait: the launch that follows
+        stops before its first worker.
+
+        Cancellation: a cancelled wait holds no slot (``Capacity.acquire``).
+        """
+        self._began = time.monotonic()
+        if self._early_close is None:
+            with anyio.CancelScope() as self._capacity_wait:
+                await self._resources.acquire()
+            self._capacity_wait = None
+        if self._early_close is None:
+            self._ranks.joins = self._resources.open()
 
     async def _start(self, payloads: dict[int, list[bytes]]) -> None:
         specs = self.logs_specs
@@ -456,6 +489,10 @@ class PContext:
         self._launch_done.set()
         self._ranks.discard_segments()  # of ranks never launched
         self._mark_never_started()
+        complete = self._launch_error is None and len(self._children) == self.nprocs
+        if self._rec.enabled and complete:
+            self._group_started = True
+            self._rec.group_started(self.name, ROLE, time.monotonic() - self._began)
         if self._launch_error is None and not self._launched.done():
             self._launched.set_result(None)
         # the loop shutting down with the group still open kills it at once
@@ -467,6 +504,7 @@ class PContext:
         """After the supervisor, however it ended."""
         assert self._launched is not None
         self._unhold_guardian()
+        self._resources.close()  # every worker is reaped: cgroups and slots go back
         self._state = _State.CLOSED
         if not self._launched.done():
             if self._launch_error is not None:
@@ -504,6 +542,8 @@ class PContext:
                 self._hub.attach(key, child.channel, key if isinstance(key, str) else child.label)
             if self._released and rank in self._holding:
                 self._release(rank)  # it returned before its launch was over
+            if self._rec.enabled:
+                self._rec.worker_started(self.name, ROLE)
             self._notify(WorkerEvent("started", rank, child.pid, None, time.time()))
             child.watcher.future.add_done_callback(functools.partial(self._exited, rank, child))
 
@@ -765,6 +805,12 @@ class PContext:
         error_file = self.error_files.get(rank, "")
         logs = (self.stdouts.get(rank, ""), self.stderrs.get(rank, ""))
         failed = self._outcomes.record(rank, child, code, error_file, failure, logs)
+        oom = self._resources.oom(rank, child, code) if failed else None
+        if oom is not None:
+            self._outcomes.failures[rank].oom = oom
+        if self._rec.enabled:
+            outcome = _hooks.outcome_of(code, stopped=child.stop_requested)
+            self._rec.worker_exited(self.name, ROLE, outcome)
         if self._hub is not None:
             self._hub.left(self._hub_keys.get(rank, rank), code)
         if failed and not self._stopping and self._owner.group is not None:
@@ -772,7 +818,8 @@ class PContext:
             self._owner.group.start_soon(self._stop_after_failure, name=f"aioproc-stop-{self.name}")
         if self._on_event is not None:
             exited = child.watcher.exit_time or time.time()
-            self._notify(WorkerEvent("exited", rank, child.pid, code, exited))
+            usage = self._resources.usage({rank: child}).get(rank)
+            self._notify(WorkerEvent("exited", rank, child.pid, code, exited, usage, oom))
 
     async def _stop_after_failure(self) -> None:
         assert self._launch_done is not None
@@ -796,7 +843,9 @@ class PContext:
             self._auto_stopped.set()
 
     def _result(self) -> RunProcsResult:
-        return self._outcomes.result(self.stdouts, self.stderrs, self.logs_specs.run_log_dir)
+        result = self._outcomes.result(self.stdouts, self.stderrs, self.logs_specs.run_log_dir)
+        result.usage = self._resources.usage(self._children)
+        return result
 
     def remote_exception(self, local_rank: int) -> BaseException | None:
         """The exception a function worker raised, rebuilt in the supervisor.
@@ -880,9 +929,11 @@ class PContext:
         sig = _validate_signal(signal.SIGTERM if death_sig is None else death_sig)
         timeout = check_duration("close(timeout=...)", timeout)
         if self._state is _State.STARTING and self._early_close is None:
-            # start() is making the log tree: the launch it begins next
-            # stops before its first worker
+            # start() waits for process slots or makes the log tree: the
+            # launch it begins next stops before its first worker
             self._early_close = (sig, float(timeout))
+            if self._capacity_wait is not None:
+                self._capacity_wait.cancel()
         elif self._state is _State.NEW:
             self._state = _State.CLOSED
             return
@@ -912,6 +963,14 @@ class PContext:
         self._request_close(sig, timeout)
         await self._owner.wait()
 
+    def _count_exit(self, signalled: bool, seconds: float) -> None:
+        """The group's metrics at the end of its close (metrics on)."""
+        if signalled:
+            self._rec.group_stopped(self.name, ROLE, seconds)
+        if self._group_started:
+            self._group_started = False
+            self._rec.group_exited(self.name, ROLE, _outcome(self._outcomes.failures))
+
     async def _emergency_stop(self) -> None:
         for task in self._watchers:
             task.cancel()
@@ -934,6 +993,7 @@ class PContext:
         children = list(self._children.values())
         forced: list[Child] = []
         began = time.monotonic()
+        signalled = any(c.returncode is None for c in children)
         # The exits this stop causes are recorded together once it is over:
         # per exit, a watcher would wait for the output and read the error
         # file on its own, competing with the exiting workers for the CPUs.
@@ -975,6 +1035,8 @@ class PContext:
         # guardian, which exits if it guards nothing else) and reap their
         # leaders now, so that the guardian's exit overlaps what follows.
         done = Release(children)
+        if stopping:
+            await done.reaped()  # their "exited" events carry the usage of the reap
         await self._record_stopped(stopping, early)
         for rank, scope in self._watching.items():
             if not self._watched[rank].is_set():
@@ -994,6 +1056,8 @@ class PContext:
             )
             release_consoles()  # the host's sinks stay open, not our fds on its console
             self._outcomes.check_finished()
+            if self._rec.enabled:
+                self._count_exit(signalled, time.monotonic() - began)
             self._state = _State.CLOSED
             if pruned is None:
                 # the sinks wrote into the tree until now: prune it only now,
@@ -1006,6 +1070,14 @@ class PContext:
         if temp_root is not None:
             _lifeline.untidy(temp_root)
         warn_forced(forced, sig, granted)
+
+
+def _outcome(failures: Mapping[int, ProcessFailure]) -> str:
+    """A group's metrics outcome: succeeded, else the outcome of its root cause."""
+    if not failures:
+        return "succeeded"
+    root = min(failures.values(), key=lambda f: f._order_key())
+    return _hooks.outcome_of(root.exitcode, stopped=root.stopped)
 
 
 async def close_on_exit(pc: PContext, exc: BaseException | None) -> None:

@@ -1,7 +1,9 @@
-"""What a worker group reports: ``RunProcsResult`` and ``WorkerEvent``.
+"""What a worker group reports: ``RunProcsResult``, ``WorkerEvent`` and ``Usage``.
 
 Low in the house: the supervisor, the runner, the agent and the CLI all
-import these; they import nothing of aioproc's but ``errors``.
+import these; they import nothing of aioproc's but ``errors``.  ``Usage``
+is defined here, not in ``_limits`` (which makes it from a reap), so that
+the result can name it without importing the layer above.
 """
 
 from __future__ import annotations
@@ -11,10 +13,37 @@ from typing import Any, NamedTuple
 
 from ._errors.failure import ProcessFailure
 
-__all__ = ["DEFAULT_GRACE_PERIOD", "RunProcsResult", "WorkerEvent"]
+__all__ = ["DEFAULT_GRACE_PERIOD", "RunProcsResult", "Usage", "WorkerEvent"]
 
 DEFAULT_GRACE_PERIOD = 30.0
 """Seconds between ``death_sig`` and SIGKILL when a failure stops the group."""
+
+
+@dataclass(frozen=True)
+class Usage:
+    """The resources one worker used, from its exit.
+
+    Attributes:
+        cpu_time: CPU seconds, user and system together.
+        user_time: CPU seconds spent running the process's own code.
+        system_time: CPU seconds the kernel spent working for it.
+        max_rss: the largest resident set size it reached, in bytes.
+        tree_cpu_time: CPU seconds of every process in its cgroup (the
+            worker and all its descendants, reaped or not), or ``None``
+            where no cgroup counted it.
+        tree_max_memory: the most memory its cgroup held at once, in bytes
+            (page cache included, as the kernel charges it), or ``None``.
+
+    The process figures cover the worker and the descendants it waited for
+    itself; ``max_rss`` is the largest of theirs, not a sum.
+    """
+
+    cpu_time: float
+    user_time: float
+    system_time: float
+    max_rss: int
+    tree_cpu_time: float | None = None
+    tree_max_memory: int | None = None
 
 
 @dataclass
@@ -35,6 +64,11 @@ class RunProcsResult:
         log_dir: the run's log directory (``<log_dir>/<run_id>_<random>``)
             while it exists; ``""`` when none was made or, for a private temp
             dir, nothing worth keeping was written (an aioproc extension).
+        usage: ``{local_rank: Usage}``: what each worker used, read from its
+            reap (``os.wait4``), on success and on failure alike; the tree
+            figures are set where the rank had a cgroup of its own
+            (``limits={rank: Limits(...)}``).  Every started rank is in it
+            once the group is closed (an aioproc extension).
     """
 
     return_values: dict[int, Any] = field(default_factory=dict)
@@ -42,6 +76,7 @@ class RunProcsResult:
     stdouts: dict[int, str] = field(default_factory=dict)
     stderrs: dict[int, str] = field(default_factory=dict)
     log_dir: str = ""
+    usage: dict[int, Usage] = field(default_factory=dict)
 
     def is_failed(self) -> bool:
         return len(self.failures) > 0
@@ -55,6 +90,16 @@ class WorkerEvent(NamedTuple):
     sent before any worker is signalled (``local_rank`` and ``pid`` are -1).
     The "exited" events of the workers a close stops come together once
     the stop is over; ``time`` is when each exit was noticed.
+
+    An "exited" event also carries ``oom``, the kernel's OOM kill of the
+    worker in words (``"killed by the kernel's OOM killer: memory limit 64
+    MiB reached"``; ``None`` otherwise), and ``usage``, the worker's
+    ``Usage`` when its process was already reaped: the exits a close
+    records come after the stop's last signal, so theirs have it.  An exit
+    noticed while the group still runs has ``usage=None``: its process
+    stays a zombie until the group's last signal (a recycled pid is never
+    signalled), and only the reap reports usage; ``RunProcsResult.usage``
+    has every rank's.
     """
 
     kind: str  # "started" | "exited" | "stopping"
@@ -62,3 +107,5 @@ class WorkerEvent(NamedTuple):
     pid: int
     exitcode: int | None
     time: float
+    usage: Usage | None = None
+    oom: str | None = None

@@ -12,6 +12,8 @@ from ._base.checks import check_duration
 from ._base.resource import OpenResource
 from ._errors.summary import ChildFailedError
 from ._group.rank_launcher import SinkLike
+from ._limits.capacity import Capacity
+from ._limits.spec import Limits
 from .context import PContext, close_on_exit
 from .logs import DefaultLogsSpecs, LogsSpecs
 from .results import DEFAULT_GRACE_PERIOD, RunProcsResult, WorkerEvent
@@ -42,6 +44,8 @@ def start_processes(
     close_sinks: bool = True,
     preload: Sequence[str] = (),
     kwargs: Mapping[int, Mapping[str, Any]] | None = None,
+    limits: Limits | Mapping[int, Limits] | None = None,
+    capacity: Capacity | None = None,
 ) -> OpenResource[PContext]:
     """Start ``len(args)`` workers running ``entrypoint``.
 
@@ -92,14 +96,28 @@ def start_processes(
             starts a thread or initialises CUDA raises ``RuntimeError``.
         kwargs: ``{local_rank: {name: value}}``, keyword arguments of
             function workers (ranks left out get none).
+        limits: resource limits (``aioproc.Limits``: memory, CPU quota,
+            processes): one ``Limits`` the ranks share (one cgroup for the
+            group), or ``{local_rank: Limits}``, one for each rank named.
+            Each limit is enforced by the best mechanism this host offers
+            (a cgroup v2 or v1 group, else an rlimit), said once in the log
+            at INFO; a limit nothing can enforce here is named in a
+            WARNING.  A rank the kernel's OOM killer ends is reported as
+            such (``ProcessFailure.oom``, the summary, the ``"exited"``
+            event).  The cgroups are removed when the group is closed.
+        capacity: a process budget (``aioproc.Capacity``) shared with other
+            groups: the start waits, first come first served, until all
+            ``len(args)`` workers fit, and gives the slots back once the
+            group is closed and every worker reaped.
 
     Raises:
         TypeError, ValueError, RuntimeError, FileNotFoundError,
         PermissionError, NotADirectoryError: for bad input, before anything
         is started.
 
-    Cancellation: cancelled while the group starts, every worker started so
-    far is killed with its group (shielded, bounded) before the
+    Cancellation: cancelled while it waits for ``capacity``, nothing was
+    started and no slot is held.  Cancelled while the group starts, every
+    worker started so far is killed with its group (shielded, bounded) before the
     cancellation propagates, or stopped with the signal and the grace
     period when ``translate_signals`` cancelled it; nothing is left
     running.  A cancellation inside ``async with`` stops the workers as the
@@ -123,6 +141,8 @@ def start_processes(
         close_sinks=close_sinks,
         preload=preload,
         kwargs=kwargs,
+        limits=limits,
+        capacity=capacity,
     )
     return OpenResource(lambda: _start(pc), close_on_exit, "start_processes(...)")
 
@@ -142,6 +162,8 @@ async def run(
     grace_period: float = DEFAULT_GRACE_PERIOD,
     sinks: Sequence[SinkLike] | None = None,
     preload: Sequence[str] = (),
+    limits: Limits | Mapping[int, Limits] | None = None,
+    capacity: Capacity | None = None,
 ) -> RunProcsResult:
     """Run ``nprocs`` workers to completion: start, wait, close.
 
@@ -156,10 +178,11 @@ async def run(
         name: group name (default: the function's or executable's name).
         timeout: seconds before the group is stopped and ``TimeoutError``
             raised (its ``result`` attribute holds the partial result).
-        start_method, preload: as for ``start_processes``.
+        start_method, preload, limits, capacity: as for ``start_processes``.
 
     Returns:
-        The ``RunProcsResult`` when every worker succeeded.
+        The ``RunProcsResult`` when every worker succeeded; its ``usage``
+        says what each worker used.
 
     Raises:
         ChildFailedError: a worker failed; its ``__cause__`` is the root-cause
@@ -168,7 +191,8 @@ async def run(
         TimeoutError: ``timeout`` expired.
 
     Cancellation: the workers are stopped (shielded, bounded) before the
-    cancellation propagates.
+    cancellation propagates; a run still waiting for ``capacity`` started
+    nothing and holds no slot.
     """
     check_duration("timeout", timeout, allow_none=True)
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs <= 0:
@@ -213,6 +237,8 @@ async def run(
         sinks=sinks,
         preload=preload,
         kwargs=rank_kwargs,
+        limits=limits,
+        capacity=capacity,
     ) as pc:
         result = await pc.wait(-1 if timeout is None else timeout)
         if result is None:

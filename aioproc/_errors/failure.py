@@ -135,6 +135,11 @@ class ProcessFailure:
             ``stderr.log`` (``""`` when the stream was not written to a
             file); set by the supervisor, shown in the summary while the
             file exists. An aioproc extension to torch's fields.
+        oom: Why the kernel killed the worker when its OOM killer did,
+            within a memory limit of ``limits=`` (``"killed by the kernel's
+            OOM killer: memory limit 64 MiB reached"``); ``""`` otherwise.
+            The summary shows it on a line of its own; ``message`` keeps
+            torch's signal text. An aioproc extension to torch's fields.
     """
 
     local_rank: int
@@ -147,6 +152,7 @@ class ProcessFailure:
     error_file_data: dict[str, Any] = field(init=False)
     stdout_log: str = field(init=False, default="", compare=False)
     stderr_log: str = field(init=False, default="", compare=False)
+    oom: str = field(init=False, default="", compare=False)
     # When the supervisor noticed the exit; sub-second, unlike `timestamp`.
     _observed_at: float = field(init=False, repr=False, compare=False)
     _seq: int = field(init=False, repr=False, compare=False)

@@ -133,6 +133,7 @@ class ChildFailedError(Exception):
                     if _has_content(path)
                 ),
                 f"  traceback : {_failure_text(failure.message)}",
+                *([f"  oom       : {failure.oom}"] if failure.oom else []),
                 *_hint(failure),
             ]
         )

@@ -22,7 +22,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 from .._base.offloop import helper
@@ -60,6 +60,7 @@ async def spawn_forked(
     tee_out: TeeProtocol | None = None,
     tee_err: TeeProtocol | None = None,
     script: ScriptCommand | None = None,
+    join: Callable[[int], None] | None = None,
 ) -> Child:
     """Fork one worker from ``template``; the same contract as ``spawn``.
 
@@ -69,7 +70,9 @@ async def spawn_forked(
     ``stdout``/``stderr`` are ``None`` (this process's own fd 1/2),
     ``subprocess.PIPE`` (tee), ``subprocess.DEVNULL``, an fd or an open
     file.  ``pass_fds`` (``channel_fd`` among them) keep their numbers.
-    The worker runs nothing before the guardian knows it.
+    The worker runs nothing before the guardian knows it, nor before
+    ``join(pid)`` (if given) put it in its placement: the template's
+    answer reaches this process while the worker waits at its gate.
 
     Raises:
         TemplateLost: the template died, or stopped answering for
@@ -118,7 +121,7 @@ async def spawn_forked(
         fds.extend(pass_fds)
         targets.extend(pass_fds)
         worker_env = {**env, _lifeline.TOKEN_VAR: _lifeline.lineage()}
-        pid = await _fork(template, fds, targets, channel_fd, worker_env, os.getcwd(), script)
+        pid = await _fork(template, fds, targets, channel_fd, worker_env, os.getcwd(), script, join)
     except BaseException:
         for reader in readers.values():
             reader.close()
@@ -138,6 +141,7 @@ async def _fork(
     env: dict[str, str],
     cwd: str,
     script: ScriptCommand | None,
+    join: Callable[[int], None] | None = None,
 ) -> int:
     """One fork request, answered on the helper thread; the registered, released pid.
 
@@ -148,7 +152,7 @@ async def _fork(
         # the round trip waits for the new worker to set itself up, which
         # takes milliseconds on a busy machine: on the helper thread
         with helper() as pool:
-            req = template.submit(pool, fds, targets, channel_fd, env, cwd, script)
+            req = template.submit(pool, fds, targets, channel_fd, env, cwd, script, join)
             answer = asyncio.wrap_future(req.future)
             try:
                 pid = await asyncio.shield(answer)

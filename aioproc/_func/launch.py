@@ -52,6 +52,7 @@ async def launch_function(
     template: Template | None = None,
     segments: Sequence[_shm.Segment] = (),
     one_shot: bool = False,
+    join: Callable[[int], None] | None = None,
 ) -> Child:
     """Start one function worker and queue its boot code and ``frames``.
 
@@ -65,7 +66,10 @@ async def launch_function(
     ``on_frame``.  Raises what ``spawn`` raises, with nothing left running
     and the channel closed.  ``segments``: the memfds of the SHM bodies
     among ``frames``, in order; the caller keeps them and closes them after
-    this returns or raises (sent ones are closed already).
+    this returns or raises (sent ones are closed already).  ``join(pid)``
+    puts the worker in its placement (``_limits``) from this process before
+    it runs any user code: a spawned worker waits for its boot code, sent
+    after the join; a forked one waits at its gate (see ``spawn_forked``).
 
     Cancellation: a cancelled launch kills the half-started worker's group
     (see ``spawn``) and closes the channel before re-raising.
@@ -105,6 +109,7 @@ async def launch_function(
                 channel=channel,
                 tee_out=tee_out,
                 tee_err=tee_err,
+                join=join,
             )
         else:
             child = await spawn(
@@ -118,6 +123,7 @@ async def launch_function(
                 channel=channel,
                 tee_out=tee_out,
                 tee_err=tee_err,
+                join=join,
             )
     except BaseException:
         opened = opening.done() and not opening.cancelled() and opening.exception() is None

@@ -63,7 +63,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -96,10 +96,17 @@ class TemplateLost(TemplateError):
 class _Request:
     """One fork request: its message, fds and gate, and the future of its pid."""
 
-    __slots__ = ("fds", "future", "gate", "message")
+    __slots__ = ("fds", "future", "gate", "join", "message")
 
-    def __init__(self, message: bytes, fds: list[int], gate: int) -> None:
+    def __init__(
+        self,
+        message: bytes,
+        fds: list[int],
+        gate: int,
+        join: Callable[[int], None] | None = None,
+    ) -> None:
         self.message = message
+        self.join = join  # puts the worker in its placement while it waits at its gate
         self.fds = fds  # the worker's fds, then the gate's read end (closed once sent)
         self.gate = gate  # the gate's write end, held until "go" or give-up
         self.future: concurrent.futures.Future[int] = concurrent.futures.Future()
@@ -274,12 +281,18 @@ class Template:
         env: Mapping[str, str],
         cwd: str,
         script: ScriptCommand | None = None,
+        join: Callable[[int], None] | None = None,
     ) -> _Request:
         """Ask for one worker: ``fds[i]`` becomes its fd ``targets[i]``; its pid, later.
 
         A function worker boots over ``channel``; with ``script`` the worker
         runs that script instead (no channel).  ``fds`` must stay open until
-        the request's future is done.
+        the request's future is done.  ``join(pid)``, if given, puts the
+        worker in its placement (``_limits``) from this process while the
+        worker still waits at its gate: no code of the user's runs outside
+        its limits, so the worker needs no copy of ``_limits.join.enter``.
+        A worker that cannot be joined is let go unrun and reaped, and the
+        future raises the error.
 
         Requests are sent, and answered, on ``pool``'s thread, every request
         queued meanwhile at once (``_exchange``): the template forks them all
@@ -293,7 +306,7 @@ class Template:
         request = None if script is None else script.request()
         body = marshal.dumps((list(targets), channel, dict(env), cwd, request))
         gate_r, gate_w = os.pipe()
-        req = _Request(len(body).to_bytes(8, "big") + body, [*fds, gate_r], gate_w)
+        req = _Request(len(body).to_bytes(8, "big") + body, [*fds, gate_r], gate_w, join)
         with self._lock:
             self._queue.append(req)
             if not self._draining:
@@ -365,6 +378,15 @@ class Template:
     def _resolve(self, answer: Any, req: _Request) -> None:
         if answer[0] == "pid":
             pid = int(answer[1])
+            if req.join is not None:
+                try:
+                    req.join(pid)
+                except Exception as e:
+                    # it never passed its gate: it exits at EOF there, unrun
+                    req.close_gate()
+                    os.waitpid(pid, 0)
+                    req.future.set_exception(e)
+                    return
             with self._lock:
                 self._gates[pid] = req.gate
             req.gate = -1

@@ -21,6 +21,7 @@ from .._child import shm as _shm
 from .._func.boot import CallEncoder, init_frame
 from .._func.launch import launch_function
 from .._func.script import ScriptCommand, script_commands
+from .._metrics.hooks import NullRecorder
 from .._output.tee import TeeProtocol
 from .._proc.spawn import BinaryStart, Child, adopt, discard, spawn, spawn_binaries
 from ..logs import LogsDest
@@ -28,6 +29,9 @@ from ..sinks import CallbackSink, ConsoleSink, FileSink, Sink, _FilteredFileSink
 
 if TYPE_CHECKING:
     from .._func.template import Template
+
+ROLE = "default"
+"""The metrics role of a plain group (torch's ``DEFAULT_ROLE``)."""
 
 SinkLike: TypeAlias = Sink | Callable[..., Any] | str | IO[str]
 """A sink, a callable taking an ``OutputLine``, a file path or an open text file."""
@@ -63,6 +67,10 @@ class RankLauncher:
         # template can run those itself (see _script)
         self.scripts: dict[int, ScriptCommand] = script_commands(entrypoint, args)
         self._segments: dict[int, list[_shm.Segment]] = {}
+        self.joins: dict[int, Callable[[int], None]] = {}
+        """``{rank: placement.join}`` for ranks with limits (see ``_group.resources``)."""
+        self.recorder: NullRecorder | None = None
+        """The metrics recorder the tees count output to, when metrics are on."""
 
     def add_filters(self, dest: LogsDest, filters: Mapping[str, tuple[str, ...]]) -> None:
         """torch's duplicate filters: matching lines also go to the attempt's files."""
@@ -153,7 +161,13 @@ class RankLauncher:
             if sinks:
                 streams[key] = subprocess.PIPE
                 tees[key] = TeeProtocol(
-                    f, rank, key, self.prefix(rank), sinks, worker=f"{self.name}/{rank}"
+                    f,
+                    rank,
+                    key,
+                    self.prefix(rank),
+                    sinks,
+                    worker=f"{self.name}/{rank}",
+                    metrics=None if self.recorder is None else (self.recorder, self.name, ROLE),
                 )
             else:
                 streams[key] = f
@@ -199,6 +213,7 @@ class RankLauncher:
                         template=template,
                         segments=segments,
                         one_shot=True,
+                        join=self.joins.get(rank),
                     )
                 finally:
                     for segment in segments:
@@ -219,6 +234,7 @@ class RankLauncher:
                     tee_out=tees.get("stdout"),
                     tee_err=tees.get("stderr"),
                     script=script,
+                    join=self.joins.get(rank),
                 )
             return await spawn(
                 label,
@@ -230,6 +246,7 @@ class RankLauncher:
                 pass_fds=self.pass_fds,
                 tee_out=tees.get("stdout"),
                 tee_err=tees.get("stderr"),
+                join=self.joins.get(rank),
             )
         except BaseException:
             for t in tees.values():
@@ -266,7 +283,13 @@ class RankLauncher:
                     break
                 argv = [str(self.entrypoint), *map(str, self.args[rank])]
                 starts.append(
-                    BinaryStart(argv, self._env(rank), streams["stdout"], streams["stderr"])
+                    BinaryStart(
+                        argv,
+                        self._env(rank),
+                        streams["stdout"],
+                        streams["stderr"],
+                        self.joins.get(rank),
+                    )
                 )
             procs, failed = await spawn_binaries(starts, self.pass_fds)
             error = failed or error

@@ -8,5 +8,6 @@ the fallback where no cgroup can be made; ``placement`` puts the two
 together behind ``open_placement``, which picks a mechanism per limit; and
 ``capacity`` is the process budget groups share.  ``join`` is what a child
 runs on itself to enter a placement before user code: standard library only.
-Nothing here knows about workers or groups; only ``_base`` is below it.
+Nothing here knows about workers or groups; only ``_base`` and ``results``
+(where ``Usage`` is defined) are below it.
 """

@@ -2,9 +2,10 @@
 
 The figures of a rank come from the reap itself: ``os.wait4`` returns the
 child's ``struct rusage`` along with its status, so nothing is sampled and
-nothing polls.  That rusage covers the child and every descendant the child
+nothing polls (``Usage`` itself lives in ``results``, the
+layer below, which reports it).  That rusage covers the child and every descendant the child
 itself waited for; a grandchild left unreaped is not in it, which is what
-the cgroup's figures (``tree_*``) are for.  Standard library only.
+the cgroup's figures (``tree_*``) are for.
 """
 
 from __future__ import annotations
@@ -13,38 +14,13 @@ import os
 import sys
 from dataclasses import dataclass
 
+from ..results import Usage as Usage
+
 if sys.platform != "win32":
     import resource
 
 # ``ru_maxrss`` is in KiB on Linux and the BSDs, in bytes on macOS.
 _MAXRSS_UNIT = 1 if sys.platform == "darwin" else 1024
-
-
-@dataclass(frozen=True)
-class Usage:
-    """The resources one worker used, from its exit.
-
-    Attributes:
-        cpu_time: CPU seconds, user and system together.
-        user_time: CPU seconds spent running the process's own code.
-        system_time: CPU seconds the kernel spent working for it.
-        max_rss: the largest resident set size it reached, in bytes.
-        tree_cpu_time: CPU seconds of every process in its cgroup (the
-            worker and all its descendants, reaped or not), or ``None``
-            where no cgroup counted it.
-        tree_max_memory: the most memory its cgroup held at once, in bytes
-            (page cache included, as the kernel charges it), or ``None``.
-
-    The process figures cover the worker and the descendants it waited for
-    itself; ``max_rss`` is the largest of theirs, not a sum.
-    """
-
-    cpu_time: float
-    user_time: float
-    system_time: float
-    max_rss: int
-    tree_cpu_time: float | None = None
-    tree_max_memory: int | None = None
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,15 @@ nothing it would notice.
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT", "NullRecorder", "OUTCOMES", "POOL_OUTCOMES", "STREAMS", "current"]
+__all__ = [
+    "DEFAULT",
+    "NullRecorder",
+    "OUTCOMES",
+    "POOL_OUTCOMES",
+    "STREAMS",
+    "current",
+    "outcome_of",
+]
 
 OUTCOMES = ("succeeded", "failed", "signalled", "stopped")
 """How a worker or a group ended: exit code 0; another exit code; killed by a
@@ -29,6 +37,30 @@ ran past ``timeout=``; its caller was cancelled."""
 
 STREAMS = ("stdout", "stderr")
 """The output streams whose lines and bytes are counted."""
+
+
+def outcome_of(returncode: int, *, stopped: bool = False) -> str:
+    """The outcome label of a worker that exited with ``returncode``.
+
+    Here, not with the ``Recorder``, so that the launcher imports nothing
+    else of this wing (``aioproc.metrics.outcome_of`` is this function).
+
+    Args:
+        returncode: ``Popen.returncode``: the exit code, or minus the signal
+            that killed it.
+        stopped: aioproc stopped it (a close, restart or cancellation sent
+            the signal).
+
+    Returns:
+        ``"succeeded"`` for 0, else ``"stopped"`` when aioproc stopped it,
+        ``"signalled"`` for a signal it was not sent by aioproc,
+        ``"failed"`` for another exit code.
+    """
+    if returncode == 0:
+        return "succeeded"
+    if stopped:
+        return "stopped"
+    return "signalled" if returncode < 0 else "failed"
 
 
 class NullRecorder:

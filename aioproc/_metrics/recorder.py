@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from .families import Counter, Gauge, Histogram, Registry
-from .hooks import OUTCOMES, POOL_OUTCOMES, STREAMS, NullRecorder
+from .hooks import OUTCOMES, POOL_OUTCOMES, STREAMS, NullRecorder, outcome_of
 
 __all__ = ["CATALOGUE", "DURATION_BUCKETS", "POOL_BUCKETS", "MetricInfo", "Recorder", "outcome_of"]
 
@@ -169,27 +169,6 @@ CATALOGUE: tuple[MetricInfo, ...] = (
 """Every metric a ``Recorder`` exports, in the order it renders them."""
 
 _BY_NAME = {info.name: info for info in CATALOGUE}
-
-
-def outcome_of(returncode: int, *, stopped: bool = False) -> str:
-    """The outcome label of a worker that exited with ``returncode``.
-
-    Args:
-        returncode: ``Popen.returncode``: the exit code, or minus the signal
-            that killed it.
-        stopped: aioproc stopped it (a close, restart or cancellation sent
-            the signal).
-
-    Returns:
-        ``"succeeded"`` for 0, else ``"stopped"`` when aioproc stopped it,
-        ``"signalled"`` for a signal it was not sent by aioproc,
-        ``"failed"`` for another exit code.
-    """
-    if returncode == 0:
-        return "succeeded"
-    if stopped:
-        return "stopped"
-    return "signalled" if returncode < 0 else "failed"
 
 
 def _reject(value: str, allowed: Iterable[str], what: str) -> NoReturn:

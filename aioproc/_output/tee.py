@@ -34,6 +34,7 @@ from .flow import Flow
 from .sinkops import report_sink_error
 
 if TYPE_CHECKING:
+    from .._metrics.hooks import NullRecorder
     from .sink import Sink
 
 logger = logging.getLogger("aioproc")
@@ -354,6 +355,11 @@ class TeeProtocol(asyncio.Protocol):
     runs), the reader is reported to that flow's ``StallWatch`` as
     ``worker`` (e.g. ``trainer/1``; ``rank N`` if not given), so a sink
     that holds the workers too long is named in a warning.
+
+    Metrics: given ``metrics`` (the recorder, the group and the role, only
+    while metrics are on), each chunk's lines and bytes are counted
+    (``output``), and so is the time reading stayed paused because a sink
+    fell behind (``backpressure``).  Without it the count costs one check.
     """
 
     def __init__(
@@ -365,8 +371,11 @@ class TeeProtocol(asyncio.Protocol):
         sinks: list[Sink],
         *,
         worker: str | None = None,
+        metrics: tuple[NullRecorder, str, str] | None = None,
     ) -> None:
         self.log_file = log_file
+        self._metrics = metrics
+        self._held_at = 0.0  # when a sink's flow paused reading (metrics only)
         self._rank = rank
         self._stream = stream
         self._label = f"{worker or f'rank {rank}'} ({stream})"
@@ -437,9 +446,19 @@ class TeeProtocol(asyncio.Protocol):
         if want_paused and not self._paused:
             tr.pause_reading()
             self._paused = True
+            if self._metrics is not None and self._blocked and not self._draining:
+                self._held_at = time.monotonic()
         elif not want_paused and self._paused and self._slicer.may_resume(self):
             tr.resume_reading()
             self._paused = False
+            if self._held_at:
+                self._count_backpressure()
+
+    def _count_backpressure(self) -> None:
+        assert self._metrics is not None
+        recorder, group, role = self._metrics
+        recorder.backpressure(group, role, self._stream, time.monotonic() - self._held_at)
+        self._held_at = 0.0
 
     def settled(self) -> asyncio.Future[None]:
         """Resolves once the bytes waiting in the pipe now have been consumed.
@@ -485,6 +504,9 @@ class TeeProtocol(asyncio.Protocol):
                 self._emit(lines)
                 if status is not None:
                     self._status(status)
+                if self._metrics is not None:
+                    recorder, group, role = self._metrics
+                    recorder.output(group, role, self._stream, len(lines), len(data))
         # counted once the sinks have the lines: settled() means they have them
         self.progress.advance(len(data))
 
@@ -545,8 +567,14 @@ class TeeProtocol(asyncio.Protocol):
         while self._backlog:  # the pipe was cut: what was read still goes out
             self._consume(self._backlog.popleft())
         if self._splitter is not None:
-            self._emit(self._splitter.flush())
+            last = self._splitter.flush()
+            self._emit(last)
             self._status(None)
+            if self._metrics is not None and last:
+                recorder, group, role = self._metrics
+                recorder.output(group, role, self._stream, len(last), 0)
+        if self._held_at:
+            self._count_backpressure()  # closed while a sink held it paused
         if self.log_file is not None:
             try:
                 self.log_file.close()

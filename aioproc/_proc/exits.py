@@ -10,6 +10,11 @@ group, never a stranger that was given a recycled pid.
 
 Where pidfds are unavailable (non-Linux, old kernels) one blocking
 ``waitid`` thread per child is the fallback.
+
+Every reap is an ``os.wait4``, which returns the child's ``struct rusage``
+with its status: that is where a worker's ``Usage`` comes from, at no cost
+beyond the reap itself.  ``waitid(WNOWAIT)`` reports no rusage, so a
+worker's usage is known once it is reaped, not when its exit is noticed.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import time
 import weakref
 from collections.abc import Callable
 from typing import IO, Protocol
+
+from .._limits.usage import Usage, usage_from_rusage
 
 LOST = 255
 """Exit code recorded when the status was taken by somebody else's waitpid()."""
@@ -52,12 +59,14 @@ class PidProc:
         self.returncode: int | None = None
         self.stdout = stdout
         self.stderr = stderr
+        self.usage: Usage | None = None
 
     def wait(self) -> int:
         """Block until the worker exits and reap it (only after SIGKILL)."""
         if self.returncode is None:
-            _, status = os.waitpid(self.pid, 0)
+            _, status, rusage = os.wait4(self.pid, 0)
             self.returncode = os.waitstatus_to_exitcode(status)
+            self.usage = usage_from_rusage(rusage)
         return self.returncode
 
 
@@ -78,6 +87,8 @@ class ExitWatcher:
         self.future: asyncio.Future[int] = self.loop.create_future()
         self.exit_time = 0.0
         self.reaped = False
+        self.usage: Usage | None = None
+        """What the process used, from its reap (``None`` until then, or if lost)."""
         self.lost = False  # the status was reaped behind our back
         self._pidfd = -1
         self._mux: _ExitMux | None = None
@@ -97,9 +108,9 @@ class ExitWatcher:
 
     def _status(self, block: bool) -> int | None:
         """The exit code if the child has exited (without reaping unless asked)."""
-        flags = os.WEXITED | (0 if block else os.WNOHANG)
-        if not self._reap_now and _WNOWAIT:
-            flags |= _WNOWAIT
+        if self._reap_now or not _WNOWAIT:
+            return self._reap_status(block)
+        flags = os.WEXITED | (0 if block else os.WNOHANG) | _WNOWAIT
         try:
             info = os.waitid(os.P_PID, self._popen.pid, flags)
         except ChildProcessError:
@@ -109,11 +120,22 @@ class ExitWatcher:
             return LOST
         if info is None:
             return None
-        if self._reap_now or not _WNOWAIT:
-            self.reaped = True
         if info.si_code == os.CLD_EXITED:
             return info.si_status
         return -info.si_status
+
+    def _reap_status(self, block: bool) -> int | None:
+        """Reap at once (``wait4``, for its rusage); the exit code, or None if running."""
+        try:
+            pid, status, rusage = os.wait4(self._popen.pid, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            self.lost = self.reaped = True  # as in _status
+            return LOST
+        if not pid:
+            return None
+        self.reaped = True
+        self.usage = usage_from_rusage(rusage)
+        return os.waitstatus_to_exitcode(status)
 
     def _on_pidfd(self) -> None:
         code = self._status(block=False)
@@ -149,11 +171,13 @@ class ExitWatcher:
         if not self.future.done():
             return False
         try:
-            pid, _ = os.waitpid(self._popen.pid, os.WNOHANG)
+            pid, _, rusage = os.wait4(self._popen.pid, os.WNOHANG)
         except ChildProcessError:
-            pid = self._popen.pid
+            pid, rusage = self._popen.pid, None
         if pid:
             self.reaped = True
+            if rusage is not None:
+                self.usage = usage_from_rusage(rusage)
         return self.reaped
 
 

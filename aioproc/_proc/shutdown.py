@@ -297,6 +297,14 @@ class Release:
             if not c.watcher.future.done():
                 c.release_when_exited()
 
+    async def reaped(self) -> None:
+        """Until the exited leaders are reaped, and their ``watcher.usage`` is known.
+
+        Cancellation: callers run it shielded; bounded by a reap per leader.
+        """
+        if self._reaping is not None:
+            await self._reaping
+
     async def close(self, *, drain: float, sinks: Sequence[Sink] = ()) -> None:
         """Close every pipe at its EOF, or ``drain`` seconds on, then the sinks.
 

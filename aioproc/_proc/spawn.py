@@ -21,6 +21,13 @@ the few microseconds between ``exec`` and registration every worker also
 carries the supervisor's lifeline token in its environment, and a guardian
 whose supervisor died sweeps the processes carrying it (see ``_proc.lifeline``).
 
+Resource limits: a worker given a ``join`` (a placement's, see ``_limits``)
+is put in it on the helper thread right after its start, before the loop
+hears of it.  A function worker runs no user code until its boot code is
+sent, later; a binary worker has run for the microseconds since its exec.
+A worker that cannot be joined is killed and reaped: it must not run
+without the limits it was given.
+
 The leader is reaped late (``Child.release``): only after the supervisor's
 last signal to its group, never before, so a recycled pid is never signalled.
 """
@@ -275,13 +282,15 @@ async def spawn(
     channel: Channel | None = None,
     tee_out: TeeProtocol | None = None,
     tee_err: TeeProtocol | None = None,
+    join: Callable[[int], None] | None = None,
 ) -> Child:
     """Start one worker in a new session and wire up its exit watcher and tees.
 
     ``stdout``/``stderr`` are ``None`` (inherit), an open file (redirect) or
     ``subprocess.PIPE`` (tee: the matching ``tee_out``/``tee_err`` protocol
-    reads it).  Raises what ``Popen`` raises (e.g. FileNotFoundError) with
-    nothing left running.
+    reads it).  ``join(pid)``, if given, puts the worker in its placement
+    (see the module docstring).  Raises what ``Popen`` raises (e.g.
+    FileNotFoundError), or what ``join`` raises, with nothing left running.
 
     Cancellation: a start cancelled while the pipes are being connected
     kills the worker's whole group and reaps it.
@@ -306,6 +315,8 @@ async def spawn(
             _binspawn.name_fd_limit(e)
             raise
         _lifeline.register_from_thread(popen.pid)  # at once: see the module docstring
+        if join is not None:
+            joined(join, popen)
         return popen
 
     popen = await start_off_loop(lambda pool: pool.submit(start), lambda p: p.pid, discard)
@@ -324,6 +335,8 @@ class BinaryStart:
     env: Mapping[str, str]
     stdout: int | IO[Any] | None
     stderr: int | IO[Any] | None
+    join: Callable[[int], None] | None = None
+    """Puts the started worker in its placement (see the module docstring)."""
 
 
 async def spawn_binaries(
@@ -355,6 +368,11 @@ async def spawn_binaries(
             except Exception as e:
                 return procs, _binspawn.name_fd_limit(e)
             _lifeline.register_from_thread(proc.pid)  # at once: see the module docstring
+            if start.join is not None:
+                try:
+                    joined(start.join, proc)
+                except Exception as e:
+                    return procs, e
             procs.append(proc)
         return procs, None
 
@@ -365,6 +383,15 @@ async def spawn_binaries(
     return await start_off_loop(
         lambda pool: pool.submit(start_all), lambda s: [p.pid for p in s[0]], discard_all
     )
+
+
+def joined(join: Callable[[int], None], proc: Proc) -> None:
+    """``join(proc.pid)``, or kill and reap ``proc`` and raise: no worker runs unlimited."""
+    try:
+        join(proc.pid)
+    except BaseException:
+        discard(proc)
+        raise
 
 
 T = TypeVar("T")

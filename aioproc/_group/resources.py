@@ -1,0 +1,217 @@
+"""A group's resources: its limits (one placement, or one per rank) and its process slots.
+
+``GroupResources`` checks ``limits=`` and ``capacity=`` when the group is
+built, so a mistake raises before anything exists.  At start it waits for
+the group's slots (``Capacity``: first come, first served, all ranks at
+once), then opens the placements and says once, in the log, how each limit
+is enforced, warning about any that nothing here could enforce.  Each rank
+is joined to its placement from this process before it runs user code (see
+``_proc.spawn``, ``_func.launch`` and ``_func.fork``): a spawned function
+worker waits for its boot code, a forked one at its gate, and a binary is
+joined on the helper thread microseconds after its exec.
+
+At a worker's exit it tells whether the kernel's OOM killer ended it and
+adds the cgroup's figures to the ``Usage`` its reap reported.  ``close()``
+runs once every worker is reaped: the placements are removed, then the
+slots given back, so a budget never counts a worker twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+
+from .._limits import placement as _placement
+from .._limits.capacity import Capacity
+from .._limits.placement import Placement, open_placement
+from .._limits.spec import Limits, format_bytes
+from .._proc.spawn import Child
+from ..results import Usage
+
+logger = logging.getLogger("aioproc")
+
+BACKENDS: tuple[str, ...] = _placement.BACKENDS
+"""The mechanisms a group's limits may use, best first (tests narrow it)."""
+
+LimitsArg = Limits | Mapping[int, Limits] | None
+"""``limits=``: one ``Limits`` for the group, ``{local_rank: Limits}``, or none."""
+
+
+def check_limits(limits: object, nprocs: int) -> Limits | dict[int, Limits] | None:
+    """``limits=`` checked: a ``Limits``, a ``{local_rank: Limits}`` dict, or None.
+
+    Raises:
+        TypeError: not a ``Limits`` nor a mapping of them; a key is not an int.
+        ValueError: a key is not a local rank of the group (``0..nprocs-1``).
+    """
+    if limits is None or isinstance(limits, Limits):
+        return limits
+    if not isinstance(limits, Mapping):
+        raise TypeError(
+            f"limits must be an aioproc.Limits or a {{local_rank: Limits}} dict, got {limits!r}"
+        )
+    checked: dict[int, Limits] = {}
+    for rank, value in limits.items():
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"limits: keys must be local ranks (ints), got {rank!r}")
+        if not 0 <= rank < nprocs:
+            raise ValueError(
+                f"limits: local rank {rank} is not in the group (ranks 0..{nprocs - 1})"
+            )
+        if not isinstance(value, Limits):
+            raise TypeError(f"limits[{rank}] must be an aioproc.Limits, got {value!r}")
+        checked[rank] = value
+    return checked
+
+
+def check_capacity(capacity: object, nprocs: int) -> Capacity | None:
+    """``capacity=`` checked: a ``Capacity`` that can ever hold the group, or None.
+
+    Raises:
+        TypeError: not a ``Capacity``.
+        ValueError: the group has more ranks than the budget has slots.
+    """
+    if capacity is None:
+        return None
+    if not isinstance(capacity, Capacity):
+        raise TypeError(f"capacity must be an aioproc.Capacity, got {capacity!r}")
+    if nprocs > capacity.total:
+        raise ValueError(
+            f"a group of {nprocs} workers never fits in {capacity!r}: it has {capacity.total} slots"
+        )
+    return capacity
+
+
+class GroupResources:
+    """The limits and process slots of one group (see the module docstring).
+
+    Args:
+        name: the group's name, in messages and cgroup names.
+        nprocs: how many ranks the group has.
+        limits: as ``start_processes(limits=...)``.
+        capacity: as ``start_processes(capacity=...)``.
+
+    Raises:
+        TypeError, ValueError: a bad ``limits`` or ``capacity`` (see the checks).
+    """
+
+    def __init__(self, name: str, nprocs: int, limits: object, capacity: object) -> None:
+        self.name = name
+        self.nprocs = nprocs
+        self.limits = check_limits(limits, nprocs)
+        self.capacity = check_capacity(capacity, nprocs)
+        self._held = 0  # slots taken from ``capacity``
+        self._group: Placement | None = None  # one placement for every rank
+        self._ranks: dict[int, Placement] = {}  # or one per rank
+        self._kills_seen: dict[int, int] = {}  # id(placement) -> OOM kills attributed
+
+    def __repr__(self) -> str:
+        return f"<GroupResources {self.name} limits={self.limits!r} slots={self._held}>"
+
+    async def acquire(self) -> None:
+        """Wait for the group's slots (none without ``capacity``).
+
+        **Cancellation:** a cancelled wait holds nothing (``Capacity.acquire``).
+        """
+        if self.capacity is not None and not self._held:
+            await self.capacity.acquire(self.nprocs)
+            self._held = self.nprocs
+
+    def open(self) -> dict[int, Callable[[int], None]]:
+        """Open the placements, log how each limit is enforced; ``{rank: join}``.
+
+        Raises:
+            OSError: a cgroup could not be made; those made are removed.
+        """
+        limits = self.limits
+        if not limits:
+            return {}  # None, an empty dict, or a Limits() that limits nothing
+        try:
+            if isinstance(limits, Limits):
+                self._group = open_placement(limits, self.name, backends=BACKENDS)
+                self._report({"": self._group})
+                return dict.fromkeys(range(self.nprocs), self._group.join)
+            for rank, rank_limits in sorted(limits.items()):
+                self._ranks[rank] = open_placement(
+                    rank_limits, f"{self.name}/{rank}", backends=BACKENDS
+                )
+        except BaseException:
+            self._close_placements()
+            raise
+        self._report({f"rank {rank}: ": p for rank, p in self._ranks.items()})
+        return {rank: p.join for rank, p in self._ranks.items()}
+
+    def _report(self, placements: Mapping[str, Placement]) -> None:
+        """One INFO line for the group; one WARNING naming what nothing enforces."""
+        applied: list[str] = []
+        missed: list[str] = []
+        for who, placement in placements.items():
+            for key, how in placement.mechanisms.items():
+                value = getattr(placement.limits, key)
+                shown = format_bytes(value) if key == "memory" else f"{value:g}"
+                line = f"{who}{key} {shown}: {how}"
+                (missed if key in placement.unenforced else applied).append(line)
+        if applied:
+            logger.info("limits for %s: %s", self.name, "; ".join(applied))
+        if missed:
+            logger.warning("limits for %s not enforced here: %s", self.name, "; ".join(missed))
+
+    def placement_of(self, rank: int) -> Placement | None:
+        """The placement ``rank`` is in, if any."""
+        return self._group if self._group is not None else self._ranks.get(rank)
+
+    def oom(self, rank: int, child: Child, code: int) -> str | None:
+        """Why the kernel's OOM killer ended ``rank`` (exit ``code``), or None if it did not.
+
+        Only a death by SIGKILL that aioproc did not send counts.  Where the
+        ranks share a placement, each OOM kill the cgroup counted is given to
+        one such death, in the order they are recorded.
+        """
+        if code != -signal.SIGKILL or child.forced:
+            return None
+        placement = self.placement_of(rank)
+        if placement is None:
+            return None
+        kills = placement.oom_kills()
+        if kills is None:
+            return placement.oom_killed()  # a kernel without a count: the limit's hits
+        seen = self._kills_seen.get(id(placement), 0)
+        if kills <= seen:
+            return None
+        self._kills_seen[id(placement)] = seen + 1
+        return placement.oom_killed()
+
+    def usage(self, children: Mapping[int, Child]) -> dict[int, Usage]:
+        """``{rank: Usage}`` of the reaped workers, with the tree figures of a rank's own cgroup."""
+        out = {}
+        for rank, child in sorted(children.items()):
+            usage = child.watcher.usage
+            if usage is None:
+                continue
+            own = self._ranks.get(rank)
+            if own is not None:
+                tree = own.usage()
+                usage = replace(usage, tree_cpu_time=tree.cpu_time, tree_max_memory=tree.max_memory)
+            out[rank] = usage
+        return out
+
+    def close(self) -> None:
+        """Remove the placements, then give the slots back; idempotent.
+
+        Call it once every worker is reaped.  A cgroup that cannot be
+        removed is logged, never raised: the group's own cleanup goes on.
+        """
+        self._close_placements()
+        if self._held and self.capacity is not None:
+            held, self._held = self._held, 0
+            self.capacity.release(held)
+
+    def _close_placements(self) -> None:
+        placements = [p for p in (self._group, *self._ranks.values()) if p is not None]
+        for placement in placements:
+            try:
+                placement.close()
+            except OSError:
+                logger.exception("could not remove the cgroups of %s", placement.name)

@@ -1,0 +1,498 @@
+"""Limits, usage, the process budget and metrics, wired into ``start_processes`` and ``run``.
+
+The mechanisms themselves are tested on their own in ``test_limits``,
+``test_capacity`` and ``test_metrics``; here a group of real workers
+(function and binary) uses them end to end.  A test that needs a cgroup
+skips, saying why, where this process cannot make one.  Every async test
+runs on asyncio and on uvloop (``conftest.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import random
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import aioproc
+import aioproc.metrics
+from aioproc import Capacity, ChildFailedError, DefaultLogsSpecs, Limits, Std, Usage
+from aioproc._group import resources
+from aioproc._limits.cgroups import discover
+from aioproc._metrics import hooks
+
+MiB = 1 << 20
+NO_LOGS = DefaultLogsSpecs(log_dir=os.devnull)  # a failure leaves no error file behind
+HOST = discover()
+OOM_TEXT = "killed by the kernel's OOM killer: memory limit 64 MiB reached"
+KINDS = pytest.mark.parametrize("kind", ["function", "binary"])
+
+
+def need_cgroup(*controllers: str) -> None:
+    """Skip, saying why, unless this process can make groups with ``controllers``."""
+    offered = set().union(*(h.controllers for h in HOST.hierarchies))
+    if not set(controllers) <= offered:
+        pytest.skip(
+            f"this process cannot make cgroups with {', '.join(controllers)} (needs root or a "
+            f"delegated subtree; notes: {'; '.join(HOST.notes) or 'none'})"
+        )
+
+
+@pytest.fixture(autouse=True)
+def _metrics_restored() -> Iterator[None]:
+    """Every test leaves the process-wide recorder as it found it (off)."""
+    before = hooks.current
+    yield
+    hooks.current = before
+
+
+# ------------------------------------------------------------------ workers
+
+ALLOCATE = "data = bytearray({mib} << 20)\ndata[::4096] = b'x' * len(data[::4096])\n"
+BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}:\n    pass\n"
+FORK_BOMB = """
+import os
+r, w = os.pipe()
+forked, error = 0, None
+while forked < 200:  # bounded: a limit that fails to hold must not hurt the machine
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        error = exc.errno
+        break
+    if pid == 0:
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    forked += 1
+os.close(w)
+for _ in range(forked):
+    os.wait()
+print(forked, error, flush=True)
+"""
+
+
+def allocate(mib: int) -> int:
+    exec(ALLOCATE.format(mib=mib))
+    return mib
+
+
+def burn(seconds: float, fail: bool = False) -> None:
+    exec(BURN.format(s=seconds))
+    if fail:
+        raise RuntimeError("burnt, then failed")
+
+
+def fork_bomb() -> tuple[int, int | None]:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(FORK_BOMB)
+    forked, error = out.getvalue().split()
+    return int(forked), None if error == "None" else int(error)
+
+
+def entry(kind: str, fn: str, *args: Any) -> tuple[Any, tuple[Any, ...]]:
+    """``(entrypoint, args)`` running ``fn``'s code as a function or a binary worker."""
+    if kind == "function":
+        return globals()[fn], args
+    code = {
+        "allocate": lambda mib: ALLOCATE.format(mib=mib),
+        "burn": lambda s, fail=False: BURN.format(s=s) + ("raise SystemExit(3)\n" if fail else ""),
+        "fork_bomb": lambda: FORK_BOMB,
+    }[fn](*args)
+    return sys.executable, ("-c", code)
+
+
+async def start_and_wait(
+    kind: str, fn: str, *args: Any, nprocs: int = 1, **kw: Any
+) -> tuple[aioproc.RunProcsResult, list[aioproc.WorkerEvent]]:
+    events: list[aioproc.WorkerEvent] = []
+    entrypoint, argv = entry(kind, fn, *args)
+    kw.setdefault("logs_specs", DefaultLogsSpecs(log_dir=os.devnull))
+    async with aioproc.start_processes(
+        kind,
+        entrypoint,
+        {r: argv for r in range(nprocs)},
+        {r: {} for r in range(nprocs)},
+        on_event=events.append,
+        sinks=[],
+        **kw,
+    ) as pc:
+        result = await pc.wait()
+    assert result is not None
+    return result, events
+
+
+def exited(events: list[aioproc.WorkerEvent]) -> dict[int, aioproc.WorkerEvent]:
+    return {e.local_rank: e for e in events if e.kind == "exited"}
+
+
+# ------------------------------------------------------------------ checks
+
+
+@pytest.mark.parametrize(
+    ("limits", "capacity", "error", "match"),
+    [
+        ("1G", None, TypeError, r"limits must be an aioproc.Limits .*got '1G'"),
+        ({5: Limits()}, None, ValueError, r"local rank 5 is not in the group \(ranks 0..1\)"),
+        ({"0": Limits()}, None, TypeError, r"keys must be local ranks \(ints\), got '0'"),
+        ({0: "64M"}, None, TypeError, r"limits\[0\] must be an aioproc.Limits, got '64M'"),
+        (None, 16, TypeError, r"capacity must be an aioproc.Capacity, got 16"),
+        (None, Capacity(1), ValueError, r"a group of 2 workers never fits in <Capacity 0/1"),
+    ],
+)
+async def test_bad_limits_and_capacity_raise_before_anything_starts(
+    limits: Any, capacity: Any, error: type[Exception], match: str
+) -> None:
+    events: list[aioproc.WorkerEvent] = []
+    with pytest.raises(error, match=match):
+        aioproc.start_processes(
+            "bad",
+            "true",
+            {0: (), 1: ()},
+            {0: {}, 1: {}},
+            limits=limits,
+            capacity=capacity,
+            on_event=events.append,
+        )
+    with pytest.raises(error, match=match):
+        await aioproc.run("true", 2, limits=limits, capacity=capacity)
+    assert events == []
+
+
+# ------------------------------------------------------------------ limits
+
+
+@pytest.mark.parametrize("kind", ["function", "forked", "binary"])
+async def test_a_rank_past_its_memory_limit_is_reported_oom_killed(kind: str) -> None:
+    need_cgroup("memory")
+    events: list[aioproc.WorkerEvent] = []
+    # a forked worker is joined while it waits at its template's gate
+    method = "forkserver" if kind == "forked" else "spawn"
+    entrypoint, argv = entry("function" if kind == "forked" else kind, "allocate", 256)
+    async with aioproc.start_processes(
+        "oom",
+        entrypoint,
+        {0: argv},
+        {0: {}},
+        start_method=method,
+        limits=Limits(memory="64M"),
+        on_event=events.append,
+        sinks=[],
+    ) as pc:
+        result = await pc.wait()
+    assert result is not None and result.is_failed()
+    failure = result.failures[0]
+    assert (failure.exitcode, failure.oom) == (-signal.SIGKILL, OOM_TEXT)
+    assert failure.message == f"Signal 9 (SIGKILL) received by PID {failure.pid}"  # torch's
+    summary = str(ChildFailedError("oom", result.failures))
+    assert f"  oom       : {OOM_TEXT}\n" in summary
+    assert exited(events)[0].oom == OOM_TEXT
+    # killed on its way to 256 MiB (a forked worker's RSS also counts the
+    # pages it shares with its template, which are charged to the template)
+    assert result.usage[0].max_rss < 200 * MiB
+    with pytest.raises(ChildFailedError, match="killed by the kernel's OOM killer"):
+        await aioproc.run(
+            entrypoint,
+            1,
+            argv,
+            limits=Limits(memory="64M"),
+            sinks=[],
+            logs_specs=NO_LOGS,
+            start_method=method,
+        )
+
+
+@KINDS
+async def test_without_cgroups_memory_is_an_rlimit_and_the_allocation_fails(
+    kind: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(resources, "BACKENDS", ("rlimit",))
+    caplog.set_level(logging.INFO, "aioproc")
+    entrypoint, argv = entry(kind, "allocate", 256)
+    with pytest.raises(ChildFailedError) as caught:
+        await aioproc.run(
+            entrypoint,
+            1,
+            argv,
+            limits=Limits(memory="64M", cpus=1),
+            sinks=[],
+            logs_specs=NO_LOGS,
+        )
+    failure = caught.value.failures[0]
+    assert failure.oom == ""  # an rlimit never kills
+    if kind == "function":
+        assert isinstance(caught.value.__cause__, MemoryError)
+    else:
+        assert failure.exitcode == 1  # python's MemoryError traceback
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert any(
+        m.startswith("limits for ") and "memory 64 MiB: RLIMIT_DATA=67108864" in m for m in infos
+    ), infos
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("not enforced here: cpus 1: not enforced" in m for m in warned), warned
+
+
+@KINDS
+async def test_a_pids_limit_stops_a_fork_bomb_in_its_rank_only(kind: str, tmp_path: Path) -> None:
+    need_cgroup("pids")
+    if kind == "function":
+        result = await aioproc.run(fork_bomb, 1, limits=Limits(pids=16), sinks=[])
+        forked, error = result.return_values[0]
+    else:
+        lines: list[str] = []
+        await aioproc.run(
+            sys.executable,
+            1,
+            ("-c", FORK_BOMB),
+            limits=Limits(pids=16),
+            logs_specs=DefaultLogsSpecs(log_dir=tmp_path, tee=Std.ALL),
+            sinks=[lambda out: lines.append(out.line)],
+        )
+        forked_text, error_text = lines[-1].split()
+        forked, error = int(forked_text), int(error_text)
+    # the worker itself (and a function worker's threads) count among the 16
+    assert 0 < forked < 16 and error == errno.EAGAIN, (forked, error)
+    # the test process was never limited: it still starts many processes
+    procs = [await asyncio.create_subprocess_exec("true") for _ in range(24)]
+    assert [await p.wait() for p in procs] == [0] * 24
+
+
+async def test_limits_per_rank_give_each_rank_its_own_cgroup(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    need_cgroup("memory")
+    caplog.set_level(logging.INFO, "aioproc")
+    result = await aioproc.run(
+        allocate, 2, {0: (128,), 1: (16,)}, limits={1: Limits(memory="64M")}, sinks=[]
+    )
+    assert result.return_values == {0: 128, 1: 16}
+    # rank 0 had no limit (128 MiB went through) and no cgroup: no tree figures
+    assert result.usage[0].max_rss >= 128 * MiB
+    assert result.usage[0].tree_max_memory is None
+    # rank 1's own cgroup counted its tree, within its limit
+    tree = result.usage[1].tree_max_memory
+    assert tree is not None and 16 * MiB <= tree <= 64 * MiB, result.usage[1]
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("limits for")]
+    assert len(logged) == 1 and logged[0].startswith("limits for allocate: rank 1: memory 64 MiB: ")
+
+
+# ------------------------------------------------------------------- usage
+
+
+@KINDS
+async def test_usage_of_each_rank_on_success(kind: str) -> None:
+    burnt, events = await start_and_wait(kind, "burn", 1.0)
+    assert isinstance(burnt.usage[0], Usage)
+    assert burnt.usage[0].cpu_time >= 0.8, burnt.usage
+    assert burnt.usage[0].cpu_time == pytest.approx(
+        burnt.usage[0].user_time + burnt.usage[0].system_time
+    )
+    grown, _ = await start_and_wait(kind, "allocate", 200, nprocs=2)
+    assert sorted(grown.usage) == [0, 1]
+    assert all(u.max_rss >= 200 * MiB for u in grown.usage.values()), grown.usage
+    # an exit noticed while the group ran: its process is reaped only at the close
+    assert exited(events)[0].usage is None
+
+
+@KINDS
+async def test_usage_on_failure_and_on_the_exited_event_of_a_stopped_rank(kind: str) -> None:
+    result, _ = await start_and_wait(kind, "burn", 0.5, True)
+    assert result.is_failed()
+    assert result.usage[0].cpu_time >= 0.4, result.usage
+    # a rank a close stops is reaped before its "exited" event: it has its usage
+    events: list[aioproc.WorkerEvent] = []
+    started = asyncio.Event()
+
+    def on_event(event: aioproc.WorkerEvent) -> None:
+        events.append(event)
+        if event.kind == "started":
+            started.set()
+
+    entrypoint, argv = entry(kind, "burn", 60.0)
+    async with aioproc.start_processes(
+        "stopped", entrypoint, {0: argv}, {0: {}}, on_event=on_event, sinks=[], grace_period=5
+    ) as pc:
+        await started.wait()
+    final = pc.poll()
+    assert final is not None and final.failures[0].stopped
+    assert exited(events)[0].usage == final.usage[0]
+    assert final.usage[0].cpu_time > 0
+
+
+# ------------------------------------------------------------------ capacity
+
+
+class OrderedCapacity(Capacity):
+    """A ``Capacity`` that notes which task (named by its number) each grant went to."""
+
+    def __init__(self, total: int) -> None:
+        super().__init__(total)
+        self.granted: list[int] = []
+
+    async def acquire(self, k: int = 1) -> None:
+        await super().acquire(k)
+        task = asyncio.current_task()
+        assert task is not None
+        self.granted.append(int(task.get_name()))
+
+
+async def test_groups_through_a_capacity_never_exceed_it_and_start_in_order() -> None:
+    capacity = OrderedCapacity(16)
+    live = peak = 0
+
+    def on_event(event: aioproc.WorkerEvent) -> None:
+        nonlocal live, peak
+        live += {"started": 1, "exited": -1}.get(event.kind, 0)
+        peak = max(peak, live)
+
+    async def group(size: int) -> None:
+        async with aioproc.start_processes(
+            "budget",
+            "true",
+            {r: () for r in range(size)},
+            {r: {} for r in range(size)},
+            DefaultLogsSpecs(log_dir=os.devnull),
+            capacity=capacity,
+            on_event=on_event,
+            sinks=[],
+        ) as pc:
+            result = await pc.wait()
+        assert result is not None and not result.is_failed()
+
+    rng = random.Random(1234)
+    sizes = [rng.randint(1, 8) for _ in range(200)]
+    await asyncio.gather(
+        *(asyncio.create_task(group(size), name=str(i)) for i, size in enumerate(sizes))
+    )
+    assert capacity.granted == list(range(200))  # first come, first served
+    assert 8 <= peak <= 16, peak  # live workers counted from the events, not the clock
+    assert (capacity.in_use, capacity.waiting, live) == (0, 0, 0)
+
+
+async def test_groups_cancelled_while_waiting_for_capacity_hold_nothing() -> None:
+    capacity = Capacity(4)
+    rng = random.Random(99)
+    started: list[int] = []
+
+    async def group(i: int, size: int) -> None:
+        await aioproc.run(
+            "true",
+            size,
+            logs_specs=DefaultLogsSpecs(log_dir=os.devnull),
+            capacity=capacity,
+            sinks=[],
+        )
+        started.append(i)
+
+    tasks = [asyncio.create_task(group(i, rng.randint(1, 4))) for i in range(40)]
+    cancelled = 0
+    for task in rng.sample(tasks, 20):
+        for _ in range(rng.randint(0, 30)):
+            await asyncio.sleep(0)  # a random point in some group's start
+        cancelled += task.cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(r is None or isinstance(r, asyncio.CancelledError) for r in results), results
+    assert cancelled > 0
+    assert (capacity.in_use, capacity.waiting) == (0, 0)
+    async with capacity.reserve(4):  # every slot can be taken again
+        assert capacity.in_use == 4
+
+
+async def test_a_close_while_waiting_for_capacity_starts_nothing() -> None:
+    capacity = Capacity(2)
+    events: list[aioproc.WorkerEvent] = []
+    pc = aioproc.PContext(
+        "waits",
+        "true",
+        {0: (), 1: ()},
+        {0: {}, 1: {}},
+        DefaultLogsSpecs(log_dir=os.devnull),
+        capacity=capacity,
+        on_event=events.append,
+        sinks=[],
+    )
+    async with capacity.reserve(2):
+        starting = asyncio.create_task(pc.start())
+        while not capacity.waiting:
+            await asyncio.sleep(0)  # a few loop turns: until its start joins the queue
+        await pc.close()
+        await starting
+    assert (capacity.in_use, capacity.waiting) == (0, 0)
+    assert events == []
+    result = pc.poll()
+    assert result is not None and sorted(result.failures) == [0, 1]
+    assert all(f.pid == -1 for f in result.failures.values())  # never started
+
+
+# ------------------------------------------------------------------ metrics
+
+
+async def test_metrics_count_groups_workers_and_output(tmp_path: Path) -> None:
+    recorder = aioproc.metrics.enable()
+    try:
+        await aioproc.run(
+            sys.executable,
+            2,
+            ("-c", "print('one'); print('two')"),
+            name="counted",
+            logs_specs=DefaultLogsSpecs(log_dir=tmp_path, tee=Std.ALL),
+            sinks=[lambda line: None],
+        )
+        with pytest.raises(ChildFailedError):
+            await aioproc.run(burn, 1, (0.0, True), name="failing", sinks=[], logs_specs=NO_LOGS)
+        text = aioproc.metrics.render(recorder)
+    finally:
+        aioproc.metrics.disable()
+    for line in (
+        'aioproc_groups_started_total{group="counted",role="default"} 1.0',
+        'aioproc_workers_started_total{group="counted",role="default"} 2.0',
+        'aioproc_workers_exited_total{group="counted",outcome="succeeded",role="default"} 2.0',
+        'aioproc_groups_exited_total{group="counted",outcome="succeeded",role="default"} 1.0',
+        'aioproc_workers_exited_total{group="failing",outcome="failed",role="default"} 1.0',
+        'aioproc_groups_exited_total{group="failing",outcome="failed",role="default"} 1.0',
+        'aioproc_output_lines_total{group="counted",role="default",stream="stdout"} 4.0',
+        'aioproc_output_bytes_total{group="counted",role="default",stream="stdout"} 16.0',
+        'aioproc_workers_running{group="counted",role="default"} 0.0',
+    ):
+        assert line in text, text
+
+
+class SpyRecorder(hooks.NullRecorder):
+    """Off, like the default, but notes every hook that is called anyway."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattribute__(self, name: str) -> Any:
+        if not name.startswith("_") and name not in ("enabled", "calls"):
+            object.__getattribute__(self, "calls").append(name)
+        return object.__getattribute__(self, name)
+
+
+async def test_disabled_metrics_call_no_hook(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    spy = SpyRecorder()
+    monkeypatch.setattr(hooks, "current", spy)
+    await aioproc.run(
+        sys.executable,
+        2,
+        ("-c", "print('quiet')"),
+        logs_specs=DefaultLogsSpecs(log_dir=tmp_path, tee=Std.ALL),
+        sinks=[lambda line: None],
+    )
+    with pytest.raises(ChildFailedError):
+        await aioproc.run(burn, 1, (0.0, True), sinks=[], logs_specs=NO_LOGS)
+    assert spy.calls == []
