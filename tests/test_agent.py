@@ -184,6 +184,24 @@ async def test_fails_twice_then_succeeds_with_two_restarts(tmp_path: Path) -> No
     assert [e.exitcode for e in failed] == [3, 3]
 
 
+async def test_the_root_cause_leads_the_failures_before_the_ranks_it_stopped() -> None:
+    """torch's ChildFailedError takes the first failure of the earliest second
+    as the root cause: rank 1's exit must come before rank 0, stopped for it."""
+    code = "import sys, time\nif sys.argv[1] == '1': sys.exit(3)\ntime.sleep(60)"
+    spec = WorkerSpec(
+        role="trainer",
+        local_world_size=2,
+        entrypoint=sys.executable,
+        args=("-c", code, "${local_rank}"),
+    )
+    result = await LocalElasticAgent(spec, log_dir=os.devnull).run()
+    assert result.state == WorkerState.FAILED
+    assert [(r, f.exitcode) for r, f in result.failures.items()] == [
+        (1, 3),
+        (0, -signal.SIGTERM),
+    ]
+
+
 async def test_fails_with_too_few_restarts_and_keeps_both_attempts_logs(tmp_path: Path) -> None:
     agent = LocalElasticAgent(flaky_spec("0,1", max_restarts=1), log_dir=str(tmp_path))
     result = await agent.run()

@@ -247,6 +247,9 @@ def test_the_host_is_this_machine_by_name_or_address() -> None:
             {"timeout": "900", "join_timeout": "30", "lease_ttl": "2"},
             ("h", 5, None, {"join_timeout": "30", "lease_ttl": "2"}, ()),
         ),
+        # torch's c10d never reads timeout: one that is no number of seconds (quotes
+        # left in by a shell-less launcher) is unused there and here, not an error
+        ("h:5", {"timeout": "5'"}, ("h", 5, None, {}, ("timeout",))),
         # torch's options aioproc has no use for are accepted, and named as unused
         (
             "h:5",

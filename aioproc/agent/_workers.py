@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
 
+from .._errors.summary import ChildFailedError
 from .._group.rank_launcher import SinkLike
 from ..context import PContext, RunProcsResult, WorkerEvent
 from ..logs import LogsSpecs
@@ -196,6 +197,12 @@ class Workers:
         # keyed by global rank, as torch's RunResult
         values = {base + r: v for r, v in result.return_values.items()}
         failures = {base + r: f for r, f in result.failures.items()}
+        if failures:
+            # torch's ChildFailedError takes the failure of the earliest whole
+            # second and, among equals, the first in the dict: the root cause
+            # goes first, so a sibling stopped in that second is never taken for it
+            root, _ = ChildFailedError(spec.role, failures).get_first_failure()
+            failures = {root: failures.pop(root), **failures}
         return RunResult(state, values, failures)
 
     async def _supervise(

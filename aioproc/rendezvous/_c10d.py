@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import ipaddress
 import logging
+import math
 import os
 import shutil
 import socket
@@ -89,10 +90,11 @@ def c10d_options(params: RendezvousParameters) -> C10dOptions:
     (positive seconds; accepted, see ``C10dOptions``), ``timeout`` (the
     rendezvous timeout of torchrun's launcher, which its older backends
     take as the join timeout: it is ``join_timeout`` here unless that is
-    given too), ``store_type`` (``tcp`` only: aioproc's store is a
-    server, never a file).  The etcd rendezvous's options pass through;
-    any other option is accepted and unused, as torch's backends ignore
-    what they do not read.
+    given too; torch's c10d backend never reads it, so a value that is no
+    number of seconds is left unused, as torch leaves it), ``store_type``
+    (``tcp`` only: aioproc's store is a server, never a file).  The etcd
+    rendezvous's options pass through; any other option is accepted and
+    unused, as torch's backends ignore what they do not read.
 
     Raises:
         ValueError: an endpoint without a usable host and port, or a bad
@@ -118,8 +120,15 @@ def c10d_options(params: RendezvousParameters) -> C10dOptions:
             "store is a server on the endpoint's host (store_type=tcp)"
         )
     passed = {key: config[key] for key in ETCD_OPTIONS if key in config}
+    known = set(ETCD_OPTIONS) | set(_TORCH_OPTIONS)
     if "timeout" in config and "join_timeout" not in passed:
-        passed["join_timeout"] = config["timeout"]
+        # torch's c10d backend never reads ``timeout``, so torchrun runs whatever
+        # it says (even a value garbled by quotes that reached the argv); only a
+        # number of seconds stands in for the join timeout, the rest goes unused
+        if _is_seconds(config["timeout"]):
+            passed["join_timeout"] = config["timeout"]
+        else:
+            known.discard("timeout")
     etcd_params = RendezvousParameters(
         params.backend,
         format_hostport(host, port),
@@ -129,9 +138,19 @@ def c10d_options(params: RendezvousParameters) -> C10dOptions:
         local_addr=params.local_addr,
         **passed,
     )
-    known = set(ETCD_OPTIONS) | set(_TORCH_OPTIONS)
     unused = tuple(sorted(key for key in config if key not in known))
     return C10dOptions(etcd_params, host, port, is_host, read_timeout, unused)
+
+
+def _is_seconds(value: object) -> bool:
+    """Whether ``value`` is a finite number of seconds >= 0 (as an option's text or a number)."""
+    if isinstance(value, bool):
+        return False
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return math.isfinite(seconds) and seconds >= 0
 
 
 def matches_machine_hostname(host: str) -> bool:
