@@ -59,7 +59,7 @@ from ._group.outcomes import Outcomes
 from ._group.rank_launcher import ROLE, RankLauncher, SinkLike
 from ._group.rank_launcher import make_sinks as _make_sinks
 from ._group.rankdirs import RankDirs
-from ._group.resources import GroupResources, LimitsArg
+from ._group.resources import CpusArg, GroupResources, LimitsArg
 from ._limits.capacity import Capacity
 from ._metrics import hooks as _hooks
 from ._output.console import release_consoles
@@ -190,8 +190,8 @@ class PContext:
     ``kwargs``: ``{local_rank: {name: value}}`` for function workers.
     ``hub``/``hub_keys``: the ``ControlHub`` behind ``barrier()`` (default:
     one for this group's ranks); the cluster runner shares one among its
-    tasks' one-rank groups, keyed by task.  ``limits``/``capacity``: as
-    ``start_processes`` takes them (``_group.resources``).
+    tasks' one-rank groups, keyed by task.  ``limits``/``capacity``/``cpus``:
+    as ``start_processes`` takes them (``_group.resources``).
     """
 
     def __init__(
@@ -217,10 +217,11 @@ class PContext:
         hub_keys: Mapping[int, Hashable] | None = None,
         limits: LimitsArg = None,
         capacity: Capacity | None = None,
+        cpus: CpusArg = None,
     ) -> None:
         grace_period = check_duration("grace_period", grace_period)
         _validate(name, entrypoint, args, envs, logs_specs, log_line_prefixes, start_method)
-        self._resources = GroupResources(name, len(args), limits, capacity)
+        self._resources = GroupResources(name, len(args), limits, capacity, cpus)
         self.kwargs = _check_kwargs(entrypoint, args, kwargs)
         self.preload = check_preload(start_method, preload)
         own_sinks = _make_sinks(sinks)

@@ -8,6 +8,11 @@ calls; a worker that dies is replaced (only its in-flight call fails, with
 replacement), and workers can be recycled after ``max_calls_per_worker``
 calls or retired after ``idle_timeout`` seconds without work (then
 restarted on demand).  ``pool.stats()`` counts what the pool is doing.
+
+Each worker has its own placement (``limits=``, ``cpus=``) and, with
+``capacity=``, holds one slot of the budget from its start until it is
+reaped.  The first workers' slots are reserved together, as a group's are;
+a replacement waits, first come first served, for one slot.
 """
 
 # Ownership
@@ -29,6 +34,17 @@ restarted on demand).  ``pool.stats()`` counts what the pool is doing.
 # leaves its task group once the last retirement is done.  ``aclose()``
 # returns only then, so when it returns no interpreter and no guardian of
 # the pool is left, whatever was starting, retiring or running at the time.
+#
+# Slots
+# -----
+#
+# With ``capacity=`` the pool reserves its ``size`` first slots at once
+# (``_open``), before anything starts: two pools that reserved one slot per
+# worker could each hold half of a budget and wait for the other for ever.
+# Each first start takes over one reserved slot (``_prepaid``); a slot whose
+# start never ran goes back when the owner ends.  A worker gives its slot
+# back once it is reaped (``WorkerProcess._shutdown``), so a replacement,
+# which asks for a new one, never overlaps the worker it replaces.
 
 from __future__ import annotations
 
@@ -36,6 +52,7 @@ import asyncio
 import collections
 import logging
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -48,8 +65,18 @@ from ._base.owner import Owner
 from ._base.resource import OpenResource
 from ._base.shield import shielded
 from ._cluster.tfconfig import ClusterSpec, worker_slots
+from ._errors.failure import BrokenWorkerError
 from ._func import template as _template
 from ._func.template import Template, TemplateLost
+from ._group.resources import (
+    GroupResources,
+    check_capacity,
+    check_worker_cpus,
+    check_worker_limits,
+)
+from ._limits.capacity import Capacity
+from ._limits.spec import Limits
+from ._metrics import hooks as _hooks
 from ._pool.records import PoolCall, PoolStart, PoolStats
 from .worker import WorkerProcess, _start_worker, _Undelivered
 
@@ -73,8 +100,20 @@ class WorkerPool:
         max_calls_per_worker: int | None,
         idle_timeout: float | None,
         preload: tuple[str, ...] | None = None,
+        *,
+        name: str = "pool",
+        limits: Limits | None = None,
+        capacity: Capacity | None = None,
+        cpus: list[dict[int, tuple[int, ...]]] | None = None,
     ) -> None:
+        self.name = name
         self._slots = slots  # (name, env) of each worker position
+        self._limits = limits
+        self._capacity = capacity
+        self._cpus = cpus  # {0: CPU ids} of each position's worker
+        self._prepaid: set[int] = set()  # positions whose slot _open reserved, not yet taken
+        # read once: metrics enabled later count from the next pool on
+        self._rec = _hooks.current
         self._preload = preload  # forkserver: the template's modules; None: spawn
         self._template: Template | None = None  # a lease held for the pool's life
         self._renewing: asyncio.Lock | None = None  # one start replaces a dead template
@@ -148,13 +187,22 @@ class WorkerPool:
         """
         if self._owner.started:
             raise RuntimeError(f"{self!r} was already opened")
-        if self._preload is not None:
-            # cancelled or failed, acquire leaves nothing behind; the owner
-            # gives the lease back once every worker has stopped
-            self._template = await _template.acquire(self._preload)
+        if self._capacity is not None:
+            # every first worker's slot at once (see "Slots" above); a
+            # cancelled wait holds nothing
+            await self._capacity.acquire(self.size)
+            self._prepaid = set(range(self.size))
+        try:
+            if self._preload is not None:
+                # cancelled or failed, acquire leaves nothing behind; the owner
+                # gives the lease back once every worker has stopped
+                self._template = await _template.acquire(self._preload)
+        except BaseException:
+            self._give_back_prepaid()
+            raise
         # No await before the try: once the owner exists, it is always closed.
         starts = [self._new_start(i) for i in range(self.size)]
-        self._owner.start(self._own, after=self._release_template)
+        self._owner.start(self._own, after=self._after_owner)
         try:
             pending = {s.finished for s in starts}
             while pending:
@@ -181,6 +229,26 @@ class WorkerPool:
         await self._owner.closing(None)
         retiring.cancel()
         self._stop_everything(tg)
+
+    async def _after_owner(self) -> None:
+        """Once every start and retirement is over: slots never taken, then the template."""
+        self._give_back_prepaid()
+        await self._release_template()
+
+    def _give_back_prepaid(self) -> None:
+        if self._prepaid and self._capacity is not None:
+            count, self._prepaid = len(self._prepaid), set()
+            self._capacity.release(count)
+
+    def _resources(self, i: int) -> GroupResources:
+        """The resources of a new worker at ``i``: its placement, CPUs and slot."""
+        name = self._slots[i][0]
+        cpus = None if self._cpus is None else self._cpus[i]
+        resources = GroupResources(name, 1, self._limits, self._capacity, cpus)
+        if i in self._prepaid:
+            self._prepaid.discard(i)
+            resources.granted()
+        return resources
 
     async def _release_template(self) -> None:
         if self._template is not None:
@@ -227,6 +295,8 @@ class WorkerPool:
                     return
                 for retry in (False, True):
                     try:
+                        template = await self._live_template()
+                        # the worker owns them: closed with it, or if this start fails
                         worker = await _start_worker(
                             name,
                             self._initializer,
@@ -234,7 +304,8 @@ class WorkerPool:
                             self._init_timeout,
                             self._shutdown_timeout,
                             env,
-                            await self._live_template(),
+                            template,
+                            self._resources(i),
                         )
                         break
                     except TemplateLost:
@@ -408,6 +479,9 @@ class WorkerPool:
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
         call = PoolCall(fn, args, kwargs)
+        rec = self._rec
+        began = time.monotonic() if rec.enabled else 0.0
+        timed_out = False
         try:
             if limit is None:
                 value = await self._submit(call)
@@ -415,11 +489,21 @@ class WorkerPool:
                 with anyio.move_on_after(limit) as scope:
                     value = await self._submit(call)
                 if scope.cancelled_caught:
+                    timed_out = True  # the pool's timeout, not a TimeoutError fn raised
                     raise TimeoutError(call.timed_out(limit, self._slots, self.size))
-        except Exception:
+        except Exception as e:
             self._failed += 1
+            if rec.enabled:
+                outcome = "timeout" if timed_out else _outcome(e)
+                rec.pool_call(self.name, outcome, time.monotonic() - began)
+            raise
+        except asyncio.CancelledError:
+            if rec.enabled:
+                rec.pool_call(self.name, "cancelled", time.monotonic() - began)
             raise
         self._completed += 1
+        if rec.enabled:
+            rec.pool_call(self.name, "succeeded", time.monotonic() - began)
         return value
 
     async def _submit(self, call: PoolCall) -> Any:
@@ -470,14 +554,24 @@ class WorkerPool:
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
         call_args, call_kwargs = tuple(args), dict(kwargs or {})
+        rec = self._rec
+        began = time.monotonic() if rec.enabled else 0.0
 
         async def one(i: int) -> Any:
             try:
                 value = await self._call_at(i, PoolCall(fn, call_args, call_kwargs))
-            except Exception:
+            except Exception as e:
                 self._failed += 1
+                if rec.enabled:
+                    rec.pool_call(self.name, _outcome(e), time.monotonic() - began)
+                raise
+            except asyncio.CancelledError:
+                if rec.enabled:
+                    rec.pool_call(self.name, "cancelled", time.monotonic() - began)
                 raise
             self._completed += 1
+            if rec.enabled:
+                rec.pool_call(self.name, "succeeded", time.monotonic() - began)
             return value
 
         results = await asyncio.gather(*(one(i) for i in range(self.size)), return_exceptions=True)
@@ -548,6 +642,9 @@ def open_pool(
     name: str = "pool",
     start_method: str = "spawn",
     preload: Sequence[str] = (),
+    limits: Limits | None = None,
+    capacity: Capacity | None = None,
+    cpus: Sequence[int] | str | None = None,
 ) -> OpenResource[WorkerPool]:
     """Start a pool of persistent workers.
 
@@ -571,17 +668,41 @@ def open_pool(
             template for ``preload`` up for its whole life, so replacements
             fork from it too (see ``start_processes``).
         preload: modules the forkserver template imports first.
+        limits: resource limits for each worker (``aioproc.Limits``): every
+            worker gets a placement of its own (its own cgroup, else
+            rlimits), as the workers are independent; a replacement gets a
+            fresh one.  A worker the kernel's OOM killer ends fails its call
+            with a ``BrokenWorkerError`` that says so, and is replaced.
+        capacity: a process budget (``aioproc.Capacity``) shared with groups
+            and other pools: each worker holds one slot from its start until
+            it is reaped.  The pool opens once *all* its workers have slots
+            and have started: the ``size`` slots are reserved together,
+            first come first served, as a group's are, since ``run()``
+            needs every worker and a pool that started with what fits would
+            run at a size nobody chose.  A replacement (after a crash, a
+            recycling or ``idle_timeout``) waits in the same queue for one
+            slot, which its predecessor gave back once reaped: a call at
+            that position waits too, ``submit(timeout=...)`` included.
+        cpus: the CPUs the workers run on (Linux): a list of CPU ids for
+            every worker, ``"numa:<node>"`` (that node's CPUs, from
+            ``/sys/devices/system/node/node<N>/cpulist``, among the allowed
+            ones), or ``"round-robin"``: the worker at position ``i`` (and
+            its replacements) gets the ``i % n``-th of the ``n`` CPUs this
+            process may use (``os.sched_getaffinity(0)``).
 
     Raises:
         ValueError, TypeError: a bad argument (at the call, before anything
-            starts).
+            starts): a CPU outside the allowed set, an empty list, a NUMA
+            node this machine does not list (the message names the missing
+            file), a ``capacity`` with fewer slots than workers.
         Exception: what made a worker's start fail (the initializer's
             exception, ``TimeoutError``, ``BrokenWorkerError``), raised as
             soon as one fails, once every worker is stopped.
 
     Cancellation: cancelling the start (the ``await`` or the ``async with``
     entry) at any point stops every worker started or starting, shielded and
-    bounded, before the cancellation propagates: nothing is left running.
+    bounded, before the cancellation propagates: nothing is left running,
+    and no slot of ``capacity`` is held.
     """
     check_duration("init_timeout", init_timeout)
     check_duration("shutdown_timeout", shutdown_timeout)
@@ -606,6 +727,9 @@ def open_pool(
             raise ValueError(f"{what} must be a number >= 0, got {value!r}")
     if initializer is not None and not callable(initializer):
         raise TypeError(f"initializer must be callable, got {initializer!r}")
+    limits = check_worker_limits(limits)
+    capacity = check_capacity(capacity, len(slots))
+    cpu_sets = check_worker_cpus(cpus, len(slots))
     pool = WorkerPool(
         slots,
         initializer,
@@ -615,8 +739,17 @@ def open_pool(
         max_calls_per_worker,
         idle_timeout,
         names if start_method == "forkserver" else None,
+        name=name,
+        limits=limits,
+        capacity=capacity,
+        cpus=cpu_sets,
     )
     return OpenResource(lambda: _started(pool), _closed, "open_pool(...)")
+
+
+def _outcome(error: Exception) -> str:
+    """The metrics outcome of a pool call that raised ``error`` (not the pool's timeout)."""
+    return "broken" if isinstance(error, BrokenWorkerError) else "failed"
 
 
 def _is_number(value: object) -> bool:

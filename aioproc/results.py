@@ -27,7 +27,13 @@ class Usage:
         cpu_time: CPU seconds, user and system together.
         user_time: CPU seconds spent running the process's own code.
         system_time: CPU seconds the kernel spent working for it.
-        max_rss: the largest resident set size it reached, in bytes.
+        max_rss: the kernel's peak resident set size for it
+            (``ru_maxrss``), in bytes.  Linux carries a process's peak over
+            into the program it execs, so for a worker started by ``exec``
+            (a binary, a spawned function worker) this is at least the
+            supervisor's own peak when it launched the worker, and a forked
+            worker counts the pages it shares with its template;
+            ``tree_max_memory`` (with ``limits=``) counts only the worker's.
         tree_cpu_time: CPU seconds of every process in its cgroup (the
             worker and all its descendants, reaped or not), or ``None``
             where no cgroup counted it.

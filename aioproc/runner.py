@@ -12,6 +12,7 @@ from ._base.checks import check_duration
 from ._base.resource import OpenResource
 from ._errors.summary import ChildFailedError
 from ._group.rank_launcher import SinkLike
+from ._group.resources import CpusArg
 from ._limits.capacity import Capacity
 from ._limits.spec import Limits
 from .context import PContext, close_on_exit
@@ -46,6 +47,7 @@ def start_processes(
     kwargs: Mapping[int, Mapping[str, Any]] | None = None,
     limits: Limits | Mapping[int, Limits] | None = None,
     capacity: Capacity | None = None,
+    cpus: CpusArg = None,
 ) -> OpenResource[PContext]:
     """Start ``len(args)`` workers running ``entrypoint``.
 
@@ -109,6 +111,18 @@ def start_processes(
             groups: the start waits, first come first served, until all
             ``len(args)`` workers fit, and gives the slots back once the
             group is closed and every worker reaped.
+        cpus: the CPUs the workers run on (Linux): a list of CPU ids for
+            every rank, ``{local_rank: [CPU ids]}`` for the ranks named,
+            ``"round-robin"`` (rank ``r`` gets the ``r % n``-th of the
+            ``n`` CPUs this process may use, ``os.sched_getaffinity(0)``),
+            or ``"numa:<node>"`` (alone or per rank): the CPUs
+            ``/sys/devices/system/node/node<N>/cpulist`` lists, among the
+            allowed ones.  Each worker is pinned from this process right
+            after its start, before it runs user code (a binary worker:
+            microseconds after its exec); its threads and children inherit
+            the set.  A CPU outside the allowed set, an empty list, a rank
+            not in the group or a node this machine does not list (the
+            message names the missing file) raises before anything starts.
 
     Raises:
         TypeError, ValueError, RuntimeError, FileNotFoundError,
@@ -143,6 +157,7 @@ def start_processes(
         kwargs=kwargs,
         limits=limits,
         capacity=capacity,
+        cpus=cpus,
     )
     return OpenResource(lambda: _start(pc), close_on_exit, "start_processes(...)")
 
@@ -164,6 +179,7 @@ async def run(
     preload: Sequence[str] = (),
     limits: Limits | Mapping[int, Limits] | None = None,
     capacity: Capacity | None = None,
+    cpus: CpusArg = None,
 ) -> RunProcsResult:
     """Run ``nprocs`` workers to completion: start, wait, close.
 
@@ -178,7 +194,7 @@ async def run(
         name: group name (default: the function's or executable's name).
         timeout: seconds before the group is stopped and ``TimeoutError``
             raised (its ``result`` attribute holds the partial result).
-        start_method, preload, limits, capacity: as for ``start_processes``.
+        start_method, preload, limits, capacity, cpus: as for ``start_processes``.
 
     Returns:
         The ``RunProcsResult`` when every worker succeeded; its ``usage``
@@ -239,6 +255,7 @@ async def run(
         kwargs=rank_kwargs,
         limits=limits,
         capacity=capacity,
+        cpus=cpus,
     ) as pc:
         result = await pc.wait(-1 if timeout is None else timeout)
         if result is None:

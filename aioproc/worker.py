@@ -10,6 +10,12 @@ shutdown.
 Never hangs: every wait is also a wait on the worker's exit.  If the worker
 dies mid-call the call raises ``BrokenWorkerError`` with the exit code or
 signal and the last lines of its stderr, as soon as the exit is noticed.
+
+Resources: a worker given ``limits=`` or ``cpus=`` is a group of one to
+``_group.resources``: its own placement (cgroups or rlimits), joined and
+pinned from this process before it runs user code, removed once the worker
+is reaped, when its ``Usage`` is read.  A pool's workers are built the same
+way, each with its own placement and, with ``capacity=``, its own slot.
 """
 
 from __future__ import annotations
@@ -35,10 +41,14 @@ from ._func import template as _template
 from ._func.boot import CallEncoder, Definitions, encode_call, init_frame, rebuild_exception
 from ._func.launch import Frame, launch_function
 from ._func.template import Template
+from ._group.resources import GroupResources, check_worker_cpus, check_worker_limits
+from ._limits.affinity import ROUND_ROBIN, allowed_cpus
+from ._limits.spec import Limits
 from ._output.tee import TeeProtocol
 from ._proc.channel import Channel, frame
 from ._proc.shutdown import release, stop_groups, warn_forced
 from ._proc.spawn import Child
+from .results import Usage
 from .sinks import ConsoleSink, Sink
 
 __all__ = ["WorkerProcess", "open_worker"]
@@ -142,6 +152,7 @@ class WorkerProcess:
         shutdown_timeout: float,
         tail: _TailSink,
         console: Sink,
+        resources: GroupResources | None = None,
     ) -> None:
         self.name = name
         self._child = child
@@ -154,6 +165,9 @@ class WorkerProcess:
         self._reply: asyncio.Future[tuple[int, bytearray]] | None = None
         self._closed = False
         self._killed = False
+        self._resources = resources or GroupResources(name, 1, None, None)
+        self._oom: str | None = None  # why the OOM killer ended it, once its exit is seen
+        self._usage: Usage | None = None
         self.calls = 0
         self._loop = asyncio.get_running_loop()
         self._exit_task = self._loop.create_task(self._watch_exit())
@@ -180,6 +194,17 @@ class WorkerProcess:
     def busy(self) -> bool:
         """A call or ping is in flight (or waiting for the one before it)."""
         return self._lock.locked()
+
+    @property
+    def usage(self) -> Usage | None:
+        """What the worker used (CPU time, peak RSS), once it exited and was reaped.
+
+        ``None`` while it runs, and until ``aclose()`` reaped it (a pool
+        reaps a dead worker when it replaces it).  With ``limits=`` the
+        ``tree_*`` figures are its cgroup's: the worker and every process
+        it started.
+        """
+        return self._usage
 
     @property
     def alive(self) -> bool:
@@ -222,16 +247,16 @@ class WorkerProcess:
         else:
             reply.set_exception(self._broken(code, "during a call"))
 
+    def _oom_of(self, code: int) -> str | None:
+        """Why the kernel's OOM killer ended the worker (exit ``code``), or None; asked once."""
+        if self._oom is None and not self._killed:
+            self._oom = self._resources.oom(0, self._child, code)
+        return self._oom
+
     def _broken(
         self, code: int, when: str, error: type[BrokenWorkerError] = BrokenWorkerError
     ) -> BrokenWorkerError:
-        if code < 0:
-            try:
-                how = f"was killed by {signal.Signals(-code).name}"
-            except ValueError:
-                how = f"was killed by signal {-code}"
-        else:
-            how = f"exited with code {code}"
+        how = _exit_text(code, self._oom_of(code))
         tail = "\n".join(f"    {line}" for line in self._tail.lines_seen)
         tail = f"; last lines of its stderr:\n{tail}" if tail else "; its stderr was empty"
         return error(f"worker {self.name} (pid {self.pid}) {how} {when}{tail}")
@@ -410,11 +435,30 @@ class WorkerProcess:
         else:
             await stop_groups([self._child], signal.SIGKILL, 0)  # descendants only
         await self._exit_task
-        await release([self._child], drain=1.0, sinks=[self._console, self._tail])
+        try:
+            await release([self._child], drain=1.0, sinks=[self._console, self._tail])
+        finally:
+            # reaped now: its usage is final, and its cgroups and slot go back
+            self._usage = self._resources.usage({0: self._child}).get(0)
+            self._resources.close()
         if forced:
             warn_forced(
                 forced, signal.SIGKILL, self._shutdown_timeout, request="the terminate request"
             )
+
+
+def _exit_text(code: int, oom: str | None) -> str:
+    """How a worker ended, for messages: ``"was killed by SIGSEGV"``, the OOM killer's text."""
+    if oom is not None:
+        # the placement's text starts "killed by the kernel's OOM killer" where
+        # the kernel counted the kill; else it names the limit's hits
+        return f"was {oom}" if oom.startswith("killed by") else f"was killed by SIGKILL ({oom})"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 FILL_OFF_LOOP = 4 << 20
@@ -459,16 +503,54 @@ async def _start_worker(
     shutdown_timeout: float,
     env: Mapping[str, str] | None,
     template: Template | None = None,
+    resources: GroupResources | None = None,
 ) -> WorkerProcess:
-    if init is not None and not callable(init):
-        raise TypeError(f"init must be callable, got {init!r}")
-    for what, value in (("init_timeout", init_timeout), ("shutdown_timeout", shutdown_timeout)):
-        if not isinstance(value, (int, float)) or value < 0:
-            raise ValueError(f"{what} must be a number >= 0, got {value!r}")
-    if env is not None:
-        for key, val in env.items():
-            if not isinstance(key, str) or not isinstance(val, str):
-                raise TypeError(f"env must map str to str; got {key!r}: {val!r}")
+    """Start one persistent worker: wait for its slot, launch, join, run ``init``.
+
+    ``resources`` (a group of one, see ``_group.resources``) belong to the
+    worker from here on: closed with it, or at once if the start fails.
+
+    Cancellation: a cancelled start holds no slot, and kills and reaps the
+    half-started worker (shielded) before its placement is removed.
+    """
+    resources = resources or GroupResources(name, 1, None, None)
+    try:
+        if init is not None and not callable(init):
+            raise TypeError(f"init must be callable, got {init!r}")
+        for what, value in (("init_timeout", init_timeout), ("shutdown_timeout", shutdown_timeout)):
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{what} must be a number >= 0, got {value!r}")
+        if env is not None:
+            for key, val in env.items():
+                if not isinstance(key, str) or not isinstance(val, str):
+                    raise TypeError(f"env must map str to str; got {key!r}: {val!r}")
+        await resources.acquire()  # a pool's replacement waits here for its slot
+        joins = resources.open()
+        return await _launch_worker(
+            name, init, init_args, init_timeout, shutdown_timeout, env, template, resources, joins
+        )
+    except BaseException:
+        # a slot handed over by a pool goes back too; a launched worker
+        # was reaped by _launch_worker before its placement goes
+        resources.close()
+        raise
+
+
+async def _launch_worker(
+    name: str,
+    init: Callable[..., Any] | None,
+    init_args: tuple[Any, ...],
+    init_timeout: float,
+    shutdown_timeout: float,
+    env: Mapping[str, str] | None,
+    template: Template | None,
+    resources: GroupResources,
+    joins: Mapping[int, Callable[[int], None]],
+) -> WorkerProcess:
+    """``_start_worker`` once its slot is held and its placement open.
+
+    Cancellation: the half-started worker is killed and reaped (shielded).
+    """
     segments: list[_shm.Segment] | None = _shm.Deferred() if _shm.AVAILABLE else None
     init_parts = CallEncoder(init).encode(init_args, {}, segments) if init is not None else None
     if segments and not await fill_segments(segments):
@@ -503,6 +585,7 @@ async def _start_worker(
             tee_err=stderr_tee,
             template=template,
             segments=segments or (),
+            join=joins.get(0),
         )
         for segment in segments or ():
             segment.close()
@@ -530,16 +613,17 @@ async def _start_worker(
                 if pending_init.done() and pending_init.result()[0] == _wire.ERROR:
                     exc = rebuild_exception(pending_init.result()[1])
                     raise exc if exc is not None else RuntimeError(f"init of {name} failed")
-                raise BrokenWorkerError(
-                    f"worker {name} (pid {child.pid}) exited with code {exited.result()} "
-                    "during init"
-                )
+                code = exited.result()
+                how = _exit_text(code, resources.oom(0, child, code))
+                raise BrokenWorkerError(f"worker {name} (pid {child.pid}) {how} during init")
             else:
                 raise TimeoutError(
                     f"worker {name} (pid {child.pid}): init did not finish within "
                     f"init_timeout={init_timeout:g} s"
                 )
-        worker = WorkerProcess(name, child, child.channel, shutdown_timeout, tail, console)
+        worker = WorkerProcess(
+            name, child, child.channel, shutdown_timeout, tail, console, resources
+        )
         child.channel.deliver_to(worker._on_frame)  # on_frame's forwarding, skipped
         return worker
     except BaseException:
@@ -558,6 +642,7 @@ async def _abandon(child: Child | None) -> None:
 
 
 _counter = 0
+_cpu_turn = 0  # open_worker(cpus="round-robin"): the next CPU of the allowed set
 
 
 def open_worker(
@@ -569,6 +654,8 @@ def open_worker(
     name: str | None = None,
     start_method: str = "spawn",
     preload: Sequence[str] = (),
+    limits: Limits | None = None,
+    cpus: Sequence[int] | str | None = None,
 ) -> OpenResource[WorkerProcess]:
     """Start a persistent worker process (PyTorch's ``CheckpointProcess``, async).
 
@@ -590,32 +677,59 @@ def open_worker(
         start_method: ``"spawn"`` or ``"forkserver"`` (forked from the
             template for ``preload``; see ``start_processes``).
         preload: modules the forkserver template imports first.
+        limits: resource limits for the worker and every process it starts
+            (``aioproc.Limits``; its own cgroup, else rlimits: see
+            ``start_processes``), removed once the worker is reaped.  Killed
+            by the kernel's OOM killer, the worker fails the call in flight
+            with a ``BrokenWorkerError`` that says so; past an rlimit, the
+            allocation fails instead (the call raises ``MemoryError``).
+        cpus: the CPUs the worker runs on (Linux): a list of CPU ids,
+            ``"numa:<node>"`` (that node's CPUs, from
+            ``/sys/devices/system/node/node<N>/cpulist``, among the allowed
+            ones) or ``"round-robin"`` (one CPU of this process's allowed
+            set, ``os.sched_getaffinity(0)``, the next one for each worker
+            opened).  Set from this process before the worker runs ``init``.
 
     Raises:
+        TypeError, ValueError: a bad argument, before anything starts (a
+            CPU not in the allowed set, an empty list, a NUMA node this
+            machine does not list: the message names the missing file).
         TimeoutError: ``init`` took longer than ``init_timeout``.
         Exception: whatever ``init`` raised, with the worker's traceback.
         BrokenWorkerError: the worker died during ``init``.
 
-    Cancellation: a cancelled start kills the half-started worker.
+    Cancellation: a cancelled start kills the half-started worker and
+    removes its placement.
     """
     check_duration("init_timeout", init_timeout)
     check_duration("shutdown_timeout", shutdown_timeout)
     if env is not None:
         check_env("env", env)
-    global _counter
+    global _counter, _cpu_turn
     _counter += 1
     name = name or f"worker{_counter}"
     init_args = tuple(init_args)
     check_start_method(start_method)
     names = check_preload(start_method, preload)
+    check_worker_limits(limits)
+    if cpus == ROUND_ROBIN:
+        allowed = allowed_cpus()
+        cpus = [allowed[_cpu_turn % len(allowed)]]
+        _cpu_turn += 1
+    cpu_sets = check_worker_cpus(cpus, 1)
+
+    def resources() -> GroupResources:  # a placement per start: it lives and dies with it
+        return GroupResources(name, 1, limits, None, None if cpu_sets is None else cpu_sets[0])
 
     async def start() -> WorkerProcess:
         if start_method == "spawn":
-            return await _start_worker(name, init, init_args, init_timeout, shutdown_timeout, env)
+            return await _start_worker(
+                name, init, init_args, init_timeout, shutdown_timeout, env, None, resources()
+            )
         template = await _template.acquire(names)
         try:
             return await _start_worker(
-                name, init, init_args, init_timeout, shutdown_timeout, env, template
+                name, init, init_args, init_timeout, shutdown_timeout, env, template, resources()
             )
         finally:
             # the forked worker does not need the template any more

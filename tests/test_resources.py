@@ -199,9 +199,10 @@ async def test_a_rank_past_its_memory_limit_is_reported_oom_killed(kind: str) ->
     summary = str(ChildFailedError("oom", result.failures))
     assert f"  oom       : {OOM_TEXT}\n" in summary
     assert exited(events)[0].oom == OOM_TEXT
-    # killed on its way to 256 MiB (a forked worker's RSS also counts the
-    # pages it shares with its template, which are charged to the template)
-    assert result.usage[0].max_rss < 200 * MiB
+    # killed on its way to 256 MiB; its ru_maxrss cannot show it, since Linux
+    # carries the launcher's own peak into a process it execs
+    assert result.usage[0].tree_max_memory is not None
+    assert result.usage[0].tree_max_memory <= 64 * MiB
     with pytest.raises(ChildFailedError, match="killed by the kernel's OOM killer"):
         await aioproc.run(
             entrypoint,

@@ -1,14 +1,16 @@
-"""A group's resources: its limits (one placement, or one per rank) and its process slots.
+"""A group's resources: its limits (one placement, or one per rank), its CPUs and its slots.
 
-``GroupResources`` checks ``limits=`` and ``capacity=`` when the group is
-built, so a mistake raises before anything exists.  At start it waits for
+``GroupResources`` checks ``limits=``, ``capacity=`` and ``cpus=`` when the
+group is built, so a mistake raises before anything exists.  At start it waits for
 the group's slots (``Capacity``: first come, first served, all ranks at
 once), then opens the placements and says once, in the log, how each limit
 is enforced, warning about any that nothing here could enforce.  Each rank
-is joined to its placement from this process before it runs user code (see
-``_proc.spawn``, ``_func.launch`` and ``_func.fork``): a spawned function
-worker waits for its boot code, a forked one at its gate, and a binary is
-joined on the helper thread microseconds after its exec.
+is joined to its placement, and pinned to its CPUs, from this process before
+it runs user code (see ``_proc.spawn``, ``_func.launch`` and ``_func.fork``):
+a spawned function worker waits for its boot code, a forked one at its
+gate, and a binary is joined on the helper thread microseconds after its
+exec.  Persistent workers use the same object, as a group of one
+(``aioproc.worker``, ``aioproc.pool``).
 
 At a worker's exit it tells whether the kernel's OOM killer ended it and
 adds the cgroup's figures to the ``Usage`` its reap reported.  ``close()``
@@ -20,10 +22,11 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from .._limits import placement as _placement
+from .._limits.affinity import ROUND_ROBIN, allowed_cpus, check_cpu_set, with_affinity
 from .._limits.capacity import Capacity
 from .._limits.placement import Placement, open_placement
 from .._limits.spec import Limits, format_bytes
@@ -66,6 +69,78 @@ def check_limits(limits: object, nprocs: int) -> Limits | dict[int, Limits] | No
     return checked
 
 
+CpusArg = Sequence[int] | str | Mapping[int, Sequence[int] | str] | None
+"""``cpus=``: CPU ids for every rank, ``"numa:<node>"``, ``"round-robin"``, or per rank."""
+
+
+def check_cpus(cpus: object, nprocs: int) -> dict[int, tuple[int, ...]] | None:
+    """``cpus=`` checked and resolved: ``{local_rank: CPU ids}``, or None.
+
+    A list of CPU ids (or ``"numa:<node>"``) is every rank's set;
+    ``{local_rank: list}`` gives the ranks named their own (the others run
+    where this process may); ``"round-robin"`` gives rank ``r`` the
+    ``r % n``-th CPU of this process's ``n`` allowed ones.
+
+    Raises:
+        TypeError: not a list, a string or a mapping of them; a key or a
+            CPU id is not an int.
+        ValueError: an empty list, a CPU outside ``os.sched_getaffinity(0)``,
+            a NUMA node this machine does not list, or a key that is not a
+            local rank of the group.
+    """
+    if cpus is None:
+        return None
+    allowed = allowed_cpus()
+    if cpus == ROUND_ROBIN:
+        return {rank: (allowed[rank % len(allowed)],) for rank in range(nprocs)}
+    if not isinstance(cpus, Mapping):
+        one = check_cpu_set(cpus, "cpus", allowed)
+        return dict.fromkeys(range(nprocs), one)
+    checked: dict[int, tuple[int, ...]] = {}
+    for rank, value in cpus.items():
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"cpus: keys must be local ranks (ints), got {rank!r}")
+        if not 0 <= rank < nprocs:
+            raise ValueError(f"cpus: local rank {rank} is not in the group (ranks 0..{nprocs - 1})")
+        if value == ROUND_ROBIN:
+            raise ValueError(f"cpus[{rank}]={ROUND_ROBIN!r}: round-robin is for the whole group")
+        checked[rank] = check_cpu_set(value, f"cpus[{rank}]", allowed)
+    return checked
+
+
+def check_worker_limits(limits: object) -> Limits | None:
+    """``limits=`` of persistent workers: one ``Limits``, each worker getting its own placement.
+
+    Raises:
+        TypeError: not a ``Limits``.
+    """
+    if limits is None or isinstance(limits, Limits):
+        return limits
+    raise TypeError(f"limits must be an aioproc.Limits (each worker gets its own), got {limits!r}")
+
+
+def check_worker_cpus(cpus: object, workers: int) -> list[dict[int, tuple[int, ...]]] | None:
+    """``cpus=`` of ``workers`` persistent workers: each one's ``{0: CPU ids}``, or None.
+
+    As ``check_cpus`` for a group of ``workers``, but without per-rank
+    sets: a pool's workers are alike, so they share one set or take one
+    CPU each in turn (``"round-robin"``, by position).
+
+    Raises:
+        TypeError, ValueError: as ``check_cpus``; a mapping is refused.
+    """
+    if cpus is None:
+        return None
+    if isinstance(cpus, Mapping):
+        raise TypeError(
+            f"cpus of persistent workers must be a list of CPU ids, 'numa:<node>' or "
+            f"{ROUND_ROBIN!r}, got {cpus!r}"
+        )
+    per_worker = check_cpus(cpus, workers)
+    assert per_worker is not None
+    return [{0: per_worker[i]} for i in range(workers)]
+
+
 def check_capacity(capacity: object, nprocs: int) -> Capacity | None:
     """``capacity=`` checked: a ``Capacity`` that can ever hold the group, or None.
 
@@ -92,16 +167,21 @@ class GroupResources:
         nprocs: how many ranks the group has.
         limits: as ``start_processes(limits=...)``.
         capacity: as ``start_processes(capacity=...)``.
+        cpus: as ``start_processes(cpus=...)``.
 
     Raises:
-        TypeError, ValueError: a bad ``limits`` or ``capacity`` (see the checks).
+        TypeError, ValueError: a bad ``limits``, ``capacity`` or ``cpus``
+            (see the checks).
     """
 
-    def __init__(self, name: str, nprocs: int, limits: object, capacity: object) -> None:
+    def __init__(
+        self, name: str, nprocs: int, limits: object, capacity: object, cpus: object = None
+    ) -> None:
         self.name = name
         self.nprocs = nprocs
         self.limits = check_limits(limits, nprocs)
         self.capacity = check_capacity(capacity, nprocs)
+        self.cpus = check_cpus(cpus, nprocs)
         self._held = 0  # slots taken from ``capacity``
         self._group: Placement | None = None  # one placement for every rank
         self._ranks: dict[int, Placement] = {}  # or one per rank
@@ -119,12 +199,31 @@ class GroupResources:
             await self.capacity.acquire(self.nprocs)
             self._held = self.nprocs
 
+    def granted(self) -> None:
+        """Take over slots the caller acquired for this group; ``close()`` gives them back.
+
+        A pool reserves all its first workers' slots at once (so two pools
+        opening together cannot each hold half of what they need), then
+        hands one to each worker.
+        """
+        if self.capacity is not None:
+            self._held = self.nprocs
+
     def open(self) -> dict[int, Callable[[int], None]]:
         """Open the placements, log how each limit is enforced; ``{rank: join}``.
+
+        A rank with ``cpus`` is pinned to them by its join too, before it
+        enters its placement.
 
         Raises:
             OSError: a cgroup could not be made; those made are removed.
         """
+        joins = self._open_placements()
+        for rank, cpus in (self.cpus or {}).items():
+            joins[rank] = with_affinity(joins.get(rank), cpus)
+        return joins
+
+    def _open_placements(self) -> dict[int, Callable[[int], None]]:
         limits = self.limits
         if not limits:
             return {}  # None, an empty dict, or a Limits() that limits nothing
@@ -184,13 +283,19 @@ class GroupResources:
         return placement.oom_killed()
 
     def usage(self, children: Mapping[int, Child]) -> dict[int, Usage]:
-        """``{rank: Usage}`` of the reaped workers, with the tree figures of a rank's own cgroup."""
+        """``{rank: Usage}`` of the reaped workers, with the tree figures of a rank's own cgroup.
+
+        The ranks of a group share its cgroup, and its figures are no one
+        rank's, except in a group of one (a persistent worker's).
+        """
         out = {}
         for rank, child in sorted(children.items()):
             usage = child.watcher.usage
             if usage is None:
                 continue
             own = self._ranks.get(rank)
+            if own is None and self.nprocs == 1:
+                own = self._group  # a group of one: its cgroup is the rank's own
             if own is not None:
                 tree = own.usage()
                 usage = replace(usage, tree_cpu_time=tree.cpu_time, tree_max_memory=tree.max_memory)
