@@ -48,8 +48,16 @@ once when a group, pool or agent opens, and before each hook checks its
 - ``rendezvous_round(role, backend, outcome, seconds)``: the agent's
   rendezvous returns or raises.
 
-None of them is called by the launcher yet: ``start_processes``, the pool,
-the agent and ``aioproc run --metrics-port`` are wired in a later change.
+Who calls them: ``start_processes`` and ``run`` call the group, worker,
+output and backpressure hooks (with role ``"default"``; an agent's
+attempts are groups named after the spec's role); pools call
+``pool_call``; ``LocalElasticAgent`` calls ``restarted`` (a failure's
+restart, and the one a lost host costs), ``run_finished`` (once per
+``run()``; a run that raised counts as ``"stopped"`` after a signal or a
+cancellation, else as ``"failed"``) and, over several hosts,
+``rendezvous_round`` (a round cut short by ``stop()`` is not counted).
+``aioproc run --metrics-port PORT`` enables the recorder and serves it with
+``serve()`` for the run's duration.
 
 **The metrics.**  Where torch.distributed.elastic records the same thing,
 aioproc keeps its meaning under a Prometheus name (torch's ``put_metric``

@@ -8,9 +8,11 @@ import itertools
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,10 @@ from helpers import pid_gone
 from proc_utils import Fifo
 
 import aioproc
+import aioproc.metrics
 from aioproc import Std
+from aioproc._limits.cgroups import discover
+from aioproc._metrics import hooks
 from aioproc.agent import AgentEvent, LocalElasticAgent, RestartPolicy, WorkerSpec, WorkerState
 from aioproc.agent.events import EventHub
 from aioproc.rendezvous import RendezvousParameters
@@ -676,3 +681,132 @@ async def test_an_exit_barrier_error_after_success_is_logged_and_the_run_succeed
     )
     assert record.exc_info is not None
     assert repr(record.exc_info[1]) == "OSError('the store went away')"
+
+
+# ------------------------------------------------- resources, usage and metrics
+
+
+@pytest.fixture
+def recorder() -> Iterator[aioproc.metrics.Recorder]:
+    """A fresh process-wide recorder for the test; the one in force before comes back."""
+    before = hooks.current
+    rec = aioproc.metrics.enable(aioproc.metrics.Recorder())
+    yield rec
+    hooks.current = before
+
+
+async def test_restarts_rendezvous_rounds_and_the_run_are_counted_in_the_metrics(
+    tmp_path: Path, recorder: aioproc.metrics.Recorder
+) -> None:
+    params = RendezvousParameters("static", "127.0.0.1:29400", "job", 1, 1, node_rank=0)
+    spec = flaky_spec("0", max_restarts=2, rdzv_handler=StaticRendezvousHandler(params))
+    result = await LocalElasticAgent(spec, log_dir=str(tmp_path)).run()
+    assert result.state == WorkerState.SUCCEEDED
+    text = aioproc.metrics.render(recorder)
+    ours = 'group="trainer",role="trainer"'
+    for sample in [
+        f"aioproc_restarts_total{{{ours}}} 1.0",
+        f"aioproc_remaining_restarts{{{ours}}} 1.0",
+        'aioproc_runs_total{group="trainer",outcome="succeeded",retried="true",role="trainer"} 1.0',
+        # one round per attempt
+        'aioproc_rendezvous_rounds_total{backend="static",outcome="succeeded",role="trainer"} 2.0',
+        'aioproc_rendezvous_seconds_count{backend="static",role="trainer"} 2.0',
+    ]:
+        assert sample in text.splitlines(), f"{sample} not in:\n{text}"
+    # the attempts' groups: PContext labels them with its own role ("default") for now
+    assert re.search(
+        r'^aioproc_groups_started_total\{group="trainer",role="\w+"\} 2\.0$', text, re.M
+    )
+
+
+async def test_a_failed_run_and_a_stopped_one_are_counted_by_outcome(
+    tmp_path: Path, recorder: aioproc.metrics.Recorder
+) -> None:
+    failed = await LocalElasticAgent(flaky_spec("0", max_restarts=0), log_dir=str(tmp_path)).run()
+    assert failed.state == WorkerState.FAILED
+    backoff = asyncio.Event()
+    agent = LocalElasticAgent(
+        flaky_spec("0,1", max_restarts=1, restart_policy=RestartPolicy(initial_delay=3600)),
+        log_dir=str(tmp_path),
+        on_event=lambda e: backoff.set() if e.kind == "restart_scheduled" else None,
+    )
+    running = asyncio.ensure_future(agent.run())
+    await asyncio.wait_for(backoff.wait(), 20)
+    await asyncio.wait_for(agent.stop(), 20)
+    assert (await running).state == WorkerState.STOPPED
+    runs = [
+        line for line in aioproc.metrics.render(recorder).splitlines() if "_runs_total{" in line
+    ]
+    assert runs == [
+        'aioproc_runs_total{group="trainer",outcome="failed",retried="false",role="trainer"} 1.0',
+        'aioproc_runs_total{group="trainer",outcome="stopped",retried="false",role="trainer"} 1.0',
+    ]
+
+
+async def test_the_result_has_every_ranks_usage_keyed_by_global_rank(tmp_path: Path) -> None:
+    events: list[AgentEvent] = []
+    spec = flaky_spec("", n=2)
+    result = await LocalElasticAgent(spec, log_dir=str(tmp_path), on_event=events.append).run()
+    assert result.state == WorkerState.SUCCEEDED
+    assert sorted(result.usage) == [0, 1]
+    for usage in result.usage.values():
+        assert isinstance(usage, aioproc.Usage)
+        assert usage.max_rss > 1 << 20 and usage.cpu_time > 0
+    exits = [e for e in events if e.kind == "worker_exited"]
+    assert len(exits) == 2 and all(e.oom is None for e in exits)
+    # they exited on their own: their usage comes with the reap, in the result
+    assert all(e.usage is None for e in exits)
+
+
+async def test_the_specs_limits_reach_the_workers_and_an_oom_kill_is_reported(
+    tmp_path: Path,
+) -> None:
+    offered = set().union(*(h.controllers for h in discover().hierarchies))
+    if "memory" not in offered:
+        pytest.skip("this process cannot make memory cgroups (needs root or a delegated subtree)")
+    allocate = "data = bytearray(256 << 20)\ndata[::4096] = b'x' * len(data[::4096])\n"
+    events: list[AgentEvent] = []
+    spec = WorkerSpec(
+        role="trainer",
+        local_world_size=2,
+        entrypoint=sys.executable,
+        args=("-c", allocate),
+        max_restarts=0,
+        limits={0: aioproc.Limits(memory="64M")},  # rank 1 has no limit
+    )
+    result = await LocalElasticAgent(spec, log_dir=str(tmp_path), on_event=events.append).run()
+    assert result.state == WorkerState.FAILED
+    oom = "killed by the kernel's OOM killer: memory limit 64 MiB reached"
+    assert result.failures[0].oom == oom
+    (killed,) = [e for e in events if e.kind == "worker_exited" and e.local_rank == 0]
+    assert killed.oom == oom and killed.signal == "SIGKILL"
+    assert result.usage[0].max_rss < 200 << 20
+
+
+async def test_the_specs_cpus_and_the_agents_capacity_reach_every_attempt(
+    tmp_path: Path,
+) -> None:
+    first = min(os.sched_getaffinity(0))
+    capacity = aioproc.Capacity(2)
+    spec = WorkerSpec(
+        role="trainer",
+        local_world_size=2,
+        entrypoint=os.sched_getaffinity,
+        args=(0,),
+        cpus=[first],
+    )
+    agent = LocalElasticAgent(spec, log_dir=str(tmp_path), capacity=capacity)
+    result = await agent.run()
+    assert result.return_values == {0: {first}, 1: {first}}
+    assert capacity.in_use == 0  # the attempt's slots were given back
+    with pytest.raises(ValueError, match="never fits"):
+        LocalElasticAgent(spec, capacity=aioproc.Capacity(1))
+
+
+def test_a_bad_limit_or_cpu_set_fails_when_the_spec_is_made() -> None:
+    with pytest.raises(ValueError, match=r"^WorkerSpec\.limits: local rank 2 is not in the group"):
+        WorkerSpec("w", 2, sys.executable, limits={2: aioproc.Limits(memory="1G")})
+    with pytest.raises(TypeError, match=r"^WorkerSpec\.limits must be an aioproc\.Limits"):
+        WorkerSpec("w", 2, sys.executable, limits="1G")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^WorkerSpec\.cpus=\[100000\]: CPU 100000 not in"):
+        WorkerSpec("w", 2, sys.executable, cpus=[100000])

@@ -994,7 +994,10 @@ def test_live_view_shows_one_clean_row_per_rank() -> None:
     for rank in range(3):
         rows = table_rows(screen, rank)
         assert len(rows) == 1, f"rank {rank} rows {rows}:\n{text}"
-        assert re.match(rf"\s*{rank}\s+\d+\s+exited 0\s+\d+s\s+0\s+rank {rank} done$", rows[0])
+        assert re.match(
+            rf"\s*{rank}\s+\d+\s+exited 0\s+\d+s\s+0\s+cpu \S+ max rss \S+\s+rank {rank} done$",
+            rows[0],
+        )
         prefix = f"[default{rank}]:"
         said = [line for line in screen if line.startswith(prefix)]
         want = [f"rank {rank} line {k}" for k in range(3)]

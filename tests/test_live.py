@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
+import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from aioproc import Usage
 from aioproc.agent import AgentEvent, LocalElasticAgent, RestartPolicy, WorkerSpec
 
 pytest.importorskip("rich", reason="rich is not installed: the live view is untested")
 
 from rich.console import Console
 
+from aioproc._cli import live
 from aioproc._cli.live import LiveView
 
 
@@ -105,3 +110,71 @@ def test_many_states_fit_in_the_room_left() -> None:
     screen = drawn(view, lines=10)
     assert len(screen) <= 5, screen
     assert screen[-2].split()[:5] == ["10", "other", "states", "10", "ranks"], screen
+
+
+# ------------------------------------------------------------ usage figures
+
+
+def test_a_running_rank_shows_its_cpu_and_rss(monkeypatch: pytest.MonkeyPatch) -> None:
+    view = LiveView("w", 2, title="t")
+    for rank in range(2):
+        view.on_event(AgentEvent("worker_started", "w", 0, local_rank=rank, pid=4000 + rank))
+    ticks = live._CLOCK_TICKS
+    # rank 0 used 97% of a CPU between the two samples, rank 1 a quarter of one
+    figures = {4000: [(0, 100 << 20), (2 * 97 * ticks // 100, 212 << 20)], 4001: [(0, 3 << 30)]}
+    figures[4001].append((ticks // 2, 1536 << 20))
+    monkeypatch.setattr(live, "_read_proc", lambda pid: figures[pid].pop(0))
+    now = time.monotonic()
+    view.sample(now=now + 1)
+    view.sample(now=now + 3)
+    rows = [line.split() for line in drawn(view, 40, columns=120)[2:4]]
+    assert rows[0][:3] == ["0", "4000", "running"], rows
+    assert rows[0][5:] == ["cpu", "97%", "rss", "212M"], rows
+    assert rows[1][5:] == ["cpu", "25%", "rss", "1.5G"], rows
+
+
+def test_the_sample_reads_the_kernels_figures_of_a_real_process() -> None:
+    view = LiveView("w", 1, title="t")
+    view.on_event(AgentEvent("worker_started", "w", 0, local_rank=0, pid=os.getpid()))
+    view.sample()
+    row = drawn(view, 40, columns=120)[2]
+    assert re.search(r" cpu \d+% rss \d+(\.\d)?[KMG]$", row), row
+
+
+def test_a_rank_that_exited_is_not_sampled(monkeypatch: pytest.MonkeyPatch) -> None:
+    view = LiveView("w", 1, title="t")
+    view.on_event(AgentEvent("worker_started", "w", 0, local_rank=0, pid=4000))
+    view.on_event(AgentEvent("worker_exited", "w", 0, local_rank=0, pid=4000, exitcode=0))
+
+    def never(pid: int) -> None:
+        raise AssertionError(f"pid {pid} was read after its exit")
+
+    monkeypatch.setattr(live, "_read_proc", never)
+    view.sample()
+    assert "cpu" not in drawn(view, 40)[2]
+
+
+def test_an_oom_killed_rank_shows_oom_and_the_end_shows_each_ranks_usage() -> None:
+    view = LiveView("w", 2, title="t")
+    for rank in range(2):
+        view.on_event(AgentEvent("worker_started", "w", 0, local_rank=rank, pid=4000 + rank))
+    oom = "killed by the kernel's OOM killer: memory limit 64 MiB reached"
+    view.on_event(
+        AgentEvent(
+            "worker_exited", "w", 0, local_rank=0, pid=4000, exitcode=-9, signal="SIGKILL", oom=oom
+        )
+    )
+    view.on_event(
+        AgentEvent("worker_exited", "w", 0, local_rank=1, pid=4001, exitcode=-15, signal="SIGTERM")
+    )
+    view.show_usage(
+        {
+            0: Usage(cpu_time=12.34, user_time=12.0, system_time=0.34, max_rss=64 << 20),
+            1: Usage(cpu_time=75.0, user_time=70.0, system_time=5.0, max_rss=3 << 30),
+        }
+    )
+    rows = [line.split() for line in drawn(view, 40, columns=120)[2:4]]
+    assert rows[0][:3] == ["0", "4000", "oom"], rows
+    assert rows[0][5:] == ["cpu", "12.3s", "max", "rss", "64M"], rows
+    assert rows[1][2:5] == ["killed", "by", "SIGTERM"], rows
+    assert rows[1][-5:] == ["cpu", "1m15s", "max", "rss", "3.0G"], rows

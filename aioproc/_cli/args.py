@@ -3,7 +3,7 @@
 ``_build_parsers`` makes the top-level parser and its ``run`` subcommand;
 the flags are added one group at a time, in torchrun's grouping (node and
 worker counts, rendezvous, restarts, logs, the job, the start method,
-supervision), and in the order ``aioproc run --help`` lists them.  The
+then aioproc's resources and supervision), and in the order ``aioproc run --help`` lists them.  The
 groups are not argparse argument groups: the help shows one flat list of
 options, as it always has.  Each flag's value parser is in ``values``, and
 so are ``EnvDefault`` and ``EnvSwitch``, the actions that give every
@@ -22,11 +22,15 @@ from .values import (
     SIGNALS_ENV,
     EnvDefault,
     EnvSwitch,
+    _listen_port,
     _log_dir,
     _number,
     _parse_backend,
+    _parse_cpu_affinity,
+    _parse_cpu_limit,
     _parse_endpoint,
     _parse_filters,
+    _parse_memory_limit,
     _parse_nnodes,
     _parse_node_rank,
     _parse_numa,
@@ -63,11 +67,17 @@ output:
   this command's stdout/stderr (unprefixed).  --tee copies lines to the
   console prefixed with "[<role><rank>]:"; --redirects sends streams to files
   under --log-dir only.  When stdout is a terminal (and rich is installed), a
-  live table of the workers (pid, state, uptime, restarts, last line or
-  progress bar) is drawn below their output; to show lines above the table,
-  every stream that is not redirected is then passed through aioproc and
-  printed prefixed (without creating log files for it).  --no-live, or a
-  non-terminal stdout, gives plain output.
+  live table of the workers (pid, state, uptime, restarts, CPU and memory,
+  last line or progress bar) is drawn below their output; to show lines
+  above the table, every stream that is not redirected is then passed
+  through aioproc and printed prefixed (without creating log files for it).
+  --no-live, or a non-terminal stdout, gives plain output.
+
+resources and metrics (aioproc's own flags, no PET_ variable):
+  --memory-limit, --cpu-limit and --pids-limit limit each rank on its own
+  (a cgroup each, else rlimits); a rank the OOM killer ends is named in the
+  failure summary.  --cpu-affinity places the ranks on CPUs.
+  --metrics-port serves Prometheus metrics while the run lasts.
 
 signals:
   SIGTERM, SIGINT and SIGQUIT stop the workers with that signal (SIGKILL after
@@ -156,6 +166,7 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     _add_log_flags(run)
     _add_job_flags(run)
     _add_start_flags(run)
+    _add_resource_flags(run)
     _add_supervision_flags(run)
     add = run.add_argument
     add("script", help="the Python script (module with -m, program with --no-python)")
@@ -541,6 +552,49 @@ def _add_start_flags(run: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_resource_flags(run: argparse.ArgumentParser) -> None:
+    """aioproc's own: each rank's resource limits and CPUs (no torchrun flag, no PET_ variable)."""
+    add = run.add_argument
+    add(
+        "--memory-limit",
+        dest="memory_limit",
+        type=_parse_memory_limit,
+        default=None,
+        metavar="SIZE",
+        help="the most memory each rank (with its children) may use, with a binary unit: "
+        "512M, 2G, 1.5GiB; past it the kernel's OOM killer kills the rank (a cgroup), or, "
+        "where no cgroup can be made, its allocation fails (RLIMIT_DATA) (default: no limit)",
+    )
+    add(
+        "--cpu-limit",
+        dest="cpu_limit",
+        type=_parse_cpu_limit,
+        default=None,
+        metavar="CPUS",
+        help="each rank's CPU quota, e.g. 1.5 (one and a half CPUs' worth of time, however "
+        "many CPUs it runs on); enforced by a cgroup only, else said once (default: no limit)",
+    )
+    add(
+        "--pids-limit",
+        dest="pids_limit",
+        type=_number(int, 1),
+        default=None,
+        metavar="N",
+        help="the most processes and threads each rank may have at once (a cgroup; else "
+        "RLIMIT_NPROC, which counts every process of the user) (default: no limit)",
+    )
+    add(
+        "--cpu-affinity",
+        dest="cpu_affinity",
+        type=_parse_cpu_affinity,
+        default=None,
+        metavar="LIST|round-robin|numa:N",
+        help="the CPUs the ranks run on: a CPU list such as 0-3,8 (every rank), round-robin "
+        "(rank r gets the r-th CPU this command may use, in turn) or numa:N (the CPUs of NUMA "
+        "node N); set before the rank runs any code (default: wherever this command may run)",
+    )
+
+
 def _add_supervision_flags(run: argparse.ArgumentParser) -> None:
     """The watchdog, the live view, and the signals that stop the run."""
     add = run.add_argument
@@ -555,6 +609,22 @@ def _add_supervision_flags(run: argparse.ArgumentParser) -> None:
         dest="no_live",
         action="store_true",
         help="plain output even when stdout is a terminal",
+    )
+    add(
+        "--metrics-port",
+        dest="metrics_port",
+        type=_listen_port,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics (aioproc.metrics) at http://HOST:PORT/metrics while the "
+        "run lasts; 0: a free port, whose URL is printed on stderr (default: no metrics)",
+    )
+    add(
+        "--metrics-host",
+        dest="metrics_host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="the address the metrics are served on (0.0.0.0: every interface)",
     )
     add(
         "--forward-sighup",

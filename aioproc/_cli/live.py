@@ -1,7 +1,7 @@
 """The live view of ``aioproc run`` on a terminal (needs ``rich``).
 
-A table with one row per local rank (pid, state, uptime, restarts, and the
-rank's last line or progress-bar state) stays at the bottom of the terminal
+A table with one row per local rank (pid, state, uptime, restarts, CPU and
+memory, and the rank's last line or progress-bar state) stays at the bottom of the terminal
 while the workers' prefixed lines scroll above it.  The view takes at most
 half of the terminal's lines: with more ranks than fit, it shows one
 compact row per state instead ("running  22 ranks 0-3,5-22 ..."), so the
@@ -24,6 +24,19 @@ skip rich's text layout (``_Lines``), so a chatty worker costs little more
 than with plain output.  Flushes are coalesced to at most one per
 ``interval``; while a worker runs, a one-second timer redraws the uptimes.
 ``rich`` is imported by this module only, and only the CLI imports it.
+
+CPU and memory figures are a periodic sample, the one thing here that is
+not an event: at each tick of that one-second timer (and only while the
+view is shown and a worker runs), the view reads ``/proc/<pid>/stat``
+(user and system time) and ``/proc/<pid>/statm`` (resident pages) of each
+running rank, and shows ``cpu 97% rss 212M``: the CPU used since the last
+sample over the time between them (100% is one CPU), and the resident set
+now.  Two small reads of the kernel's in-memory files per rank per second
+cost the loop microseconds; ``sample_usage=False`` turns them off.  They
+are figures to watch, never a state anything waits on.  A rank's final
+figures come from its reap instead (``aioproc.Usage``): the final table
+shows each rank's CPU time and largest resident set, and ``oom`` as the
+state of a rank the kernel's OOM killer ended.
 """
 
 from __future__ import annotations
@@ -47,6 +60,7 @@ from rich.text import Text
 from ..agent import AgentEvent
 from ..agent import events as ev
 from ..logs import DefaultLogsSpecs, LogsDest
+from ..results import Usage
 from ..sinks import Sink
 
 __all__ = ["LiveLogsSpecs", "LiveView"]
@@ -97,6 +111,9 @@ class _Row:
     last: str = ""
     status: str | None = None
     updated: float = 0.0  # time.monotonic() of the last line or status
+    usage: str = ""  # "cpu 97% rss 212M" while it runs; its final figures once reaped
+    cpu_ticks: int = 0  # the last sample's user + system time, in clock ticks
+    sampled: float | None = None  # time.monotonic() of the last sample
 
     @property
     def running(self) -> bool:
@@ -116,6 +133,9 @@ class LiveView(Sink):
             terminal (default: ``sys.stderr``); on a terminal they are shown
             above the table with the stdout lines.
         interval: the shortest time between two redraws, in seconds.
+        sample_usage: sample each running rank's CPU and resident memory
+            from ``/proc`` at the view's one-second redraw (see the module
+            docstring); False: the usage column stays empty until the end.
 
     Call ``start()`` on the event loop before the workers start and
     ``stop()`` when the run is over: it leaves the final table on screen.
@@ -131,6 +151,7 @@ class LiveView(Sink):
         console: Console | None = None,
         stderr: TextIO | None = None,
         interval: float = 0.05,
+        sample_usage: bool = True,
     ) -> None:
         self._role = role
         self._max_restarts = max_restarts
@@ -139,6 +160,7 @@ class LiveView(Sink):
         self._stderr = stderr if stderr is not None else sys.stderr
         self._stderr_shown = _isatty(self._stderr)
         self._interval = interval
+        self._sample_usage = sample_usage and os.path.isdir("/proc/self")
         self._rows = [_Row() for _ in range(nprocs)]
         self._attempt = 0
         self._phase = "starting"
@@ -247,11 +269,16 @@ class LiveView(Sink):
             row.started, row.ended = now, None
             row.restarts = event.attempt
             row.status = None
+            row.usage, row.cpu_ticks, row.sampled = "", 0, None
         elif kind == ev.WORKER_EXITED and row is not None:
             row.ended = now
             row.status = None
+            # a live sample means nothing once the rank is gone; its reap's figures do
+            row.usage = _final_usage(event.usage) if event.usage is not None else ""
             code = event.exitcode
-            if row.state == "watchdog expired":
+            if event.oom:
+                row.state, row.style = "oom", "bold red"
+            elif row.state == "watchdog expired":
                 row.state = f"watchdog: killed by {event.signal}"
             elif code is not None and code < 0:
                 row.state, row.style = f"killed by {event.signal}", "red"
@@ -278,6 +305,38 @@ class LiveView(Sink):
                 if r.state in ("starting", "restarting"):
                     r.state, r.style = "stopped", "yellow"
         self._schedule()
+
+    def show_usage(self, usage: dict[int, Usage]) -> None:
+        """Show each rank's final figures (``{local_rank: Usage}``, e.g. a result's usage)."""
+        for rank, figures in usage.items():
+            row = self._row(rank)
+            if row is not None:
+                row.usage = _final_usage(figures)
+        self._schedule()
+
+    def sample(self, now: float | None = None) -> None:
+        """Read each running rank's CPU time and resident memory from ``/proc`` now.
+
+        Called at each tick of the one-second redraw while a worker runs;
+        a rank whose files cannot be read (it just exited) keeps its last
+        figures.
+        """
+        now = time.monotonic() if now is None else now
+        for row in self._rows:
+            if not row.running or row.pid is None:
+                continue
+            read = _read_proc(row.pid)
+            if read is None:
+                continue
+            ticks, rss = read
+            since = row.sampled if row.sampled is not None else row.started
+            assert since is not None  # a running row has started
+            elapsed = now - since
+            # the first sample measures from the start, when the rank had used nothing
+            used = ticks - row.cpu_ticks if row.sampled is not None else ticks
+            cpu = f"cpu {round(100 * used / _CLOCK_TICKS / elapsed)}% " if elapsed > 0 else ""
+            row.usage = f"{cpu}rss {_size(rss)}"
+            row.cpu_ticks, row.sampled = ticks, now
 
     def note(self, text: str, style: str = "yellow") -> None:
         """Print a line of our own above the table now, after the workers' lines so far."""
@@ -322,6 +381,7 @@ class LiveView(Sink):
         table.add_column("state", no_wrap=True)
         table.add_column("uptime", justify="right", no_wrap=True)
         table.add_column("restarts", justify="right", no_wrap=True)
+        table.add_column("usage", no_wrap=True)
         table.add_column("output", no_wrap=True, overflow="ellipsis", ratio=1)
         for rank, row in enumerate(self._rows):
             if row.started is None:
@@ -335,6 +395,7 @@ class LiveView(Sink):
                 Text(row.state, style=row.style),
                 uptime,
                 str(row.restarts),
+                row.usage,
                 _plain(shown),
             )
         return table
@@ -406,6 +467,8 @@ class LiveView(Sink):
 
     def _on_tick(self) -> None:
         self._tick = None
+        if self._sample_usage:
+            self.sample()
         self._schedule()
 
     def _print_pending(self) -> None:
@@ -463,6 +526,48 @@ def _ranges(ranks: list[int]) -> str:
         parts.append(str(start) if start == prev else f"{start}-{prev}")
         start = prev = rank
     return ",".join(parts)
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _read_proc(pid: int) -> tuple[int, int] | None:
+    """``pid``'s user + system time in clock ticks and its resident bytes; None if unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            statm = f.read()
+        # the command name may hold spaces and parentheses: the fields follow its last ')'
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        # fields 14 and 15 of proc(5) (utime, stime); this list starts at field 3
+        ticks = int(fields[11]) + int(fields[12])
+        rss = int(statm.split()[1]) * _PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return None
+    return ticks, rss
+
+
+def _final_usage(usage: Usage) -> str:
+    """A reaped rank's figures: its CPU time and its largest resident set."""
+    return f"cpu {_cpu_time(usage.cpu_time)} max rss {_size(usage.max_rss)}"
+
+
+def _cpu_time(seconds: float) -> str:
+    return f"{seconds:.1f}s" if seconds < 60 else _duration(seconds)
+
+
+def _size(nbytes: int) -> str:
+    """``222298112`` -> ``212M``: binary units, three figures at most."""
+    size = float(nbytes)
+    for unit in ("B", "K", "M", "G"):
+        if size < 1024 or unit == "G":
+            break
+        size /= 1024
+    if unit == "B":
+        return f"{int(size)}B"
+    return f"{size:.1f}{unit}" if size < 10 else f"{size:.0f}{unit}"
 
 
 def _duration(seconds: float) -> str:

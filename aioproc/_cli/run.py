@@ -5,7 +5,10 @@ them into a ``_Run``: the agent's ``WorkerSpec`` (with the rendezvous
 handler of a multi-node job), its ``LogsSpecs`` (the live view's when
 stdout is a terminal, or ``--logs-specs``'s), and what the supervision
 needs (signals, grace period, prefix template, torch's event log, the
-CPUs ``--numa-binding`` gives each rank).  Nothing starts here.  The
+CPUs ``--numa-binding`` gives each rank, the metrics endpoint).  Each
+rank's limits (``--memory-limit``, ``--cpu-limit``, ``--pids-limit``) and
+CPUs (``--cpu-affinity``) go into the spec, which hands them to every
+attempt's group.  Nothing starts here.  The
 agent, the logs and the rendezvous are imported when a run is made, never
 for ``--help``.
 """
@@ -30,6 +33,7 @@ from .values import (
 )
 
 if TYPE_CHECKING:
+    from .. import Limits
     from ..agent import WorkerSpec
     from ..logs import LogsSpecs
     from .torchrun import EventLog
@@ -56,6 +60,7 @@ class _Run:
     show_log_dir: bool  # --log-dir was given: say where this run's logs are
     event_log: EventLog | None = None  # --event-log-handler's, unless it drops everything
     numa: dict[int, frozenset[int]] = field(default_factory=dict)  # local rank -> its CPUs
+    metrics: tuple[str, int] | None = None  # --metrics-host and --metrics-port
     notes: list[str] = field(default_factory=list)  # said once, as the run starts
 
 
@@ -161,6 +166,20 @@ def _numa(ns: argparse.Namespace) -> tuple[dict[int, frozenset[int]], list[str]]
     return cpus, [f"{flag}: {note}"] if note else []
 
 
+def _limits(ns: argparse.Namespace) -> dict[int, Limits] | None:
+    """``--memory-limit``, ``--cpu-limit`` and ``--pids-limit``: one ``Limits`` per local rank.
+
+    The flags limit each rank on its own, not the ranks together, so every
+    rank gets a placement of its own.
+    """
+    if ns.memory_limit is None and ns.cpu_limit is None and ns.pids_limit is None:
+        return None
+    from .. import Limits
+
+    one = Limits(memory=ns.memory_limit, cpus=ns.cpu_limit, pids=ns.pids_limit)
+    return dict.fromkeys(range(ns.nproc_per_node), one)
+
+
 def _event_log(ns: argparse.Namespace) -> EventLog | None:
     """``--event-log-handler``'s recorder; None for torch's handlers that drop every event."""
     from .torchrun import EventLog, event_handler
@@ -184,6 +203,11 @@ def _make_run(ns: argparse.Namespace) -> _Run:
     if preload and ns.no_python and not ns.run_path:
         raise ValueError(
             "--preload needs a Python script or module: --no-python programs are spawned"
+        )
+    if ns.cpu_affinity is not None and ns.numa_binding is not None:
+        raise ValueError(
+            f"--cpu-affinity {_shown(ns.cpu_affinity)} and --numa-binding {ns.numa_binding} "
+            "cannot be used together: both choose the ranks' CPUs"
         )
     entrypoint, args = _entrypoint(ns)
     grace_period = _grace_period(ns)
@@ -215,6 +239,8 @@ def _make_run(ns: argparse.Namespace) -> _Run:
         env={SIGNALS_ENV: ",".join(sig.name for sig in sigs)},
         rdzv_handler=rdzv_handler,
         virtual_local_rank=ns.virtual_local_rank,
+        limits=_limits(ns),
+        cpus=ns.cpu_affinity,
     )
     template = ns.log_line_prefix_template
     if template is None:
@@ -233,7 +259,13 @@ def _make_run(ns: argparse.Namespace) -> _Run:
         event_log=event_log,
         numa=numa,
         notes=notes,
+        metrics=None if ns.metrics_port is None else (ns.metrics_host, ns.metrics_port),
     )
+
+
+def _shown(cpus: list[int] | str) -> str:
+    """``--cpu-affinity``'s value, near enough as written (``0-3`` shows as ``0,1,2,3``)."""
+    return cpus if isinstance(cpus, str) else ",".join(map(str, cpus))
 
 
 def _make_rdzv_handler(ns: argparse.Namespace) -> Any:

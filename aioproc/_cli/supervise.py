@@ -1,10 +1,11 @@
 """Running one ``aioproc run``: the event loop, the agent, the signals, job control.
 
 ``_run_command`` makes the run, sets up the log and SIGHUP, and runs
-``_supervise`` on the loop ``AIOPROC_LOOP`` names.  ``_supervise`` runs the
-agent under ``translate_signals`` and ``follow_job_control``, with the
-live view when there is one, and turns the result into the exit status
-(0, 1, 2 or 128 + a signal) and its messages.  ``_Stopper`` answers each
+``_supervise`` on the loop ``AIOPROC_LOOP`` names.  ``_supervise`` serves
+the metrics for the run's duration (``--metrics-port``), runs the agent
+under ``translate_signals`` and ``follow_job_control``, with the live view
+when there is one, and turns the result into the exit status (0, 1, 2 or
+128 + a signal) and its messages.  ``_Stopper`` answers each
 terminating signal: the first stops the workers gracefully, a second kills
 them now.
 """
@@ -35,13 +36,52 @@ from .run import _make_run, _Run
 from .values import PROG
 
 if TYPE_CHECKING:
-    from ..agent import AgentEvent, LocalElasticAgent
+    from ..agent import AgentEvent, LocalElasticAgent, RunResult
+    from ..results import Usage
     from .live import LiveView
 
 LOOP_ENV = "AIOPROC_LOOP"
 
 
 async def _supervise(run: _Run) -> int:
+    """Serve the metrics if asked, run the agent; return the exit status.
+
+    With ``--metrics-port``, metrics are enabled (the agent, its groups and
+    their output record into the process-wide recorder) and served from
+    before the first worker starts until the run is over.  An address that
+    cannot be listened on is a usage error (2): nothing was started.
+
+    Cancellation: the agent stops the workers (shielded, bounded) before the
+    cancellation propagates; the metrics server is closed after them.
+    """
+    if run.metrics is None:
+        return await _run_agent(run)
+    from .. import metrics
+
+    host, port = run.metrics
+    enabled_here = not metrics.is_enabled()
+    metrics.enable()
+    try:
+        try:
+            server = await metrics.serve(host, port)
+        except OSError as e:
+            _print_stderr(
+                f"{PROG} run: error: --metrics-port {port}: cannot listen on "
+                f"{host}:{port}: {e.strerror or e}"
+            )
+            return 2
+        try:
+            if port == 0:
+                _print_stderr(f"{PROG} run: metrics at {server.url}")
+            return await _run_agent(run)
+        finally:
+            await server.aclose()
+    finally:
+        if enabled_here:
+            metrics.disable()
+
+
+async def _run_agent(run: _Run) -> int:
     """Run the agent; return the exit status.
 
     Cancellation: the agent stops the workers (shielded, bounded) before the
@@ -113,6 +153,8 @@ async def _supervise(run: _Run) -> int:
         else:
             if run.event_log is not None:  # torch's agent SUCCEEDED: its run returned
                 run.event_log.finished(agent.get_worker_group(), agent.run_id, attempt, result)
+            if view is not None:
+                view.show_usage(_usage_by_local_rank(agent, result))
         finally:
             await stopper.aclose()
             if view is not None:
@@ -153,6 +195,12 @@ async def _supervise(run: _Run) -> int:
         for line in _where_the_logs_are(run.logs_specs, attempt, rank, root.local_rank, summary):
             _error(line)
     return 1
+
+
+def _usage_by_local_rank(agent: LocalElasticAgent, result: RunResult) -> dict[int, Usage]:
+    """``result.usage`` (keyed by global rank) keyed by local rank, as the live view's rows are."""
+    local = {w.global_rank: w.local_rank for w in agent.get_worker_group().workers}
+    return {local[rank]: usage for rank, usage in result.usage.items() if rank in local}
 
 
 class _Stopper:

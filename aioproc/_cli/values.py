@@ -292,6 +292,83 @@ def _port(value: str) -> int:
     return port
 
 
+def _listen_port(value: str) -> int:
+    """``--metrics-port``: a TCP port, or 0 for one the system picks."""
+    port: int = _number(int, 0)(value)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(
+            f"expected a TCP port (1-65535), or 0 for any free one, got {value!r}"
+        )
+    return port
+
+
+def _parse_memory_limit(value: str) -> int:
+    """``--memory-limit``: a size with a binary unit (``512M``, ``2G``), in bytes."""
+    from .._limits.spec import parse_memory
+
+    try:
+        return parse_memory(value)
+    except (TypeError, ValueError) as e:
+        # the message names ``memory=``, the library's argument: say the flag's words
+        raise argparse.ArgumentTypeError(
+            str(e).replace(f"memory={value!r} is not", f"{value!r} is not")
+        ) from None
+
+
+def _parse_cpu_limit(value: str) -> float:
+    """``--cpu-limit``: a CPU quota such as ``1.5``, at least ``MIN_CPUS``."""
+    from .._limits.spec import MIN_CPUS
+
+    cpus: float = _number(float, MIN_CPUS)(value)
+    return cpus
+
+
+def _parse_cpu_affinity(value: str) -> list[int] | str:
+    """``--cpu-affinity``: a CPU list (``0-3,8``), ``round-robin`` or ``numa:N``.
+
+    Checked against the CPUs this process may run on, so a CPU or node
+    that could never be used is a usage error before anything starts.
+    """
+    from .._limits.affinity import ROUND_ROBIN, allowed_cpus, numa_cpus, parse_cpulist
+    from .devices import ranges
+
+    text = value.strip()
+    expected = f"expected a CPU list such as '0-3,8', {ROUND_ROBIN!r} or 'numa:<node>'"
+    node = text.partition(":")[2] if text.startswith("numa:") else None
+    try:
+        allowed = allowed_cpus()
+        if node is not None and not node.isdigit():
+            raise ValueError(f"{expected}, got {value!r}")
+        cpus = () if text == ROUND_ROBIN else numa_cpus(int(node)) if node else parse_cpulist(text)
+    except ValueError as e:
+        # the library's messages name its own argument (``cpus=...``): the flag names it here
+        reason = str(e).partition(": ")[2] if str(e).startswith("cpus=") else str(e)
+        if reason.startswith(f"{text!r} is not a CPU list"):
+            reason = f"{expected}, got {value!r}"
+        elif node is not None and node.isdigit():
+            reason = f"{value!r}: {reason}"
+        raise argparse.ArgumentTypeError(reason) from None
+    if text == ROUND_ROBIN:
+        return text
+    usable = [cpu for cpu in cpus if cpu in allowed]
+    if node is not None and not usable:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: none of the node's CPUs ({ranges(cpus)}) is one this command may use "
+            f"({ranges(allowed)})"
+        )
+    if node is not None:
+        return text
+    if not cpus:
+        raise argparse.ArgumentTypeError(f"{expected}, got {value!r}")
+    outside = sorted(set(cpus) - set(allowed))
+    if outside:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: CPU {ranges(outside)} is not among the CPUs this command may use "
+            f"({ranges(allowed)})"
+        )
+    return list(cpus)
+
+
 # ------------------------------------------------- torchrun's PET_ defaults
 
 

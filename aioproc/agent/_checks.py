@@ -10,6 +10,7 @@ import math
 import signal
 
 from .._base.checks import check_duration, check_path_name, check_preload, check_start_method
+from .._group.resources import check_capacity
 from ..logs import LogsSpecs
 from .spec import WorkerSpec
 
@@ -27,6 +28,7 @@ def check_agent_args(
     grace_period: float,
     run_id: str | None,
     event_history_size: int,
+    capacity: object = None,
 ) -> tuple[tuple[str, ...], float, float]:
     """Check ``LocalElasticAgent``'s arguments (see the agent for each).
 
@@ -62,6 +64,7 @@ def check_agent_args(
         or event_history_size <= 0
     ):
         raise ValueError(f"event_history_size must be a positive int, got {event_history_size!r}")
+    check_capacity(capacity, spec.local_world_size)
     return preload, grace_period, exit_barrier_timeout
 
 

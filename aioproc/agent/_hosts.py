@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -44,6 +45,7 @@ from . import events as ev
 from .spec import WorkerState
 
 if TYPE_CHECKING:
+    from .._metrics.hooks import NullRecorder
     from ..context import PContext
     from ..rendezvous import RendezvousError, RendezvousHandler, RendezvousInfo, WorldChange
 
@@ -91,6 +93,9 @@ class Hosts:
         grace_period: the agent's seconds between SIGTERM and SIGKILL.
         exit_barrier_timeout: how long a host whose workers succeeded waits
             for the other hosts' workers before it closes the job.
+        recorder: the metrics recorder each rendezvous round is counted in
+            (``rendezvous_round``); None: metrics are off.
+        role: the agent's role, the rounds' ``role`` label.
     """
 
     def __init__(
@@ -101,8 +106,12 @@ class Hosts:
         *,
         grace_period: float,
         exit_barrier_timeout: float,
+        recorder: NullRecorder | None = None,
+        role: str = "default",
     ) -> None:
         self.handler = handler
+        self._recorder = recorder
+        self._role = role
         self._publish = publish
         self._stopping = stopping
         self._grace_period = grace_period
@@ -198,6 +207,7 @@ class Hosts:
 
         self._publish(ev.RENDEZVOUS_STARTED, message=f"joining the rendezvous of {handler!r}")
         info: RendezvousInfo | None = None
+        began = time.monotonic()
         try:
             # stop() cancels this scope: a stop during the rendezvous ends the run at once
             with anyio.CancelScope() as self._rdzv_scope:
@@ -205,20 +215,29 @@ class Hosts:
                     info = await handler.next_rendezvous()
         except RendezvousGracefulExitError as e:
             # the job finished while this node waited for a round: nothing left to do
+            self._count_round("failed", began)
             return RunEnd(WorkerState.SUCCEEDED, str(e))
         except RendezvousError as e:
             # a job found closed on arrival ran nothing here: no success (torchrun exits 1 too)
+            self._count_round("failed", began)
             return RunEnd(WorkerState.FAILED, str(e))
         finally:
             self._rdzv_scope = None
         if info is None:
-            return RunEnd(WorkerState.STOPPED)
+            return RunEnd(WorkerState.STOPPED)  # a stop cut the round short: no round to count
+        self._count_round("succeeded", began)
         self._publish(
             ev.RENDEZVOUS_COMPLETED,
             message=f"round {info.round}: group rank {info.group_rank} of "
             f"{info.group_world_size} nodes, world size {info.world_size}",
         )
         return info
+
+    def _count_round(self, outcome: str, began: float) -> None:
+        """Count a round that returned or raised (torch's ``_rendezvous`` metrics)."""
+        if self._recorder is not None and self.handler is not None:
+            backend = self.handler.get_backend()
+            self._recorder.rendezvous_round(self._role, backend, outcome, time.monotonic() - began)
 
     def fenced(self) -> contextlib.AbstractContextManager[None]:
         """The scope of an attempt: the worker groups started in it join the lease fence."""

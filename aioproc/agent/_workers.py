@@ -25,6 +25,7 @@ import anyio
 
 from .._errors.summary import ChildFailedError
 from .._group.rank_launcher import SinkLike
+from .._limits.capacity import Capacity
 from ..context import PContext, RunProcsResult, WorkerEvent
 from ..logs import LogsSpecs
 from ..signals import pending_signal
@@ -73,6 +74,8 @@ class Workers:
         starting: called with the attempt's number once its environment is
             ready, before the group is made (the agent's ``attempt_started``).
         stop_asked: waits for ``stop()`` and returns its (signal, grace period).
+        capacity: the process budget each attempt's group reserves its
+            slots from (given back when the attempt's workers are reaped).
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class Workers:
         publish: Publish,
         starting: Callable[[int], None],
         stop_asked: Callable[[], Awaitable[tuple[int, float]]],
+        capacity: Capacity | None = None,
     ) -> None:
         self._spec = spec
         self._run_id = run_id
@@ -101,6 +105,7 @@ class Workers:
         self._publish = publish
         self._starting = starting
         self._stop_asked = stop_asked
+        self._capacity = capacity
         self.group = WorkerGroup(spec)
         self.pids: dict[int, int] = {}
         self._watchdog_expired: dict[int, str] = {}
@@ -131,7 +136,8 @@ class Workers:
 
         Returns:
             The attempt's ``RunResult`` keyed by global rank (FAILED or
-            SUCCEEDED; a failure's message is the watchdog's when it fired).
+            SUCCEEDED; a failure's message is the watchdog's when it fired),
+            with each worker's usage.
 
         Cancellation: the workers are stopped (SIGTERM, then SIGKILL after
         the grace period; shielded and bounded) before it propagates.
@@ -183,6 +189,9 @@ class Workers:
             on_event=self._on_worker_event,
             close_sinks=False,  # they live across attempts; closed when run() ends
             preload=self._preload,
+            limits=spec.limits,
+            capacity=self._capacity,
+            cpus=spec.cpus,
         )
         # known to stop() from here: start() has begun by its first await
         self.pc = pc
@@ -197,13 +206,14 @@ class Workers:
         # keyed by global rank, as torch's RunResult
         values = {base + r: v for r, v in result.return_values.items()}
         failures = {base + r: f for r, f in result.failures.items()}
+        usage = {base + r: u for r, u in result.usage.items()}
         if failures:
             # torch's ChildFailedError takes the failure of the earliest whole
             # second and, among equals, the first in the dict: the root cause
             # goes first, so a sibling stopped in that second is never taken for it
             root, _ = ChildFailedError(spec.role, failures).get_first_failure()
             failures = {root: failures.pop(root), **failures}
-        return RunResult(state, values, failures)
+        return RunResult(state, values, failures, usage=usage)
 
     async def _supervise(
         self, pc: PContext, watchdog: WatchdogServer | None, hosts: Hosts
@@ -286,6 +296,8 @@ class Workers:
                 pid=event.pid,
                 exitcode=code,
                 signal=sig,
+                usage=event.usage,
+                oom=event.oom,
             )
 
     def on_watchdog_expired(self, local_rank: int, pid: int, scope: str, after: float) -> None:

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..results import Usage
 
 __all__ = ["AgentEvent", "EventHub", "EventStream"]
 
@@ -69,6 +72,12 @@ class AgentEvent:
         delay: backoff seconds, for ``restart_scheduled``.
         message: human-readable detail.
         dropped: events lost by this reader, for ``events_dropped``.
+        usage: what the worker used (``aioproc.Usage``), for a
+            ``worker_exited`` whose process was already reaped: the exits
+            of workers a stop ended; None for a worker that exited on its
+            own (its process is reaped later: ``RunResult.usage`` has it).
+        oom: the kernel's OOM kill of the worker in words, for its
+            ``worker_exited``; None otherwise.
     """
 
     kind: str
@@ -83,9 +92,15 @@ class AgentEvent:
     delay: float | None = None
     message: str = ""
     dropped: int | None = None
+    usage: Usage | None = None
+    oom: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
+        """The fields that are set, JSON-ready (``usage`` as a dict of its figures)."""
+        fields = {k: v for k, v in self.__dict__.items() if v is not None}
+        if self.usage is not None:
+            fields["usage"] = dataclasses.asdict(self.usage)
+        return fields
 
 
 class EventStream:

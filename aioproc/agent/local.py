@@ -48,7 +48,10 @@ from .._func import template as _template
 from .._func.script import script_dirs
 from .._group.rank_launcher import SinkLike
 from .._group.rank_launcher import make_sinks as _make_sinks
+from .._limits.capacity import Capacity
+from .._metrics import hooks as _hooks
 from ..logs import DefaultLogsSpecs, LogsSpecs
+from ..results import Usage
 from ..signals import pending_signal
 from ..sinks import close_sinks
 from . import events as ev
@@ -97,6 +100,9 @@ class LocalElasticAgent:
             quick).
         event_history_size: how many of the last events ``event_history``
             keeps (default ``events.HISTORY_SIZE``, 1000).
+        capacity: an ``aioproc.Capacity`` each attempt reserves its
+            ``local_world_size`` slots from before it starts (and gives back
+            once its workers are reaped); None: no budget.
 
     Raises:
         TypeError: ``spec`` is not a ``WorkerSpec``, ``logs_specs`` not a
@@ -104,7 +110,8 @@ class LocalElasticAgent:
             the order of torch < 2.2), or ``log_line_prefix_template`` not a
             str.
         ValueError: a bad start method, duration, run id or history size;
-            ``log_dir`` given together with ``logs_specs``.
+            ``log_dir`` given together with ``logs_specs``; a ``capacity``
+            with fewer slots than the spec's workers.
 
     Usage::
 
@@ -127,6 +134,7 @@ class LocalElasticAgent:
         sinks: Sequence[SinkLike] | None = None,
         on_event: Callable[[AgentEvent], Any] | None = None,
         event_history_size: int = HISTORY_SIZE,
+        capacity: Capacity | None = None,
     ) -> None:
         self._preload, grace_period, exit_barrier_timeout = check_agent_args(
             spec,
@@ -138,6 +146,7 @@ class LocalElasticAgent:
             grace_period=grace_period,
             run_id=run_id,
             event_history_size=event_history_size,
+            capacity=capacity,
         )
         if logs_specs is None:
             logs_specs = DefaultLogsSpecs(
@@ -179,11 +188,15 @@ class LocalElasticAgent:
             publish=self._publish,
             starting=self._attempt_starting,
             stop_asked=self._stop_asked,
+            capacity=capacity,
         )
         self._consecutive = 0  # failed attempts in a row, for the policy's backoff delay
         self._held_template: _template.Template | None = None  # the run's forkserver template
         # the run's multi-host coordination (rendezvous, lease, fence), made by run()
         self._hosts: Hosts | None = None
+        self._usage: dict[int, Usage] = {}  # the last attempt's, by global rank
+        # the metrics recorder, read once per run: one enabled later counts from the next run
+        self._rec = _hooks.current
 
     def __repr__(self) -> str:
         return (
@@ -291,6 +304,7 @@ class LocalElasticAgent:
                     result = await self._workers.run(
                         attempt, master_addr, master_port, watchdog, hosts, info
                     )
+                self._usage = result.usage
                 if hosts.world_change is not None and self._stop_request is None:
                     ended = self._on_world_change(hosts.world_change)
                     if ended is not None:
@@ -327,6 +341,7 @@ class LocalElasticAgent:
                 self._state = WorkerState.FAILED
             raise
         finally:
+            self._record_run()
             await self._close_run(hosts, watchdog)
 
     def _begin_run(self) -> None:
@@ -340,6 +355,8 @@ class LocalElasticAgent:
         self._stop_requested = asyncio.Event()
         self._run_ended = asyncio.Event()
         self._consecutive = 0
+        self._usage = {}
+        self._rec = _hooks.current
 
     def _new_watchdog(self) -> WatchdogServer | None:
         """The run's watchdog server if ``spec.watchdog`` (started by ``_prepare``)."""
@@ -357,7 +374,30 @@ class LocalElasticAgent:
             lambda: self._stop_request is not None,
             grace_period=self._grace_period,
             exit_barrier_timeout=self._exit_barrier_timeout,
+            recorder=self._rec if self._rec.enabled else None,
+            role=self._spec.role,
         )
+
+    def _record_run(self) -> None:
+        """Count the run's end in the metrics (torch's ``_record_metrics``), if they are on.
+
+        A run that raised was stopped (a signal, a cancellation) or failed
+        (an error of the agent's own); either way its state says which.
+        """
+        if not self._rec.enabled:
+            return
+        outcome = {
+            WorkerState.SUCCEEDED: "succeeded",
+            WorkerState.STOPPED: "stopped",
+        }.get(self._state, "failed")
+        role = self._spec.role
+        self._rec.run_finished(role, role, outcome, self._restart_count)
+
+    def _record_restart(self) -> None:
+        """Count a restart the run just decided on (a failure's, or a lost host's)."""
+        if self._rec.enabled:
+            role = self._spec.role
+            self._rec.restarted(role, role, self._remaining_restarts)
 
     async def _prepare(self, hosts: Hosts, watchdog: WatchdogServer | None) -> RunResult | None:
         """Open the rendezvous session, start the watchdog, take the template.
@@ -438,6 +478,7 @@ class LocalElasticAgent:
             return self._finish(WorkerState.FAILED, result.return_values, result.failures)
         self._remaining_restarts -= 1
         self._restart_count += 1
+        self._record_restart()
         delay = policy.delay(self._consecutive)
         self._consecutive += 1
         self._state = WorkerState.UNHEALTHY
@@ -476,6 +517,7 @@ class LocalElasticAgent:
                 )
             self._remaining_restarts -= 1
             self._restart_count += 1
+            self._record_restart()
         return None
 
     def _finish(
@@ -494,7 +536,9 @@ class LocalElasticAgent:
             sig, grace = self._stop_request
             message = f"stopped by stop() with {signal.Signals(sig).name}, grace {grace:g} s"
         self._publish(kind, message=message)
-        result = RunResult(state, values, failures, self._logs_specs.run_log_dir, message)
+        result = RunResult(
+            state, values, failures, self._logs_specs.run_log_dir, message, usage=self._usage
+        )
         if failures and self._hosts is not None:
             result.host = self._hosts.failure_host()  # "" (the default) with one host
         return result

@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 from .._base.checks import check_duration, check_env, check_exec_text, check_preload
 from .._errors.failure import ProcessFailure
+from .._group.resources import CpusArg, LimitsArg, check_cpus, check_limits
 from .._group.restart import RestartPolicy
 from ..logs import Std
+from ..results import Usage
 
 if TYPE_CHECKING:
     from ..rendezvous import RendezvousHandler
@@ -71,6 +73,14 @@ class WorkerSpec:
         virtual_local_rank: torch's virtual local rank mode: every worker
             gets ``LOCAL_RANK=0`` and ``CUDA_VISIBLE_DEVICES`` naming only
             its own GPU (see ``visible_device``).
+        limits: resource limits of every attempt's workers, as
+            ``start_processes(limits=...)`` takes them: one ``aioproc.Limits``
+            for the whole group, or ``{local_rank: Limits}`` (a rank not
+            named runs unlimited); None: no limit.
+        cpus: the CPUs each worker may run on, as ``start_processes(cpus=...)``
+            takes them: a list of CPU ids for every rank, ``"numa:<node>"``,
+            ``"round-robin"`` (one CPU each, in turn), or ``{local_rank:
+            list}``; None: wherever this process may run.
     """
 
     role: str
@@ -92,6 +102,8 @@ class WorkerSpec:
     preload: Sequence[str] = ()
     rdzv_handler: RendezvousHandler | None = None
     virtual_local_rank: bool = False
+    limits: LimitsArg = None
+    cpus: CpusArg = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, str) or not self.role:
@@ -156,6 +168,13 @@ class WorkerSpec:
             )
         if self.virtual_local_rank:
             self.visible_device(self.local_world_size - 1)  # every rank has a device
+        # checked now, so a bad limit or CPU set fails before any attempt starts;
+        # the checks' messages start with the argument's name, which is ours too
+        try:
+            self.limits = check_limits(self.limits, self.local_world_size)
+            check_cpus(self.cpus, self.local_world_size)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"WorkerSpec.{e}") from None
         self.args = tuple(self.args)
 
     def visible_device(self, local_rank: int) -> str:
@@ -247,7 +266,9 @@ class RunResult:
     """Outcome of ``LocalElasticAgent.run()``, keyed by global rank.
 
     ``log_dir`` is the run's log directory while it exists (``""`` when a
-    private temp dir held nothing worth keeping).  ``message`` says why a
+    private temp dir held nothing worth keeping).  ``usage`` is what each
+    worker of the last attempt used (``aioproc.Usage``, read at its reap),
+    keyed by global rank like ``return_values``; empty when no attempt ran.  ``message`` says why a
     run over several hosts ended without a local worker's failure (a lost
     host, another host's failure, a timed-out rendezvous); else ``""``.
     """
@@ -258,6 +279,7 @@ class RunResult:
     log_dir: str = ""
     message: str = ""
     host: str = ""  # where the failures happened, when not on this host alone
+    usage: dict[int, Usage] = field(default_factory=dict)
 
     def is_failed(self) -> bool:
         return self.state == WorkerState.FAILED
