@@ -191,7 +191,9 @@ class PContext:
     ``hub``/``hub_keys``: the ``ControlHub`` behind ``barrier()`` (default:
     one for this group's ranks); the cluster runner shares one among its
     tasks' one-rank groups, keyed by task.  ``limits``/``capacity``/``cpus``:
-    as ``start_processes`` takes them (``_group.resources``).
+    as ``start_processes`` takes them (``_group.resources``).  ``role``: the
+    role the group's metrics carry (the agent gives its spec's role; torch's
+    default role otherwise).
     """
 
     def __init__(
@@ -218,6 +220,7 @@ class PContext:
         limits: LimitsArg = None,
         capacity: Capacity | None = None,
         cpus: CpusArg = None,
+        role: str = ROLE,
     ) -> None:
         grace_period = check_duration("grace_period", grace_period)
         _validate(name, entrypoint, args, envs, logs_specs, log_line_prefixes, start_method)
@@ -258,6 +261,7 @@ class PContext:
             prefixes=log_line_prefixes,
             pass_fds=tuple(pass_fds),
         )
+        self._ranks.role = self._role = role
         self._outcomes = Outcomes(self.nprocs)
         # read once: metrics enabled later count from the next group on
         self._rec = _hooks.current
@@ -493,7 +497,7 @@ class PContext:
         complete = self._launch_error is None and len(self._children) == self.nprocs
         if self._rec.enabled and complete:
             self._group_started = True
-            self._rec.group_started(self.name, ROLE, time.monotonic() - self._began)
+            self._rec.group_started(self.name, self._role, time.monotonic() - self._began)
         if self._launch_error is None and not self._launched.done():
             self._launched.set_result(None)
         # the loop shutting down with the group still open kills it at once
@@ -544,7 +548,7 @@ class PContext:
             if self._released and rank in self._holding:
                 self._release(rank)  # it returned before its launch was over
             if self._rec.enabled:
-                self._rec.worker_started(self.name, ROLE)
+                self._rec.worker_started(self.name, self._role)
             self._notify(WorkerEvent("started", rank, child.pid, None, time.time()))
             child.watcher.future.add_done_callback(functools.partial(self._exited, rank, child))
 
@@ -811,7 +815,7 @@ class PContext:
             self._outcomes.failures[rank].oom = oom
         if self._rec.enabled:
             outcome = _hooks.outcome_of(code, stopped=child.stop_requested)
-            self._rec.worker_exited(self.name, ROLE, outcome)
+            self._rec.worker_exited(self.name, self._role, outcome)
         if self._hub is not None:
             self._hub.left(self._hub_keys.get(rank, rank), code)
         if failed and not self._stopping and self._owner.group is not None:
@@ -967,10 +971,10 @@ class PContext:
     def _count_exit(self, signalled: bool, seconds: float) -> None:
         """The group's metrics at the end of its close (metrics on)."""
         if signalled:
-            self._rec.group_stopped(self.name, ROLE, seconds)
+            self._rec.group_stopped(self.name, self._role, seconds)
         if self._group_started:
             self._group_started = False
-            self._rec.group_exited(self.name, ROLE, _outcome(self._outcomes.failures))
+            self._rec.group_exited(self.name, self._role, _outcome(self._outcomes.failures))
 
     async def _emergency_stop(self) -> None:
         for task in self._watchers:

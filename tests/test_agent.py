@@ -8,7 +8,6 @@ import itertools
 import json
 import logging
 import os
-import re
 import signal
 import sys
 import weakref
@@ -713,10 +712,10 @@ async def test_restarts_rendezvous_rounds_and_the_run_are_counted_in_the_metrics
         'aioproc_rendezvous_seconds_count{backend="static",role="trainer"} 2.0',
     ]:
         assert sample in text.splitlines(), f"{sample} not in:\n{text}"
-    # the attempts' groups: PContext labels them with its own role ("default") for now
-    assert re.search(
-        r'^aioproc_groups_started_total\{group="trainer",role="\w+"\} 2\.0$', text, re.M
-    )
+    # the attempts' groups carry the spec's role too
+    assert f"aioproc_groups_started_total{{{ours}}} 2.0" in text.splitlines(), text
+    failed = 'aioproc_workers_exited_total{group="trainer",outcome="failed",role="trainer"} 1.0'
+    assert failed in text.splitlines(), text
 
 
 async def test_a_failed_run_and_a_stopped_one_are_counted_by_outcome(

@@ -62,6 +62,7 @@ class RankLauncher:
         self._template = prefixes if isinstance(prefixes, str) else None
         self._prefixes = dict(prefixes) if isinstance(prefixes, Mapping) else {}
         self.pass_fds = pass_fds
+        self.role = ROLE  # the metrics role: the agent's spec names it
         self._environ: dict[str, str] | None = None
         # ranks whose binary is this interpreter running a script: a forkserver
         # template can run those itself (see _script)
@@ -167,7 +168,9 @@ class RankLauncher:
                     self.prefix(rank),
                     sinks,
                     worker=f"{self.name}/{rank}",
-                    metrics=None if self.recorder is None else (self.recorder, self.name, ROLE),
+                    metrics=(
+                        None if self.recorder is None else (self.recorder, self.name, self.role)
+                    ),
                 )
             else:
                 streams[key] = f

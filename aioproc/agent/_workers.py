@@ -192,6 +192,7 @@ class Workers:
             limits=spec.limits,
             capacity=self._capacity,
             cpus=spec.cpus,
+            role=spec.role,
         )
         # known to stop() from here: start() has begun by its first await
         self.pc = pc
