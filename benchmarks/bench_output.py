@@ -17,14 +17,19 @@ the OS thread count (``/proc/self/status``) sampled at start, every 100k
 lines the sinks receive (no polling), and at the end: its maximum.
 
 Targets: wall <= 1.15x redirect-only; parent CPU <= 0.5 s; threads no more
-than redirect-only.
+than redirect-only.  ``--floor`` first measures the floor of the wall ratio
+on this machine: the same writers teed by a bare hand-written protocol
+(each read to the log file, split into lines, one prefixed console write),
+against redirect-only in the same rounds.
 
-    python benchmarks/bench_output.py [--rounds N] [--loop asyncio|uvloop|both]
+    python benchmarks/bench_output.py [--rounds N] [--loop asyncio|uvloop|both] [--floor]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import os
 import resource
 import shutil
@@ -32,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, BinaryIO, TextIO
 
 from _util import LOOPS, Config, Row, Target, os_thread_count, run_on, uvloop_available
 
@@ -133,6 +138,88 @@ async def _one_round(tee: bool) -> dict[str, float]:
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
     return {"wall": wall, "cpu": cpu, "threads": float(threads)}
+
+
+class _FloorTee(asyncio.Protocol):
+    """The least a tee does: each read to the log file, its lines split, prefixed
+    and written to the console in one call.  No slicing, no budgets, no sink API."""
+
+    def __init__(self, log: BinaryIO, console: TextIO, done: asyncio.Future[None]) -> None:
+        self.log, self.console, self.done = log, console, done
+        self.held = b""
+        self.count = 0
+
+    def data_received(self, data: bytes) -> None:
+        self.log.write(data)
+        nl = data.rfind(b"\n")
+        if nl < 0:
+            self.held += data
+            return
+        lines = (self.held + data[:nl]).decode("utf-8", "replace").split("\n")
+        self.held = data[nl + 1 :]
+        self.count += len(lines)
+        self.console.write("[0]:" + "\n[0]:".join(lines) + "\n")
+        self.console.flush()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.log.close()
+        self.done.set_result(None)
+
+
+async def _floor_round() -> dict[str, float]:
+    """The same 4 writers teed by ``_FloorTee`` (pipes grown to 1 MiB, as aioproc's)."""
+    import fcntl
+    import subprocess
+
+    log_dir = tempfile.mkdtemp(prefix="aioproc-p4-floor-")
+    loop = asyncio.get_running_loop()
+    try:
+        with open(os.devnull, "w") as devnull:
+            cpu0 = _cpu_self()
+            t0 = time.perf_counter()
+            procs, tees = [], []
+            for r in range(N_WORKERS):
+                rd, wr = os.pipe()
+                with contextlib.suppress(OSError):
+                    fcntl.fcntl(rd, 1031, 1 << 20)  # F_SETPIPE_SZ
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", WRITER, str(N_LINES)], stdout=wr, close_fds=True
+                    )
+                )
+                os.close(wr)
+                done: asyncio.Future[None] = loop.create_future()
+                log = open(os.path.join(log_dir, f"{r}.log"), "wb", buffering=0)  # noqa: SIM115
+                tee = _FloorTee(log, devnull, done)
+                await loop.connect_read_pipe(lambda t=tee: t, open(rd, "rb", buffering=0))  # noqa: SIM115
+                tees.append(tee)
+            await asyncio.gather(*(t.done for t in tees))
+            for p in procs:
+                await asyncio.to_thread(p.wait)
+            wall = time.perf_counter() - t0
+            cpu = _cpu_self() - cpu0
+        if any(t.count != N_LINES for t in tees):
+            raise AssertionError(f"P4 floor: {[t.count for t in tees]} lines")
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    return {"wall": wall, "cpu": cpu, "threads": 0.0}
+
+
+async def bench_floor(rounds: int) -> tuple[float, float, float]:
+    """The floor of P4's tee: (redirect-only wall, floor-tee wall, floor CPU), medians."""
+    base: list[dict[str, float]] = []
+    floor: list[dict[str, float]] = []
+    for i in range(1 + rounds):
+        b = await _one_round(tee=False)
+        f = await _floor_round()
+        if i:
+            base.append(b)
+            floor.append(f)
+    return (
+        statistics.median(b["wall"] for b in base),
+        statistics.median(f["wall"] for f in floor),
+        statistics.median(f["cpu"] for f in floor),
+    )
 
 
 async def bench_p4(rounds: int) -> list[dict[str, Any]]:
@@ -239,9 +326,19 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--loop", choices=("asyncio", "uvloop", "both"), default="both")
+    p.add_argument(
+        "--floor", action="store_true", help="also the floor: a bare hand-written tee (_FloorTee)"
+    )
     args = p.parse_args(argv)
     loops = LOOPS if args.loop == "both" else (args.loop,)
     loops = tuple(x for x in loops if x != "uvloop" or uvloop_available())
+    if args.floor:
+        for loop in loops:
+            base, floor, cpu = run_on(loop, lambda: bench_floor(args.rounds))
+            print(
+                f"- {loop}: floor tee {floor * 1e3:.1f} ms (parent CPU {cpu * 1e3:.1f} ms) "
+                f"vs redirect-only {base * 1e3:.1f} ms: {floor / base:.2f}x"
+            )
     rows: list[Row] = []
     for loop in loops:
         rows += to_rows(loop, run_on(loop, lambda: bench_p4(args.rounds)))

@@ -309,6 +309,55 @@ def test_splitter_chunking_never_matters(stream: tuple[bytes, list[int]]) -> Non
 
 
 @settings(max_examples=300, deadline=None, database=None)
+@given(chunked_streams(), SMALL_MAX_LINE)
+@example((b"ab\xe2\x82\xac\nc\xe2\x82\xac\nd", [3, 4, 9]), 8)
+def test_splitter_ranges_of_a_reused_buffer_split_as_their_bytes(
+    stream: tuple[bytes, list[int]], max_line: int
+) -> None:
+    """``feed_range`` over ranges of a buffer that holds other bytes around them
+    (a read buffer reused by every read) gives what ``feed`` of those bytes gives."""
+    data, cuts = stream
+    splitter = LineSplitter()
+    got: list[str] = []
+    with mock.patch.object(_output, "MAX_LINE", max_line):
+        for a, b in itertools.pairwise([0, *sorted(cuts), len(data)]):
+            buf = bytearray(b"\n\xe2" * 3) + data[a:b] + bytearray(b"\x82\r\n")
+            got += splitter.feed_range(buf, 6, 6 + b - a)[0]
+        got += splitter.flush()
+        assert got == split_feed(data, cuts)[0]
+
+
+async def test_buffered_reads_reuse_a_buffer_only_once_its_lines_are_out() -> None:
+    """Through ``get_buffer``/``buffer_updated`` (uvloop's pipes) every line arrives
+    in order, and a read buffer is lent again only after its last slice is out."""
+    from aioproc._output.tee import FAIR_CHUNK, TeeProtocol
+
+    sink = _PerRank()
+    tee = TeeProtocol(None, 0, "stdout", "", [sink])
+    log: list[tuple[int, str, int]] = []
+    transport = _FakePipeTransport(log, 0, {"iteration": 0})
+    tee.connection_made(transport)  # type: ignore[arg-type]
+    want = [f"{i:06d}" + "z" * 57 for i in range(3000)]  # 64 bytes a line
+    data = "".join(f"{line}\n" for line in want).encode()
+    lent: list[object] = []  # held: an id is not reused by another buffer meanwhile
+    sent = 0
+    while sent < len(data):
+        if not transport.reading:
+            await asyncio.sleep(0)  # the slicer hands the waiting slices out
+            continue
+        view = tee.get_buffer(-1)
+        chunk = data[sent : sent + min(len(view), 3 * FAIR_CHUNK - 100)]
+        view[: len(chunk)] = chunk
+        lent.append(view.obj)
+        del view
+        tee.buffer_updated(len(chunk))
+        sent += len(chunk)
+    tee.connection_lost(None)
+    assert sink.got[0] == want
+    assert len({id(buf) for buf in lent}) < len(lent)  # reused: not a new buffer per read
+
+
+@settings(max_examples=300, deadline=None, database=None)
 @given(chunked_text(), SMALL_MAX_LINE)
 @example((("€" * 3 + "\n").encode() * 2, [1, 5]), 4)
 @example((b"x" * 17 + b"\n" + b"y" * 16, [5, 9]), 8)
@@ -1265,12 +1314,12 @@ async def test_a_slice_that_fails_is_logged_and_every_other_slice_still_goes_out
     real = _output.TeeProtocol._consume
     calls = {0: 0}
 
-    def failing_once(self: Any, data: bytes) -> None:
+    def failing_once(self: Any, buf: bytes | bytearray, start: int, end: int) -> None:
         if self._rank == 0:
             calls[0] += 1
             if calls[0] == 2:
                 raise RuntimeError("a bug in the second slice")
-        real(self, data)
+        real(self, buf, start, end)
 
     monkeypatch.setattr(_output.TeeProtocol, "_consume", failing_once)
     sink = _PerRank()

@@ -9,6 +9,8 @@ than a service embedding aioproc can afford (no callback should hold it
 over 5 ms).  They run here instead, in order, on one thread that exists
 only while some start or stop holds it: the supervisor's thread count does
 not grow with its workers, and an idle supervisor has no extra thread.
+Neither the thread's start nor its end is waited for on the loop (see
+``_Helper``).
 
 ``run_blocking``'s results come back to the loop in bounded batches
 (``Delivery``): when a group of hundreds is closed, the helper thread
@@ -20,14 +22,16 @@ iteration.
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import Any, Generic, TypeVar
 
 from .shield import shielded
@@ -36,21 +40,104 @@ T = TypeVar("T")
 A = TypeVar("A")
 
 _lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
+_pool: _Helper | None = None
 _users = 0
+
+_Job = tuple["concurrent.futures.Future[Any]", Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+
+class _Helper(Executor):
+    """The helper thread: runs its jobs in order, and exits once retired and idle.
+
+    Neither its start nor its end waits for it: ``Thread.start()`` blocks
+    until the new thread has run, which takes a scheduler slice or more
+    while exiting workers hold every CPU (a close's first job), and a join
+    waits for the thread to be scheduled once more.  Either would hold the
+    loop.  A short-lived starter thread does the waiting instead, jobs
+    queue until the helper runs, and a retired helper leaves on its own as
+    soon as its queue is empty (or is taken back by the next hold if it
+    has not left yet).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._retired = False
+        self.exited = False
+        self.thread = threading.Thread(target=self._run, name="aioproc-helper", daemon=True)
+        _thread.start_new_thread(self._start, ())
+
+    def _start(self) -> None:
+        try:
+            self.thread.start()
+        except BaseException:  # no thread to be had: the starter runs the jobs itself
+            self._run()
+
+    def submit(
+        self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future[T]:
+        """Queue ``fn(*args, **kwargs)``; its future, as an executor's."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._cond:
+            if self.exited:
+                raise RuntimeError("the helper thread has exited")
+            self._jobs.append((future, fn, args, kwargs))
+            self._cond.notify()
+        return future
+
+    def retire(self) -> None:
+        """Let the thread exit once its queue is empty (it is not waited for)."""
+        with self._cond:
+            self._retired = True
+            self._cond.notify()
+
+    def rehire(self) -> bool:
+        """Keep a retired thread that has not left yet (True); False if it has."""
+        with self._cond:
+            if self.exited:
+                return False
+            self._retired = False
+            return True
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.retire()
+        if wait and self.thread.ident != threading.get_ident():
+            with contextlib.suppress(RuntimeError):  # never started: nothing to join
+                self.thread.join()
+
+    def _run(self) -> None:
+        cond, jobs = self._cond, self._jobs
+        while True:
+            with cond:
+                while not jobs and not self._retired:
+                    cond.wait()
+                if not jobs:
+                    self.exited = True
+                    return
+                future, fn, args, kwargs = jobs.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:  # the caller's to handle, as with an executor
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+            del future, fn, args, kwargs  # a finished job's values are not kept alive
 
 
 @contextlib.contextmanager
-def helper() -> Iterator[ThreadPoolExecutor]:
+def helper() -> Iterator[Executor]:
     """The helper thread, kept while the block runs (nested holds share it).
 
     A group's launch holds it across all its ranks, so they reuse one
-    thread; when the last hold is released the idle thread is joined.
+    thread; when the last hold is released the idle thread exits on its
+    own (nothing waits for it).
     """
     global _pool, _users
     with _lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(1, thread_name_prefix="aioproc-helper")
+        if _pool is None or (_users == 0 and not _pool.rehire()):
+            _pool = _Helper()
         pool = _pool
         _users += 1
     try:
@@ -58,11 +145,8 @@ def helper() -> Iterator[ThreadPoolExecutor]:
     finally:
         with _lock:
             _users -= 1
-            idle = _users == 0 and _pool is pool
-            if idle:
-                _pool = None
-        if idle:
-            pool.shutdown(wait=True)  # nothing queued: the thread exits at once
+            if _users == 0 and _pool is pool:
+                pool.retire()
 
 
 class Delivery:

@@ -375,7 +375,10 @@ def serve(fd: int) -> tuple[Any, ...]:
             if got is None:
                 if requests.eof:
                     os._exit(0)  # the supervisor closed us, or died
-                answer, read_end = pending.pop(0)
+                answer, read_end = pending[0]
+                if read_end >= 0 and not _report_first(sock, read_end):
+                    continue  # a request came first: fork it while the worker sets up
+                pending.pop(0)
                 if read_end >= 0:
                     answer = _await_report(answer, read_end)
                 _send(sock, answer)
@@ -470,6 +473,19 @@ def _collapsible() -> list[tuple[int, int]]:
                     spans.append(span)
                 span = None
     return spans
+
+
+def _report_first(sock: socket.socket, read_end: int) -> bool:
+    """Wait for the oldest worker's report or a new request; whether the report came.
+
+    The supervisor sends requests while earlier ones are answered: one
+    that arrives while a worker sets itself up is forked at once rather
+    than after that worker's report.
+    """
+    import select
+
+    ready = select.select([read_end, sock.fileno()], [], [])[0]
+    return read_end in ready
 
 
 def _await_report(pid: int, read_end: int) -> tuple[Any, ...]:

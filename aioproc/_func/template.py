@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import collections
 import concurrent.futures
 import marshal
 import os
@@ -295,7 +296,7 @@ class Template:
         future raises the error.
 
         Requests are sent, and answered, on ``pool``'s thread, every request
-        queued meanwhile at once (``_exchange``): the template forks them all
+        queued meanwhile at once (``_drain``): the template forks them all
         before it waits for the first to set itself up.  Each new worker is
         registered with the guardian there as its answer arrives, and let
         through its gate if that took (else ``go`` does it on the loop).
@@ -338,16 +339,39 @@ class Template:
                 os.close(gate)
 
     def _drain(self) -> None:
+        """Send and answer requests until none is queued or awaiting its answer.
+
+        Pipelined: whatever was queued meanwhile is sent before each answer
+        is awaited, so the template always has the next requests to fork
+        while a worker sets itself up, rather than only once a whole batch
+        is answered.  Answers come in the order requests were sent.
+        """
+        unanswered: collections.deque[_Request] = collections.deque()
         while True:
             with self._lock:
                 batch, self._queue = self._queue, []
-                if not batch:
+                if not batch and not unanswered:
                     self._draining = False
                     return
-            self._exchange(batch)
+            try:
+                if batch:
+                    self._send(batch, unanswered)
+                if unanswered:
+                    answer = self._read_answer()
+                    self.progress = time.monotonic()
+                    self._resolve(answer, unanswered.popleft())
+            except OSError as e:
+                # what is queued next finds the template broken (see _send)
+                self._fail(e, list(unanswered))
+                unanswered.clear()
 
-    def _exchange(self, batch: list[_Request]) -> None:
-        """Send every request of ``batch``, then read their answers, in order."""
+    def _send(self, batch: list[_Request], unanswered: collections.deque[_Request]) -> None:
+        """Send ``batch``; each request sent then awaits its answer in ``unanswered``.
+
+        Raises:
+            OSError: the template is gone or wedged; the requests of
+                ``batch`` not sent are in ``unanswered`` too.
+        """
         started = self.ready.done() and not self.ready.cancelled()
         if self.closed or self.broken or not started or self.ready.exception() is not None:
             for req in batch:
@@ -355,25 +379,22 @@ class Template:
                 req.close_gate()
                 req.future.set_exception(TemplateLost(f"{self!r} cannot fork workers"))
             return
-        sent = answered = 0
+        sent = 0
         try:
             for req in batch:
                 fd_data = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", req.fds))]
                 n = self.sock.sendmsg([req.message], fd_data)
                 req.sent()
                 sent += 1
+                unanswered.append(req)
                 if n < len(req.message):
                     self.sock.sendall(memoryview(req.message)[n:])
                 self.progress = time.monotonic()
-            for req in batch:
-                answer = self._read_answer()
-                self.progress = time.monotonic()
-                answered += 1
-                self._resolve(answer, req)
-        except OSError as e:
+        except OSError:
             for req in batch[sent:]:
                 req.sent()
-            self._fail(e, batch[answered:])
+                unanswered.append(req)
+            raise
 
     def _resolve(self, answer: Any, req: _Request) -> None:
         if answer[0] == "pid":

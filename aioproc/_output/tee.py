@@ -68,9 +68,21 @@ a dozen flooded streams would otherwise all read in one iteration."""
 MAX_LINE = 64 * 1024
 """Longest line held back, in bytes; longer lines reach the sinks in pieces."""
 
+READ_SIZE = 256 * 1024
+"""Bytes of a read buffer (``get_buffer``): as much as asyncio's pipe transport
+reads at once, a quarter of a grown tee pipe."""
 
-def _decode(data: bytes | bytearray) -> str:
-    return data.decode("utf-8", "replace")
+SPARE_BUFFERS = 8
+"""Read buffers a loop keeps for reuse once their bytes are out."""
+
+
+def _decode(data: bytes | bytearray | memoryview) -> str:
+    # str() decodes any buffer: a view of a read buffer is decoded without a copy first
+    return str(data, "utf-8", "replace")
+
+
+Buffer = bytes | bytearray
+"""What a range of a stream's bytes lives in: a read's ``bytes`` or a read buffer."""
 
 
 class LineSplitter:
@@ -90,18 +102,25 @@ class LineSplitter:
         self._prev = b""
         self._cr = False
 
-    def feed(self, data: bytes) -> tuple[list[str], str | None]:
+    def feed(self, data: bytes | bytearray | memoryview) -> tuple[list[str], str | None]:
         """Consume ``data``; return the lines it completes and the latest status.
 
         The status is the current state of a progress bar (text after the
         last ``\r`` of the unfinished line), or ``None`` if ``data`` did not
         update one.
         """
-        if not self._cr and b"\r" not in data:
-            lines = self._feed_plain(data)
-            if lines is not None:
-                return lines, None
-        lines = []
+        if isinstance(data, memoryview):
+            data = data.tobytes()
+        return self.feed_range(data, 0, len(data))
+
+    def feed_range(self, buf: Buffer, start: int, end: int) -> tuple[list[str], str | None]:
+        """``feed(buf[start:end])``, without copying the range out of ``buf`` first."""
+        if not self._cr and buf.find(b"\r", start, end) < 0:
+            plain = self._feed_plain(buf, start, end)
+            if plain is not None:
+                return plain, None
+        data = bytes(buf[start:end]) if start or end != len(buf) else bytes(buf)
+        lines: list[str] = []
         status_changed = False
         parts = data.split(b"\n")
         for i, part in enumerate(parts):
@@ -125,28 +144,39 @@ class LineSplitter:
             status = _decode(shown) if shown else None
         return lines, status
 
-    def _feed_plain(self, data: bytes) -> list[str] | None:
-        """Fast path for chunks without ``\r``: decode and split whole blocks.
+    def _feed_plain(self, buf: Buffer, start: int, end: int) -> list[str] | None:
+        """Fast path for ranges without ``\r``: decode and split whole blocks.
 
         UTF-8 never uses the byte ``\n`` inside a character, so decoding a
-        block of lines at once gives the same text as line by line.  Returns
-        ``None`` (nothing consumed) when a line may exceed ``MAX_LINE``.
+        block of lines at once gives the same text as line by line.  Only
+        the held partial line and the first line of the range are joined
+        (a character may straddle them); the rest is decoded straight from
+        ``buf``.  Returns ``None`` (nothing consumed) when a line may exceed
+        ``MAX_LINE``.
         """
-        nl = data.rfind(b"\n")
+        seg = self._seg
+        nl = buf.rfind(b"\n", start, end)
         if nl < 0:
-            if len(self._seg) + len(data) > MAX_LINE:
+            if len(seg) + end - start > MAX_LINE:
                 return None
-            self._seg += data
+            seg += memoryview(buf)[start:end]
             return []
-        block = bytes(self._seg) + data[:nl] if self._seg else data[:nl]
-        lines = _decode(block).split("\n")
+        if end - nl - 1 > MAX_LINE:
+            return None
+        view = memoryview(buf)
+        if seg:
+            first = buf.find(b"\n", start, nl + 1)
+            head = _decode(seg + view[start:first])
+            lines = _decode(view[first + 1 : nl]).split("\n") if first < nl else []
+            lines.insert(0, head)
+            size = len(seg) + nl - start
+        else:
+            lines = _decode(view[start:nl]).split("\n")
+            size = nl - start
         # a decoded character comes from 1 to 4 bytes, so this bound is safe
-        if len(block) > MAX_LINE and max(map(len, lines)) * 4 > MAX_LINE:
+        if size > MAX_LINE and max(map(len, lines)) * 4 > MAX_LINE:
             return None
-        rest = data[nl + 1 :]
-        if len(rest) > MAX_LINE:
-            return None
-        self._seg[:] = rest
+        seg[:] = view[nl + 1 : end]
         return lines
 
     def _extend(self, piece: bytes, lines: list[str]) -> None:
@@ -225,6 +255,16 @@ class _Slicer:
         self._resumed = 0
         self._resuming: collections.deque[TeeProtocol] = collections.deque()
         self._granting: TeeProtocol | None = None  # the one _next_reads resumes now
+        self._spare: list[bytearray] = []  # read buffers whose bytes are all out
+
+    def take_buffer(self) -> bytearray:
+        """A read buffer of ``READ_SIZE`` bytes, reused when one is free."""
+        return self._spare.pop() if self._spare else bytearray(READ_SIZE)
+
+    def give_back(self, buf: bytearray) -> None:
+        """``buf``'s bytes are all out (nothing refers to them): reuse it."""
+        if len(self._spare) < SPARE_BUFFERS:
+            self._spare.append(buf)
 
     def admits(self) -> bool:
         """Whether a small read may go to the sinks now, in this iteration."""
@@ -336,8 +376,16 @@ def _slicer() -> _Slicer:
     return slicer
 
 
-class TeeProtocol(asyncio.Protocol):
+class TeeProtocol(asyncio.BufferedProtocol):
     """Reads one worker stream from a pipe into its log file and the sinks.
+
+    Reads: where the transport supports it (uvloop's pipes), the pipe is
+    read straight into a buffer of the loop's (``get_buffer``), which goes
+    back to the loop once its lines are out; elsewhere (asyncio's pipes
+    call ``data_received``) each read is a ``bytes`` of at most
+    ``READ_SIZE``.  Either way the log file, the line splitter and the
+    slices waiting for the sinks use ranges of that one buffer: the bytes
+    are not copied again before they are decoded.
 
     Backpressure: while any sink's flow is held (its buffer is full) the
     transport stops reading, so the worker blocks on its pipe; once the
@@ -394,8 +442,10 @@ class TeeProtocol(asyncio.Protocol):
         self._queued = False  # waits in the slicer's queue to resume
         self._draining = False  # the worker exited: read to EOF, ignore backpressure
         # slices whose lines the sinks have not had yet (reading is paused
-        # until they have); the loop's slicer hands them over
-        self._backlog: collections.deque[bytes] = collections.deque()
+        # until they have), as (buffer, start, end); the loop's slicer hands
+        # them over, and a read buffer goes back to it with its last slice
+        self._backlog: collections.deque[tuple[Buffer, int, int]] = collections.deque()
+        self._lent: bytearray | None = None  # the buffer get_buffer gave the transport
         self._slicer = _slicer()
         self._flows = [f for f in (s._backpressure for s in sinks) if f is not None]
         for flow in self._flows:
@@ -473,31 +523,60 @@ class TeeProtocol(asyncio.Protocol):
             self._track_stalls()
         if self.progress.at_eof:
             return self.closed
-        return self.progress.reached(self._fd, sum(map(len, self._backlog)))
+        waiting = sum(end - start for _, start, end in self._backlog)
+        return self.progress.reached(self._fd, waiting)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        """Where the transport reads next: a buffer of the loop's (uvloop)."""
+        if self._lent is None:
+            self._lent = self._slicer.take_buffer()
+        return memoryview(self._lent)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        buf, self._lent = self._lent, None
+        assert buf is not None
+        # a short read that has to wait would hold a whole buffer: its
+        # bytes wait in a copy of their own, and the buffer is reused
+        if nbytes <= FAIR_CHUNK and not self._short_read_goes_out_now():
+            self._received(bytes(memoryview(buf)[:nbytes]), nbytes)
+            self._slicer.give_back(buf)
+            return
+        if not self._received(buf, nbytes):
+            self._slicer.give_back(buf)
+
+    def _short_read_goes_out_now(self) -> bool:
+        # what _received will decide for a short read (should the budget end
+        # in between, the buffer is kept all the same: nothing is lost)
+        return self._splitter is None or (not self._backlog and self._slicer.admits())
 
     def data_received(self, data: bytes) -> None:
+        self._received(data, len(data))
+
+    def _received(self, buf: Buffer, n: int) -> bool:
+        """``buf[:n]`` was read: to the log file and the sinks; whether ``buf`` is kept."""
         self._slicer.read_done(self)
         if self.log_file is not None and self.write_error is None:
-            self._write_log(data)
+            self._write_log(buf if n == len(buf) else memoryview(buf)[:n])
         if self._splitter is None:
-            self.progress.advance(len(data))  # no sink: nothing to slice
-            return
-        if not self._backlog and len(data) <= FAIR_CHUNK and self._slicer.admits():
-            self._consume(data)
-            return
+            self.progress.advance(n)  # no sink: nothing to slice
+            return False
+        if not self._backlog and n <= FAIR_CHUNK and self._slicer.admits():
+            self._consume(buf, 0, n)
+            return False
         # its lines go out a slice at a time, in order, with the other
         # flooded streams' (see _Slicer); reading waits until they are out
         was_idle = not self._backlog
-        self._backlog.extend(data[i : i + FAIR_CHUNK] for i in range(0, len(data), FAIR_CHUNK))
+        self._backlog.extend((buf, i, min(i + FAIR_CHUNK, n)) for i in range(0, n, FAIR_CHUNK))
         self._update_reading()
         if was_idle:
             self._slicer.enqueue(self)
+        return True
 
-    def _consume(self, data: bytes) -> None:
-        """Lines (and progress) of ``data`` to the sinks; then count it as read."""
+    def _consume(self, buf: Buffer, start: int, end: int) -> None:
+        """Lines (and progress) of ``buf[start:end]`` to the sinks; then count it as read."""
         if self._splitter is not None:
             try:
-                lines, status = self._splitter.feed(data)
+                lines, status = self._splitter.feed_range(buf, start, end)
             except Exception:  # a bug here must not close the pipe (uvloop) and kill the worker
                 report_sink_error(self, "line splitting")
             else:
@@ -506,20 +585,29 @@ class TeeProtocol(asyncio.Protocol):
                     self._status(status)
                 if self._metrics is not None:
                     recorder, group, role = self._metrics
-                    recorder.output(group, role, self._stream, len(lines), len(data))
+                    recorder.output(group, role, self._stream, len(lines), end - start)
         # counted once the sinks have the lines: settled() means they have them
-        self.progress.advance(len(data))
+        self.progress.advance(end - start)
+
+    def _consume_next(self) -> None:
+        """The oldest waiting slice to the sinks; its read buffer back once it is done."""
+        buf, start, end = self._backlog.popleft()  # taken first: a failing slice is not retried
+        try:
+            self._consume(buf, start, end)
+        finally:
+            if isinstance(buf, bytearray) and not (self._backlog and self._backlog[0][0] is buf):
+                self._slicer.give_back(buf)  # its last slice: nothing refers to it any more
 
     def _next_slice(self) -> bool:
         """Hand the next slice to the sinks; whether more are left."""
         if self._backlog:
-            self._consume(self._backlog.popleft())  # taken first: a failing slice is not retried
+            self._consume_next()
         if self._backlog:
             return True
         self._update_reading()
         return False
 
-    def _write_log(self, data: bytes) -> None:
+    def _write_log(self, data: bytes | bytearray | memoryview) -> None:
         assert self.log_file is not None
         view = memoryview(data)
         try:
@@ -564,8 +652,9 @@ class TeeProtocol(asyncio.Protocol):
             flow.unwatch(self._on_flow)
         self._transport = None
         self._track_stalls()
+        self._lent = None  # lent for a read that never came
         while self._backlog:  # the pipe was cut: what was read still goes out
-            self._consume(self._backlog.popleft())
+            self._consume_next()
         if self._splitter is not None:
             last = self._splitter.flush()
             self._emit(last)
