@@ -1,6 +1,6 @@
 """What a recorder's hook costs the launcher, enabled and disabled.
 
-    python benchmarks/bench_metrics.py [--calls N] [--rounds N]
+    python benchmarks/bench_metrics.py [--calls N] [--rounds N] [--groups]
 
 Each case is one statement the launcher would run per event, timed over
 ``--calls`` executions by ``timeit``; the cost of the bare loop (``pass``)
@@ -17,6 +17,13 @@ from one machine to another.
 - ``enabled ...``: the guarded hook on a ``Recorder``: ``output`` (two
   counters), ``worker_exited`` (a gauge and a counter), ``pool_call`` (a
   counter and a histogram), and ``output`` with a ``group_label`` mapping.
+
+With ``--groups``, whole groups instead, metrics off against on, rounds
+interleaved (ratios of medians; the target is under 1.05x):
+
+- ``P2``: 256 ``/bin/true`` binary workers, start to all done;
+- ``P6``: ``close()`` of 64 sleeping binary workers (SIGTERM, exits, reaps);
+- ``tee``: 4 workers writing 50k lines each, tee'd to a sink.
 """
 
 from __future__ import annotations
@@ -61,11 +68,97 @@ def measure(stmt: str, rec: hooks.NullRecorder | None, calls: int) -> float:
     return (total - loop) / calls * 1e9
 
 
+TEE = (
+    "import os\n"
+    "chunk = b''.join(b'%08d ' % i + b'x' * 70 + b'\\n' for i in range(1000))\n"
+    "for _ in range(50):\n"
+    "    os.write(1, chunk)\n"
+)
+
+
+async def _p2() -> None:
+    import aioproc
+
+    result = await aioproc.run("/bin/true", 256, logs_specs=aioproc.DefaultLogsSpecs(os.devnull))
+    assert not result.is_failed(), result.failures
+
+
+async def _p6() -> float:
+    import asyncio
+    import time
+
+    import aioproc
+
+    pc = await aioproc.start_processes(
+        "p6", "sleep", {r: ("60",) for r in range(64)}, {r: {} for r in range(64)},
+        aioproc.DefaultLogsSpecs(os.devnull),
+    )  # fmt: skip
+    await asyncio.sleep(0.05)  # every sleep has exec'd: the close is what is timed
+    t0 = time.perf_counter()
+    await pc.close()
+    return time.perf_counter() - t0
+
+
+async def _tee() -> None:
+    import aioproc
+
+    lines = 0
+
+    def count(record: object) -> None:
+        nonlocal lines
+        lines += 1
+
+    specs = aioproc.DefaultLogsSpecs(os.devnull, tee=aioproc.Std.OUT)
+    args = {r: ("-c", TEE) for r in range(4)}
+    result = await aioproc.run(sys.executable, 4, args, logs_specs=specs, sinks=[count])
+    assert not result.is_failed(), result.failures
+    assert lines == 4 * 50_000, lines
+
+
+def groups(rounds: int) -> None:
+    """Each group benchmark with metrics off, then on, ``rounds`` times; medians."""
+    import asyncio
+    import time
+
+    import aioproc.metrics
+
+    async def timed(case: str) -> float:
+        if case == "P6":
+            return await _p6()
+        t0 = time.perf_counter()
+        await (_p2() if case == "P2" else _tee())
+        return time.perf_counter() - t0
+
+    cases = ("P2", "P6", "tee")
+    figures: dict[tuple[str, bool], list[float]] = {(c, on): [] for c in cases for on in (0, 1)}
+    for i in range(rounds + 1):  # the first round warms up
+        for case in cases:
+            for on in (False, True):
+                if on:
+                    aioproc.metrics.enable(aioproc.metrics.Recorder())
+                try:
+                    seconds = asyncio.run(timed(case))
+                finally:
+                    aioproc.metrics.disable()
+                if i:
+                    figures[case, on].append(seconds)
+    print(f"{rounds} rounds, medians; load average {os.getloadavg()[0]:.1f}")
+    print(f"{'case':6} {'off ms':>8} {'on ms':>8} {'on/off':>7}")
+    for case in cases:
+        off = statistics.median(figures[case, False])
+        on = statistics.median(figures[case, True])
+        print(f"{case:6} {off * 1e3:8.1f} {on * 1e3:8.1f} {on / off:7.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--calls", type=int, default=200_000)
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--groups", action="store_true", help="whole groups, metrics off vs on")
     args = parser.parse_args()
+    if args.groups:
+        groups(args.rounds)
+        return
 
     for stmt, rec in CASES.values():  # warm up: caches, the series' first insert
         measure(stmt, rec, 1000)
