@@ -11,6 +11,7 @@ import random
 import pytest
 
 import aioproc
+import aioproc.metrics
 from aioproc import Capacity
 
 
@@ -193,3 +194,40 @@ async def test_cancellation_at_random_points_leaves_nothing_held() -> None:
     assert all(r is None or isinstance(r, asyncio.CancelledError) for r in results)
     assert high <= 8
     assert (capacity.in_use, capacity.waiting) == (0, 0)
+
+
+@pytest.mark.parametrize(("name", "error"), [("", ValueError), (3, TypeError)])
+def test_bad_names_are_refused(name: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match=r"Capacity\(name\)"):
+        Capacity(4, name=name)  # type: ignore[arg-type]
+
+
+async def test_the_metrics_show_slots_in_use_and_requests_waiting() -> None:
+    recorder = aioproc.metrics.enable(aioproc.metrics.Recorder())
+    try:
+        capacity = Capacity(4, name="gpus")
+
+        def figures() -> list[str]:
+            text = aioproc.metrics.render(recorder)
+            return [x for x in text.splitlines() if x.startswith("aioproc_capacity_")]
+
+        assert figures() == [
+            'aioproc_capacity_slots{capacity="gpus"} 4.0',
+            'aioproc_capacity_slots_in_use{capacity="gpus"} 0.0',
+            'aioproc_capacity_waiting{capacity="gpus"} 0.0',
+        ]
+        await capacity.acquire(3)
+        waiter = asyncio.ensure_future(capacity.acquire(2))
+        await asyncio.sleep(0)  # it queues
+        assert figures()[1:] == [
+            'aioproc_capacity_slots_in_use{capacity="gpus"} 3.0',
+            'aioproc_capacity_waiting{capacity="gpus"} 1.0',
+        ]
+        capacity.release(3)
+        await waiter
+        assert figures()[1:] == [
+            'aioproc_capacity_slots_in_use{capacity="gpus"} 2.0',
+            'aioproc_capacity_waiting{capacity="gpus"} 0.0',
+        ]
+    finally:
+        aioproc.metrics.disable()

@@ -21,6 +21,8 @@ from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from .._metrics import hooks as _hooks
+
 
 class Capacity:
     """A budget of ``total`` process slots, shared by every group that reserves from it.
@@ -29,10 +31,11 @@ class Capacity:
 
     Args:
         total: how many slots exist (e.g. processes the machine can hold).
+        name: what the metrics call it (``aioproc_capacity_*{capacity=name}``).
 
     Raises:
-        TypeError: ``total`` is not an int.
-        ValueError: ``total`` is not positive.
+        TypeError: ``total`` is not an int, or ``name`` not a str.
+        ValueError: ``total`` is not positive, or ``name`` is empty.
 
     Example:
         ```python
@@ -42,13 +45,25 @@ class Capacity:
         ```
     """
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, *, name: str = "default") -> None:
         self._total = _check_slots("Capacity(total)", total)
+        if not isinstance(name, str) or not name:
+            raise (TypeError if not isinstance(name, str) else ValueError)(
+                f"Capacity(name) must be a non-empty str, got {name!r}"
+            )
+        self.name = name
         self._in_use = 0
         self._queue: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self._changed()
 
     def __repr__(self) -> str:
         return f"<Capacity {self._in_use}/{self._total} in use, {len(self._queue)} waiting>"
+
+    def _changed(self) -> None:
+        # the figures go to the metrics as they change: nothing samples them
+        rec = _hooks.current
+        if rec.enabled:
+            rec.capacity(self.name, self._total, self._in_use, len(self._queue))
 
     @property
     def total(self) -> int:
@@ -84,10 +99,12 @@ class Capacity:
             raise ValueError(f"cannot reserve {k} slots from a Capacity of {self._total}")
         if not self._queue and self._in_use + k <= self._total:
             self._in_use += k
+            self._changed()
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = (k, future)
         self._queue.append(entry)
+        self._changed()
         try:
             await future
         except BaseException:
@@ -138,10 +155,11 @@ class Capacity:
                 self._queue.popleft()
                 continue
             if self._in_use + k > self._total:
-                return
+                break
             self._queue.popleft()
             self._in_use += k
             future.set_result(None)
+        self._changed()
 
 
 def _check_slots(name: str, value: object) -> int:

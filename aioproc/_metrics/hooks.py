@@ -219,6 +219,18 @@ class NullRecorder:
             seconds: the call's latency.
         """
 
+    def capacity(self, name: str, total: int, in_use: int, waiting: int) -> None:
+        """A ``Capacity`` changed: slots were taken or given back, or a request queued.
+
+        Call from ``Capacity`` itself after each change, with its figures then.
+
+        Args:
+            name: the capacity's name (``Capacity(name=...)``).
+            total: its slots.
+            in_use: the slots held now.
+            waiting: the requests waiting for slots now.
+        """
+
     def rendezvous_round(self, role: str, backend: str, outcome: str, seconds: float) -> None:
         """A rendezvous round ended.
 

@@ -151,6 +151,19 @@ CATALOGUE: tuple[MetricInfo, ...] = (
         "Seconds from a pool call to its result, waiting for a worker included.",
         ("pool",),
     ),
+    MetricInfo("aioproc_capacity_slots", "gauge", "Slots a Capacity has.", ("capacity",)),
+    MetricInfo(
+        "aioproc_capacity_slots_in_use",
+        "gauge",
+        "Slots of a Capacity held by groups, pools and agents.",
+        ("capacity",),
+    ),
+    MetricInfo(
+        "aioproc_capacity_waiting",
+        "gauge",
+        "Requests waiting for a Capacity's slots.",
+        ("capacity",),
+    ),
     MetricInfo(
         "aioproc_rendezvous_rounds_total",
         "counter",
@@ -225,6 +238,9 @@ class Recorder(NullRecorder):
         self._paused = self._counter("aioproc_output_backpressure_seconds_total")
         self._pool_calls = self._counter("aioproc_pool_calls_total")
         self._pool_seconds = self._histogram("aioproc_pool_call_seconds", pool_buckets)
+        self._capacity_slots = self._gauge("aioproc_capacity_slots")
+        self._capacity_in_use = self._gauge("aioproc_capacity_slots_in_use")
+        self._capacity_waiting = self._gauge("aioproc_capacity_waiting")
         self._rounds = self._counter("aioproc_rendezvous_rounds_total")
         self._round_seconds = self._histogram("aioproc_rendezvous_seconds", durations)
 
@@ -316,6 +332,12 @@ class Recorder(NullRecorder):
             _reject(outcome, POOL_OUTCOMES, "a pool call's outcome")
         self._pool_calls._add((pool, outcome), 1.0)
         self._pool_seconds._observe((pool,), seconds)
+
+    def capacity(self, name: str, total: int, in_use: int, waiting: int) -> None:
+        key = (name,)
+        self._capacity_slots._set(key, total)
+        self._capacity_in_use._set(key, in_use)
+        self._capacity_waiting._set(key, waiting)
 
     def rendezvous_round(self, role: str, backend: str, outcome: str, seconds: float) -> None:
         if outcome not in _ROUND_OUTCOMES:
