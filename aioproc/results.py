@@ -100,12 +100,11 @@ class WorkerEvent(NamedTuple):
     An "exited" event also carries ``oom``, the kernel's OOM kill of the
     worker in words (``"killed by the kernel's OOM killer: memory limit 64
     MiB reached"``; ``None`` otherwise), and ``usage``, the worker's
-    ``Usage`` when its process was already reaped: the exits a close
-    records come after the stop's last signal, so theirs have it.  An exit
-    noticed while the group still runs has ``usage=None``: its process
-    stays a zombie until the group's last signal (a recycled pid is never
-    signalled), and only the reap reports usage; ``RunProcsResult.usage``
-    has every rank's.
+    ``Usage``.  An exit noticed while the group still runs leaves its
+    process a zombie until the group's last signal (a recycled pid is never
+    signalled); its usage is read from the zombie where the system allows
+    it (Linux on x86_64, aarch64, ppc64le and s390x) and is ``None``
+    elsewhere.  ``RunProcsResult.usage`` has every rank's, from the reap.
     """
 
     kind: str  # "started" | "exited" | "stopping"

@@ -303,8 +303,11 @@ async def test_usage_of_each_rank_on_success(kind: str) -> None:
     grown, _ = await start_and_wait(kind, "allocate", 200, nprocs=2)
     assert sorted(grown.usage) == [0, 1]
     assert all(u.max_rss >= 200 * MiB for u in grown.usage.values()), grown.usage
-    # an exit noticed while the group ran: its process is reaped only at the close
-    assert exited(events)[0].usage is None
+    # an exit noticed while the group ran: read from the zombie, reaped only at the close
+    early = exited(events)[0].usage
+    assert early is not None
+    assert early.cpu_time == pytest.approx(burnt.usage[0].cpu_time)
+    assert early.max_rss == burnt.usage[0].max_rss
 
 
 @KINDS
