@@ -26,6 +26,7 @@ import asyncio
 import enum
 import functools
 import logging
+import math
 import os
 import signal
 import time
@@ -61,6 +62,7 @@ from ._group.rank_launcher import make_sinks as _make_sinks
 from ._group.rankdirs import RankDirs
 from ._group.resources import CpusArg, GroupResources, LimitsArg
 from ._limits.capacity import Capacity
+from ._limits.usage import sample as sample_usage
 from ._metrics import hooks as _hooks
 from ._output.console import release_consoles
 from ._proc import lifeline as _lifeline
@@ -68,7 +70,7 @@ from ._proc.posix_spawn import name_fd_limit
 from ._proc.shutdown import Deadline, Release, release, stop_groups, warn_forced
 from ._proc.spawn import Child
 from .logs import DefaultLogsSpecs, LogsDest, LogsSpecs
-from .results import DEFAULT_GRACE_PERIOD, RunProcsResult, WorkerEvent
+from .results import DEFAULT_GRACE_PERIOD, RunProcsResult, Usage, WorkerEvent
 from .signals import SignalException, pending_signal
 
 __all__ = ["PContext", "RunProcsResult", "WorkerEvent", "close_on_exit", "preimport"]
@@ -165,6 +167,26 @@ def preimport() -> None:
     template_exec._script_runner()
 
 
+def _check_interval(value: float | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"sample_interval must be a number of seconds or None, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"sample_interval must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _sample_all(pids: Mapping[int, int]) -> dict[int, Usage]:
+    """``{rank: Usage}`` read from ``/proc`` for the ranks still readable."""
+    out = {}
+    for rank, pid in pids.items():
+        usage = sample_usage(pid)
+        if usage is not None:
+            out[rank] = usage
+    return out
+
+
 class _State(enum.Enum):
     NEW = "new"
     STARTING = "starting"  # the log tree is being made; no worker yet
@@ -193,7 +215,7 @@ class PContext:
     tasks' one-rank groups, keyed by task.  ``limits``/``capacity``/``cpus``:
     as ``start_processes`` takes them (``_group.resources``).  ``role``: the
     role the group's metrics carry (the agent gives its spec's role; torch's
-    default role otherwise).
+    default role otherwise).  ``sample_interval``: as ``start_processes``.
     """
 
     def __init__(
@@ -221,8 +243,10 @@ class PContext:
         capacity: Capacity | None = None,
         cpus: CpusArg = None,
         role: str = ROLE,
+        sample_interval: float | None = None,
     ) -> None:
         grace_period = check_duration("grace_period", grace_period)
+        self._sample_interval = _check_interval(sample_interval)
         _validate(name, entrypoint, args, envs, logs_specs, log_line_prefixes, start_method)
         self._resources = GroupResources(name, len(args), limits, capacity, cpus)
         self.kwargs = _check_kwargs(entrypoint, args, kwargs)
@@ -500,10 +524,38 @@ class PContext:
             self._rec.group_started(self.name, self._role, time.monotonic() - self._began)
         if self._launch_error is None and not self._launched.done():
             self._launched.set_result(None)
+        sampling = None
+        if self._sample_interval is not None and complete:
+            sampling = anyio.CancelScope()
+            tg.start_soon(self._sample, sampling, self._sample_interval)
         # the loop shutting down with the group still open kills it at once
         sig, timeout = await self._owner.closing((signal.SIGKILL, 0.0))
+        if sampling is not None:
+            sampling.cancel()
         with anyio.CancelScope(shield=True):
             await self._shutdown(sig, timeout)
+
+    async def _sample(self, scope: anyio.CancelScope, interval: float) -> None:
+        """A "sampled" event per running worker every ``interval`` seconds, until the close.
+
+        A documented periodic read (``sample_interval``), not a wait on a
+        state: the figures change continuously and nothing signals them.
+        The ``/proc`` reads run on the helper thread, a group's at once.
+        """
+        with scope:
+            while True:
+                await anyio.sleep(interval)
+                pids = {
+                    rank: child.pid
+                    for rank, child in sorted(self._children.items())
+                    if not child.watcher.future.done()
+                }
+                if not pids:
+                    continue
+                samples = await run_blocking(_sample_all, pids)
+                now = time.time()
+                for rank, usage in samples.items():
+                    self._notify(WorkerEvent("sampled", rank, pids[rank], None, now, usage))
 
     async def _supervised(self) -> None:
         """After the supervisor, however it ended."""

@@ -39,6 +39,10 @@ class Usage:
             where no cgroup counted it.
         tree_max_memory: the most memory its cgroup held at once, in bytes
             (page cache included, as the kernel charges it), or ``None``.
+        rss: in a live sample (a ``"sampled"`` event), the resident set
+            size at that moment, in bytes; ``max_rss`` is then the peak since
+            the worker's program started (``VmHWM``).  ``None`` in figures
+            taken at exit.
 
     The process figures cover the worker and the descendants it waited for
     itself; ``max_rss`` is the largest of theirs, not a sum.
@@ -50,6 +54,7 @@ class Usage:
     max_rss: int
     tree_cpu_time: float | None = None
     tree_max_memory: int | None = None
+    rss: int | None = None
 
 
 @dataclass
@@ -105,9 +110,14 @@ class WorkerEvent(NamedTuple):
     signalled); its usage is read from the zombie where the system allows
     it (Linux on x86_64, aarch64, ppc64le and s390x) and is ``None``
     elsewhere.  ``RunProcsResult.usage`` has every rank's, from the reap.
+
+    With ``sample_interval`` (``start_processes``), every running worker
+    also gets a "sampled" event that often, its ``usage`` read from
+    ``/proc`` then: CPU time so far, ``rss`` now and the peak since its
+    program started.
     """
 
-    kind: str  # "started" | "exited" | "stopping"
+    kind: str  # "started" | "exited" | "stopping" | "sampled"
     local_rank: int
     pid: int
     exitcode: int | None

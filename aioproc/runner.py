@@ -48,6 +48,7 @@ def start_processes(
     limits: Limits | Mapping[int, Limits] | None = None,
     capacity: Capacity | None = None,
     cpus: CpusArg = None,
+    sample_interval: float | None = None,
 ) -> OpenResource[PContext]:
     """Start ``len(args)`` workers running ``entrypoint``.
 
@@ -123,6 +124,11 @@ def start_processes(
             the set.  A CPU outside the allowed set, an empty list, a rank
             not in the group or a node this machine does not list (the
             message names the missing file) raises before anything starts.
+        sample_interval: seconds between live samples of every running
+            worker's CPU time and memory, read from ``/proc`` off the event
+            loop and delivered to ``on_event`` as "sampled" events (Linux; a
+            documented periodic read, off by default).  A positive number
+            or None, else ValueError.
 
     Raises:
         TypeError, ValueError, RuntimeError, FileNotFoundError,
@@ -158,6 +164,7 @@ def start_processes(
         limits=limits,
         capacity=capacity,
         cpus=cpus,
+        sample_interval=sample_interval,
     )
     return OpenResource(lambda: _start(pc), close_on_exit, "start_processes(...)")
 

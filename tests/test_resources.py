@@ -500,3 +500,65 @@ async def test_disabled_metrics_call_no_hook(
     with pytest.raises(ChildFailedError):
         await aioproc.run(burn, 1, (0.0, True), sinks=[], logs_specs=NO_LOGS)
     assert spy.calls == []
+
+
+GROW_THEN_WAIT = (
+    "import sys\n"
+    "b = bytearray(100 << 20)\n"
+    "for i in range(0, len(b), 4096):\n"
+    "    b[i] = 1\n"
+    "open(sys.argv[1]).read()  # until the test opens and closes the fifo\n"
+)
+
+
+async def test_sample_interval_reports_each_running_workers_live_figures(tmp_path: Path) -> None:
+    fifo = tmp_path / "release"
+    os.mkfifo(fifo)
+    grown = asyncio.Event()
+    events: list[aioproc.WorkerEvent] = []
+
+    def on_event(event: aioproc.WorkerEvent) -> None:
+        events.append(event)
+        usage = event.usage
+        if event.kind == "sampled" and usage is not None and (usage.rss or 0) >= 100 * MiB:
+            grown.set()
+
+    async with aioproc.start_processes(
+        "sampled",
+        sys.executable,
+        {0: ("-c", GROW_THEN_WAIT, str(fifo))},
+        {0: {}},
+        aioproc.DefaultLogsSpecs(log_dir=os.devnull),
+        on_event=on_event,
+        sample_interval=0.05,
+    ) as pc:
+        pid = pc.pids()[0]
+        await asyncio.wait_for(grown.wait(), 60)
+        with open(fifo, "w"):  # returns once the worker, done allocating, opens it to read
+            pass
+        result = await pc.wait()
+    assert result is not None and not result.is_failed()
+    samples = [e for e in events if e.kind == "sampled"]
+    assert all(e.local_rank == 0 and e.pid == pid and e.exitcode is None for e in samples)
+    last = samples[-1].usage
+    assert last is not None and last.rss is not None
+    assert last.max_rss >= last.rss >= 100 * MiB
+    assert last.cpu_time == pytest.approx(last.user_time + last.system_time)
+    # none after the exit: the sampler ends with the group
+    kinds = [e.kind for e in events]
+    assert "sampled" not in kinds[kinds.index("exited") :]
+    assert result.usage[0].rss is None  # figures taken at exit
+
+
+@pytest.mark.parametrize(
+    ("interval", "error"),
+    [(0, ValueError), (-1.0, ValueError), (float("nan"), ValueError), ("1", TypeError)],
+)
+async def test_bad_sample_intervals_start_nothing(interval: object, error: type[Exception]) -> None:
+    events: list[aioproc.WorkerEvent] = []
+    with pytest.raises(error, match="sample_interval"):
+        aioproc.start_processes(
+            "bad", "true", {0: ()}, {0: {}}, on_event=events.append,
+            sample_interval=interval,  # type: ignore[arg-type]
+        )  # fmt: skip
+    assert events == []

@@ -60,3 +60,35 @@ def reap_with_usage(pid: int) -> tuple[int, Usage]:
     """
     _, status, rusage = os.wait4(pid, 0)
     return os.waitstatus_to_exitcode(status), usage_from_rusage(rusage)
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def sample(pid: int) -> Usage | None:
+    """What the running process ``pid`` has used so far, from ``/proc``; None if unreadable.
+
+    ``cpu_time`` so far, ``rss`` now and ``max_rss`` the peak since its
+    program started (``VmHWM``: unlike ``ru_maxrss``, it does not carry the
+    launcher's peak over an exec).  Linux only; a process that has just
+    exited (or another system) gives None.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/status", "rb") as f:
+            status = f.read()
+        # the command name may hold spaces and parentheses: the fields follow its last ')'
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        # fields 14, 15 and 24 of proc(5) (utime, stime, rss); this list starts at field 3
+        user, system = int(fields[11]) / _CLOCK_TICKS, int(fields[12]) / _CLOCK_TICKS
+        rss = int(fields[21]) * _PAGE_SIZE
+        peak = rss
+        for line in status.splitlines():
+            if line.startswith(b"VmHWM:"):
+                peak = int(line.split()[1]) * 1024
+                break
+    except (OSError, ValueError, IndexError):
+        return None
+    return Usage(user + system, user, system, max(peak, rss), rss=rss)
