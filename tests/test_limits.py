@@ -327,25 +327,7 @@ def test_a_child_enters_its_cgroups_by_itself(
 
 # --------------------------------------------------------------------- pids
 
-FORK_BOMB = """
-r, w = os.pipe()
-forked, error = 0, None
-while forked < 200:  # bounded: a limit that fails to hold must not hurt the machine
-    try:
-        pid = os.fork()
-    except OSError as exc:
-        error = exc.errno
-        break
-    if pid == 0:
-        os.close(w)
-        os.read(r, 1)
-        os._exit(0)
-    forked += 1
-os.close(w)
-for _ in range(forked):
-    os.wait()
-print(forked, error)
-"""
+FORK_BOMB = (Path(__file__).parent / "children" / "fork_bomb.py").read_text()
 
 
 @VERSIONS

@@ -58,26 +58,7 @@ def _metrics_restored() -> Iterator[None]:
 
 ALLOCATE = "data = bytearray({mib} << 20)\ndata[::4096] = b'x' * len(data[::4096])\n"
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}:\n    pass\n"
-FORK_BOMB = """
-import os
-r, w = os.pipe()
-forked, error = 0, None
-while forked < 200:  # bounded: a limit that fails to hold must not hurt the machine
-    try:
-        pid = os.fork()
-    except OSError as exc:
-        error = exc.errno
-        break
-    if pid == 0:
-        os.close(w)
-        os.read(r, 1)
-        os._exit(0)
-    forked += 1
-os.close(w)
-for _ in range(forked):
-    os.wait()
-print(forked, error, flush=True)
-"""
+FORK_BOMB = (Path(__file__).parent / "children" / "fork_bomb.py").read_text()
 
 
 def allocate(mib: int) -> int:
