@@ -65,6 +65,7 @@ from ._limits.capacity import Capacity
 from ._limits.usage import sample as sample_usage
 from ._metrics import hooks as _hooks
 from ._output.console import release_consoles
+from ._proc import exits as _exits
 from ._proc import lifeline as _lifeline
 from ._proc.posix_spawn import name_fd_limit
 from ._proc.shutdown import Deadline, Release, release, stop_groups, warn_forced
@@ -144,7 +145,8 @@ def preimport() -> None:
     starts pays for the rest inside one callback of the running loop: anyio's
     asyncio backend (imported by anyio on first use), ``multiprocessing``
     (whose authkey function workers are given), the boot code every function
-    worker is sent (compiled once per process) and the warm-start modules.
+    worker is sent (compiled once per process), the warm-start modules and
+    ``ctypes`` (with which a worker's exit is read).
     That is 30-80 ms, during which the host's loop runs nothing else.  A
     service calls ``preimport()`` once at start-up, before it serves, so
     that its first start holds the loop no longer than any other.
@@ -165,6 +167,7 @@ def preimport() -> None:
     boot.boot_blob()
     template_exec._source()
     template_exec._script_runner()
+    _exits._waitid_call()  # ctypes, for the usage of a worker that exits by itself
 
 
 def _check_interval(value: float | None) -> float | None:
