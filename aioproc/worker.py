@@ -101,27 +101,47 @@ class _Turn:
         self._held = True
         return True
 
+    def join(self) -> asyncio.Future[None] | None:
+        """Take the turn now (None), or queue for it and return the place held.
+
+        The caller must then ``wait`` for the place, or ``leave`` it.
+        """
+        if self.take_now():
+            return None
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        return waiter
+
+    async def wait(self, waiter: asyncio.Future[None] | None) -> None:
+        """Wait until the place ``join`` returned reaches the turn.
+
+        Cancellation: the place is left as ``leave`` does.
+        """
+        if waiter is None:
+            return
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            self.leave(waiter)
+            raise
+
+    def leave(self, waiter: asyncio.Future[None] | None) -> None:
+        """Give up a place ``join`` returned: pass the turn on if it was ours."""
+        if waiter is None or (waiter.done() and not waiter.cancelled()):
+            self.release()
+        else:
+            try:
+                self._waiters.remove(waiter)
+            except ValueError:
+                pass  # dropped by release() already
+
     async def take(self) -> None:
         """Wait for the turn.
 
         Cancellation: a waiter cancelled before its turn leaves the queue; one
         cancelled as the turn reached it passes the turn on.
         """
-        if self.take_now():
-            return
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self.release()
-            else:
-                try:
-                    self._waiters.remove(waiter)
-                except ValueError:
-                    pass  # dropped by release() already
-            raise
+        await self.wait(self.join())
 
     def release(self) -> None:
         while self._waiters:
@@ -338,17 +358,29 @@ class WorkerProcess:
             _shm.Deferred() if self._channel.fd_socket is not None else None
         )
         parts, cached = encode_call(fn, args, kwargs, segments)
-        if segments and not await fill_segments(segments):
-            segments = None  # no memory for the memfds: the value travels in the frame
-            parts, cached = encode_call(fn, args, kwargs, None)
+        turn = self._lock
+        place: asyncio.Future[None] | None = None
+        queued = False
+        if segments:
+            # The copy may run off the loop: the call queues first, so calls
+            # still reach the worker in the order they were made.
+            place, queued = turn.join(), True
+            try:
+                if not await fill_segments(segments):
+                    segments = None  # no memory for the memfds: the value travels in the frame
+                    parts, cached = encode_call(fn, args, kwargs, None)
+            except BaseException:
+                turn.leave(place)
+                raise
         # The hot path (``_request`` inlined): an idle worker's request is
         # written before anything suspends, the protocol resolves the reply
         # future as the frame is read, and this coroutine resumes in the next
         # loop iteration; no task, timeout scope or queue in between.
-        turn = self._lock
         defined = None
         try:
-            if turn._held or turn._waiters:  # take_now, inlined
+            if queued:
+                await turn.wait(place)
+            elif turn._held or turn._waiters:  # take_now, inlined
                 await turn.take()
             else:
                 turn._held = True

@@ -380,6 +380,31 @@ async def test_a_call_cancelled_during_its_copy_leaves_the_worker_usable(
     assert await worker.call(of.identity, 7) == 7
 
 
+async def test_calls_reach_the_worker_in_the_order_they_were_made(
+    worker: WorkerProcess, of: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """A small call made while an earlier call's large argument is still being
+    copied waits for it, although the small one could be sent at once."""
+    started, release = threading.Event(), threading.Event()
+    fill = _shm.Segment.fill
+
+    def slow(segment: _shm.Segment) -> None:
+        started.set()
+        release.wait(30)
+        fill(segment)
+
+    monkeypatch.setattr(_shm.Segment, "fill", slow)
+    log = tmp_path / "order"
+    big = asyncio.ensure_future(worker.call(of.append_line, str(log), "big", bytes(8 * MiB)))
+    assert await asyncio.to_thread(started.wait, 30)
+    small = asyncio.ensure_future(worker.call(of.append_line, str(log), "small"))
+    for _ in range(3):  # the small call runs as far as it can: its frame would be written
+        await asyncio.sleep(0)
+    release.set()
+    await asyncio.wait_for(asyncio.gather(big, small), 30)
+    assert log.read_text().splitlines() == ["big", "small"]
+
+
 async def test_memfds_that_cannot_be_filled_send_the_value_in_the_frame(
     worker: WorkerProcess, of: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:

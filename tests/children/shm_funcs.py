@@ -11,6 +11,11 @@ def identity(value: Any) -> Any:
     return value
 
 
+def append_line(path: str, line: str, value: Any = None) -> None:
+    with open(path, "a") as f:
+        f.write(line + "\n")
+
+
 def make_bytes(kind: str, size: int) -> Any:
     data = bytes(range(256)) * (size // 256) + bytes(size % 256)
     if kind == "bytearray":
