@@ -574,6 +574,10 @@ async def _reaped_behind_aiprocs_back(
                 # as select() returns, before aioproc's exit watcher gets its turn
                 readable, _, _ = select.select([pidfd], [], [], LIMIT)
                 assert readable == [pidfd], "the worker did not exit when released"
+                if pid not in reaper.reaped:
+                    # SIGCHLD may come a moment after the pidfd turned readable
+                    # (a loaded host): reap as the handler would have
+                    reaper.reaped[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
         finally:
             os.close(pidfd)
     return pc, reaper, pid
