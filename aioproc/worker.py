@@ -41,8 +41,14 @@ from ._func import template as _template
 from ._func.boot import CallEncoder, Definitions, encode_call, init_frame, rebuild_exception
 from ._func.launch import Frame, launch_function
 from ._func.template import Template
-from ._group.resources import GroupResources, check_worker_cpus, check_worker_limits
+from ._group.resources import (
+    GroupResources,
+    check_capacity,
+    check_worker_cpus,
+    check_worker_limits,
+)
 from ._limits.affinity import ROUND_ROBIN, allowed_cpus
+from ._limits.capacity import Capacity
 from ._limits.spec import Limits
 from ._output.tee import TeeProtocol
 from ._proc.channel import Channel, frame
@@ -688,6 +694,7 @@ def open_worker(
     preload: Sequence[str] = (),
     limits: Limits | None = None,
     cpus: Sequence[int] | str | None = None,
+    capacity: Capacity | None = None,
 ) -> OpenResource[WorkerProcess]:
     """Start a persistent worker process (PyTorch's ``CheckpointProcess``, async).
 
@@ -721,6 +728,9 @@ def open_worker(
             ones) or ``"round-robin"`` (one CPU of this process's allowed
             set, ``os.sched_getaffinity(0)``, the next one for each worker
             opened).  Set from this process before the worker runs ``init``.
+        capacity: a process budget (``aioproc.Capacity``) shared with
+            groups and pools: the worker waits for one slot before it starts
+            and holds it until it is reaped.
 
     Raises:
         TypeError, ValueError: a bad argument, before anything starts (a
@@ -730,8 +740,9 @@ def open_worker(
         Exception: whatever ``init`` raised, with the worker's traceback.
         BrokenWorkerError: the worker died during ``init``.
 
-    Cancellation: a cancelled start kills the half-started worker and
-    removes its placement.
+    Cancellation: a cancelled start (also one waiting for its ``capacity``
+    slot) kills the half-started worker, removes its placement and holds no
+    slot.
     """
     check_duration("init_timeout", init_timeout)
     check_duration("shutdown_timeout", shutdown_timeout)
@@ -749,9 +760,10 @@ def open_worker(
         cpus = [allowed[_cpu_turn % len(allowed)]]
         _cpu_turn += 1
     cpu_sets = check_worker_cpus(cpus, 1)
+    check_capacity(capacity, 1)
 
     def resources() -> GroupResources:  # a placement per start: it lives and dies with it
-        return GroupResources(name, 1, limits, None, None if cpu_sets is None else cpu_sets[0])
+        return GroupResources(name, 1, limits, capacity, None if cpu_sets is None else cpu_sets[0])
 
     async def start() -> WorkerProcess:
         if start_method == "spawn":

@@ -6,6 +6,7 @@ Every async test runs on asyncio and on uvloop (``conftest.py``).
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 
 import pytest
@@ -231,3 +232,43 @@ async def test_the_metrics_show_slots_in_use_and_requests_waiting() -> None:
         ]
     finally:
         aioproc.metrics.disable()
+
+
+async def test_a_persistent_worker_waits_for_its_slot_and_holds_it_until_reaped() -> None:
+    capacity = Capacity(1, name="workers")
+    async with aioproc.open_worker(capacity=capacity) as first:
+        first_pid = await first.call(os.getpid)
+        assert (capacity.in_use, capacity.waiting) == (1, 0)
+        second = asyncio.ensure_future(aioproc.open_worker(capacity=capacity))
+        cancelled = asyncio.ensure_future(aioproc.open_worker(capacity=capacity))
+        await settle()
+        assert (capacity.in_use, capacity.waiting) == (1, 2)
+        assert not second.done()
+        cancelled.cancel()
+        await settle()
+        assert cancelled.cancelled()
+        assert (capacity.in_use, capacity.waiting) == (1, 1)
+    # the first one is reaped: its slot goes to the second
+    with pytest.raises(ProcessLookupError):
+        os.kill(first_pid, 0)
+    worker = await asyncio.wait_for(second, 30)
+    try:
+        assert (capacity.in_use, capacity.waiting) == (1, 0)
+        assert await worker.call(os.getpid) != first_pid
+    finally:
+        await worker.aclose()
+    assert (capacity.in_use, capacity.waiting) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("capacity", "error", "text"),
+    [
+        ("4", TypeError, "capacity must be an aioproc.Capacity, got '4'"),
+        (4, TypeError, "capacity must be an aioproc.Capacity, got 4"),
+    ],
+)
+def test_a_bad_capacity_for_a_worker_is_refused_before_it_starts(
+    capacity: object, error: type[Exception], text: str
+) -> None:
+    with pytest.raises(error, match=f"^{text}$"):
+        aioproc.open_worker(capacity=capacity)  # type: ignore[arg-type]
