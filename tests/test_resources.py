@@ -543,3 +543,75 @@ async def test_bad_sample_intervals_start_nothing(interval: object, error: type[
             sample_interval=interval,  # type: ignore[arg-type]
         )  # fmt: skip
     assert events == []
+
+
+# ------------------------------------------------------------------ a crash
+
+CGROUPED = """\
+import asyncio, sys
+import aioproc
+
+async def main():
+    pc = await aioproc.start_processes(
+        "crash", sys.executable, {0: ("-c", "import time; time.sleep(3600)")}, {0: {}},
+        limits=aioproc.Limits(memory="256M"),
+    )
+    paths = [str(p) for p in pc._resources._group.cgroups]
+    print("ready", pc.pids()[0], *paths, flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_sigkilled_supervisors_cgroups_are_removed_by_its_guardian() -> None:
+    """Nothing of the supervisor runs to remove them: its guardian does, once the
+    worker it killed has left them."""
+    need_cgroup("memory")
+    from proc_utils import still_alive_after
+
+    sup = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CGROUPED, stdout=asyncio.subprocess.PIPE
+    )
+    assert sup.stdout is not None
+    paths: list[Path] = []
+    try:
+        line = (await asyncio.wait_for(sup.stdout.readline(), 30)).decode().split()
+        assert line[0] == "ready", line
+        worker, paths = int(line[1]), [Path(p) for p in line[2:]]
+        assert paths and all(p.is_dir() for p in paths)
+        assert all(str(worker) in (p / "cgroup.procs").read_text().split() for p in paths)
+        guardians = [
+            int(p)
+            for p in os.listdir("/proc")
+            if p.isdigit() and _parent_of(int(p)) == sup.pid and _is_guardian(int(p))
+        ]
+        assert len(guardians) == 1
+        sup.kill()
+        await sup.wait()
+        # the guardian kills the worker, sweeps, removes the cgroups, then exits
+        assert await still_alive_after([worker, *guardians], 20) == set()
+        assert [p for p in paths if p.exists()] == []
+    finally:
+        if sup.returncode is None:
+            sup.kill()
+            await sup.wait()
+        for path in paths:  # what a failed run left: emptied by the kill above
+            if path.exists():
+                path.rmdir()
+
+
+def _parent_of(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _is_guardian(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"aioproc-guardian" in f.read().split(b"\0")
+    except OSError:
+        return False

@@ -30,6 +30,7 @@ from .._limits.affinity import ROUND_ROBIN, allowed_cpus, check_cpu_set, with_af
 from .._limits.capacity import Capacity
 from .._limits.placement import Placement, open_placement
 from .._limits.spec import Limits, format_bytes
+from .._proc import lifeline as _lifeline
 from .._proc.spawn import Child
 from ..results import Usage
 
@@ -229,12 +230,12 @@ class GroupResources:
             return {}  # None, an empty dict, or a Limits() that limits nothing
         try:
             if isinstance(limits, Limits):
-                self._group = open_placement(limits, self.name, backends=BACKENDS)
+                self._group = _guarded(open_placement(limits, self.name, backends=BACKENDS))
                 self._report({"": self._group})
                 return dict.fromkeys(range(self.nprocs), self._group.join)
             for rank, rank_limits in sorted(limits.items()):
-                self._ranks[rank] = open_placement(
-                    rank_limits, f"{self.name}/{rank}", backends=BACKENDS
+                self._ranks[rank] = _guarded(
+                    open_placement(rank_limits, f"{self.name}/{rank}", backends=BACKENDS)
                 )
         except BaseException:
             self._close_placements()
@@ -316,7 +317,19 @@ class GroupResources:
     def _close_placements(self) -> None:
         placements = [p for p in (self._group, *self._ranks.values()) if p is not None]
         for placement in placements:
+            paths = placement.cgroups
             try:
                 placement.close()
             except OSError:
                 logger.exception("could not remove the cgroups of %s", placement.name)
+            for path in paths:
+                if not path.exists():
+                    _lifeline.forget_cgroup(str(path))
+
+
+def _guarded(placement: Placement) -> Placement:
+    """``placement``, its cgroups made known to the guardian, which removes them
+    if this process dies before it does."""
+    for path in placement.cgroups:
+        _lifeline.remove_cgroup_after_crash(str(path))
+    return placement

@@ -41,7 +41,9 @@ The guardian also knows the private temp log dirs of the running groups
 (``d/PATH``, sent with the next group's registration): after the sweeps it
 removes every empty file and directory under them, what a close would have
 pruned, so a SIGKILLed supervisor leaves behind only output and error
-files with content.
+files with content.  It knows the groups' cgroups the same way (``c/PATH``)
+and removes them once their processes are gone (retried twice, 1 and 3 s
+later, for a process the kernel is slow to let go).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ trap '' HUP INT TERM QUIT PIPE
 IFS= read -r token || exit 0
 groups=" "
 dirs=""
+cgroups=""
 fences=" "
 unfence() {
   eval "t=\\${timer_$1-}"
@@ -100,6 +103,8 @@ while IFS= read -r line; do
     f*) fence ${line#f} ;;
     d/*) dirs="$dirs${line#d}
 " ;;
+    c/*) cgroups="$cgroups${line#c}
+" ;;
   esac
 done
 for g in $groups; do kill -s KILL -- "-$g" 2>/dev/null; done
@@ -114,6 +119,18 @@ for pause in 0 0 0.05 0.1 0.2 0.4 0.8; do
 done
 printf '%s' "$dirs" | while IFS= read -r d; do
   find "$d" -depth \\( -type f -o -type d \\) -empty -delete 2>/dev/null
+done
+IFS='
+'
+for pause in 0 1 3; do
+  [ -n "$cgroups" ] || break
+  [ "$pause" = 0 ] || sleep "$pause"
+  left=""
+  for c in $cgroups; do
+    rmdir "$c" 2>/dev/null || { [ ! -d "$c" ] || left="$left$c
+"; }
+  done
+  cgroups=$left
 done
 """
 
@@ -175,9 +192,9 @@ class _Guardian:
         # the token goes first, through the pipe: an argument would be
         # readable by every user of the machine in /proc/<pid>/cmdline
         lines = [f"{token()}\n"]
-        lines += [f"+{g}\n" for g in sorted(groups)] + [f"d{d}\n" for d in sorted(_dirs)]
+        lines += [f"+{g}\n" for g in sorted(groups)] + [f"{t}\n" for t in sorted(_tidy)]
         lines += [f.line() for f in _fences.values() if f.groups & self.groups]
-        self.dirs = set(_dirs)
+        self.tidy = set(_tidy)
         self.write("".join(lines))  # blocking: a new guardian reads at once
         if self.write_fd >= 0:
             os.set_blocking(self.write_fd, False)
@@ -255,10 +272,12 @@ def lineage() -> str:
 
 
 _dismissed: list[_Guardian] = []
-_dirs: set[str] = set()  # private temp log dirs of the groups (see tidy_after_crash)
+# What a guardian tidies after a crash: ``d/PATH`` (a private temp log dir)
+# and ``c/PATH`` (a cgroup), see tidy_after_crash and remove_cgroup_after_crash
+_tidy: set[str] = set()
 if hasattr(os, "register_at_fork"):
     # a forked child's guardian must not tidy its parent's dirs
-    os.register_at_fork(after_in_child=_dirs.clear)
+    os.register_at_fork(after_in_child=_tidy.clear)
 
 
 def _replace(dead: _Guardian, code: int) -> None:
@@ -344,10 +363,11 @@ def _add_locked(guardian: _Guardian, pgid: int) -> None:
     if pgid in guardian.groups:
         return
     guardian.groups.add(pgid)
-    # temp dirs made since the last write go with it: no wake-up of their own
-    new_dirs = _dirs - guardian.dirs
-    guardian.dirs |= new_dirs
-    if not guardian.write("".join(f"d{d}\n" for d in sorted(new_dirs)) + f"+{pgid}\n"):
+    # temp dirs and cgroups made since the last write go with it: no
+    # wake-up of their own
+    new = _tidy - guardian.tidy
+    guardian.tidy |= new
+    if not guardian.write("".join(f"{t}\n" for t in sorted(new)) + f"+{pgid}\n"):
         # died before noticing: the exit watcher starts a replacement that
         # already knows this group
         logger.debug("guardian write failed for group %d; a replacement will take it", pgid)
@@ -362,14 +382,7 @@ def tidy_after_crash(path: str) -> None:
     registration.  Paths holding a newline are not sent (the protocol is
     line-based).
     """
-    if "\n" in path or not path.startswith("/"):
-        return
-    with _lock:
-        _dirs.add(path)
-        guardian = _current
-        if guardian is not None and guardian.owner == os.getpid() and path not in guardian.dirs:
-            guardian.dirs.add(path)
-            guardian.write(f"d{path}\n")
+    _remember(f"d{path}")
 
 
 def untidy(path: str) -> None:
@@ -379,7 +392,35 @@ def untidy(path: str) -> None:
     came from ``mkdtemp``): forgetting it would cost a wake-up.
     """
     with _lock:
-        _dirs.discard(path)
+        _tidy.discard(f"d{path}")
+
+
+def remove_cgroup_after_crash(path: str) -> None:
+    """Have the guardian remove the cgroup ``path`` once its processes are gone, if this
+    process dies; sent as ``tidy_after_crash`` sends a dir."""
+    _remember(f"c{path}")
+
+
+def forget_cgroup(path: str) -> None:
+    """The cgroup ``path`` was removed: a new guardian need not know it.
+
+    A running guardian keeps it, as ``untidy`` says: its name is unique
+    (this process's pid and a random part), and removing a cgroup that is
+    gone does nothing.
+    """
+    with _lock:
+        _tidy.discard(f"c{path}")
+
+
+def _remember(line: str) -> None:
+    if "\n" in line or not line[1:].startswith("/"):
+        return
+    with _lock:
+        _tidy.add(line)
+        guardian = _current
+        if guardian is not None and guardian.owner == os.getpid() and line not in guardian.tidy:
+            guardian.tidy.add(line)
+            guardian.write(f"{line}\n")
 
 
 @contextlib.contextmanager
