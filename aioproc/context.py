@@ -767,6 +767,10 @@ class PContext:
         task.add_done_callback(self._watchers.discard)
 
     async def _watch(self, rank: int, child: Child, code: int) -> None:
+        if code != 0 and not child.stop_requested:
+            # A failure whatever its error file says: the others are stopped
+            # now, while its output drains and its error file is read.
+            self._stop_others()
         try:
             with anyio.CancelScope() as scope:
                 self._watching[rank] = scope
@@ -780,7 +784,9 @@ class PContext:
                         # that reads a burst of exits' files; results come back in
                         # bounded batches (_base.offloop)
                         error_file = self.error_files.get(rank, "")
-                        observed = time.time()  # orders the failure, as load() would
+                        # orders the failure, as load() would: when its exit was
+                        # noticed, before the exits of the ranks its stop causes
+                        observed = child.watcher.exit_time or time.time()
                         content = await _read_error_file(error_file)
                         failure = ProcessFailure._from_content(
                             observed,
@@ -873,13 +879,18 @@ class PContext:
             self._rec.worker_exited(self.name, self._role, outcome)
         if self._hub is not None:
             self._hub.left(self._hub_keys.get(rank, rank), code)
-        if failed and not self._stopping and self._owner.group is not None:
-            self._stopping = True
-            self._owner.group.start_soon(self._stop_after_failure, name=f"aioproc-stop-{self.name}")
+        if failed:
+            self._stop_others()
         if self._on_event is not None:
             exited = child.watcher.exit_time or time.time()
             usage = self._resources.usage({rank: child}).get(rank)
             self._notify(WorkerEvent("exited", rank, child.pid, code, exited, usage, oom))
+
+    def _stop_others(self) -> None:
+        """After a failure: stop the group, once (from a task, not a callback)."""
+        if not self._stopping and self._owner.group is not None:
+            self._stopping = True
+            self._owner.group.start_soon(self._stop_after_failure, name=f"aioproc-stop-{self.name}")
 
     async def _stop_after_failure(self) -> None:
         assert self._launch_done is not None

@@ -14,7 +14,11 @@ template's pages copy-on-write).  Reported once per loop, from one round.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import socket
 import statistics
+import subprocess
 import sys
 import time
 
@@ -47,6 +51,91 @@ async def forked_functions(n: int) -> float:
     return dt
 
 
+# The least a warm template can do for P1b: a Python process holding what
+# aioproc's template holds (its module, its frozen heap), that forks ``n``
+# children on one request; each writes its rank to a shared pipe and exits.
+# No process group, payload, channel or function call per child.
+_BARE_TEMPLATE = """\
+import gc, os, signal, socket, sys
+import aioproc._child.template
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children
+gc.freeze()
+ctl = socket.socket(fileno=int(sys.argv[1]))
+out = int(sys.argv[2])
+while request := ctl.recv(16):
+    pids = []
+    for rank in range(int(request)):
+        pid = os.fork()
+        if pid == 0:
+            os.write(out, b"%d\\n" % rank)
+            os._exit(0)
+        pids.append(pid)
+    ctl.sendall(" ".join(map(str, pids)).encode() + b"\\n")
+"""
+
+
+async def bare_forks(n: int) -> float:
+    """P1b's floor: ``n`` bare forks from a warm template (up, not timed), start ->
+    every rank's line read and every child gone (pidfds)."""
+    loop = asyncio.get_running_loop()
+    ours, theirs = socket.socketpair()
+    read_fd, write_fd = os.pipe()
+    template = subprocess.Popen(
+        [sys.executable, "-c", _BARE_TEMPLATE, str(theirs.fileno()), str(write_fd)],
+        pass_fds=(theirs.fileno(), write_fd),
+        # this checkout's aioproc, as in the benchmarks' own processes (_util)
+        env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))},
+    )
+    theirs.close()
+    os.close(write_fd)
+    ours.setblocking(False)
+    os.set_blocking(read_fd, False)
+    pidfds: list[int] = []
+    try:
+        await loop.sock_sendall(ours, b"0")  # up and serving: its answer is an empty line
+        assert await loop.sock_recv(ours, 64) == b"\n"
+        t0 = time.perf_counter()
+        await loop.sock_sendall(ours, str(n).encode())
+        answer = b""
+        while not answer.endswith(b"\n"):
+            answer += await loop.sock_recv(ours, 1 << 16)
+        exits = []
+        for pid in map(int, answer.split()):
+            try:
+                pidfds.append(os.pidfd_open(pid))
+            except ProcessLookupError:
+                continue  # gone already
+            exited: asyncio.Future[None] = loop.create_future()
+            loop.add_reader(pidfds[-1], _settle, exited)
+            exits.append(exited)
+        lines = b""
+        while lines.count(b"\n") < n:
+            readable: asyncio.Future[None] = loop.create_future()
+            loop.add_reader(read_fd, _settle, readable)
+            try:
+                await readable
+            finally:
+                loop.remove_reader(read_fd)
+            lines += os.read(read_fd, 1 << 16)
+        await asyncio.gather(*exits)
+        dt = time.perf_counter() - t0
+    finally:
+        for fd in pidfds:
+            loop.remove_reader(fd)
+            os.close(fd)
+        os.close(read_fd)
+        ours.close()
+        template.wait()
+    if sorted(map(int, lines.split())) != list(range(n)):
+        raise AssertionError(f"P1b floor: wrong ranks {lines!r}")
+    return dt
+
+
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 async def template_start() -> float:
     t0 = time.perf_counter()
     server = await aioproc.open_forkserver()
@@ -64,6 +153,14 @@ def p1b(cfg: Config) -> list[Row]:
         ),
         Target("max", 0.15, "ms"),
         note=f"baseline: the same {n} workers spawned",
+        cpu_note=True,
+    )
+    rows += rows_from(
+        f"P1b {n} function workers against the floor: {n} bare forks from a warm template",
+        interleaved(cfg, lambda: bare_forks(n), lambda: forked_functions(n)),
+        None,
+        note=f"baseline: a Python process holding the template's module forks {n} children "
+        "that each write a line and exit; start -> lines read, children gone",
         cpu_note=True,
     )
     rows += rows_from(
