@@ -110,6 +110,7 @@ class WorkerPool:
         self._slots = slots  # (name, env) of each worker position
         self._limits = limits
         self._capacity = capacity
+        self._limits_reported = False  # see _resources
         self._cpus = cpus  # {0: CPU ids} of each position's worker
         self._prepaid: set[int] = set()  # positions whose slot _open reserved, not yet taken
         # read once: metrics enabled later count from the next pool on
@@ -245,6 +246,8 @@ class WorkerPool:
         name = self._slots[i][0]
         cpus = None if self._cpus is None else self._cpus[i]
         resources = GroupResources(name, 1, self._limits, self._capacity, cpus)
+        # one INFO line (and WARNING) per pool: its workers share their limits
+        resources.report, self._limits_reported = not self._limits_reported, True
         if i in self._prepaid:
             self._prepaid.discard(i)
             resources.granted()

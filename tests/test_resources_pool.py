@@ -11,6 +11,7 @@ only one is allowed.  Every async test runs on asyncio and on uvloop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -144,6 +145,35 @@ async def test_without_cgroups_a_worker_memory_limit_is_an_rlimit(
         with pytest.raises(MemoryError):
             await worker.call(allocate, 256)
         assert await worker.call(allocate, 8) == 8
+
+
+async def test_a_pool_says_how_its_limits_are_enforced_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its workers share their limits: one INFO line and one WARNING for the pool,
+    the rest (replacements too) at DEBUG."""
+    monkeypatch.setattr(resources, "BACKENDS", ("rlimit",))  # no CPU quota: a WARNING
+    caplog.set_level(logging.DEBUG, logger="aioproc")
+    async with aioproc.open_pool(3, limits=Limits(memory="1G", cpus=1)) as pool:
+        first = set(pool.pids())
+        with pytest.raises(BrokenWorkerError):
+            await pool.submit(os._exit, 3)
+        assert len(set(await pool.run(os.getpid)) - first) == 1  # one replaced
+        assert pool.stats().restarts == 1
+
+    def lines(level: int, text: str) -> list[str]:
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if r.levelno == level and r.getMessage().startswith(text)
+        ]
+
+    (info,) = lines(logging.INFO, "limits for ")
+    assert "memory 1 GiB: " in info and "RLIMIT" in info, info
+    (warning,) = lines(logging.WARNING, "limits for ")
+    assert "not enforced here: cpus 1: " in warning, warning
+    # the two other first workers and the replacement, each its pair of lines
+    assert len(lines(logging.DEBUG, "limits for ")) == 6
 
 
 async def test_bad_worker_limits_and_capacity_raise_at_the_call() -> None:

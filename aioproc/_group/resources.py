@@ -187,6 +187,9 @@ class GroupResources:
         self._group: Placement | None = None  # one placement for every rank
         self._ranks: dict[int, Placement] = {}  # or one per rank
         self._kills_seen: dict[int, int] = {}  # id(placement) -> OOM kills attributed
+        # False: how the limits are enforced is logged at DEBUG only (a pool's
+        # workers after its first: the same limits, the same mechanisms)
+        self.report = True
 
     def __repr__(self) -> str:
         return f"<GroupResources {self.name} limits={self.limits!r} slots={self._held}>"
@@ -254,9 +257,19 @@ class GroupResources:
                 line = f"{who}{key} {shown}: {how}"
                 (missed if key in placement.unenforced else applied).append(line)
         if applied:
-            logger.info("limits for %s: %s", self.name, "; ".join(applied))
+            logger.log(
+                logging.INFO if self.report else logging.DEBUG,
+                "limits for %s: %s",
+                self.name,
+                "; ".join(applied),
+            )
         if missed:
-            logger.warning("limits for %s not enforced here: %s", self.name, "; ".join(missed))
+            logger.log(
+                logging.WARNING if self.report else logging.DEBUG,
+                "limits for %s not enforced here: %s",
+                self.name,
+                "; ".join(missed),
+            )
 
     def placement_of(self, rank: int) -> Placement | None:
         """The placement ``rank`` is in, if any."""
