@@ -119,11 +119,14 @@ def test_a_running_rank_shows_its_cpu_and_rss(monkeypatch: pytest.MonkeyPatch) -
     view = LiveView("w", 2, title="t")
     for rank in range(2):
         view.on_event(AgentEvent("worker_started", "w", 0, local_rank=rank, pid=4000 + rank))
-    ticks = live._CLOCK_TICKS
+
+    def usage(cpu_time: float, rss: int) -> Usage:
+        return Usage(cpu_time, cpu_time, 0.0, rss, rss=rss)
+
     # rank 0 used 97% of a CPU between the two samples, rank 1 a quarter of one
-    figures = {4000: [(0, 100 << 20), (2 * 97 * ticks // 100, 212 << 20)], 4001: [(0, 3 << 30)]}
-    figures[4001].append((ticks // 2, 1536 << 20))
-    monkeypatch.setattr(live, "_read_proc", lambda pid: figures[pid].pop(0))
+    figures = {4000: [usage(0, 100 << 20), usage(1.94, 212 << 20)], 4001: [usage(0, 3 << 30)]}
+    figures[4001].append(usage(0.5, 1536 << 20))
+    monkeypatch.setattr(live, "sample", lambda pid: figures[pid].pop(0))
     now = time.monotonic()
     view.sample(now=now + 1)
     view.sample(now=now + 3)
@@ -149,7 +152,7 @@ def test_a_rank_that_exited_is_not_sampled(monkeypatch: pytest.MonkeyPatch) -> N
     def never(pid: int) -> None:
         raise AssertionError(f"pid {pid} was read after its exit")
 
-    monkeypatch.setattr(live, "_read_proc", never)
+    monkeypatch.setattr(live, "sample", never)
     view.sample()
     assert "cpu" not in drawn(view, 40)[2]
 

@@ -27,10 +27,11 @@ than with plain output.  Flushes are coalesced to at most one per
 
 CPU and memory figures are a periodic sample, the one thing here that is
 not an event: at each tick of that one-second timer (and only while the
-view is shown and a worker runs), the view reads ``/proc/<pid>/stat``
-(user and system time) and ``/proc/<pid>/statm`` (resident pages) of each
-running rank, and shows ``cpu 97% rss 212M``: the CPU used since the last
-sample over the time between them (100% is one CPU), and the resident set
+view is shown and a worker runs), the view reads each running rank's
+``/proc`` figures (``_limits.usage.sample``: its user and system time and
+resident set, as the ``"sampled"`` events carry them), and shows
+``cpu 97% rss 212M``: the CPU used since the last sample over the time
+between them (100% is one CPU), and the resident set
 now.  Two small reads of the kernel's in-memory files per rank per second
 cost the loop microseconds; ``sample_usage=False`` turns them off.  They
 are figures to watch, never a state anything waits on.  A rank's final
@@ -57,6 +58,7 @@ from rich.style import Style
 from rich.table import Table
 from rich.text import Text
 
+from .._limits.usage import sample
 from ..agent import AgentEvent
 from ..agent import events as ev
 from ..logs import DefaultLogsSpecs, LogsDest
@@ -112,7 +114,7 @@ class _Row:
     status: str | None = None
     updated: float = 0.0  # time.monotonic() of the last line or status
     usage: str = ""  # "cpu 97% rss 212M" while it runs; its final figures once reaped
-    cpu_ticks: int = 0  # the last sample's user + system time, in clock ticks
+    cpu_time: float = 0.0  # the last sample's user + system time, in seconds
     sampled: float | None = None  # time.monotonic() of the last sample
 
     @property
@@ -269,7 +271,7 @@ class LiveView(Sink):
             row.started, row.ended = now, None
             row.restarts = event.attempt
             row.status = None
-            row.usage, row.cpu_ticks, row.sampled = "", 0, None
+            row.usage, row.cpu_time, row.sampled = "", 0.0, None
         elif kind == ev.WORKER_EXITED and row is not None:
             row.ended = now
             row.status = None
@@ -325,18 +327,17 @@ class LiveView(Sink):
         for row in self._rows:
             if not row.running or row.pid is None:
                 continue
-            read = _read_proc(row.pid)
-            if read is None:
+            read = sample(row.pid)
+            if read is None or read.rss is None:
                 continue
-            ticks, rss = read
             since = row.sampled if row.sampled is not None else row.started
             assert since is not None  # a running row has started
             elapsed = now - since
             # the first sample measures from the start, when the rank had used nothing
-            used = ticks - row.cpu_ticks if row.sampled is not None else ticks
-            cpu = f"cpu {round(100 * used / _CLOCK_TICKS / elapsed)}% " if elapsed > 0 else ""
-            row.usage = f"{cpu}rss {_size(rss)}"
-            row.cpu_ticks, row.sampled = ticks, now
+            used = read.cpu_time - row.cpu_time if row.sampled is not None else read.cpu_time
+            cpu = f"cpu {round(100 * used / elapsed)}% " if elapsed > 0 else ""
+            row.usage = f"{cpu}rss {_size(read.rss)}"
+            row.cpu_time, row.sampled = read.cpu_time, now
 
     def note(self, text: str, style: str = "yellow") -> None:
         """Print a line of our own above the table now, after the workers' lines so far."""
@@ -526,27 +527,6 @@ def _ranges(ranks: list[int]) -> str:
         parts.append(str(start) if start == prev else f"{start}-{prev}")
         start = prev = rank
     return ",".join(parts)
-
-
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _read_proc(pid: int) -> tuple[int, int] | None:
-    """``pid``'s user + system time in clock ticks and its resident bytes; None if unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        with open(f"/proc/{pid}/statm", "rb") as f:
-            statm = f.read()
-        # the command name may hold spaces and parentheses: the fields follow its last ')'
-        fields = stat[stat.rindex(b")") + 2 :].split()
-        # fields 14 and 15 of proc(5) (utime, stime); this list starts at field 3
-        ticks = int(fields[11]) + int(fields[12])
-        rss = int(statm.split()[1]) * _PAGE_SIZE
-    except (OSError, ValueError, IndexError):
-        return None
-    return ticks, rss
 
 
 def _final_usage(usage: Usage) -> str:
