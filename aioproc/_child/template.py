@@ -224,7 +224,12 @@ def _cloner() -> Callable[[], int]:
 
 
 def _become_worker(
-    fds: list[int], targets: list[int], env: dict[str, str], cwd: str, report: int, gate: int
+    fds: list[int],
+    targets: list[int],
+    env: tuple[list[str], list[tuple[str, str]]],
+    cwd: str,
+    report: int,
+    gate: int,
 ) -> None:
     """In the new process: own session, fds at their numbers, env, cwd; then the gate.
 
@@ -266,13 +271,13 @@ def _become_worker(
                 os.close(int(name))
             except OSError:
                 pass  # the directory listing's own fd, already closed
-    # the worker's environment, changing only what differs from the template's
+    # the worker's environment: what differs from the template's (see serve)
+    unset, changed = env
     environ = os.environ
-    for key in [k for k in environ if k not in env]:
+    for key in unset:
         del environ[key]
-    for key, value in env.items():
-        if environ.get(key) != value:
-            environ[key] = value
+    for key, value in changed:
+        environ[key] = value
     if not _pass_gate(gate):
         os._exit(127)  # given up, or the supervisor died: nothing of the user's runs
 
@@ -391,6 +396,14 @@ def serve(fd: int) -> tuple[Any, ...]:
                 batch.append(got)
             batch.reverse()
         (targets, channel, env, cwd, script), fds = batch.pop()
+        # The worker's environment as changes to this one, worked out before the
+        # fork: a worker that compared the two itself would touch (and copy)
+        # the pages of every variable's strings.
+        environ = os.environ
+        changes = (
+            [key for key in environ if key not in env],
+            [(key, value) for key, value in env.items() if environ.get(key) != value],
+        )
         read_end, write_end = os.pipe()
         try:
             if len(fds) != len(targets) + 1:
@@ -408,7 +421,7 @@ def serve(fd: int) -> tuple[Any, ...]:
                 if other >= 0:
                     os.close(other)
             gate = fds.pop()
-            _become_worker(fds, targets, env, cwd, write_end, gate)
+            _become_worker(fds, targets, changes, cwd, write_end, gate)
             if script is not None:
                 return ("script", runner.run_script, script, default_path)
             sys.argv[:] = ["-c"]  # as a spawned function worker's
