@@ -350,11 +350,10 @@ async def test_large_arguments_are_copied_into_shared_memory_off_the_loop(
     assert not [t for t in threading.enumerate() if t.name == "aioproc-copy"]
 
 
-async def test_a_call_cancelled_during_its_copy_leaves_the_worker_usable(
-    worker: WorkerProcess, of: ModuleType, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Cancelled before its frame was sent: nothing reached the worker, and the
-    memfd is closed once the copy that was still writing it ends."""
+def gate_the_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[threading.Event, threading.Event]:
+    """Make each memfd's copy wait for ``release``; ``started`` is set as one begins."""
     started, release = threading.Event(), threading.Event()
     fill = _shm.Segment.fill
 
@@ -364,6 +363,15 @@ async def test_a_call_cancelled_during_its_copy_leaves_the_worker_usable(
         fill(segment)
 
     monkeypatch.setattr(_shm.Segment, "fill", slow)
+    return started, release
+
+
+async def test_a_call_cancelled_during_its_copy_leaves_the_worker_usable(
+    worker: WorkerProcess, of: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled before its frame was sent: nothing reached the worker, and the
+    memfd is closed once the copy that was still writing it ends."""
+    started, release = gate_the_copies(monkeypatch)
     call = asyncio.ensure_future(worker.call(of.identity, bytes(8 * MiB)))
     assert await asyncio.to_thread(started.wait, 30)
     assert _memfds() == 1  # reserved, being filled
@@ -376,7 +384,7 @@ async def test_a_call_cancelled_during_its_copy_leaves_the_worker_usable(
     await asyncio.to_thread(copier.join, 30)
     await asyncio.sleep(0)  # the loop closes it in the callback the copier posted
     assert _memfds() == 0
-    monkeypatch.setattr(_shm.Segment, "fill", fill)
+    monkeypatch.undo()
     assert await worker.call(of.identity, 7) == 7
 
 
@@ -385,15 +393,7 @@ async def test_calls_reach_the_worker_in_the_order_they_were_made(
 ) -> None:
     """A small call made while an earlier call's large argument is still being
     copied waits for it, although the small one could be sent at once."""
-    started, release = threading.Event(), threading.Event()
-    fill = _shm.Segment.fill
-
-    def slow(segment: _shm.Segment) -> None:
-        started.set()
-        release.wait(30)
-        fill(segment)
-
-    monkeypatch.setattr(_shm.Segment, "fill", slow)
+    started, release = gate_the_copies(monkeypatch)
     log = tmp_path / "order"
     big = asyncio.ensure_future(worker.call(of.append_line, str(log), "big", bytes(8 * MiB)))
     assert await asyncio.to_thread(started.wait, 30)
