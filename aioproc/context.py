@@ -26,8 +26,6 @@ import asyncio
 import enum
 import functools
 import logging
-import math
-import os
 import signal
 import time
 import weakref
@@ -47,36 +45,38 @@ from ._base.offloop import Batched, helper, run_blocking
 from ._base.owner import Owner
 from ._base.shield import shielded
 from ._child import channel as _wire
-from ._errors.failure import ProcessFailure, read_error_file
+from ._errors.failure import ErrorFileContent, ProcessFailure, read_error_file, read_error_files
 from ._func import template as _template
 from ._func.barrier import ControlHub
 from ._func.script import script_dirs
 from ._group.checks import check_executable as _check_executable
+from ._group.checks import check_interval, check_start
 from ._group.checks import check_kwargs as _check_kwargs
-from ._group.checks import check_start
 from ._group.checks import validate_group as _validate
 from ._group.outcomes import NEVER_STARTED as NEVER_STARTED
 from ._group.outcomes import Outcomes
+from ._group.preimport import preimport as preimport
 from ._group.rank_launcher import ROLE, RankLauncher, SinkLike
 from ._group.rank_launcher import make_sinks as _make_sinks
 from ._group.rankdirs import RankDirs
 from ._group.resources import CpusArg, GroupResources, LimitsArg
 from ._limits.capacity import Capacity
-from ._limits.usage import sample as sample_usage
+from ._limits.usage import sample_all
 from ._metrics import hooks as _hooks
 from ._output.console import release_consoles
-from ._proc import exits as _exits
 from ._proc import lifeline as _lifeline
 from ._proc.posix_spawn import name_fd_limit
 from ._proc.shutdown import Deadline, Release, release, stop_groups, warn_forced
 from ._proc.spawn import Child
 from .logs import DefaultLogsSpecs, LogsDest, LogsSpecs
-from .results import DEFAULT_GRACE_PERIOD, RunProcsResult, Usage, WorkerEvent
+from .results import DEFAULT_GRACE_PERIOD, RunProcsResult, WorkerEvent
 from .signals import SignalException, pending_signal
 
 __all__ = ["PContext", "RunProcsResult", "WorkerEvent", "close_on_exit", "preimport"]
 
 logger = logging.getLogger("aioproc")
+
+preimport.__module__ = __name__  # defined in the wing, imported from here
 
 _LAUNCH_WINDOW = 8
 """Workers being launched at once: forks queue on the helper thread, in rank order."""
@@ -99,35 +99,6 @@ _read_error_file = Batched(read_error_file)
 """Error files of exited workers, read a burst per helper-thread job."""
 
 
-ErrorFileContent = tuple[bytes, int] | OSError | None
-"""What ``read_error_file`` returns."""
-
-
-_LIST_DIR_FROM = 8
-"""Error files in one dir from which ``_read_error_files`` lists the dir first."""
-
-
-def _read_error_files(paths: list[str]) -> list[ErrorFileContent]:
-    """``read_error_file`` of each path (a stopped group's: most were never written).
-
-    A dir holding many of them (``error_<rank>.json`` side by side) is
-    listed once, and only the files in it are looked at: one system call
-    instead of a ``stat`` per absent file.
-    """
-    by_dir: dict[str, list[str]] = {}
-    for path in paths:
-        by_dir.setdefault(os.path.dirname(path), []).append(path)
-    absent: set[str] = set()
-    for folder, inside in by_dir.items():
-        if len(inside) >= _LIST_DIR_FROM:
-            try:
-                present = set(os.listdir(folder))
-            except OSError:
-                continue  # looked at one by one below
-            absent.update(p for p in inside if os.path.basename(p) not in present)
-    return [None if path in absent else read_error_file(path) for path in paths]
-
-
 async def _prune_after(reads: Sequence[asyncio.Future[Any]], specs: LogsSpecs) -> None:
     if reads:
         await asyncio.wait(reads)
@@ -136,58 +107,6 @@ async def _prune_after(reads: Sequence[asyncio.Future[Any]], specs: LogsSpecs) -
 
 _DRAIN_TIMEOUT = 2.0
 """Bound on waiting for EOF of a killed group's pipes (a setsid'd descendant may hold them)."""
-
-
-def preimport() -> None:
-    """Import and compile now what the first ``start_processes`` of this process needs.
-
-    ``import aioproc`` loads nothing heavy, so the first group a process
-    starts pays for the rest inside one callback of the running loop: anyio's
-    asyncio backend (imported by anyio on first use), ``multiprocessing``
-    (whose authkey function workers are given), the boot code every function
-    worker is sent (compiled once per process), the warm-start modules and
-    ``ctypes`` (with which a worker's exit is read).
-    That is 30-80 ms, during which the host's loop runs nothing else.  A
-    service calls ``preimport()`` once at start-up, before it serves, so
-    that its first start holds the loop no longer than any other.
-
-    Synchronous and cheap to repeat: later calls find everything loaded.  It
-    starts no process or thread, installs no signal handler and needs no
-    running loop.
-    """
-    import importlib
-
-    # the backend anyio loads on the first task group or cancel scope; the
-    # same module serves uvloop, which anyio runs as asyncio
-    importlib.import_module("anyio._backends._asyncio")
-    from multiprocessing import process  # noqa: F401  (imported by init_frame)
-
-    from ._func import boot, fork, template_exec  # noqa: F401  (fork: warm start)
-
-    boot.boot_blob()
-    template_exec._source()
-    template_exec._script_runner()
-    _exits._waitid_call()  # ctypes, for the usage of a worker that exits by itself
-
-
-def _check_interval(value: float | None) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"sample_interval must be a number of seconds or None, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"sample_interval must be a positive number of seconds, got {value!r}")
-    return float(value)
-
-
-def _sample_all(pids: Mapping[int, int]) -> dict[int, Usage]:
-    """``{rank: Usage}`` read from ``/proc`` for the ranks still readable."""
-    out = {}
-    for rank, pid in pids.items():
-        usage = sample_usage(pid)
-        if usage is not None:
-            out[rank] = usage
-    return out
 
 
 class _State(enum.Enum):
@@ -249,7 +168,7 @@ class PContext:
         sample_interval: float | None = None,
     ) -> None:
         grace_period = check_duration("grace_period", grace_period)
-        self._sample_interval = _check_interval(sample_interval)
+        self._sample_interval = check_interval(sample_interval)
         _validate(name, entrypoint, args, envs, logs_specs, log_line_prefixes, start_method)
         self._resources = GroupResources(name, len(args), limits, capacity, cpus)
         self.kwargs = _check_kwargs(entrypoint, args, kwargs)
@@ -555,7 +474,7 @@ class PContext:
                 }
                 if not pids:
                     continue
-                samples = await run_blocking(_sample_all, pids)
+                samples = await run_blocking(sample_all, pids)
                 now = time.time()
                 for rank, usage in samples.items():
                     self._notify(WorkerEvent("sampled", rank, pids[rank], None, now, usage))
@@ -818,7 +737,7 @@ class PContext:
         if not failed:
             return {}
         paths = [self.error_files.get(rank, "") for rank in failed]
-        return dict(zip(failed, await run_blocking(_read_error_files, paths), strict=True))
+        return dict(zip(failed, await run_blocking(read_error_files, paths), strict=True))
 
     async def _record_stopped(
         self, ranks: frozenset[int], early: dict[int, ErrorFileContent]

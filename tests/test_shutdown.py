@@ -357,10 +357,11 @@ async def test_close_reports_every_error_file_written_on_sigterm(
     looking for each file) and the prune, done while the exits are recorded,
     keeps exactly the files written."""
     from aioproc import context
+    from aioproc._errors import failure as _failure
     from aioproc.errors import ProcessFailure
 
     n = context._RECORD_BATCH + 5
-    assert n >= context._LIST_DIR_FROM
+    assert n >= _failure.LIST_DIR_FROM
     log_dir = tmp_path / "logs" if layout == "rank dirs" else None
     async with Fifo(tmp_path / "fifo") as fifo:
         pc = await aioproc.start_processes(
@@ -415,18 +416,18 @@ def test_error_files_read_together_as_one_by_one(tmp_path: Path) -> None:
     """A stopped group's error files, read with their dir listed once, come back as
     ``read_error_file`` reads each: absent, empty, with content, a dir of that
     name, in a dir that does not exist, and no path at all."""
-    from aioproc import context
+    from aioproc._errors import failure
     from aioproc.errors import read_error_file
 
     flat = tmp_path / "attempt_0"
     flat.mkdir()
-    paths = [str(flat / f"error_{r}.json") for r in range(context._LIST_DIR_FROM + 4)]
+    paths = [str(flat / f"error_{r}.json") for r in range(failure.LIST_DIR_FROM + 4)]
     Path(paths[1]).write_text("")
     Path(paths[2]).write_text('{"message": "boom", "timestamp": 7}')
     Path(paths[3]).mkdir()
     paths += [str(tmp_path / "gone" / "error.json"), "", str(tmp_path / "other.json")]
     Path(paths[-1]).write_text('{"message": "alone"}')
-    together = context._read_error_files(paths)
+    together = failure.read_error_files(paths)
     assert together == [read_error_file(p) for p in paths]
     assert [c is None for c in together] == [
         p not in (paths[1], paths[2], paths[-1]) for p in paths

@@ -390,3 +390,32 @@ def _read_if_file(path: str, max_size: int) -> tuple[bytes, int] | None:
     if not os.path.isfile(path):
         return None
     return _errorfile.read_capped(path, max_size)
+
+
+ErrorFileContent = tuple[bytes, int] | OSError | None
+"""What ``read_error_file`` returns."""
+
+
+LIST_DIR_FROM = 8
+"""Error files in one dir from which ``read_error_files`` lists the dir first."""
+
+
+def read_error_files(paths: list[str]) -> list[ErrorFileContent]:
+    """``read_error_file`` of each path (a stopped group's: most were never written).
+
+    A dir holding many of them (``error_<rank>.json`` side by side) is
+    listed once, and only the files in it are looked at: one system call
+    instead of a ``stat`` per absent file.
+    """
+    by_dir: dict[str, list[str]] = {}
+    for path in paths:
+        by_dir.setdefault(os.path.dirname(path), []).append(path)
+    absent: set[str] = set()
+    for folder, inside in by_dir.items():
+        if len(inside) >= LIST_DIR_FROM:
+            try:
+                present = set(os.listdir(folder))
+            except OSError:
+                continue  # looked at one by one below
+            absent.update(p for p in inside if os.path.basename(p) not in present)
+    return [None if path in absent else read_error_file(path) for path in paths]

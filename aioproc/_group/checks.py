@@ -9,6 +9,7 @@ these first, so a mistake says which rank, which variable and which value.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -317,3 +318,14 @@ def check_start(
     check_exec_size(entrypoint, args, envs)
     if isinstance(logs_specs, LogsSpecs):
         logs_specs.validate(envs)
+
+
+def check_interval(value: float | None) -> float | None:
+    """``sample_interval=`` checked: a positive number of seconds, or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"sample_interval must be a number of seconds or None, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"sample_interval must be a positive number of seconds, got {value!r}")
+    return float(value)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..results import Usage as Usage
@@ -92,3 +93,13 @@ def sample(pid: int) -> Usage | None:
     except (OSError, ValueError, IndexError):
         return None
     return Usage(user + system, user, system, max(peak, rss), rss=rss)
+
+
+def sample_all(pids: Mapping[int, int]) -> dict[int, Usage]:
+    """``{rank: Usage}`` read from ``/proc`` for the ranks still readable."""
+    out = {}
+    for rank, pid in pids.items():
+        usage = sample(pid)
+        if usage is not None:
+            out[rank] = usage
+    return out
