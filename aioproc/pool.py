@@ -67,7 +67,7 @@ from ._base.shield import shielded
 from ._cluster.tfconfig import ClusterSpec, worker_slots
 from ._errors.failure import BrokenWorkerError
 from ._func import template as _template
-from ._func.template import Template, TemplateLost
+from ._func.template import Template
 from ._group.resources import (
     GroupResources,
     check_capacity,
@@ -296,26 +296,21 @@ class WorkerPool:
             with start.scope:
                 if self._closed:  # closed before this start began: launch nothing
                     return
-                for retry in (False, True):
-                    try:
-                        template = await self._live_template()
-                        # the worker owns them: closed with it, or if this start fails
-                        worker = await _start_worker(
-                            name,
-                            self._initializer,
-                            self._initargs,
-                            self._init_timeout,
-                            self._shutdown_timeout,
-                            env,
-                            template,
-                            self._resources(i),
-                        )
-                        break
-                    except TemplateLost:
-                        # the template died between its last fork and this one
-                        # (its exit not noticed yet): once more, from a fresh one
-                        if retry:
-                            raise
+                # A template that died between its last fork and this one (its
+                # exit not noticed yet) makes the fork try a fresh one
+                # (``_func.fork``); the next start finds it broken.
+                template = await self._live_template()
+                # the worker owns them: closed with it, or if this start fails
+                worker = await _start_worker(
+                    name,
+                    self._initializer,
+                    self._initargs,
+                    self._init_timeout,
+                    self._shutdown_timeout,
+                    env,
+                    template,
+                    self._resources(i),
+                )
                 # no await from here on: the worker is never without an owner
                 start.worker = worker
                 if not self._closed:

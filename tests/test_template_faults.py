@@ -243,6 +243,50 @@ async def test_a_stopped_template_times_out_and_is_killed(
     assert reported(report) == set()
 
 
+async def test_groups_starting_when_their_template_dies_start_on_a_new_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two groups' starts are under way (sent, or queued) when the template they share
+    is SIGKILLed: both start every rank on a fresh template, each rank's function runs
+    once, and the dead template left nothing."""
+    n = 8
+    before = child_pids()
+    async with open_forkserver(["json"]) as server:
+        os.kill(server.pid, signal.SIGSTOP)  # answers nothing: the requests wait
+        starts = [
+            asyncio.ensure_future(
+                start_processes(
+                    name,
+                    fork_fault_funcs.ident,
+                    {r: (r,) for r in range(n)},
+                    {r: {} for r in range(n)},
+                    start_method="forkserver",
+                    preload=["json"],
+                )
+            )
+            for name in ("first", "second")
+        ]
+        # some requests are sent by now, the others queued: either kind is tried again
+        await asyncio.sleep(0.2)
+        assert not any(start.done() for start in starts)
+        os.kill(server.pid, signal.SIGKILL)
+        groups = await asyncio.wait_for(asyncio.gather(*starts), 30)
+        for pc in groups:
+            async with pc:
+                result = await asyncio.wait_for(pc.wait(), 30)
+            assert result is not None and not result.is_failed(), result
+            values = result.return_values
+            # each rank's function ran once, in the worker of that rank
+            assert [x for x, _, _ in values.values()] == list(range(n))
+            assert {pid for _, pid, _ in values.values()} == set(pc.pids().values())
+            assert {ppid for _, _, ppid in values.values()} == {os.getpid()}
+    lost = [r.getMessage() for r in caplog.records if "tried once more" in r.getMessage()]
+    assert len(lost) == 1, lost  # once for the dead template, not once per worker
+    assert lost[0].startswith(f"forkserver template (pid {server.pid}) failed while forking")
+    assert await survivors() == set()
+    assert child_pids() - before == set()
+
+
 async def test_a_forkserver_pool_takes_a_fresh_template_when_its_own_died() -> None:
     """Every call after the template was SIGKILLed succeeds, on workers forked
     from a new template (the one another group started, if there is one)."""

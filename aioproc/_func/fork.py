@@ -18,6 +18,7 @@ is killed and what it forked is swept.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -32,8 +33,11 @@ from .._proc import lifeline as _lifeline
 from .._proc.channel import Channel
 from .._proc.exits import PidProc
 from .._proc.spawn import Child, adopt
+from . import template as _template
 from .script import ScriptCommand
-from .template import CLOSE_WAIT, Template, _Request
+from .template import CLOSE_WAIT, Template, TemplateLost, _Request
+
+logger = logging.getLogger("aioproc")
 
 CANCEL_GRACE = 0.5
 """Seconds without any answer after which a cancelled start gives the template
@@ -144,6 +148,41 @@ async def _fork(
     join: Callable[[int], None] | None = None,
 ) -> int:
     """One fork request, answered on the helper thread; the registered, released pid.
+
+    A template that died with the request unanswered (killed, by the OOM
+    killer or by hand; given up by another start's cancellation), or was
+    gone before it was sent, is no fault of this start: what it forked for
+    the request was swept, and the request goes once to a fresh template.
+    One that stopped answering fails the start (a fresh one may stall too).
+
+    Cancellation: see ``spawn_forked``.
+    """
+    try:
+        return await _fork_once(template, fds, targets, channel_fd, env, cwd, script, join)
+    except TemplateLost as lost:
+        if not lost.retriable:
+            raise
+        if not template.retried:  # once per template, not per worker it lost
+            template.retried = True
+            logger.warning("%s; its workers' starts are tried once more on a new template", lost)
+    fresh = await _template.acquire(template.preload, template.path_head)
+    try:
+        return await _fork_once(fresh, fds, targets, channel_fd, env, cwd, script, join)
+    finally:
+        await shielded(_template.release(fresh))  # bounded (see Template.aclose)
+
+
+async def _fork_once(
+    template: Template,
+    fds: list[int],
+    targets: list[int],
+    channel_fd: int | None,
+    env: dict[str, str],
+    cwd: str,
+    script: ScriptCommand | None,
+    join: Callable[[int], None] | None = None,
+) -> int:
+    """``_fork`` with one template.
 
     Cancellation: see ``spawn_forked``.
     """

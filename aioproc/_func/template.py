@@ -91,7 +91,16 @@ class TemplateError(RuntimeError):
 
 
 class TemplateLost(TemplateError):
-    """The template died or was given up while forking; nothing it forked is left."""
+    """The template died or was given up while forking; nothing it forked is left.
+
+    ``retriable``: the request may go to a fresh template (the template died,
+    was given up by another start, or was gone before the request was sent);
+    False when it stopped answering, which a fresh one may do again.
+    """
+
+    def __init__(self, message: str, *, retriable: bool = True) -> None:
+        super().__init__(message)
+        self.retriable = retriable
 
 
 class _Request:
@@ -132,6 +141,10 @@ class Template:
         self.leases = 0
         self.closed = False
         self.broken = False  # a request failed: new leases start a new template
+        self.retried = False  # its lost requests were sent to a new template (_func.fork)
+        # whether requests it fails may go to a new template (TemplateLost.retriable):
+        # not once it stopped answering, for those of the same starts sent later too
+        self.retriable = True
         self._abandoned = False  # killed by a cancelled start (see abandon)
         self.progress = time.monotonic()  # when a request was last sent or answered
         self.mark = f"{os.getpid()}-{secrets.token_hex(8)}"
@@ -377,7 +390,9 @@ class Template:
             for req in batch:
                 req.sent()
                 req.close_gate()
-                req.future.set_exception(TemplateLost(f"{self!r} cannot fork workers"))
+                req.future.set_exception(
+                    TemplateLost(f"{self!r} cannot fork workers", retriable=self.retriable)
+                )
             return
         sent = 0
         try:
@@ -464,6 +479,9 @@ class Template:
         the workers forked for ``unanswered`` are swept, and only then are
         their gates closed and their futures failed.
         """
+        # a start tries a dead template's requests once more on a new one
+        # (``_func.fork``); one that stopped answering fails its starts
+        self.retriable = not isinstance(error, TimeoutError)
         self.broken = True
         self._kill()
         self._await_exit(CLOSE_WAIT)
@@ -480,13 +498,14 @@ class Template:
             why = "it died"
         else:
             why = f"{error or type(error).__name__}"
+        retriable = self.retriable
         message = (
             f"forkserver template (pid {self.pid}) failed while forking workers ({why}); "
-            f"it was killed, with the {swept} worker(s) it had not finished forking; "
-            "a new template starts with the next group"
+            f"it was killed, with the {swept} worker(s) it had not finished forking"
+            + ("" if retriable else "; a new template starts with the next group")
         )
         for req in unanswered:
-            lost = TemplateLost(message)
+            lost = TemplateLost(message, retriable=retriable)
             lost.__cause__ = error
             req.future.set_exception(lost)
 
