@@ -16,6 +16,7 @@ import asyncio
 import errno
 import mmap
 import os
+import random
 import signal
 import socket
 import threading
@@ -24,7 +25,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from helpers import import_child
+from helpers import import_child, loop_name
 from proc_utils import Fifo
 
 import aioproc
@@ -418,4 +419,57 @@ async def test_memfds_that_cannot_be_filled_send_the_value_in_the_frame(
         assert await worker.call(of.describe, value) == ("memoryview", "bytearray", True)
         assert await worker.call(of.identity, value) == value
     await worker.call(of.identity, 1)  # the loop drops its last reference to the reply
+    assert _memfds() == 0
+
+
+async def test_calls_cancelled_at_random_points_keep_order_and_leave_nothing(
+    of: ModuleType, tmp_path: Any
+) -> None:
+    """Bursts of calls with small and large (copied off the loop) arguments, some
+    cancelled at random moments: the calls that complete ran in the order they
+    were made, a cancelled one that was sent killed the worker (later calls
+    raise ``BrokenWorkerError``, a fresh worker takes over), and no memfd or
+    copy thread is left."""
+    rng = random.Random(f"shm-cancel-{loop_name()}")
+    log = tmp_path / "order"
+    worker = await open_worker()
+    workers = [worker]
+    broken = cancelled = 0
+    try:
+        for burst in range(60):
+            calls = []
+            for i in range(rng.randint(2, 4)):
+                size = rng.choice([0, 64 * 1024, 5 * MiB])
+                line = f"{burst}.{i}"
+                calls.append(
+                    asyncio.ensure_future(worker.call(of.append_line, str(log), line, bytes(size)))
+                )
+            for _ in range(rng.randint(0, 6)):
+                await asyncio.sleep(0)
+            for call in calls:
+                if rng.random() < 0.3:
+                    call.cancel()
+            outcomes = await asyncio.gather(*calls, return_exceptions=True)
+            for outcome in outcomes:
+                if isinstance(outcome, asyncio.CancelledError):
+                    cancelled += 1
+                elif isinstance(outcome, BrokenWorkerError):
+                    broken += 1
+                else:
+                    assert outcome is None, outcome
+            if worker._killed or any(isinstance(o, BrokenWorkerError) for o in outcomes):
+                await worker.aclose()
+                worker = await open_worker()
+                workers.append(worker)
+        assert cancelled >= 20
+        # every line a worker wrote came in the order its calls were made
+        written = [tuple(map(int, line.split("."))) for line in log.read_text().splitlines()]
+        assert written == sorted(written)
+    finally:
+        for w in workers:
+            await w.aclose()
+    copiers = [t for t in threading.enumerate() if t.name == "aioproc-copy"]
+    for copier in copiers:
+        await asyncio.to_thread(copier.join, 30)
+    await asyncio.sleep(0)  # memfds of abandoned copies close in the callback they post
     assert _memfds() == 0
