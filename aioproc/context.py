@@ -355,6 +355,7 @@ class PContext:
             self._capacity_wait = None
         if self._early_close is None:
             self._ranks.joins = self._resources.open()
+            self._ranks.entries = self._resources.entries()
 
     async def _start(self, payloads: dict[int, list[bytes]]) -> None:
         specs = self.logs_specs

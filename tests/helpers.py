@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import glob
 import importlib
 import json
@@ -26,6 +27,8 @@ from aioproc._plugin.leakcheck import open_fds as open_fds
 
 if TYPE_CHECKING:
     import pytest
+
+    from aioproc._limits.cgroups import Host
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 CHILDREN_DIR = os.path.join(TESTS_DIR, "children")
@@ -167,3 +170,24 @@ def cancelling() -> int:
     task = asyncio.current_task()
     assert task is not None
     return task.cancelling() if sys.version_info >= (3, 11) else 0
+
+
+@functools.cache
+def cgroup_host() -> Host:
+    """What cgroups this process can make (``_limits.cgroups.discover``), looked at once."""
+    from aioproc._limits.cgroups import discover
+
+    return discover()
+
+
+def need_cgroup(*controllers: str) -> None:
+    """Skip, saying why, unless this process can make groups with ``controllers``."""
+    import pytest
+
+    host = cgroup_host()
+    offered = set().union(*(h.controllers for h in host.hierarchies))
+    if not set(controllers) <= offered:
+        pytest.skip(
+            f"this process cannot make cgroups with {', '.join(controllers)} (needs root or a "
+            f"delegated subtree; notes: {'; '.join(host.notes) or 'none'})"
+        )

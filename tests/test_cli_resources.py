@@ -19,9 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import loop_name
-
-from aioproc._limits.cgroups import discover
+from helpers import loop_name, need_cgroup
 
 LIMIT = 60.0
 CLI = [sys.executable, "-m", "aioproc"]
@@ -35,7 +33,6 @@ CLI_RLIMITS = [
     "from aioproc.cli import main\n"
     "sys.exit(main())",
 ]
-HOST = discover()
 OOM_LINE = "  oom       : killed by the kernel's OOM killer: memory limit 64 MiB reached"
 
 ALLOCATE = """\
@@ -62,16 +59,6 @@ print("bye", flush=True)
 """
 
 AFFINITY = "import os\nprint('cpus', sorted(os.sched_getaffinity(0)), flush=True)\n"
-
-
-def need_cgroup(*controllers: str) -> None:
-    """Skip, saying why, unless this process can make groups with ``controllers``."""
-    offered = set().union(*(h.controllers for h in HOST.hierarchies))
-    if not set(controllers) <= offered:
-        pytest.skip(
-            f"this process cannot make cgroups with {', '.join(controllers)} (needs root or a "
-            f"delegated subtree; notes: {'; '.join(HOST.notes) or 'none'})"
-        )
 
 
 def cli_env() -> dict[str, str]:

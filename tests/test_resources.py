@@ -14,36 +14,28 @@ import errno
 import logging
 import os
 import random
+import re
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import cgroup_host, need_cgroup
 
 import aioproc
 import aioproc.metrics
 from aioproc import Capacity, ChildFailedError, DefaultLogsSpecs, Limits, Std, Usage
 from aioproc._group import resources
-from aioproc._limits.cgroups import discover
+from aioproc._limits import placement
 from aioproc._metrics import hooks
 
 MiB = 1 << 20
 NO_LOGS = DefaultLogsSpecs(log_dir=os.devnull)  # a failure leaves no error file behind
-HOST = discover()
 OOM_TEXT = "killed by the kernel's OOM killer: memory limit 64 MiB reached"
 KINDS = pytest.mark.parametrize("kind", ["function", "binary"])
-
-
-def need_cgroup(*controllers: str) -> None:
-    """Skip, saying why, unless this process can make groups with ``controllers``."""
-    offered = set().union(*(h.controllers for h in HOST.hierarchies))
-    if not set(controllers) <= offered:
-        pytest.skip(
-            f"this process cannot make cgroups with {', '.join(controllers)} (needs root or a "
-            f"delegated subtree; notes: {'; '.join(HOST.notes) or 'none'})"
-        )
 
 
 @pytest.fixture(autouse=True)
@@ -249,6 +241,37 @@ async def test_a_pids_limit_stops_a_fork_bomb_in_its_rank_only(kind: str, tmp_pa
     # the test process was never limited: it still starts many processes
     procs = [await asyncio.create_subprocess_exec("true") for _ in range(24)]
     assert [await p.wait() for p in procs] == [0] * 24
+
+
+async def test_a_binary_runs_nothing_outside_its_cgroups_when_the_join_is_late(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a loaded host the parent's join can land long after the binary's exec: the
+    binary enters its cgroups itself first, so its first child is inside them."""
+    need_cgroup("pids")
+    join = placement.Placement.join
+
+    def late(self: placement.Placement, pid: int) -> None:
+        time.sleep(0.5)  # long after the program below has run
+        join(self, pid)
+
+    monkeypatch.setattr(placement.Placement, "join", late)
+    lines: list[str] = []
+    result = await aioproc.run(
+        "/bin/sh",
+        1,
+        ("-c", 'cat /proc/self/cgroup; echo "env:${AIOPROC_CGROUP_PROCS-unset}"'),
+        limits=Limits(pids=64),
+        logs_specs=DefaultLogsSpecs(log_dir=tmp_path, tee=Std.ALL),
+        sinks=[lambda out: lines.append(out.line)],
+    )
+    assert not result.is_failed(), result
+    # the line of the hierarchy that holds the pids controller here
+    v1 = any(h.version == 1 and "pids" in h.controllers for h in cgroup_host().hierarchies)
+    pids = re.compile(r"\d+:([^:]*,)?pids(,[^:]*)?:" if v1 else "0::")
+    (line,) = [line for line in lines if pids.match(line)]
+    assert "/aioproc-" in line, lines
+    assert lines[-1] == "env:unset"  # the shell's variable does not reach the program
 
 
 async def test_limits_per_rank_give_each_rank_its_own_cgroup(

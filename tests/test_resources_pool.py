@@ -21,31 +21,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import release_fifo
+from helpers import cgroup_host, need_cgroup, release_fifo
 
 import aioproc
 import aioproc.metrics
 from aioproc import BrokenWorkerError, Capacity, DefaultLogsSpecs, Limits, Usage
 from aioproc._group import resources
 from aioproc._limits import affinity
-from aioproc._limits.cgroups import discover
 from aioproc._metrics import hooks
 
 MiB = 1 << 20
-HOST = discover()
 OOM_TEXT = "killed by the kernel's OOM killer: memory limit 64 MiB reached"
 ALLOWED = sorted(os.sched_getaffinity(0))
 NO_LOGS = DefaultLogsSpecs(log_dir=os.devnull)
-
-
-def need_cgroup(*controllers: str) -> None:
-    """Skip, saying why, unless this process can make groups with ``controllers``."""
-    offered = set().union(*(h.controllers for h in HOST.hierarchies))
-    if not set(controllers) <= offered:
-        pytest.skip(
-            f"this process cannot make cgroups with {', '.join(controllers)} (needs root or a "
-            f"delegated subtree; notes: {'; '.join(HOST.notes) or 'none'})"
-        )
 
 
 def need_cpus(n: int = 2) -> None:
@@ -281,7 +269,7 @@ async def test_a_pool_cancelled_while_waiting_for_capacity_holds_nothing() -> No
 
 
 async def test_usage_of_a_worker_after_close() -> None:
-    tracked = any("memory" in h.controllers for h in HOST.hierarchies)
+    tracked = any("memory" in h.controllers for h in cgroup_host().hierarchies)
     async with aioproc.open_worker(limits=Limits(memory="1G") if tracked else None) as worker:
         assert await worker.call(burn, 0.5) == 0.5
         assert await worker.call(allocate, 100) == 100

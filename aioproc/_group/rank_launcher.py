@@ -21,8 +21,10 @@ from .._child import shm as _shm
 from .._func.boot import CallEncoder, init_frame
 from .._func.launch import launch_function
 from .._func.script import ScriptCommand, script_commands
+from .._limits.join import ENTER_SH
 from .._metrics.hooks import NullRecorder
 from .._output.tee import TeeProtocol
+from .._proc.lifeline import SHELL
 from .._proc.spawn import BinaryStart, Child, adopt, discard, spawn, spawn_binaries
 from ..logs import LogsDest
 from ..sinks import CallbackSink, ConsoleSink, FileSink, Sink, _FilteredFileSink
@@ -70,6 +72,8 @@ class RankLauncher:
         self._segments: dict[int, list[_shm.Segment]] = {}
         self.joins: dict[int, Callable[[int], None]] = {}
         """``{rank: placement.join}`` for ranks with limits (see ``_group.resources``)."""
+        self.entries: dict[int, dict[str, str]] = {}
+        """``{rank: variables}`` of the binary ranks that enter their cgroups themselves."""
         self.recorder: NullRecorder | None = None
         """The metrics recorder the tees count output to, when metrics are on."""
 
@@ -239,9 +243,10 @@ class RankLauncher:
                     script=script,
                     join=self.joins.get(rank),
                 )
+            argv, env = self._binary(rank, env)
             return await spawn(
                 label,
-                [str(self.entrypoint), *map(str, self.args[rank])],
+                argv,
                 env,
                 stdout=streams["stdout"],
                 stderr=streams["stderr"],
@@ -259,6 +264,19 @@ class RankLauncher:
         finally:
             for f in files:
                 f.close()  # the child has its own copy
+
+    def _binary(self, rank: int, env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        """The argv and environment of binary ``rank``.
+
+        A rank with cgroups runs through a shell that enters them, then
+        execs the program: the parent's ``join`` would land only after the
+        program has run (and forked) for a moment.
+        """
+        argv = [str(self.entrypoint), *map(str, self.args[rank])]
+        entry = self.entries.get(rank)
+        if entry is None:
+            return argv, env
+        return [SHELL, "-c", ENTER_SH, "aioproc-enter", *argv], {**env, **entry}
 
     async def launch_binaries(
         self, ranks: Sequence[int], dest: LogsDest
@@ -284,11 +302,11 @@ class RankLauncher:
                 except OSError as e:
                     error = e  # this rank's log file: start the ones before it
                     break
-                argv = [str(self.entrypoint), *map(str, self.args[rank])]
+                argv, env = self._binary(rank, self._env(rank))
                 starts.append(
                     BinaryStart(
                         argv,
-                        self._env(rank),
+                        env,
                         streams["stdout"],
                         streams["stderr"],
                         self.joins.get(rank),

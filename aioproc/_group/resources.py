@@ -8,8 +8,10 @@ is enforced, warning about any that nothing here could enforce.  Each rank
 is joined to its placement, and pinned to its CPUs, from this process before
 it runs user code (see ``_proc.spawn``, ``_func.launch`` and ``_func.fork``):
 a spawned function worker waits for its boot code, a forked one at its
-gate, and a binary is joined on the helper thread microseconds after its
-exec.  Persistent workers use the same object, as a group of one
+gate.  A binary runs from its exec, so one with cgroups is started through
+a shell that enters them and then execs it (``entries``,
+``_limits.join.ENTER_SH``); its rlimits and CPUs are set on the helper
+thread microseconds after its exec.  Persistent workers use the same object, as a group of one
 (``aioproc.worker``, ``aioproc.pool``).
 
 At a worker's exit it tells whether the kernel's OOM killer ended it and
@@ -28,6 +30,7 @@ from dataclasses import replace
 from .._limits import placement as _placement
 from .._limits.affinity import ROUND_ROBIN, allowed_cpus, check_cpu_set, with_affinity
 from .._limits.capacity import Capacity
+from .._limits.join import PROCS_ENV
 from .._limits.placement import Placement, open_placement
 from .._limits.spec import Limits, format_bytes
 from .._proc import lifeline as _lifeline
@@ -270,6 +273,21 @@ class GroupResources:
                 self.name,
                 "; ".join(missed),
             )
+
+    def entries(self) -> dict[int, dict[str, str]]:
+        """``{rank: variables}``: what a binary rank needs to enter its cgroups by itself.
+
+        A binary runs from its exec, before the parent's ``join`` lands: it
+        is started through ``_limits.join.ENTER_SH`` with these variables
+        (the ranks of placements without cgroups need nothing).
+        """
+        out = {}
+        for rank in range(self.nprocs):
+            placement = self.placement_of(rank)
+            if placement is not None and placement.cgroups:
+                env = placement.child_env()
+                out[rank] = {PROCS_ENV: env[PROCS_ENV]}
+        return out
 
     def placement_of(self, rank: int) -> Placement | None:
         """The placement ``rank`` is in, if any."""

@@ -62,6 +62,18 @@ def set_rlimits(settings: Mapping[str, int], pid: int | None = None) -> None:
             resource.prlimit(pid, which, (value, value))
 
 
+ENTER_SH = (
+    'IFS=:; for f in $AIOPROC_CGROUP_PROCS; do echo $$ > "$f" || exit 126; done; '
+    'unset AIOPROC_CGROUP_PROCS IFS; exec "$@"'
+)
+"""``enter``'s cgroup half for a binary: ``/bin/sh -c ENTER_SH NAME ARGV...``.
+
+The shell writes its pid into the cgroups named in ``AIOPROC_CGROUP_PROCS``,
+then execs ``ARGV`` as that same pid: the program runs nothing, and forks
+nothing, outside them.  A cgroup that refuses the pid ends the shell with
+status 126 and the program never runs."""
+
+
 def enter(environ: MutableMapping[str, str] | None = None) -> None:
     """Enter the placement named in ``environ``: cgroups first, then rlimits.
 

@@ -24,7 +24,8 @@ whose supervisor died sweeps the processes carrying it (see ``_proc.lifeline``).
 Resource limits: a worker given a ``join`` (a placement's, see ``_limits``)
 is put in it on the helper thread right after its start, before the loop
 hears of it.  A function worker runs no user code until its boot code is
-sent, later; a binary worker has run for the microseconds since its exec.
+sent, later; a binary worker has run for the microseconds since its exec
+(one with cgroups entered them itself first: ``_group.rank_launcher``).
 A worker that cannot be joined is killed and reaped: it must not run
 without the limits it was given.
 
