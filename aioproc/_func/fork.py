@@ -24,6 +24,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
 from typing import IO, Any
 
 from .._base.offloop import helper
@@ -157,8 +158,12 @@ async def _fork(
 
     Cancellation: see ``spawn_forked``.
     """
+
+    def submit(to: Template, pool: Executor) -> _Request:
+        return to.submit(pool, fds, targets, channel_fd, env, cwd, script, join)
+
     try:
-        return await _fork_once(template, fds, targets, channel_fd, env, cwd, script, join)
+        return await _fork_once(template, submit)
     except TemplateLost as lost:
         if not lost.retriable:
             raise
@@ -167,22 +172,13 @@ async def _fork(
             logger.warning("%s; its workers' starts are tried once more on a new template", lost)
     fresh = await _template.acquire(template.preload, template.path_head)
     try:
-        return await _fork_once(fresh, fds, targets, channel_fd, env, cwd, script, join)
+        return await _fork_once(fresh, submit)
     finally:
         await shielded(_template.release(fresh))  # bounded (see Template.aclose)
 
 
-async def _fork_once(
-    template: Template,
-    fds: list[int],
-    targets: list[int],
-    channel_fd: int | None,
-    env: dict[str, str],
-    cwd: str,
-    script: ScriptCommand | None,
-    join: Callable[[int], None] | None = None,
-) -> int:
-    """``_fork`` with one template.
+async def _fork_once(template: Template, submit: Callable[[Template, Executor], _Request]) -> int:
+    """``_fork`` with one template: ``submit(template, pool)`` sends the request.
 
     Cancellation: see ``spawn_forked``.
     """
@@ -191,7 +187,7 @@ async def _fork_once(
         # the round trip waits for the new worker to set itself up, which
         # takes milliseconds on a busy machine: on the helper thread
         with helper() as pool:
-            req = template.submit(pool, fds, targets, channel_fd, env, cwd, script, join)
+            req = submit(template, pool)
             answer = asyncio.wrap_future(req.future)
             try:
                 pid = await asyncio.shield(answer)
