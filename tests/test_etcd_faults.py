@@ -247,12 +247,17 @@ def test_quick_etcd_restarts_do_not_fence_a_running_job(tmp_path: Any, loop: str
                 # a few renewals go through before the next outage (one per 0.1 s)
                 time.sleep(0.5)
             results = [a.finish() for a in agents]
+        # each outage was real (etcd down at least PAUSE)
+        assert all(t >= PAUSE for t in outages), outages
+        if any(t >= 2.0 for t in outages):
+            # A loaded host restarted etcd slower than the fence (two thirds
+            # of the TTL): fencing was then right, and is all this run shows.
+            for rc, err in results:
+                assert rc == 0 or "etcd is unreachable" in err, (outages, results)
+            return
         assert [rc for rc, _ in results] == [0, 0], (outages, results)
         for _, err in results:
             assert "fenced" not in err, err
-        # each outage was real (etcd down at least PAUSE) and shorter than the
-        # fence (two thirds of the TTL), past which fencing would be right
-        assert all(PAUSE <= t < 2.0 for t in outages), outages
         recs = records(out)
         assert len(recs) == 4  # nobody restarted
         assert_world(recs, 4, job)

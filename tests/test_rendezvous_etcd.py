@@ -73,19 +73,40 @@ class Etcd:
         self.port = free_port()
         self.peer_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        self.started = False  # once it has answered, its clients know its port
 
     @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        url = f"http://127.0.0.1:{self.port}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        """Start it and return once it answers.
+
+        The first start takes other ports if etcd exits at once: a free port
+        picked here can be taken (by another test process's connection) before
+        etcd binds it.  A restart keeps its ports, which its clients know.
+        """
         assert ETCD is not None
         log = os.path.join(os.path.dirname(self.data_dir), "etcd.log")
-        with open(log, "ab") as stderr:
-            self.proc = self._popen(ETCD, url, peer, stderr)
-        self.keys()  # waits until it answers
+        for attempt in range(1 if self.started else 3):
+            url = f"http://127.0.0.1:{self.port}"
+            peer = f"http://127.0.0.1:{self.peer_port}"
+            with open(log, "ab") as stderr:
+                self.proc = self._popen(ETCD, url, peer, stderr)
+            try:
+                self.keys()  # waits until it answers
+            except OSError as e:
+                self.stop()  # nothing left running, whatever happens next
+                if self.started or attempt == 2:
+                    with open(log, "rb") as f:
+                        tail = f.read()[-2000:].decode(errors="replace")
+                    raise OSError(
+                        f"etcd did not answer on {self.endpoint}; its log ends:\n{tail}"
+                    ) from e
+                self.port, self.peer_port = free_port(), free_port()
+            else:
+                self.started = True
+                return
 
     def _popen(self, etcd: str, url: str, peer: str, stderr: Any) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
@@ -139,6 +160,8 @@ class Etcd:
             except OSError:
                 if time.monotonic() > deadline:
                     raise
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise  # exited (its port taken?): it will never answer
                 time.sleep(0.1)  # etcd is still starting
         out: dict[str, Any] = {}
         for kv in result.get("kvs", []):
