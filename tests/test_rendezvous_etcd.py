@@ -160,7 +160,8 @@ class Etcd:
             except OSError:
                 if time.monotonic() > deadline:
                     raise
-                if self.proc is not None and self.proc.poll() is not None:
+                proc = getattr(self, "proc", None)  # a Store of test_c10d has none
+                if proc is not None and proc.poll() is not None:
                     raise  # exited (its port taken?): it will never answer
                 time.sleep(0.1)  # etcd is still starting
         out: dict[str, Any] = {}
