@@ -259,20 +259,13 @@ class GroupResources:
                 shown = format_bytes(value) if key == "memory" else f"{value:g}"
                 line = f"{who}{key} {shown}: {how}"
                 (missed if key in placement.unenforced else applied).append(line)
-        if applied:
-            logger.log(
-                logging.INFO if self.report else logging.DEBUG,
-                "limits for %s: %s",
-                self.name,
-                "; ".join(applied),
-            )
-        if missed:
-            logger.log(
-                logging.WARNING if self.report else logging.DEBUG,
-                "limits for %s not enforced here: %s",
-                self.name,
-                "; ".join(missed),
-            )
+        for lines, level, text in (
+            (applied, logging.INFO, "limits for %s: %s"),
+            (missed, logging.WARNING, "limits for %s not enforced here: %s"),
+        ):
+            if lines:
+                level = level if self.report else logging.DEBUG
+                logger.log(level, text, self.name, "; ".join(lines))
 
     def entries(self) -> dict[int, dict[str, str]]:
         """``{rank: variables}``: what a binary rank needs to enter its cgroups by itself.
