@@ -35,7 +35,10 @@ if pid == 0:
     os.tcsetpgrp(0, os.getpgrp())
     signal.signal(signal.SIGTTOU, signal.SIG_DFL)
     os.execv(sys.argv[1], sys.argv[1:])
-os.setpgid(pid, pid)
+try:
+    os.setpgid(pid, pid)
+except PermissionError:
+    pass  # the child has exec'd already, after its own setpgid (bash ignores this too)
 print(f"job {pid}", flush=True)
 while True:
     _, status = os.waitpid(pid, os.WUNTRACED)
@@ -64,10 +67,12 @@ def _workers(pid: int) -> list[int]:
     return found
 
 
-def _wait_for(what: str, check: Callable[[], bool], timeout: float = 15) -> None:
+def _wait_for(what: str, check: Callable[[], bool], shown: bytearray, timeout: float = 15) -> None:
     deadline = time.monotonic() + timeout
     while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, (
+            f"timed out waiting for {what}; the terminal showed {bytes(shown)!r}"
+        )
         time.sleep(0.02)  # another process's state: nothing to wait on
 
 
@@ -112,14 +117,14 @@ def test_ctrl_z_stops_the_workers_with_the_agent_and_fg_continues_them(
     reader.start()
     agent = 0
     try:
-        _wait_for("both workers' rows", lambda: len(_rows(out)) == 2)
+        _wait_for("both workers' rows", lambda: len(_rows(out)) == 2, drawn)
         agent = int(bytes(drawn).split(b"job ", 1)[1].split()[0])
         workers = _workers(agent)
         assert len(workers) == 2
         os.write(master, b"\x1a")  # Ctrl-Z: the terminal sends SIGTSTP
-        _wait_for("the agent to stop", lambda: _state(agent) == "T")
-        _wait_for("the shell to say so", lambda: b"Stopped" in drawn)
-        _wait_for("the workers to stop", lambda: {_state(w) for w in workers} == {"T"})
+        _wait_for("the agent to stop", lambda: _state(agent) == "T", drawn)
+        _wait_for("the shell to say so", lambda: b"Stopped" in drawn, drawn)
+        _wait_for("the workers to stop", lambda: {_state(w) for w in workers} == {"T"}, drawn)
         stopped = _rows(out)
         time.sleep(0.5)  # ~25 rows each if they still ran
         assert _rows(out) == stopped
@@ -127,6 +132,7 @@ def test_ctrl_z_stops_the_workers_with_the_agent_and_fg_continues_them(
         _wait_for(
             "the rows to grow again",
             lambda: all(n > stopped[name] + 5 for name, n in _rows(out).items()),
+            drawn,
         )
         assert _state(agent) != "T"
         os.kill(agent, signal.SIGTERM)
