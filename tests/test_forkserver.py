@@ -544,3 +544,58 @@ async def test_a_forked_worker_runs_nothing_before_the_supervisor_knows_it(
         assert await fifo.lines(1) == [f"running {pid}"]
         assert server.pid != pid
     no_template_left()
+
+
+_READ_ONCE = """\
+import inspect, os, sys
+
+print(f"imported in {{os.getpid()}}", flush=True)
+IMPORTS = [os.getpid()]
+VALUE = {value!r}
+
+
+def where():
+    mod = sys.modules[__name__]
+    learned = [f._specs for f in sys.meta_path if type(f).__name__ == "_Modules"][0]
+    return (
+        VALUE,
+        os.getpid(),
+        IMPORTS,
+        type(mod.__loader__).__name__,
+        mod.__file__,
+        inspect.getsource(where).splitlines()[0],
+        __name__ in learned,
+        "readonce_pkg" in learned,
+    )
+"""
+
+
+async def test_the_template_reads_a_functions_module_once_and_each_worker_runs_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = tmp_path / "readonce_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    module = package / "readonce_mod.py"
+    module.write_text(_READ_ONCE.format(value="first"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "readonce_pkg", raising=False)
+    monkeypatch.delitem(sys.modules, "readonce_pkg.readonce_mod", raising=False)
+    import readonce_pkg.readonce_mod as mod
+
+    async with open_forkserver():
+        for value in ("first", "second, and a longer file"):
+            if value != "first":  # changed on disk while the template runs
+                module.write_text(_READ_ONCE.format(value=value))
+                mod = __import__("importlib").reload(mod)
+            specs = DefaultLogsSpecs(str(tmp_path / value[:5]), redirects=Std.OUT)
+            result = await run(mod.where, 3, logs_specs=specs, start_method="forkserver")
+            for rank, got in result.return_values.items():
+                seen, pid, imports, loader, file, line, learned, package_learned = got
+                assert seen == value  # the file as it is now, not as it was read first
+                assert imports == [pid]  # its code ran in the worker, once
+                # the worker's log has what the import printed
+                assert Path(result.stdouts[rank]).read_text() == f"imported in {pid}\n"
+                assert (loader, file, line) == ("SourceFileLoader", str(module), "def where():")
+                assert learned and package_learned
+    no_template_left()

@@ -49,7 +49,7 @@ import sys
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import Any
+    from typing import Any, NoReturn
 
 CLONE_PARENT = 0x00008000
 SIGCHLD = 17  # on every architecture below
@@ -195,6 +195,133 @@ def _preload(names: list[str]) -> tuple[Any, ...]:
     return ("ready", os.getpid())
 
 
+class _Loaded:
+    """A loader that runs code the template read, then hands over to the real one."""
+
+    __slots__ = ("code", "loader")
+
+    def __init__(self, loader: Any, code: Any) -> None:
+        self.loader = loader
+        self.code = code
+
+    def create_module(self, spec: Any) -> None:
+        return None  # the default module, as the file loaders make
+
+    def exec_module(self, module: Any) -> None:
+        # from here on the module looks imported by its own loader (inspect,
+        # importlib.resources and a reload ask the loader, and read the file)
+        module.__loader__ = self.loader
+        spec = module.__spec__
+        if spec is not None:
+            spec.loader = self.loader
+        exec(self.code, module.__dict__)
+
+
+class _Modules:
+    """The code of the modules a group's function lives in, read here once.
+
+    A meta path finder, first on a worker's ``sys.meta_path``: a forked
+    worker that imports the module its function lives in would find, read
+    and unmarshal it again in pages of its own, about two thirds of what
+    the import costs it.  The module's code still runs in each worker, as
+    in a spawned one (its import-time output goes to the worker's log, its
+    state is the worker's own); only the reading is shared.  A file that
+    changed on disk since is read again by the usual finders.
+
+    Only what a worker would find at the same place is learned: modules
+    plain source or bytecode files, found through absolute ``sys.path``
+    entries (a relative one means the worker's cwd), and their packages.
+    """
+
+    LIMIT = 256
+    """Modules read at most: the code stays in the template's memory."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, tuple[Any, tuple[int, int], list[str] | None]] = {}
+        self._failed: set[str] = set()
+
+    def learn(self, names: set[str]) -> bool:
+        """Read the code of ``names`` and their packages; whether any was new."""
+        new = False
+        for name in sorted(names):
+            parts = name.split(".")
+            for i in range(1, len(parts) + 1):
+                new = self._learn(".".join(parts[:i])) or new
+        return new
+
+    def _learn(self, name: str) -> bool:
+        if name in sys.modules or name in self._failed:
+            return False
+        known = self._specs.get(name)
+        if known is not None and self.current(known):
+            return False
+        if known is None and len(self._specs) + len(self._failed) >= self.LIMIT:
+            return False
+        from importlib.machinery import PathFinder, SourceFileLoader, SourcelessFileLoader
+
+        parent = name.rpartition(".")[0]
+        search: list[str] | None
+        if parent:
+            module = sys.modules.get(parent)
+            if module is not None:
+                search = list(getattr(module, "__path__", None) or ())
+            elif parent in self._specs:
+                search = self._specs[parent][0].submodule_search_locations
+            else:
+                return False
+            if not search:
+                return False
+        else:
+            search = None
+        code: Any = None
+        spec: Any = None
+        try:
+            if search is None:
+                absolute = []
+                for entry in sys.path:
+                    if not isinstance(entry, str) or not os.path.isabs(entry):
+                        break  # found past here, it may not be what the worker finds
+                    absolute.append(entry)
+                spec = PathFinder.find_spec(name, absolute)
+            else:
+                spec = PathFinder.find_spec(name, search)
+            loader: Any = None if spec is None or not spec.origin else spec.loader
+            if spec is not None and type(loader) in (SourceFileLoader, SourcelessFileLoader):
+                st = os.stat(spec.origin)  # before the read: a change meanwhile reads it again
+                code = loader.get_code(name)
+        except Exception:
+            code = None
+        if code is None:
+            self._failed.add(name)  # the worker's own import reports it
+            return False
+        spec.loader = _Loaded(loader, code)
+        self._specs[name] = (spec, (st.st_mtime_ns, st.st_size), search)
+        return True
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        entry = self._specs.get(name)
+        if entry is None:
+            return None
+        spec, _, search = entry
+        if search is not None and (path is None or list(path) != search):
+            return None  # its package came from somewhere else
+        if not isinstance(spec.loader, _Loaded) or not self.current(entry):
+            return None  # imported once already (a reload reads the file), or changed
+        return spec
+
+    @staticmethod
+    def current(entry: tuple[Any, tuple[int, int], list[str] | None]) -> bool:
+        """Whether the file of a learned module is still as it was read."""
+        try:
+            st = os.stat(entry[0].origin)
+        except OSError:
+            return False
+        return (st.st_mtime_ns, st.st_size) == entry[1]
+
+    def invalidate_caches(self) -> None:
+        self._specs.clear()  # what importlib.invalidate_caches() asks of every finder
+
+
 def _cloner() -> Callable[[], int]:
     """``fork()`` that makes the new process a child of our parent (``CLONE_PARENT``)."""
     import ctypes
@@ -264,13 +391,14 @@ def _become_worker(
         _pass_gate(gate)  # the supervisor has read the failure: it reaps us next
         os._exit(127)
     _say(report, b"ok")
-    keep = {0, 1, 2, gate, *targets}
-    for name in os.listdir("/proc/self/fd"):
-        if int(name) not in keep:
-            try:
-                os.close(int(name))
-            except OSError:
-                pass  # the directory listing's own fd, already closed
+    # every other fd the template had, by ranges (close_range(2)): listing
+    # /proc/self/fd would build objects in pages this process must copy
+    low = 0
+    for fd in sorted({0, 1, 2, gate, *targets}):
+        if fd > low:
+            os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, 0x7FFFFFFF)
     # the worker's environment: what differs from the template's (see serve)
     unset, changed = env
     environ = os.environ
@@ -324,13 +452,11 @@ def _load_boot(blob: bytes) -> Callable[[int], None]:
     return main
 
 
-def serve(fd: int) -> tuple[Any, ...]:
-    """Preload, then fork on request; returns what a new worker runs.
+def serve(fd: int) -> NoReturn:
+    """Preload, then fork on request; each new worker runs its work (``_work``).
 
-    ``("boot", main, channel)`` for a function worker, or ``("script",
-    run_script, command, path)`` for a Python script or module (see
-    ``_child.script``; ``path`` is this interpreter's own default
-    ``sys.path``, which a script's is made from).
+    Neither the template nor a worker returns: both leave through
+    ``os._exit``.
     """
     default_path = list(sys.path)  # before INIT replaces it with the supervisor's
     sock = socket.socket(fileno=fd)
@@ -369,6 +495,8 @@ def serve(fd: int) -> tuple[Any, ...]:
 
     gc.freeze()
     _collapse()  # before READY: every fork finds the memory in large pages
+    modules = _Modules()
+    sys.meta_path.insert(0, modules)
     _send(sock, answer)
     # pipelined (see the module docstring): new workers set themselves up side by side
     requests = _Requests(sock)
@@ -395,15 +523,21 @@ def serve(fd: int) -> tuple[Any, ...]:
             while (got := requests.next(block=False)) is not None:
                 batch.append(got)
             batch.reverse()
-        (targets, channel, env, cwd, script), fds = batch.pop()
-        # The worker's environment as changes to this one, worked out before the
-        # fork: a worker that compared the two itself would touch (and copy)
-        # the pages of every variable's strings.
-        environ = os.environ
-        changes = (
-            [key for key in environ if key not in env],
-            [(key, value) for key, value in env.items() if environ.get(key) != value],
-        )
+            # the modules the workers' functions live in, read before they fork
+            if modules.learn({name for (*_, named), _ in batch for name in named}):
+                gc.freeze()  # the new code too is shared, out of the collector's reach
+            # Each worker's environment as changes to this one: a worker that
+            # compared the two itself would touch (and copy) the pages of every
+            # variable's strings, and so would the template between forks.
+            environ = dict(os.environ)
+            for i, ((targets, channel, env, cwd, script, _), fds) in enumerate(batch):
+                changes = (
+                    [key for key in environ if key not in env],
+                    [(key, value) for key, value in env.items() if environ.get(key) != value],
+                )
+                batch[i] = ((targets, channel, changes, cwd, script, None), fds)
+            del environ
+        (targets, channel, changes, cwd, script, _), fds = batch.pop()
         read_end, write_end = os.pipe()
         try:
             if len(fds) != len(targets) + 1:
@@ -415,17 +549,18 @@ def serve(fd: int) -> tuple[Any, ...]:
             pending.append((("error", e.errno or 0, str(e)), -1))
             continue
         if pid == 0:
+            # The other workers' report pipes go with every other fd of the
+            # template's in _become_worker, by ranges: a loop over ``pending``
+            # here would write (and copy) the page of every entry it reads.
             sock.close()
-            os.close(read_end)
-            for _, other in pending:
-                if other >= 0:
-                    os.close(other)
             gate = fds.pop()
             _become_worker(fds, targets, changes, cwd, write_end, gate)
+            # From the fork itself, never returning through this frame: that
+            # would free what the template's loop holds, touching its pages.
             if script is not None:
-                return ("script", runner.run_script, script, default_path)
+                _work(("script", runner.run_script, script, default_path))
             sys.argv[:] = ["-c"]  # as a spawned function worker's
-            return ("boot", boot_main, channel)
+            _work(("boot", boot_main, channel))
         for fd in (*fds, write_end):
             os.close(fd)
         pending.append((pid, read_end))
@@ -552,7 +687,7 @@ def _exit_code(e: SystemExit) -> int:
     return 1
 
 
-def _finish(code: int, die_by: int = 0) -> None:
+def _finish(code: int, die_by: int = 0) -> NoReturn:
     """End a forked worker as a script ends, without tearing the interpreter down.
 
     Non-daemon threads are joined, atexit handlers run (logging's flush,
@@ -599,29 +734,38 @@ _OURS: list[dict[str, Any]] = [globals()]
 """Globals of the code a worker runs before the user's (this module's, the runner's)."""
 
 
-if __name__ == "__main__":
-    _run = serve(int(sys.argv[1]))
+def _work(run: tuple[Any, ...]) -> NoReturn:
+    """In a new worker: what it runs, in a fresh ``__main__``, then ``_finish``.
+
+    ``("boot", main, channel)`` for a function worker, or ``("script",
+    run_script, command, path)`` for a Python script or module (see
+    ``_child.script``; ``path`` is this interpreter's own default
+    ``sys.path``, which a script's is made from).
+    """
     # a fresh __main__ for the worker, as in a spawned interpreter
-    _main = type(sys)("__main__")
-    _main.__builtins__ = __builtins__  # type: ignore[attr-defined]
-    sys.modules["__main__"] = _main
-    del serve
+    main = type(sys)("__main__")
+    main.__builtins__ = __builtins__  # type: ignore[attr-defined]
+    sys.modules["__main__"] = main
     try:
-        if _run[0] == "script":
-            _run[1](_run[2], _run[3], _main)  # _child.script.run_script
+        if run[0] == "script":
+            run[1](run[2], run[3], main)  # _child.script.run_script
         else:
-            _run[1](_run[2])  # the function worker's main.main(channel)
-    except SystemExit as _e:
-        _finish(_exit_code(_e))
-    except BaseException as _e:
+            run[1](run[2])  # the function worker's main.main(channel)
+    except SystemExit as e:
+        _finish(_exit_code(e))
+    except BaseException as e:
         # as the interpreter reports an uncaught exception: through sys.excepthook
         # (the hook prints the exception's own traceback: ours is cut off it)
-        _e = _e.with_traceback(_script_traceback(_e))
+        e = e.with_traceback(_script_traceback(e))
         try:
-            sys.excepthook(type(_e), _e, _e.__traceback__)
+            sys.excepthook(type(e), e, e.__traceback__)
         except BaseException:
             import traceback
 
             traceback.print_exc()
-        _finish(1, die_by=2 if isinstance(_e, KeyboardInterrupt) else 0)
+        _finish(1, die_by=2 if isinstance(e, KeyboardInterrupt) else 0)
     _finish(0)
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))

@@ -66,6 +66,7 @@ async def spawn_forked(
     tee_err: TeeProtocol | None = None,
     script: ScriptCommand | None = None,
     join: Callable[[int], None] | None = None,
+    modules: Sequence[str] = (),
 ) -> Child:
     """Fork one worker from ``template``; the same contract as ``spawn``.
 
@@ -78,6 +79,8 @@ async def spawn_forked(
     The worker runs nothing before the guardian knows it, nor before
     ``join(pid)`` (if given) put it in its placement: the template's
     answer reaches this process while the worker waits at its gate.
+    ``modules``: what a function worker imports first (see
+    ``Template.submit``).
 
     Raises:
         TemplateLost: the template died, or stopped answering for
@@ -126,7 +129,9 @@ async def spawn_forked(
         fds.extend(pass_fds)
         targets.extend(pass_fds)
         worker_env = {**env, _lifeline.TOKEN_VAR: _lifeline.lineage()}
-        pid = await _fork(template, fds, targets, channel_fd, worker_env, os.getcwd(), script, join)
+        pid = await _fork(
+            template, fds, targets, channel_fd, worker_env, os.getcwd(), script, join, modules
+        )
     except BaseException:
         for reader in readers.values():
             reader.close()
@@ -147,6 +152,7 @@ async def _fork(
     cwd: str,
     script: ScriptCommand | None,
     join: Callable[[int], None] | None = None,
+    modules: Sequence[str] = (),
 ) -> int:
     """One fork request, answered on the helper thread; the registered, released pid.
 
@@ -160,7 +166,7 @@ async def _fork(
     """
 
     def submit(to: Template, pool: Executor) -> _Request:
-        return to.submit(pool, fds, targets, channel_fd, env, cwd, script, join)
+        return to.submit(pool, fds, targets, channel_fd, env, cwd, script, join, modules)
 
     try:
         return await _fork_once(template, submit)

@@ -53,6 +53,7 @@ async def launch_function(
     segments: Sequence[_shm.Segment] = (),
     one_shot: bool = False,
     join: Callable[[int], None] | None = None,
+    modules: Sequence[str] = (),
 ) -> Child:
     """Start one function worker and queue its boot code and ``frames``.
 
@@ -70,6 +71,8 @@ async def launch_function(
     puts the worker in its placement (``_limits``) from this process before
     it runs any user code: a spawned worker waits for its boot code, sent
     after the join; a forked one waits at its gate (see ``spawn_forked``).
+    ``modules``: what the worker imports first, for a template to read
+    once (see ``Template.submit``).
 
     Cancellation: a cancelled launch kills the half-started worker's group
     (see ``spawn``) and closes the channel before re-raising.
@@ -110,6 +113,7 @@ async def launch_function(
                 tee_out=tee_out,
                 tee_err=tee_err,
                 join=join,
+                modules=modules,
             )
         else:
             child = await spawn(

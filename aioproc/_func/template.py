@@ -296,6 +296,7 @@ class Template:
         cwd: str,
         script: ScriptCommand | None = None,
         join: Callable[[int], None] | None = None,
+        modules: Sequence[str] = (),
     ) -> _Request:
         """Ask for one worker: ``fds[i]`` becomes its fd ``targets[i]``; its pid, later.
 
@@ -305,6 +306,9 @@ class Template:
         worker in its placement (``_limits``) from this process while the
         worker still waits at its gate: no code of the user's runs outside
         its limits, so the worker needs no copy of ``_limits.join.enter``.
+        ``modules``: what the worker's function will import first (the
+        module it lives in); the template reads their code once for all its
+        workers, which still run it themselves.
         A worker that cannot be joined is let go unrun and reaped, and the
         future raises the error.
 
@@ -318,7 +322,7 @@ class Template:
         ``FORK_TIMEOUT``) or given up (``abandon``).
         """
         request = None if script is None else script.request()
-        body = marshal.dumps((list(targets), channel, dict(env), cwd, request))
+        body = marshal.dumps((list(targets), channel, dict(env), cwd, request, list(modules)))
         gate_r, gate_w = os.pipe()
         req = _Request(len(body).to_bytes(8, "big") + body, [*fds, gate_r], gate_w, join)
         with self._lock:

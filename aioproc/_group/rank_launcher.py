@@ -20,6 +20,7 @@ from .._child import channel as _wire
 from .._child import shm as _shm
 from .._func.boot import CallEncoder, init_frame
 from .._func.launch import launch_function
+from .._func.pickling import function_ref
 from .._func.script import ScriptCommand, script_commands
 from .._limits.join import ENTER_SH
 from .._metrics.hooks import NullRecorder
@@ -69,6 +70,9 @@ class RankLauncher:
         # ranks whose binary is this interpreter running a script: a forkserver
         # template can run those itself (see _script)
         self.scripts: dict[int, ScriptCommand] = script_commands(entrypoint, args)
+        self._ref = None if isinstance(entrypoint, str) else function_ref(entrypoint)
+        self.modules: tuple[str, ...] = () if self._ref is None else (self._ref[0],)
+        """The module the function lives in: a template reads its code once."""
         self._segments: dict[int, list[_shm.Segment]] = {}
         self.joins: dict[int, Callable[[int], None]] = {}
         """``{rank: placement.join}`` for ranks with limits (see ``_group.resources``)."""
@@ -96,7 +100,7 @@ class RankLauncher:
         if isinstance(self.entrypoint, str):
             return {}
         init = init_frame(lifeline=lifeline)
-        encoder = CallEncoder(self.entrypoint)
+        encoder = CallEncoder(self.entrypoint, self._ref)
         out: dict[int, list[bytes]] = {}
         try:
             for rank in range(len(self.args)):
@@ -221,6 +225,7 @@ class RankLauncher:
                         segments=segments,
                         one_shot=True,
                         join=self.joins.get(rank),
+                        modules=self.modules,
                     )
                 finally:
                     for segment in segments:
