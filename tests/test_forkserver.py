@@ -598,4 +598,13 @@ async def test_the_template_reads_a_functions_module_once_and_each_worker_runs_i
                 assert Path(result.stdouts[rank]).read_text() == f"imported in {pid}\n"
                 assert (loader, file, line) == ("SourceFileLoader", str(module), "def where():")
                 assert learned and package_learned
+        # another copy first on the supervisor's sys.path: the workers import that one
+        shadow = tmp_path / "shadow" / "readonce_pkg"
+        shadow.mkdir(parents=True)
+        (shadow / "__init__.py").write_text("")
+        (shadow / "readonce_mod.py").write_text(_READ_ONCE.format(value="shadow"))
+        monkeypatch.syspath_prepend(str(tmp_path / "shadow"))
+        result = await run(mod.where, 2, start_method="forkserver")
+        for seen, _, _, _, file, *_ in result.return_values.values():
+            assert (seen, file) == ("shadow", str(shadow / "readonce_mod.py"))
     no_template_left()

@@ -228,16 +228,19 @@ class _Modules:
     state is the worker's own); only the reading is shared.  A file that
     changed on disk since is read again by the usual finders.
 
-    Only what a worker would find at the same place is learned: modules
-    plain source or bytecode files, found through absolute ``sys.path``
-    entries (a relative one means the worker's cwd), and their packages.
+    Only what a worker would find at the same place is served: plain
+    source or bytecode files found through absolute ``sys.path`` entries
+    (a relative one means the worker's cwd) that lead the worker's
+    ``sys.path`` as they led the template's, and their packages.
     """
 
     LIMIT = 256
     """Modules read at most: the code stays in the template's memory."""
 
     def __init__(self) -> None:
-        self._specs: dict[str, tuple[Any, tuple[int, int], list[str] | None]] = {}
+        # name: (spec, the file's (mtime, size), the path it was found on, and
+        # for a top-level module whether that path is a prefix of sys.path)
+        self._specs: dict[str, tuple[Any, tuple[int, int], list[str], bool]] = {}
         self._failed: set[str] = set()
 
     def learn(self, names: set[str]) -> bool:
@@ -260,7 +263,7 @@ class _Modules:
         from importlib.machinery import PathFinder, SourceFileLoader, SourcelessFileLoader
 
         parent = name.rpartition(".")[0]
-        search: list[str] | None
+        search: list[str]
         if parent:
             module = sys.modules.get(parent)
             if module is not None:
@@ -272,19 +275,15 @@ class _Modules:
             if not search:
                 return False
         else:
-            search = None
+            search = []
+            for entry in sys.path:
+                if not isinstance(entry, str) or not os.path.isabs(entry):
+                    break  # found past here, it may not be what the worker finds
+                search.append(entry)
         code: Any = None
         spec: Any = None
         try:
-            if search is None:
-                absolute = []
-                for entry in sys.path:
-                    if not isinstance(entry, str) or not os.path.isabs(entry):
-                        break  # found past here, it may not be what the worker finds
-                    absolute.append(entry)
-                spec = PathFinder.find_spec(name, absolute)
-            else:
-                spec = PathFinder.find_spec(name, search)
+            spec = PathFinder.find_spec(name, search)
             loader: Any = None if spec is None or not spec.origin else spec.loader
             if spec is not None and type(loader) in (SourceFileLoader, SourcelessFileLoader):
                 st = os.stat(spec.origin)  # before the read: a change meanwhile reads it again
@@ -295,22 +294,25 @@ class _Modules:
             self._failed.add(name)  # the worker's own import reports it
             return False
         spec.loader = _Loaded(loader, code)
-        self._specs[name] = (spec, (st.st_mtime_ns, st.st_size), search)
+        self._specs[name] = (spec, (st.st_mtime_ns, st.st_size), search, not parent)
         return True
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         entry = self._specs.get(name)
         if entry is None:
             return None
-        spec, _, search = entry
-        if search is not None and (path is None or list(path) != search):
+        spec, _, search, top = entry
+        if top:
+            if path is not None or sys.path[: len(search)] != search:
+                return None  # the worker's sys.path differs: it may find another file
+        elif path is None or list(path) != search:
             return None  # its package came from somewhere else
         if not isinstance(spec.loader, _Loaded) or not self.current(entry):
             return None  # imported once already (a reload reads the file), or changed
         return spec
 
     @staticmethod
-    def current(entry: tuple[Any, tuple[int, int], list[str] | None]) -> bool:
+    def current(entry: tuple[Any, tuple[int, int], list[str], bool]) -> bool:
         """Whether the file of a learned module is still as it was read."""
         try:
             st = os.stat(entry[0].origin)
