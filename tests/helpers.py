@@ -98,6 +98,15 @@ def pid_gone(pid: int) -> bool:
     return False
 
 
+def parent_of(pid: int) -> int:
+    """``pid``'s parent, or 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def aioproc_temp_dirs(tmpdir: str | None = None) -> set[str]:
     """The private ``aioproc_*`` log dirs ``DefaultLogsSpecs()`` made in ``tmpdir``.
 

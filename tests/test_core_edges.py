@@ -36,6 +36,7 @@ from helpers import (
     import_child,
     loop_name,
     open_fds,
+    parent_of,
     release_fifo,
 )
 from proc_utils import Fifo, still_alive_after
@@ -84,7 +85,7 @@ def start_stranger_on(pid: int, tries: int = 50) -> subprocess.Popen[bytes] | No
     """
     for _ in range(tries):
         if os.path.exists(f"/proc/{pid}"):
-            if _parent_of(pid) not in (os.getpid(), 0):
+            if parent_of(pid) not in (os.getpid(), 0):
                 # reused already by a process of somebody else's (another test
                 # process forks meanwhile): no stranger of ours can have it
                 pytest.skip(f"pid {pid} was taken first by {holder_of(pid)}")
@@ -113,15 +114,6 @@ def strangers() -> Iterator[list[subprocess.Popen[bytes]]]:
 async def stranger_survives(stranger: subprocess.Popen[bytes]) -> bool:
     """True if ``stranger`` is still running ``STRANGER_WATCH`` s from now."""
     return await still_alive_after([stranger.pid], timeout=STRANGER_WATCH) == {stranger.pid}
-
-
-def _parent_of(pid: int) -> int:
-    """``pid``'s parent, or 0 if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def holder_of(pid: int) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import cgroup_host, need_cgroup
+from helpers import cgroup_host, need_cgroup, parent_of
 
 import aioproc
 import aioproc.metrics
@@ -612,7 +612,7 @@ async def test_a_sigkilled_supervisors_cgroups_are_removed_by_its_guardian() -> 
         guardians = [
             int(p)
             for p in os.listdir("/proc")
-            if p.isdigit() and _parent_of(int(p)) == sup.pid and _is_guardian(int(p))
+            if p.isdigit() and parent_of(int(p)) == sup.pid and _is_guardian(int(p))
         ]
         assert len(guardians) == 1
         sup.kill()
@@ -627,14 +627,6 @@ async def test_a_sigkilled_supervisors_cgroups_are_removed_by_its_guardian() -> 
         for path in paths:  # what a failed run left: emptied by the kill above
             if path.exists():
                 path.rmdir()
-
-
-def _parent_of(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def _is_guardian(pid: int) -> bool:
