@@ -4,7 +4,9 @@ P1b: ``cfg.p1_n`` function workers (``_workers.ret_rank``) started with
 ``start_method="forkserver"`` while ``open_forkserver()`` keeps the template
 up, start -> all results; baseline: the same group spawned (P1's candidate).
 The template's own start-up (an interpreter plus an empty preload) is its
-own row, against one ``python -c pass``.
+own row, against one ``python -c pass``.  Scripts: 16 workers running a
+600-line script (``aioproc run --start-method forkserver``'s workers), the
+template up, against the same 16 ``python script.py`` spawned.
 
 Memory: ``cfg.p1_n`` idle workers (each waits in ``time.sleep`` after saying
 ready on a FIFO), spawn vs forkserver: the supervisor's RSS and the mean
@@ -20,6 +22,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import _workers
@@ -136,6 +139,39 @@ def _settle(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+SCRIPT_N = 16
+
+
+def write_script(directory: str) -> str:
+    """A 600-line script that defines functions and a class, then exits: what
+    a worker pays to read and compile a training script before it runs."""
+    lines = []
+    for i in range(120):
+        lines += [
+            f"def f{i}(x, y=3, *args, **kw):",
+            f"    # step {i}",
+            "    z = [a * y for a in range(x) if a % 2]",
+            f"    return {{'k{i}': z, 'n': len(args)}} | kw",
+            "",
+        ]
+    lines += ["class Step:", "    def run(self):", "        return f1(3)", ""]
+    path = os.path.join(directory, "script_600.py")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return path
+
+
+async def forked_scripts(path: str, n: int) -> float:
+    """``n`` workers running ``python path``, forked from a template already up."""
+    async with aioproc.open_forkserver():
+        t0 = time.perf_counter()
+        result = await aioproc.run(sys.executable, n, (path,), start_method="forkserver")
+        dt = time.perf_counter() - t0
+    if result.return_values != dict.fromkeys(range(n)):
+        raise AssertionError(f"P1b scripts: wrong results / failures: {result}")
+    return dt
+
+
 async def template_start() -> float:
     t0 = time.perf_counter()
     server = await aioproc.open_forkserver()
@@ -163,6 +199,19 @@ def p1b(cfg: Config) -> list[Row]:
         "that each write a line and exit; start -> lines read, children gone",
         cpu_note=True,
     )
+    with tempfile.TemporaryDirectory(prefix="p1b-script-") as directory:
+        script = write_script(directory)
+        rows += rows_from(
+            f"P1b {SCRIPT_N} workers running a 600-line script, forkserver (template up)",
+            interleaved(
+                cfg,
+                lambda: raw_concurrent([sys.executable, script], SCRIPT_N),
+                lambda: forked_scripts(script, SCRIPT_N),
+            ),
+            None,
+            note=f"baseline: {SCRIPT_N} x `python script.py` spawned",
+            cpu_note=True,
+        )
     rows += rows_from(
         "P1b template start-up (no preload)",
         interleaved(cfg, lambda: raw_concurrent([sys.executable, "-c", "pass"], 1), template_start),

@@ -608,3 +608,41 @@ async def test_the_template_reads_a_functions_module_once_and_each_worker_runs_i
         for seen, _, _, _, file, *_ in result.return_values.values():
             assert (seen, file) == ("shadow", str(shadow / "readonce_mod.py"))
     no_template_left()
+
+
+async def test_the_template_compiles_a_script_once_and_again_once_it_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = tmp_path / "script.py"
+    body = (
+        "import sys\n"
+        "runner = sys._getframe(1).f_locals  # _child.script.run_script's\n"
+        "print({value!r}, runner['code'] is runner['codes'][__file__][1], __file__, flush=True)\n"
+        "{last}\n"
+    )
+    monkeypatch.chdir(tmp_path)  # a relative script path, as `aioproc run script.py` gives
+    async with open_forkserver():
+        script.write_text(body.format(value="first", last="pass"))
+        specs = DefaultLogsSpecs(str(tmp_path / "first"), redirects=Std.ALL)
+        result = await run(
+            sys.executable, 2, ("script.py",), start_method="forkserver", logs_specs=specs
+        )
+        for rank in range(2):
+            shown = Path(result.stdouts[rank]).read_text()
+            assert shown == f"first True {os.path.realpath(script)}\n"
+        # changed while the template runs: the workers run the new text
+        script.write_text(body.format(value="second", last="raise ValueError('from line 4')"))
+        specs = DefaultLogsSpecs(str(tmp_path / "second"), redirects=Std.ALL)
+        with pytest.raises(ChildFailedError) as info:
+            await run(
+                sys.executable, 1, ("script.py",), start_method="forkserver", logs_specs=specs
+            )
+    failure = info.value.failures[0]
+    assert failure.exitcode == 1
+    [out] = (tmp_path / "second").rglob("stdout.log")
+    [err_log] = (tmp_path / "second").rglob("stderr.log")
+    assert out.read_text() == f"second True {os.path.realpath(script)}\n"
+    err = err_log.read_text()
+    assert f'File "{os.path.realpath(script)}", line 4, in <module>' in err
+    assert "raise ValueError('from line 4')" in err and err.endswith("ValueError: from line 4\n")
+    no_template_left()

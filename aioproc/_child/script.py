@@ -49,7 +49,12 @@ def script_streams(unbuffered: bool) -> None:
         setattr(sys, f"__{name}__", stream)
 
 
-def run_script(command: dict[str, Any], default_path: list[str], main: Any) -> None:
+def run_script(
+    command: dict[str, Any],
+    default_path: list[str],
+    main: Any,
+    codes: dict[str, tuple[tuple[int, int], Any]] | None = None,
+) -> None:
     """Run a Python script or module in ``main`` as ``python [-u] script args`` would.
 
     ``command``: ``argv`` (the script, or ``-m`` and the module, then the
@@ -57,7 +62,9 @@ def run_script(command: dict[str, Any], default_path: list[str], main: Any) -> N
     line, for ``sys.orig_argv``).  ``sys.argv``, ``sys.path`` and
     ``__main__`` are what the interpreter gives a script: ``sys.path[0]`` is
     the script's directory (the working directory for ``-m``), followed by
-    this interpreter's default path.
+    this interpreter's default path.  ``codes``: scripts compiled already,
+    ``{abspath: ((st_mtime_ns, st_size), code)}``, used while the file is
+    unchanged.
     """
     argv: list[str] = command["argv"]
     script_streams(command["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED")))
@@ -81,21 +88,36 @@ def run_script(command: dict[str, Any], default_path: list[str], main: Any) -> N
         return
     sys.path[:] = rest if safe else [os.path.dirname(os.path.realpath(path)), *rest]
     filename = os.path.abspath(path)
-    try:
-        with open(path, "rb") as f:
-            source = f.read()
-    except OSError as e:
-        print(
-            f"{sys.executable}: can't open file {filename!r}: [Errno {e.errno}] {e.strerror}",
-            file=sys.stderr,
-        )
-        raise SystemExit(2) from None
+    code = _compiled(filename, codes)
+    if code is None:
+        try:
+            with open(path, "rb") as f:
+                source = f.read()
+        except OSError as e:
+            print(
+                f"{sys.executable}: can't open file {filename!r}: [Errno {e.errno}] {e.strerror}",
+                file=sys.stderr,
+            )
+            raise SystemExit(2) from None
+        code = compile(source, filename, "exec", dont_inherit=True)
     import _frozen_importlib_external
 
     main.__file__ = filename
     main.__cached__ = None
     main.__loader__ = _frozen_importlib_external.SourceFileLoader("__main__", filename)
-    exec(compile(source, filename, "exec", dont_inherit=True), main.__dict__)
+    exec(code, main.__dict__)
+
+
+def _compiled(filename: str, codes: dict[str, tuple[tuple[int, int], Any]] | None) -> Any:
+    """The code compiled for ``filename`` if the file is still as it was then."""
+    known = None if codes is None else codes.get(filename)
+    if known is None:
+        return None
+    try:
+        st = os.stat(filename)
+    except OSError:
+        return None
+    return known[1] if (st.st_mtime_ns, st.st_size) == known[0] else None
 
 
 def _is_zip(path: str) -> bool:
