@@ -566,6 +566,7 @@ def where():
         inspect.getsource(where).splitlines()[0],
         __name__ in learned,
         "readonce_pkg" in learned,
+        sys.modules["readonce_pkg"].FIRST_LINE,
     )
 """
 
@@ -575,7 +576,14 @@ async def test_the_template_reads_a_functions_module_once_and_each_worker_runs_i
 ) -> None:
     package = tmp_path / "readonce_pkg"
     package.mkdir()
-    (package / "__init__.py").write_text("")
+    # the package reads its module's source through the module's loader (as a
+    # plugin registry might) before importing it
+    init = (
+        "import importlib.util\n"
+        "_spec = importlib.util.find_spec(__name__ + '.readonce_mod')\n"
+        "FIRST_LINE = _spec.loader.get_source(_spec.name).splitlines()[0]\n"
+    )
+    (package / "__init__.py").write_text(init)
     module = package / "readonce_mod.py"
     module.write_text(_READ_ONCE.format(value="first"))
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -591,7 +599,8 @@ async def test_the_template_reads_a_functions_module_once_and_each_worker_runs_i
             specs = DefaultLogsSpecs(str(tmp_path / value[:5]), redirects=Std.OUT)
             result = await run(mod.where, 3, logs_specs=specs, start_method="forkserver")
             for rank, got in result.return_values.items():
-                seen, pid, imports, loader, file, line, learned, package_learned = got
+                seen, pid, imports, loader, file, line, learned, package_learned, first = got
+                assert first == "import inspect, os, sys"
                 assert seen == value  # the file as it is now, not as it was read first
                 assert imports == [pid]  # its code ran in the worker, once
                 # the worker's log has what the import printed
@@ -601,7 +610,7 @@ async def test_the_template_reads_a_functions_module_once_and_each_worker_runs_i
         # another copy first on the supervisor's sys.path: the workers import that one
         shadow = tmp_path / "shadow" / "readonce_pkg"
         shadow.mkdir(parents=True)
-        (shadow / "__init__.py").write_text("")
+        (shadow / "__init__.py").write_text(init)
         (shadow / "readonce_mod.py").write_text(_READ_ONCE.format(value="shadow"))
         monkeypatch.syspath_prepend(str(tmp_path / "shadow"))
         result = await run(mod.where, 2, start_method="forkserver")

@@ -205,6 +205,11 @@ class _Loaded:
         self.loader = loader
         self.code = code
 
+    def __getattr__(self, name: str) -> Any:
+        if name in _Loaded.__slots__:
+            raise AttributeError(name)  # not set yet (a copy being made)
+        return getattr(self.loader, name)  # get_source, get_data, is_package...
+
     def create_module(self, spec: Any) -> None:
         return None  # the default module, as the file loaders make
 
