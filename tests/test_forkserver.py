@@ -655,3 +655,43 @@ async def test_the_template_compiles_a_script_once_and_again_once_it_changes(
     assert f'File "{os.path.realpath(script)}", line 4, in <module>' in err
     assert "raise ValueError('from line 4')" in err and err.endswith("ValueError: from line 4\n")
     no_template_left()
+
+
+async def test_a_script_or_module_gone_since_the_template_read_it_fails_as_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = tmp_path / "gone_script.py"
+    script.write_text("print('ran')\n")
+    module = tmp_path / "gone_mod.py"
+    module.write_text("def f():\n    return 'ran'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "gone_mod", raising=False)
+    import gone_mod
+
+    async with open_forkserver():
+        assert (await run(gone_mod.f, 1, start_method="forkserver")).return_values == {0: "ran"}
+        specs = DefaultLogsSpecs(str(tmp_path / "first"), redirects=Std.ALL)
+        result = await run(
+            sys.executable, 1, (str(script),), start_method="forkserver", logs_specs=specs
+        )
+        assert Path(result.stdouts[0]).read_text() == "ran\n"
+        script.unlink()
+        module.unlink()
+        specs = DefaultLogsSpecs(str(tmp_path / "second"), redirects=Std.ALL)
+        with pytest.raises(ChildFailedError) as info:
+            await run(
+                sys.executable, 1, (str(script),), start_method="forkserver", logs_specs=specs
+            )
+        failure = info.value.failures[0]
+        assert failure.exitcode == 2  # what python says of a script it cannot open
+        [err] = (tmp_path / "second").rglob("stderr.log")
+        assert err.read_text() == (
+            f"{sys.executable}: can't open file {str(script)!r}: "
+            "[Errno 2] No such file or directory\n"
+        )
+        with pytest.raises(ChildFailedError) as info:
+            specs = DefaultLogsSpecs(str(tmp_path / "third"))
+            await run(gone_mod.f, 1, start_method="forkserver", logs_specs=specs)
+        message = info.value.failures[0].message["message"]
+        assert "No module named 'gone_mod'" in message
+    no_template_left()
