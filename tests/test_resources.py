@@ -29,7 +29,7 @@ import aioproc
 import aioproc.metrics
 from aioproc import Capacity, ChildFailedError, DefaultLogsSpecs, Limits, Std, Usage
 from aioproc._group import resources
-from aioproc._limits import placement
+from aioproc._limits import affinity, placement
 from aioproc._metrics import hooks
 
 MiB = 1 << 20
@@ -272,6 +272,40 @@ async def test_a_binary_runs_nothing_outside_its_cgroups_when_the_join_is_late(
     (line,) = [line for line in lines if pids.match(line)]
     assert "/aioproc-" in line, lines
     assert lines[-1] == "env:unset"  # the shell's variable does not reach the program
+
+
+async def test_a_binary_runs_on_its_cpus_from_its_start_when_the_pin_is_late(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a loaded host the parent's pin can land long after the binary's exec:
+    the binary inherits its CPUs at the fork, so what it runs first is on them."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("one CPU allowed here: every set is the same")
+    pin = affinity.set_affinity
+
+    def late(pid: int, cpus: Any) -> None:
+        time.sleep(0.5)  # long after the program below has read its CPUs
+        pin(pid, cpus)
+
+    monkeypatch.setattr(affinity, "set_affinity", late)
+    lines: list[str] = []
+    result = await aioproc.run(
+        "/bin/sh",
+        2,
+        ("-c", "grep Cpus_allowed_list /proc/self/status"),
+        cpus={0: [allowed[0]], 1: [allowed[1]]},
+        logs_specs=DefaultLogsSpecs(log_dir=tmp_path, tee=Std.ALL),
+        sinks=[lambda out: lines.append(f"{out.rank} {out.line}")],
+    )
+    assert not result.is_failed(), result
+    assert sorted(lines) == [
+        f"0 Cpus_allowed_list:\t{allowed[0]}",
+        f"1 Cpus_allowed_list:\t{allowed[1]}",
+    ]
+    # the thread that started them (the helper thread) has its own set back
+    for tid in os.listdir("/proc/self/task"):
+        assert os.sched_getaffinity(int(tid)) == set(allowed), tid
 
 
 async def test_limits_per_rank_give_each_rank_its_own_cgroup(

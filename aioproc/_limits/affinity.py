@@ -133,13 +133,27 @@ def set_affinity(pid: int, cpus: Sequence[int]) -> None:
         pass  # it exited already: nothing left to place
 
 
-def with_affinity(join: Callable[[int], None] | None, cpus: Sequence[int]) -> Callable[[int], None]:
+class Pinned:
+    """A join that pins the process to ``cpus``, then runs a placement's join, if any.
+
+    ``cpus`` is also what a spawner gives its own thread while it starts the
+    process (``_proc.spawn``): a child inherits its parent thread's CPU set
+    at the fork, so a binary runs on ``cpus`` from its first instruction,
+    not from when this join lands.
+    """
+
+    __slots__ = ("_join", "cpus")
+
+    def __init__(self, join: Callable[[int], None] | None, cpus: Sequence[int]) -> None:
+        self.cpus = tuple(cpus)
+        self._join = join
+
+    def __call__(self, pid: int) -> None:
+        set_affinity(pid, self.cpus)
+        if self._join is not None:
+            self._join(pid)
+
+
+def with_affinity(join: Callable[[int], None] | None, cpus: Sequence[int]) -> Pinned:
     """A join that pins the process to ``cpus``, then runs ``join`` (a placement's), if any."""
-    cpu_set = tuple(cpus)
-
-    def place(pid: int) -> None:
-        set_affinity(pid, cpu_set)
-        if join is not None:
-            join(pid)
-
-    return place
+    return Pinned(join, cpus)

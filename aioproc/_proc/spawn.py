@@ -25,7 +25,9 @@ Resource limits: a worker given a ``join`` (a placement's, see ``_limits``)
 is put in it on the helper thread right after its start, before the loop
 hears of it.  A function worker runs no user code until its boot code is
 sent, later; a binary worker has run for the microseconds since its exec
-(one with cgroups entered them itself first: ``_group.rank_launcher``).
+(one with cgroups entered them itself first: ``_group.rank_launcher``; one
+pinned to CPUs inherited them from the thread that started it:
+``inherited_affinity``).
 A worker that cannot be joined is killed and reaped: it must not run
 without the limits it was given.
 
@@ -37,12 +39,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import fcntl
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import IO, Any, TypeVar
@@ -302,16 +305,17 @@ async def spawn(
         # millisecond, but it returns only once the child has exec'd, which
         # on a busy machine can take a scheduler slice or more
         try:
-            popen = subprocess.Popen(
-                list(argv),
-                env={**env, _lifeline.TOKEN_VAR: _lifeline.lineage()},
-                stdin=stdin,
-                stdout=stdout,
-                stderr=stderr,
-                pass_fds=tuple(pass_fds),
-                start_new_session=True,
-                close_fds=True,
-            )
+            with inherited_affinity(join):
+                popen = subprocess.Popen(
+                    list(argv),
+                    env={**env, _lifeline.TOKEN_VAR: _lifeline.lineage()},
+                    stdin=stdin,
+                    stdout=stdout,
+                    stderr=stderr,
+                    pass_fds=tuple(pass_fds),
+                    start_new_session=True,
+                    close_fds=True,
+                )
         except OSError as e:
             _binspawn.name_fd_limit(e)
             raise
@@ -363,9 +367,10 @@ async def spawn_binaries(
         for start in starts:
             env = {**start.env, _lifeline.TOKEN_VAR: token}
             try:
-                proc = _binspawn.exec_binary(
-                    start.argv, env, start.stdout, start.stderr, keep, batch
-                )
+                with inherited_affinity(start.join):
+                    proc = _binspawn.exec_binary(
+                        start.argv, env, start.stdout, start.stderr, keep, batch
+                    )
             except Exception as e:
                 return procs, _binspawn.name_fd_limit(e)
             _lifeline.register_from_thread(proc.pid)  # at once: see the module docstring
@@ -384,6 +389,32 @@ async def spawn_binaries(
     return await start_off_loop(
         lambda pool: pool.submit(start_all), lambda s: [p.pid for p in s[0]], discard_all
     )
+
+
+@contextlib.contextmanager
+def inherited_affinity(join: Callable[[int], None] | None) -> Iterator[None]:
+    """This thread on the CPUs ``join`` pins to (if it pins), while a child starts.
+
+    A child inherits its parent thread's CPU set at the fork: a binary then
+    runs on its CPUs from its first instruction, where the join after the
+    start would pin it only once its program had run a while (the helper
+    thread, not the loop, starts workers: the loop's thread keeps its set).
+    A set the kernel refuses here is left to the join to report.
+    """
+    cpus = getattr(join, "cpus", None)
+    if not cpus:
+        yield
+        return
+    try:
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, cpus)
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def joined(join: Callable[[int], None], proc: Proc) -> None:
