@@ -525,6 +525,7 @@ class PContext:
             if self._rec.enabled:
                 self._rec.worker_started(self.name, self._role)
             self._notify(WorkerEvent("started", rank, child.pid, None, time.time()))
+            child.release_output()  # its output reaches the sinks after this event
             child.watcher.future.add_done_callback(functools.partial(self._exited, rank, child))
 
         async def launch(rank: int) -> None:

@@ -526,6 +526,39 @@ def _on_exit(event: asyncio.Event) -> Any:
     return on_event
 
 
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_workers_started_event_comes_before_its_first_line(
+    tmp_path: Path, ow: ModuleType, kind: str, start_method: str
+) -> None:
+    """Workers that print at once: each one's "started" event reaches the
+    caller before any sink sees its output (the CLI names the log dir then)."""
+    n = 20  # more than one batch of binaries
+    seen: list[tuple[str, int]] = []
+    entry, args = workload(kind, ow, "echo", {r: (r,) for r in range(n)})
+
+    def on_event(ev: Any) -> None:
+        if ev.kind == "started":
+            seen.append(("started", ev.local_rank))
+
+    def on_line(line: OutputLine) -> None:
+        seen.append((line.stream, line.rank))
+
+    _, result = await run_group(
+        entry,
+        args,
+        logs(tmp_path, tee=Std.ALL),
+        sinks=[on_line],
+        on_event=on_event,
+        start_method=start_method,
+    )
+    assert not result.is_failed()
+    for rank in range(n):
+        mine = [kind for kind, r in seen if r == rank]
+        assert sorted(mine) == ["started", "stderr", "stdout"], (rank, seen)
+        assert mine[0] == "started", (rank, seen)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 async def test_grandchild_output_after_worker_exit_reaches_sinks(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], ow: ModuleType, kind: str

@@ -290,6 +290,8 @@ class RankLauncher:
 
         Returns the workers started, and the error that stopped the batch
         (the ranks after the failed one are not started), if any.
+        Their output is not read until ``Child.release_output()``: the caller
+        announces each one's start first.
 
         Cancellation: the batch's workers are killed with their groups.
         """
@@ -331,6 +333,7 @@ class RankLauncher:
                             None,
                             rank_tees.get("stdout"),
                             rank_tees.get("stderr"),
+                            hold=True,  # read once its start is announced
                         )
                     except Exception as e:
                         error = error or e

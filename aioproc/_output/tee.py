@@ -441,6 +441,8 @@ class TeeProtocol(asyncio.BufferedProtocol):
         self._turn = False  # read past the loop's budget: paused until its turn
         self._queued = False  # waits in the slicer's queue to resume
         self._draining = False  # the worker exited: read to EOF, ignore backpressure
+        self._held = False  # its worker's start is not announced yet (see hold)
+        self._early: list[bytes] = []  # read while held: goes out on release
         # slices whose lines the sinks have not had yet (reading is paused
         # until they have), as (buffer, start, end); the loop's slicer hands
         # them over, and a read buffer goes back to it with its last slice
@@ -459,8 +461,29 @@ class TeeProtocol(asyncio.BufferedProtocol):
         self._fd = pipe.fileno() if pipe is not None else -1
         # uvloop's pipe transports do not subclass asyncio.ReadTransport
         self._transport = transport  # type: ignore[assignment]
-        self._update_reading()
+        # no pause here: uvloop starts reading after connection_made returns,
+        # and Python 3.10's pipes add their reader regardless, so a pause now
+        # would be lost; the first read pauses instead (see _received)
         self._track_stalls()
+
+    def hold(self) -> None:
+        """Keep what is read from the sinks until ``release()`` (or the worker's exit).
+
+        Whoever announces the worker's start does so before the sinks see
+        any of its output: a worker that prints at once would otherwise be
+        read while its launch is still being wired up.  The first read
+        while held pauses the pipe.
+        """
+        self._held = True
+
+    def release(self) -> None:
+        """Start reading, after ``hold()``: what was read meanwhile goes out first."""
+        if self._held:
+            self._held = False
+            early, self._early = self._early, []
+            for data in early:
+                self._received(data, len(data))
+            self._update_reading()
 
     def _on_flow(self, flow: Flow, blocked: bool) -> None:
         if blocked:
@@ -491,7 +514,9 @@ class TeeProtocol(asyncio.BufferedProtocol):
         if tr is None or tr.is_closing():
             return
         want_paused = (
-            (bool(self._blocked) and not self._draining) or bool(self._backlog) or self._turn
+            ((bool(self._blocked) or self._held) and not self._draining)
+            or bool(self._backlog)
+            or self._turn
         )
         if want_paused and not self._paused:
             tr.pause_reading()
@@ -517,6 +542,7 @@ class TeeProtocol(asyncio.BufferedProtocol):
         without backpressure (the worker cannot be slowed down any more,
         and the log file must get everything).
         """
+        self.release()  # the worker exited: its output is due whatever the caller does
         if not self._draining:
             self._draining = True
             self._update_reading()
@@ -554,6 +580,10 @@ class TeeProtocol(asyncio.BufferedProtocol):
 
     def _received(self, buf: Buffer, n: int) -> bool:
         """``buf[:n]`` was read: to the log file and the sinks; whether ``buf`` is kept."""
+        if self._held:
+            self._early.append(bytes(memoryview(buf)[:n]))
+            self._update_reading()  # pauses: the transport reads now
+            return False
         self._slicer.read_done(self)
         if self.log_file is not None and self.write_error is None:
             self._write_log(buf if n == len(buf) else memoryview(buf)[:n])
@@ -562,6 +592,8 @@ class TeeProtocol(asyncio.BufferedProtocol):
             return False
         if not self._backlog and n <= FAIR_CHUNK and self._slicer.admits():
             self._consume(buf, 0, n)
+            if self._blocked and not self._paused:
+                self._update_reading()  # held back since it connected (see connection_made)
             return False
         # its lines go out a slice at a time, in order, with the other
         # flooded streams' (see _Slicer); reading waits until they are out
@@ -653,6 +685,7 @@ class TeeProtocol(asyncio.BufferedProtocol):
         self._transport = None
         self._track_stalls()
         self._lent = None  # lent for a read that never came
+        self.release()  # cut before its start was announced: what it read still goes out
         while self._backlog:  # the pipe was cut: what was read still goes out
             self._consume_next()
         if self._splitter is not None:

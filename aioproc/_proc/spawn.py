@@ -122,6 +122,11 @@ class Child:
             return False
         return True
 
+    def release_output(self) -> None:
+        """Let the output readers read: the worker's start has been announced."""
+        for tee in self.tees:
+            tee.release()
+
     def abandon(self) -> None:
         """Kill and reap a worker whose start was abandoned, and close its pipes."""
         self.watcher.detach()
@@ -470,8 +475,15 @@ async def adopt(
     channel: Channel | None,
     tee_out: TeeProtocol | None,
     tee_err: TeeProtocol | None,
+    *,
+    hold: bool = False,
 ) -> Child:
     """Wire up a just-started, already registered worker (spawned or forked).
+
+    The output readers start reading once the caller's current step is over,
+    so that whatever the caller does with the returned worker before its
+    next ``await`` (announcing its start) comes before the sinks see any of
+    its output; with ``hold`` they wait for ``Child.release_output()``.
 
     Raises what connecting its pipes raises, after killing its group.
 
@@ -486,6 +498,9 @@ async def adopt(
         # shielded: a cancellation inside connect_read_pipe could leave a
         # transport registered with the loop that nobody can close
         if tee_out is not None or tee_err is not None:
+            for tee in (tee_out, tee_err):
+                if tee is not None:
+                    tee.hold()
             await shielded(_connect_tees(loop, popen, tee_out, tee_err, tees, transports))
         child = Child(label, popen, channel, tees, transports)
     except BaseException:
@@ -493,6 +508,8 @@ async def adopt(
             child.watcher.detach()
         discard(popen, transports)
         raise
+    if tees and not hold:
+        loop.call_soon(child.release_output)
     return child
 
 
