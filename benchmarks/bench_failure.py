@@ -10,6 +10,15 @@ every other worker must be gone and reaped (``os.kill(pid, 0)`` raises
 Baseline: the same workers as raw subprocesses; the parent awaits the first
 exit, SIGTERMs the rest and awaits them: the floor of an event-driven
 all-or-nothing stop.
+
+The floor row adds, by hand, what the stop promises beyond that baseline:
+nothing a worker left in its process group survives, and no signal goes
+to a recycled pid.  Each worker leads its own session; the leaders are
+watched with pidfds and stay unreaped zombies (their group ids cannot be
+recycled) until ``/proc`` is scanned for live members of their groups and
+a SIGKILL has swept each group; only then are they reaped.  aioproc does
+this and more (records, error files, pipes, the guardian), so the floor
+is what any stop with these promises costs on this host.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import time
 
@@ -95,6 +105,68 @@ async def raw_failure(n: int, delay: float) -> float:
         return t_end - stamp.read()
 
 
+def _live_members(pgids: set[int]) -> list[int]:
+    """Live processes in ``pgids`` other than the leaders (one ``/proc`` scan)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in pgids:
+            continue
+        try:
+            if os.getpgid(int(name)) not in pgids:
+                continue
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        if stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z":
+            found.append(int(name))
+    return found
+
+
+async def guarded_failure(n: int, delay: float) -> float:
+    loop = asyncio.get_running_loop()
+    with StampFile() as stamp:
+        procs = [
+            subprocess.Popen(
+                _workers.script("fail_first", str(r), str(delay), stamp.path),
+                start_new_session=True,
+            )
+            for r in range(n)
+        ]
+        fds = [os.pidfd_open(p.pid) for p in procs]
+        exits = [loop.create_future() for _ in procs]
+        for fd, fut in zip(fds, exits, strict=True):
+            loop.add_reader(fd, lambda f=fut: f.done() or f.set_result(None))
+        try:
+            await asyncio.wait(exits, return_when=asyncio.FIRST_COMPLETED)
+            for p in procs:  # exited leaders too: what they left is in their group
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGTERM)
+            await asyncio.wait(exits)
+            pgids = {p.pid for p in procs}
+            assert _live_members(pgids) == []  # nothing left: no wait for descendants
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+            for p in procs:
+                _, status = os.waitpid(p.pid, 0)
+                p.returncode = os.waitstatus_to_exitcode(status)
+            t_end = time.time()
+        finally:
+            for fd in fds:
+                loop.remove_reader(fd)
+                os.close(fd)
+            for p in procs:
+                if p.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+        if procs[0].returncode != 1:
+            raise AssertionError(f"P3 floor: rank 0 exit code {procs[0].returncode}")
+        assert_gone([p.pid for p in procs[1:]], "P3 floor")
+        return t_end - stamp.read()
+
+
 def p3(cfg: Config) -> list[Row]:
     n, delay = cfg.p3_n, cfg.p3_delay
     series = interleaved(cfg, lambda: raw_failure(n, delay), lambda: aioproc_failure(n, delay))
@@ -103,4 +175,14 @@ def p3(cfg: Config) -> list[Row]:
         series,
         Target("max", 0.010, "ms"),
         note="baseline: raw subprocesses, first exit -> SIGTERM rest -> all awaited",
+    ) + rows_from(
+        f"P3 {n} workers: the no-orphans floor against raw",
+        interleaved(cfg, lambda: raw_failure(n, delay), lambda: guarded_failure(n, delay)),
+        None,
+        note="info: the raw baseline plus, by hand, the stop's group scan, sweep and late reap",
+    ) + rows_from(
+        f"P3 {n} function workers: aioproc against the no-orphans floor",
+        interleaved(cfg, lambda: guarded_failure(n, delay), lambda: aioproc_failure(n, delay)),
+        None,
+        note="info: baseline: the floor row's stop",
     )
