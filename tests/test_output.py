@@ -560,6 +560,41 @@ async def test_a_workers_started_event_comes_before_its_first_line(
 
 
 @pytest.mark.parametrize("kind", KINDS)
+async def test_a_worker_that_floods_before_its_start_is_announced_loses_nothing(
+    tmp_path: Path, ow: ModuleType, kind: str
+) -> None:
+    """Each worker writes 40 pipe buffers at once: the reader holds the first read
+    until the start is announced, the worker blocks on the full pipe meanwhile,
+    and then every line reaches the sink and the log file, in order, after the
+    worker's "started" event."""
+    n, count = 3, 100_000  # 2 MB per worker
+    seen: dict[int, list[str]] = {r: [] for r in range(n)}
+
+    def on_event(ev: Any) -> None:
+        if ev.kind == "started":
+            seen[ev.local_rank].append("started")
+
+    def on_line(line: OutputLine) -> None:
+        seen[line.rank].append(line.line)
+
+    entry, args = workload(kind, ow, "lines", {r: (count,) for r in range(n)})
+    pc, result = await run_group(
+        entry,
+        args,
+        logs(tmp_path, tee=Std.OUT),
+        sinks=[on_line],
+        on_event=on_event,
+        start_method="forkserver",
+    )
+    assert not result.is_failed()
+    want = ow.numbered(count).decode().splitlines()
+    for rank in range(n):
+        assert seen[rank][0] == "started", seen[rank][:3]
+        assert seen[rank][1:] == want, rank
+        assert read_bytes(pc.stdouts[rank]) == ow.numbered(count)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 async def test_grandchild_output_after_worker_exit_reaches_sinks(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], ow: ModuleType, kind: str
 ) -> None:
