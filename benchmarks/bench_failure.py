@@ -170,19 +170,23 @@ async def guarded_failure(n: int, delay: float) -> float:
 def p3(cfg: Config) -> list[Row]:
     n, delay = cfg.p3_n, cfg.p3_delay
     series = interleaved(cfg, lambda: raw_failure(n, delay), lambda: aioproc_failure(n, delay))
-    return rows_from(
-        f"P3 {n} function workers: rank 0 exit -> wait() returns, all gone",
-        series,
-        Target("max", 0.010, "ms"),
-        note="baseline: raw subprocesses, first exit -> SIGTERM rest -> all awaited",
-    ) + rows_from(
-        f"P3 {n} workers: the no-orphans floor against raw",
-        interleaved(cfg, lambda: raw_failure(n, delay), lambda: guarded_failure(n, delay)),
-        None,
-        note="info: the raw baseline plus, by hand, the stop's group scan, sweep and late reap",
-    ) + rows_from(
-        f"P3 {n} function workers: aioproc against the no-orphans floor",
-        interleaved(cfg, lambda: guarded_failure(n, delay), lambda: aioproc_failure(n, delay)),
-        None,
-        note="info: baseline: the floor row's stop",
+    return (
+        rows_from(
+            f"P3 {n} function workers: rank 0 exit -> wait() returns, all gone",
+            series,
+            Target("max", 0.010, "ms"),
+            note="baseline: raw subprocesses, first exit -> SIGTERM rest -> all awaited",
+        )
+        + rows_from(
+            f"P3 {n} workers: the no-orphans floor against raw",
+            interleaved(cfg, lambda: raw_failure(n, delay), lambda: guarded_failure(n, delay)),
+            None,
+            note="info: the raw baseline plus, by hand, the stop's group scan, sweep and late reap",
+        )
+        + rows_from(
+            f"P3 {n} function workers: aioproc against the no-orphans floor",
+            interleaved(cfg, lambda: guarded_failure(n, delay), lambda: aioproc_failure(n, delay)),
+            None,
+            note="info: baseline: the floor row's stop",
+        )
     )
