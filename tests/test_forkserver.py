@@ -646,6 +646,25 @@ async def test_the_template_compiles_a_script_once_and_again_once_it_changes(
             await run(
                 sys.executable, 1, ("script.py",), start_method="forkserver", logs_specs=specs
             )
+        # the same size and modification time, rewritten in place, then renamed
+        # into place (rsync -t, cp -p, an editor's save): the workers run the new text
+        size, mtime = script.stat().st_size, script.stat().st_mtime_ns
+        for value, how in (("third", "in place"), ("forth", "renamed")):
+            text = body.format(
+                value=value, last="pass".ljust(size - len(body.format(value=value, last="")))
+            )
+            target = script if how == "in place" else tmp_path / "new.py"
+            target.write_text(text)
+            os.utime(target, ns=(mtime, mtime))
+            if how == "renamed":
+                os.replace(target, script)
+            assert (script.stat().st_size, script.stat().st_mtime_ns) == (size, mtime)
+            specs = DefaultLogsSpecs(str(tmp_path / value), redirects=Std.ALL)
+            result = await run(
+                sys.executable, 1, ("script.py",), start_method="forkserver", logs_specs=specs
+            )
+            shown = Path(result.stdouts[0]).read_text()
+            assert shown == f"{value} True {os.path.realpath(script)}\n", how
     failure = info.value.failures[0]
     assert failure.exitcode == 1
     [out] = (tmp_path / "second").rglob("stdout.log")

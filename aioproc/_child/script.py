@@ -53,7 +53,7 @@ def run_script(
     command: dict[str, Any],
     default_path: list[str],
     main: Any,
-    codes: dict[str, tuple[tuple[int, int], Any]] | None = None,
+    codes: dict[str, tuple[tuple[int, ...], Any]] | None = None,
 ) -> None:
     """Run a Python script or module in ``main`` as ``python [-u] script args`` would.
 
@@ -63,8 +63,7 @@ def run_script(
     ``__main__`` are what the interpreter gives a script: ``sys.path[0]`` is
     the script's directory (the working directory for ``-m``), followed by
     this interpreter's default path.  ``codes``: scripts compiled already,
-    ``{abspath: ((st_mtime_ns, st_size), code)}``, used while the file is
-    unchanged.
+    ``{abspath: (file_key(stat), code)}``, used while the file is unchanged.
     """
     argv: list[str] = command["argv"]
     script_streams(command["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED")))
@@ -108,7 +107,16 @@ def run_script(
     exec(code, main.__dict__)
 
 
-def _compiled(filename: str, codes: dict[str, tuple[tuple[int, int], Any]] | None) -> Any:
+def file_key(st: os.stat_result) -> tuple[int, ...]:
+    """What tells a file's text changed since: size, times and inode.
+
+    The inode catches a same-size file renamed into place, the change
+    time a rewrite that kept the modification time (``rsync -t``, ``cp -p``).
+    """
+    return (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino, st.st_dev)
+
+
+def _compiled(filename: str, codes: dict[str, tuple[tuple[int, ...], Any]] | None) -> Any:
     """The code compiled for ``filename`` if the file is still as it was then."""
     known = None if codes is None else codes.get(filename)
     if known is None:
@@ -117,7 +125,7 @@ def _compiled(filename: str, codes: dict[str, tuple[tuple[int, int], Any]] | Non
         st = os.stat(filename)
     except OSError:
         return None
-    return known[1] if (st.st_mtime_ns, st.st_size) == known[0] else None
+    return known[1] if file_key(st) == known[0] else None
 
 
 def _is_zip(path: str) -> bool:

@@ -223,6 +223,11 @@ class _Loaded:
         exec(self.code, module.__dict__)
 
 
+def _file_key(st: os.stat_result) -> tuple[int, ...]:
+    # as _child.script.file_key, which this module cannot import (see serve)
+    return (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino, st.st_dev)
+
+
 class _Modules:
     """The code of the modules a group's function lives in, read here once.
 
@@ -246,7 +251,7 @@ class _Modules:
     def __init__(self) -> None:
         # name: (spec, the file's (mtime, size), the path it was found on, and
         # for a top-level module whether that path is a prefix of sys.path)
-        self._specs: dict[str, tuple[Any, tuple[int, int], list[str], bool]] = {}
+        self._specs: dict[str, tuple[Any, tuple[int, ...], list[str], bool]] = {}
         self._failed: set[str] = set()
 
     def learn(self, names: set[str]) -> bool:
@@ -300,7 +305,7 @@ class _Modules:
             self._failed.add(name)  # the worker's own import reports it
             return False
         spec.loader = _Loaded(loader, code)
-        self._specs[name] = (spec, (st.st_mtime_ns, st.st_size), search, not parent)
+        self._specs[name] = (spec, _file_key(st), search, not parent)
         return True
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
@@ -318,13 +323,13 @@ class _Modules:
         return spec
 
     @staticmethod
-    def current(entry: tuple[Any, tuple[int, int], list[str], bool]) -> bool:
+    def current(entry: tuple[Any, tuple[int, ...], list[str], bool]) -> bool:
         """Whether the file of a learned module is still as it was read."""
         try:
             st = os.stat(entry[0].origin)
         except OSError:
             return False
-        return (st.st_mtime_ns, st.st_size) == entry[1]
+        return _file_key(st) == entry[1]
 
     def invalidate_caches(self) -> None:
         self._specs.clear()  # what importlib.invalidate_caches() asks of every finder
@@ -343,7 +348,7 @@ class _Scripts:
     """Scripts kept at most: their code stays in the template's memory."""
 
     def __init__(self) -> None:
-        self.codes: dict[str, tuple[tuple[int, int], Any]] = {}
+        self.codes: dict[str, tuple[tuple[int, ...], Any]] = {}
 
     def learn(self, script: dict[str, Any], cwd: str) -> bool:
         """Compile the file ``script`` runs from ``cwd``; whether it was new."""
@@ -356,7 +361,7 @@ class _Scripts:
         known = self.codes.get(filename)
         try:
             st = os.stat(filename)  # before the read: a change meanwhile compiles again
-            key = (st.st_mtime_ns, st.st_size)
+            key = _file_key(st)
             if (known is not None and known[0] == key) or not stat.S_ISREG(st.st_mode):
                 return False
             if known is None and len(self.codes) >= self.LIMIT:
