@@ -19,6 +19,7 @@ it drew through a minimal terminal emulator.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import io
 import itertools
@@ -526,6 +527,21 @@ def _on_exit(event: asyncio.Event) -> Any:
     return on_event
 
 
+class StartsAndLines:
+    """Per rank, in the order the caller saw them: "started" for the worker's
+    start event, then ``(stream, line)`` for each line a sink got."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, list[Any]] = collections.defaultdict(list)
+
+    def on_event(self, ev: Any) -> None:
+        if ev.kind == "started":
+            self.seen[ev.local_rank].append("started")
+
+    def on_line(self, line: OutputLine) -> None:
+        self.seen[line.rank].append((line.stream, line.line))
+
+
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
 @pytest.mark.parametrize("kind", KINDS)
 async def test_a_workers_started_event_comes_before_its_first_line(
@@ -534,29 +550,21 @@ async def test_a_workers_started_event_comes_before_its_first_line(
     """Workers that print at once: each one's "started" event reaches the
     caller before any sink sees its output (the CLI names the log dir then)."""
     n = 20  # more than one batch of binaries
-    seen: list[tuple[str, int]] = []
+    log = StartsAndLines()
     entry, args = workload(kind, ow, "echo", {r: (r,) for r in range(n)})
-
-    def on_event(ev: Any) -> None:
-        if ev.kind == "started":
-            seen.append(("started", ev.local_rank))
-
-    def on_line(line: OutputLine) -> None:
-        seen.append((line.stream, line.rank))
-
     _, result = await run_group(
         entry,
         args,
         logs(tmp_path, tee=Std.ALL),
-        sinks=[on_line],
-        on_event=on_event,
+        sinks=[log.on_line],
+        on_event=log.on_event,
         start_method=start_method,
     )
     assert not result.is_failed()
     for rank in range(n):
-        mine = [kind for kind, r in seen if r == rank]
-        assert sorted(mine) == ["started", "stderr", "stdout"], (rank, seen)
-        assert mine[0] == "started", (rank, seen)
+        mine = log.seen[rank]
+        assert mine[0] == "started", (rank, mine)
+        assert sorted(mine[1:]) == [("stderr", f"err-{rank}"), ("stdout", f"out-{rank}")], mine
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -568,29 +576,21 @@ async def test_a_worker_that_floods_before_its_start_is_announced_loses_nothing(
     and then every line reaches the sink and the log file, in order, after the
     worker's "started" event."""
     n, count = 3, 100_000  # 2 MB per worker
-    seen: dict[int, list[str]] = {r: [] for r in range(n)}
-
-    def on_event(ev: Any) -> None:
-        if ev.kind == "started":
-            seen[ev.local_rank].append("started")
-
-    def on_line(line: OutputLine) -> None:
-        seen[line.rank].append(line.line)
-
+    log = StartsAndLines()
     entry, args = workload(kind, ow, "lines", {r: (count,) for r in range(n)})
     pc, result = await run_group(
         entry,
         args,
         logs(tmp_path, tee=Std.OUT),
-        sinks=[on_line],
-        on_event=on_event,
+        sinks=[log.on_line],
+        on_event=log.on_event,
         start_method="forkserver",
     )
     assert not result.is_failed()
-    want = ow.numbered(count).decode().splitlines()
+    want = [("stdout", line) for line in ow.numbered(count).decode().splitlines()]
     for rank in range(n):
-        assert seen[rank][0] == "started", seen[rank][:3]
-        assert seen[rank][1:] == want, rank
+        assert log.seen[rank][0] == "started", log.seen[rank][:3]
+        assert log.seen[rank][1:] == want, rank
         assert read_bytes(pc.stdouts[rank]) == ow.numbered(count)
 
 
