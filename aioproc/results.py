@@ -100,9 +100,10 @@ class WorkerEvent(NamedTuple):
     signal (``exitcode`` is minus its number) is about to stop the group,
     sent before any worker is signalled (``local_rank`` and ``pid`` are -1).
     A worker's "started" event comes before any sink sees a line of its
-    output, however soon it prints.  The "exited" events of the workers a
-    close stops come together once the stop is over; ``time`` is when each
-    exit was noticed.
+    output, however soon it prints; a worker whose start was abandoned
+    before its event (a cancelled start) sends the sinks nothing.  The
+    "exited" events of the workers a close stops come together once the
+    stop is over; ``time`` is when each exit was noticed.
 
     An "exited" event also carries ``oom``, the kernel's OOM kill of the
     worker in words (``"killed by the kernel's OOM killer: memory limit 64

@@ -25,9 +25,11 @@ import io
 import itertools
 import logging
 import os
+import random
 import re
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
@@ -62,6 +64,7 @@ from aioproc._output.tee import LineSplitter
 WORKERS = os.path.join(CHILDREN_DIR, "out_workers.py")
 TQDM_SUPERVISOR = os.path.join(CHILDREN_DIR, "out_tqdm_supervisor.py")
 LIMIT = 20  # seconds: bound on any single wait in these tests
+SEED = int(os.environ.get("AIOPROC_FAULT_SEED", random.randrange(1 << 30)))
 STDS = (Std.NONE, Std.OUT, Std.ERR, Std.ALL)
 KINDS = ("binary", "function")
 
@@ -568,6 +571,50 @@ async def test_a_workers_started_event_comes_before_its_first_line(
 
 
 @pytest.mark.parametrize("kind", KINDS)
+async def test_starts_cancelled_at_random_moments_show_no_line_before_its_start(
+    tmp_path: Path, ow: ModuleType, kind: str
+) -> None:
+    """Starts of 40 workers that print at once, cancelled at random moments: a sink
+    never gets a line of a worker whose "started" event the caller has not had,
+    and the workers that did start are all stopped with the cancelled start."""
+    rng = random.Random(f"{SEED}-{kind}")
+    for i in range(12):
+        log = StartsAndLines()
+        pids: list[int] = []
+
+        def on_event(ev: Any, log: StartsAndLines = log, pids: list[int] = pids) -> None:
+            log.on_event(ev)
+            if ev.kind == "started":
+                pids.append(ev.pid)
+
+        entry, args = workload(kind, ow, "echo", {r: (r,) for r in range(40)})
+        start = asyncio.ensure_future(
+            aioproc.start_processes(
+                "w",
+                entry,
+                args,
+                {r: {} for r in range(40)},
+                logs(tmp_path / str(i), tee=Std.ALL),
+                sinks=[log.on_line],
+                on_event=on_event,
+            )
+        )
+        await asyncio.sleep(rng.uniform(0, 0.05))
+        start.cancel()
+        try:
+            pc = await start
+        except asyncio.CancelledError:
+            pass
+        else:  # it had finished starting: stopped as a cancelled start would be
+            await pc.close()
+        for rank, seen in log.seen.items():
+            assert seen[0] == "started", (SEED, i, rank, seen)
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 async def test_a_worker_that_floods_before_its_start_is_announced_loses_nothing(
     tmp_path: Path, ow: ModuleType, kind: str
 ) -> None:
@@ -592,6 +639,46 @@ async def test_a_worker_that_floods_before_its_start_is_announced_loses_nothing(
         assert log.seen[rank][0] == "started", log.seen[rank][:3]
         assert log.seen[rank][1:] == want, rank
         assert read_bytes(pc.stdouts[rank]) == ow.numbered(count)
+
+
+async def test_output_pipes_are_closed_once_while_other_threads_open_files(
+    tmp_path: Path, ow: ModuleType
+) -> None:
+    """Groups of tee'd workers run while a thread of the caller's opens and closes
+    pipes without pause: closing a worker's pipe never closes that thread's files
+    (a second close of a number the kernel has handed out again), every group
+    starts, and every line arrives."""
+    lost: list[OSError] = []
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            r, w = os.pipe()
+            for fd in (w, r):
+                try:
+                    os.close(fd)
+                except OSError as e:
+                    lost.append(e)
+
+    thread = threading.Thread(target=churn, name="test-churn")
+    thread.start()
+    try:
+        for i in range(8):
+            log = StartsAndLines()
+            entry, args = workload("binary", ow, "echo", {r: (r,) for r in range(40)})
+            _, result = await run_group(
+                entry, args, logs(tmp_path / str(i), tee=Std.ALL), sinks=[log.on_line]
+            )
+            assert not result.is_failed(), result.failures
+            for rank in range(40):
+                assert sorted(log.seen[rank]) == [
+                    ("stderr", f"err-{rank}"),
+                    ("stdout", f"out-{rank}"),
+                ]
+    finally:
+        stop.set()
+        thread.join()
+    assert lost == []
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -263,8 +263,7 @@ class RankLauncher:
             )
         except BaseException:
             for t in tees.values():
-                if t.log_file is not None:
-                    t.log_file.close()
+                t.close_unconnected()
             raise
         finally:
             for f in files:
@@ -352,8 +351,7 @@ class RankLauncher:
             for rank, rank_tees in zip(ranks, tees, strict=False):
                 if rank not in children:
                     for t in rank_tees.values():
-                        if t.log_file is not None:
-                            t.log_file.close()
+                        t.close_unconnected()
         return children, error
 
 

@@ -442,6 +442,7 @@ class TeeProtocol(asyncio.BufferedProtocol):
         self._queued = False  # waits in the slicer's queue to resume
         self._draining = False  # the worker exited: read to EOF, ignore backpressure
         self._held = False  # its worker's start is not announced yet (see hold)
+        self._connected = False  # a pipe was connected: it closes the log file
         self._early: list[bytes] = []  # read while held: goes out on release
         # slices whose lines the sinks have not had yet (reading is paused
         # until they have), as (buffer, start, end); the loop's slicer hands
@@ -459,12 +460,22 @@ class TeeProtocol(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         pipe = transport.get_extra_info("pipe")
         self._fd = pipe.fileno() if pipe is not None else -1
+        self._connected = True
         # uvloop's pipe transports do not subclass asyncio.ReadTransport
         self._transport = transport  # type: ignore[assignment]
         # no pause here: uvloop starts reading after connection_made returns,
         # and Python 3.10's pipes add their reader regardless, so a pause now
         # would be lost; the first read pauses instead (see _received)
         self._track_stalls()
+
+    def close_unconnected(self) -> None:
+        """Close the log file of a tee no pipe was connected to (a start that failed).
+
+        A connected tee closes it itself once its pipe is closed, after
+        writing what it read.
+        """
+        if not self._connected and self.log_file is not None:
+            self.log_file.close()
 
     def hold(self) -> None:
         """Keep what is read from the sinks until ``release()`` (or the worker's exit).
@@ -685,7 +696,14 @@ class TeeProtocol(asyncio.BufferedProtocol):
         self._transport = None
         self._track_stalls()
         self._lent = None  # lent for a read that never came
-        self.release()  # cut before its start was announced: what it read still goes out
+        if self._held:
+            # cut before its start was announced (the start was abandoned):
+            # what it wrote reaches its log file, never the sinks
+            self._held = False
+            early, self._early = self._early, []
+            for data in early:
+                if self.log_file is not None and self.write_error is None:
+                    self._write_log(data)
         while self._backlog:  # the pipe was cut: what was read still goes out
             self._consume_next()
         if self._splitter is not None:

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import IO, Any, TypeVar
 
 from .._base.offloop import helper
+from .._base.pipes import connect_read_pipe
 from .._base.shield import shielded
 from .._output.tee import TeeProtocol
 from . import lifeline as _lifeline
@@ -267,7 +268,7 @@ async def _connect_tees(
         if pipe is None or proto is None:
             continue
         _grow_pipe(pipe.fileno())
-        transport, _ = await loop.connect_read_pipe(lambda p=proto: p, pipe)  # type: ignore[misc]
+        transport = await connect_read_pipe(loop, proto, pipe)
         tees.append(proto)
         transports.append(transport)
 
@@ -522,14 +523,7 @@ def discard(popen: Proc, transports: Sequence[asyncio.BaseTransport] = ()) -> No
     popen.wait()  # SIGKILLed: exits at once
     _lifeline.forget(popen.pid)
     for tr in transports:
-        tr.close()  # closes its pipe
+        tr.close()  # stops reading (its pipe is closed with it)
     for pipe in (popen.stdout, popen.stderr):
-        if pipe is None or any(tr.get_extra_info("pipe") is pipe for tr in transports):
-            continue
-        try:
-            pipe.close()
-        except OSError:
-            # uvloop closes the fd itself when connect_read_pipe is cancelled
-            # but leaves the file object open: closed here, not at GC time,
-            # when the number may belong to another file
-            pass
+        if pipe is not None:
+            pipe.close()  # one never connected; a no-op for the others

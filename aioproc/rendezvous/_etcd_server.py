@@ -45,6 +45,7 @@ from typing import Any
 import anyio
 
 from .._base.offloop import run_blocking
+from .._base.pipes import connect_read_pipe
 from .._base.shield import shielded
 from .._proc.exits import ExitWatcher
 from .._proc.shutdown import release, stop_groups
@@ -235,7 +236,7 @@ class EmbeddedEtcd:
         loop = asyncio.get_running_loop()
         try:
             # shielded: a transport half-registered with the loop could not be closed
-            self._transport, _ = await shielded(loop.connect_read_pipe(lambda: log, pipe))
+            self._transport = await shielded(connect_read_pipe(loop, log, pipe))
         except BaseException:
             pipe.close()
             raise

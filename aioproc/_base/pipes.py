@@ -1,0 +1,58 @@
+"""Reading a pipe through the loop, with its file descriptor closed exactly once.
+
+asyncio's pipe transport closes the file object it is given.  uvloop's
+closes the descriptor itself (libuv does) and then calls the file object's
+``close()`` as well, expecting it to fail.  Between those two closes another
+thread may be given the same number for a new file (the helper thread opens
+a pipe for every worker it starts), and the second close then shuts that
+file instead: a worker started on a dead pipe, or another part of the
+process losing a file it holds.  On uvloop the transport therefore reads a
+duplicate descriptor of its own, behind an object whose ``close()`` does
+nothing, and the caller's file object is closed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import IO, Any
+
+
+def _closes_fd_itself(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop``'s pipe transports close the descriptor themselves (uvloop's)."""
+    return any(c.__module__.partition(".")[0] == "uvloop" for c in type(loop).__mro__)
+
+
+class _TransportOwned:
+    """A descriptor its transport closes: ``close()`` leaves it to the transport."""
+
+    __slots__ = ("_fd",)
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<pipe fd={self._fd}>"
+
+
+async def connect_read_pipe(
+    loop: asyncio.AbstractEventLoop, protocol: asyncio.BaseProtocol, pipe: IO[Any]
+) -> asyncio.BaseTransport:
+    """Read ``pipe`` into ``protocol``; the transport closes it when it closes.
+
+    If this raises, ``pipe`` is still the caller's to close (closing it
+    again is harmless).
+    """
+    if not _closes_fd_itself(loop):
+        transport, _ = await loop.connect_read_pipe(lambda: protocol, pipe)
+        return transport
+    own = _TransportOwned(os.dup(pipe.fileno()))
+    pipe.close()
+    transport, _ = await loop.connect_read_pipe(lambda: protocol, own)
+    return transport
