@@ -194,24 +194,36 @@ def interleaved(
 ) -> dict[str, tuple[Series, Series]]:
     """``{loop: (baseline series, candidate series)}``, rounds interleaved.
 
-    Each round runs, for every loop in turn, the baseline then the candidate
-    in one fresh loop.  ``cfg.warmup`` rounds come first and are dropped
-    (imports, page cache, aioproc's one-time compile of its worker boot code).
+    See ``interleaved_all``.
     """
-    out = {loop: (Series(), Series()) for loop in cfg.loops}
+    return {
+        loop: (series[0], series[1])
+        for loop, series in interleaved_all(cfg, [baseline, candidate], rounds).items()
+    }
+
+
+def interleaved_all(
+    cfg: Config, measures: Sequence[Measure], rounds: int | None = None
+) -> dict[str, list[Series]]:
+    """``{loop: [one series per measure]}``, rounds interleaved.
+
+    Each round runs, for every loop in turn, every measure in order in one
+    fresh loop, so that ratios between any two of them compare the same
+    rounds.  ``cfg.warmup`` rounds come first and are dropped (imports,
+    page cache, aioproc's one-time compile of its worker boot code).
+    """
+    out = {loop: [Series() for _ in measures] for loop in cfg.loops}
     total = cfg.warmup + (rounds or cfg.rounds)
     for i in range(total):
         for loop in cfg.loops:
 
-            async def pair() -> tuple[Sample, Sample]:
-                b = await measure_async(baseline)
-                c = await measure_async(candidate)
-                return b, c
+            async def each() -> list[Sample]:
+                return [await measure_async(m) for m in measures]
 
-            b, c = run_on(loop, pair)
+            samples = run_on(loop, each)
             if i >= cfg.warmup:
-                out[loop][0].samples.append(b)
-                out[loop][1].samples.append(c)
+                for series, sample in zip(out[loop], samples, strict=True):
+                    series.samples.append(sample)
     return out
 
 

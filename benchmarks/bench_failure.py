@@ -33,7 +33,7 @@ import tempfile
 import time
 
 import _workers
-from _util import Config, Row, Target, assert_gone, interleaved, rows_from
+from _util import Config, Row, Series, Target, assert_gone, interleaved_all, rows_from
 
 import aioproc
 
@@ -169,24 +169,38 @@ async def guarded_failure(n: int, delay: float) -> float:
 
 def p3(cfg: Config) -> list[Row]:
     n, delay = cfg.p3_n, cfg.p3_delay
-    series = interleaved(cfg, lambda: raw_failure(n, delay), lambda: aioproc_failure(n, delay))
+    # the three stops in every round: the floor row and the aioproc rows
+    # then compare the same rounds
+    raw, floor, ours = 0, 1, 2
+    runs = interleaved_all(
+        cfg,
+        [
+            lambda: raw_failure(n, delay),
+            lambda: guarded_failure(n, delay),
+            lambda: aioproc_failure(n, delay),
+        ],
+    )
+
+    def pair(base: int, cand: int) -> dict[str, tuple[Series, Series]]:
+        return {loop: (series[base], series[cand]) for loop, series in runs.items()}
+
     return (
         rows_from(
             f"P3 {n} function workers: rank 0 exit -> wait() returns, all gone",
-            series,
+            pair(raw, ours),
             Target("max", 0.010, "ms"),
             note="baseline: raw subprocesses, first exit -> SIGTERM rest -> all awaited",
         )
         + rows_from(
             f"P3 {n} workers: the no-orphans floor against raw",
-            interleaved(cfg, lambda: raw_failure(n, delay), lambda: guarded_failure(n, delay)),
+            pair(raw, floor),
             None,
             note="info: the raw baseline plus, by hand, the stop's group scan, sweep and late reap",
         )
         + rows_from(
             f"P3 {n} function workers: aioproc against the no-orphans floor",
-            interleaved(cfg, lambda: guarded_failure(n, delay), lambda: aioproc_failure(n, delay)),
+            pair(floor, ours),
             None,
-            note="info: baseline: the floor row's stop",
+            note="info: baseline: the floor row's stop (the same rounds as the rows above)",
         )
     )
