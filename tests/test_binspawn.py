@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import random
 import signal
@@ -18,6 +20,7 @@ from helpers import aioproc_temp_dirs, child_pids, pid_gone, write_file
 
 import aioproc
 from aioproc import DefaultLogsSpecs, Std
+from aioproc._base import pipes as _pipes
 from aioproc._group import rankdirs as _rankdirs
 from aioproc._proc import lifeline as _lifeline
 from aioproc._proc import posix_spawn as _binspawn
@@ -30,6 +33,8 @@ SEED = int(os.environ.get("AIOPROC_FAULT_SEED", random.randrange(1 << 30)))
 
 # what a worker reports about itself: session, group, pid, cwd, fds beyond 0-2
 REPORT = """
+import errno
+import logging
 import os
 fds = {}
 for f in os.listdir("/proc/self/fd"):
@@ -164,6 +169,52 @@ async def test_tee_pipes_of_posix_spawned_workers_deliver_every_line(
             got = [text for rank, s, text in lines if rank == r and s == stream]
             assert got == [f"{tag}{r}-{i}" for i in range(50)]
         assert Path(result.stdouts[r]).read_text() == "".join(f"out{r}-{i}\n" for i in range(50))
+
+
+@pytest.mark.parametrize("kind", ["binary", "forked function"])
+async def test_a_given_fd_closed_behind_our_back_loses_no_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, kind: str
+) -> None:
+    """Another part of the process closes the write ends aioproc handed to the
+    workers before aioproc does: the workers still start, their output still
+    arrives, the error names the fd, and close() leaves no worker behind."""
+    real_close = os.close
+    closed: list[int] = []
+
+    def closed_first(fd: int) -> None:
+        real_close(fd)  # what the other part did
+        closed.append(fd)
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+
+    monkeypatch.setattr(_pipes, "os", types.SimpleNamespace(close=closed_first, dup=os.dup))
+    n = 4
+    lines: list[tuple[int, str]] = []
+    if kind == "binary":
+        entry: Any = "/bin/echo"
+        args: dict[int, tuple[Any, ...]] = {r: (f"out-{r}",) for r in range(n)}
+        method = "spawn"
+    else:
+        entry, args, method = print, {r: (f"out-{r}",) for r in range(n)}, "forkserver"
+    with caplog.at_level(logging.ERROR, logger="aioproc"):
+        async with aioproc.start_processes(
+            "w",
+            entry,
+            args,
+            {r: {} for r in range(n)},
+            DefaultLogsSpecs(tmp_path, tee=Std.OUT),
+            sinks=[lambda line: lines.append((line.rank, line.line))],
+            start_method=method,
+        ) as pc:
+            result = await pc.wait()
+            pids = list(pc.pids().values())
+    assert result is not None and not result.failures
+    assert sorted(lines) == [(r, f"out-{r}") for r in range(n)]
+    assert len(closed) >= n, closed
+    assert f"fd {closed[0]}, handed to a worker at its start, was closed by another part" in (
+        caplog.text
+    )
+    for pid in pids:
+        assert pid_gone(pid)
 
 
 @pytest.mark.parametrize(

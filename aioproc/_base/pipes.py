@@ -14,8 +14,12 @@ nothing, and the caller's file object is closed at once.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+from collections.abc import Iterable
 from typing import IO, Any
+
+logger = logging.getLogger("aioproc")
 
 
 def _closes_fd_itself(loop: asyncio.AbstractEventLoop) -> bool:
@@ -56,3 +60,22 @@ async def connect_read_pipe(
     pipe.close()
     transport, _ = await loop.connect_read_pipe(lambda: protocol, own)
     return transport
+
+
+def close_given_ends(fds: Iterable[int]) -> None:
+    """Close this process's copies of the fds (pipe ends) a just-started child took over.
+
+    One found closed already is logged, not raised: another part of the
+    process closed a number it did not own, and raising here would lose a
+    worker that is already running before anyone could stop it.
+    """
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError as e:
+            logger.error(
+                "fd %d, handed to a worker at its start, was closed by another part of "
+                "this process before aioproc closed it (%s); the worker runs on",
+                fd,
+                e,
+            )

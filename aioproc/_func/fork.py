@@ -28,6 +28,7 @@ from concurrent.futures import Executor
 from typing import IO, Any
 
 from .._base.offloop import helper
+from .._base.pipes import close_given_ends
 from .._base.shield import shielded
 from .._output.tee import TeeProtocol
 from .._proc import lifeline as _lifeline
@@ -137,8 +138,7 @@ async def spawn_forked(
             reader.close()
         raise
     finally:
-        for fd in mine:
-            os.close(fd)
+        close_given_ends(mine)
     proc = PidProc(pid, readers.get(1), readers.get(2))
     return await adopt(label, proc, channel, tee_out, tee_err)
 

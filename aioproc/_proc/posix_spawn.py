@@ -48,6 +48,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import IO, Any, TypeVar
 
+from .._base.pipes import close_given_ends
 from .exits import PidProc
 
 _CLOSEFROM: int | None = getattr(os, "POSIX_SPAWN_CLOSEFROM", None)
@@ -232,6 +233,5 @@ def exec_binary(
             reader.close()
         raise
     finally:
-        for w in writers:
-            os.close(w)
+        close_given_ends(writers)
     return PidProc(pid, readers.get(1), readers.get(2))
