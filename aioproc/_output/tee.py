@@ -561,7 +561,10 @@ class TeeProtocol(asyncio.BufferedProtocol):
         if self.progress.at_eof:
             return self.closed
         waiting = sum(end - start for _, start, end in self._backlog)
-        return self.progress.reached(self._fd, waiting)
+        # a closing transport's fd may be closed already (uvloop closes it at
+        # once, before connection_lost) and its number given to another file
+        open_fd = self._transport is not None and not self._transport.is_closing()
+        return self.progress.reached(self._fd if open_fd else -1, waiting)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         """Where the transport reads next: a buffer of the loop's (uvloop)."""
