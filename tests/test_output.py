@@ -331,6 +331,36 @@ def test_splitter_ranges_of_a_reused_buffer_split_as_their_bytes(
         assert got == split_feed(data, cuts)[0]
 
 
+async def test_a_pipe_cut_before_its_workers_exit_is_noticed_settles_its_output() -> None:
+    """The exit is noticed after the pipe was cut (a stop that gave up on EOF, a
+    cancelled start): waiting for the rest of the output ends at once with
+    what was read, while the pipe still held unread bytes."""
+    from aioproc._base.pipes import connect_read_pipe
+    from aioproc._output.tee import TeeProtocol
+
+    lines: list[str] = []
+    first = asyncio.Event()
+
+    def on_line(line: OutputLine) -> None:
+        lines.append(line.line)
+        first.set()
+
+    tee = TeeProtocol(None, 0, "stdout", "", [CallbackSink(on_line)])
+    r, w = os.pipe()
+    try:
+        os.write(w, b"read\n")
+        pipe = open(r, "rb", buffering=0)  # noqa: SIM115 - the transport closes it
+        transport = await connect_read_pipe(asyncio.get_running_loop(), tee, pipe)
+        await asyncio.wait_for(first.wait(), LIMIT)
+        os.write(w, b"never read\n")  # still in the pipe when it is cut
+        transport.close()
+        await asyncio.wait_for(tee.settled(), LIMIT)
+        await asyncio.wait_for(tee.closed, LIMIT)
+    finally:
+        os.close(w)
+    assert lines == ["read"]
+
+
 async def test_buffered_reads_reuse_a_buffer_only_once_its_lines_are_out() -> None:
     """Through ``get_buffer``/``buffer_updated`` (uvloop's pipes) every line arrives
     in order, and a read buffer is lent again only after its last slice is out."""

@@ -19,7 +19,9 @@ from collections.abc import Callable
 
 
 def bytes_waiting(fd: int) -> int:
-    """Bytes readable from ``fd`` right now without blocking (pipes, sockets)."""
+    """Bytes readable from ``fd`` right now without blocking (pipes, sockets); 0 for -1."""
+    if fd < 0:
+        return 0  # no fd (never connected, or its transport is closing)
     buf = array.array("i", [0])
     try:
         fcntl.ioctl(fd, termios.FIONREAD, buf, True)
