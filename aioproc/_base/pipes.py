@@ -9,6 +9,11 @@ file instead: a worker started on a dead pipe, or another part of the
 process losing a file it holds.  On uvloop the transport therefore reads a
 duplicate descriptor of its own, behind an object whose ``close()`` does
 nothing, and the caller's file object is closed at once.
+
+The same care goes for the fds handed to a child at its start: the
+supervisor's copies are closed right after, and one found closed already
+(by another part of the process) must not lose the running child
+(``close_given_ends``).
 """
 
 from __future__ import annotations
