@@ -263,6 +263,56 @@ async def test_host_prints_keep_their_place_before_teed_lines(
     assert data.decode().splitlines() == ["host before", *teed, "host after"]
 
 
+class _Upper(io.TextIOWrapper):
+    """A text stream whose own write() changes what it writes."""
+
+    def write(self, s: str) -> int:
+        return super().write(s.upper())
+
+
+async def test_plain_ascii_lines_reach_every_kind_of_console_as_written(tmp_path: Path) -> None:
+    """ASCII lines go out as bytes where that writes the same text; every other
+    console gets them through its own encoding and its own write().
+
+    Consoles: a file (after the host's buffered print), a file and a pipe
+    whose encoding is not ASCII-compatible (UTF-16), a stream that upper-cases
+    in write(), and one without a binary buffer (``io.StringIO``).
+    """
+    file_out = open(tmp_path / "file.txt", "w", encoding="utf-8")  # noqa: SIM115 - closed below
+    wide_file = open(tmp_path / "wide.txt", "w", encoding="utf-16-le")  # noqa: SIM115
+    upper = _Upper(open(tmp_path / "upper.txt", "wb"), encoding="utf-8")  # noqa: SIM115
+    memory = io.StringIO()
+    r, w = os.pipe()
+    wide_pipe = open(w, "w", encoding="utf-16-le")  # noqa: SIM115 - closed below
+    reader = open(r, "rb")  # noqa: SIM115 - closed below
+    streams = [file_out, wide_file, upper, wide_pipe]
+    try:
+        read_task = asyncio.create_task(asyncio.to_thread(reader.read))
+        print("host before", file=file_out)  # waits in the wrapper's buffer
+        entry, args = flood(5000)
+        consoles = [ConsoleSink(stream=s) for s in (*streams, memory)]
+        async with aioproc.start_processes(
+            "w", entry, args, {0: {}}, spec(tmp_path), sinks=consoles
+        ) as pc:
+            result = await asyncio.wait_for(pc.wait(), LIMIT)
+        print("host after", file=file_out)
+        for stream in streams:
+            stream.close()
+        piped = await asyncio.wait_for(read_task, LIMIT)
+    finally:
+        for stream in streams:
+            if not stream.closed:
+                stream.close()
+        reader.close()
+    assert result is not None and not result.is_failed()
+    teed = [f"[w0]:{line}" for line in flood_lines(5000)]
+    assert (tmp_path / "file.txt").read_text().splitlines() == ["host before", *teed, "host after"]
+    assert (tmp_path / "wide.txt").read_text("utf-16-le").splitlines() == teed
+    assert piped.decode("utf-16-le").splitlines() == teed
+    assert (tmp_path / "upper.txt").read_text().splitlines() == [t.upper() for t in teed]
+    assert memory.getvalue().splitlines() == teed
+
+
 # ------------------------------------------------------ unencodable text
 
 

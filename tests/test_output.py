@@ -312,23 +312,140 @@ def test_splitter_chunking_never_matters(stream: tuple[bytes, list[int]]) -> Non
         assert "\r" not in status and "\n" not in status
 
 
-@settings(max_examples=300, deadline=None, database=None)
+@pytest.mark.parametrize("texts", [False, True], ids=["lines", "texts"])
+@settings(max_examples=400, deadline=None, database=None)
 @given(chunked_streams(), SMALL_MAX_LINE)
 @example((b"ab\xe2\x82\xac\nc\xe2\x82\xac\nd", [3, 4, 9]), 8)
+@example((b"x" * 7 + b"\n" + b"y" * 9 + b"\nz\n", [12]), 8)
 def test_splitter_ranges_of_a_reused_buffer_split_as_their_bytes(
-    stream: tuple[bytes, list[int]], max_line: int
+    texts: bool, stream: tuple[bytes, list[int]], max_line: int
 ) -> None:
     """``feed_range`` over ranges of a buffer that holds other bytes around them
-    (a read buffer reused by every read) gives what ``feed`` of those bytes gives."""
+    (a read buffer reused by every read) gives what ``feed`` of those bytes gives.
+
+    ``texts``: as the tee does for sinks that take text, a range goes out as
+    one text where ``feed_text`` takes it, through ``feed_range`` where not.
+    """
     data, cuts = stream
     splitter = LineSplitter()
     got: list[str] = []
     with mock.patch.object(_output, "MAX_LINE", max_line):
         for a, b in itertools.pairwise([0, *sorted(cuts), len(data)]):
             buf = bytearray(b"\n\xe2" * 3) + data[a:b] + bytearray(b"\x82\r\n")
-            got += splitter.feed_range(buf, 6, 6 + b - a)[0]
+            text = splitter.feed_text(buf, 6, 6 + b - a) if texts else None
+            got += splitter.feed_range(buf, 6, 6 + b - a)[0] if text is None else text.split("\n")
         got += splitter.flush()
         assert got == split_feed(data, cuts)[0]
+
+
+def test_splitter_gives_plain_lines_as_one_text_and_leaves_the_rest_to_feed_range() -> None:
+    splitter = LineSplitter()
+    assert splitter.feed_text(b"a\nb\nc", 0, 5) == "a\nb\nc"[:3]  # "c" is held
+    assert splitter.feed_text(b"c\n\xffd\n", 0, 5) == "cc\n\ufffdd"
+    assert splitter.feed_text(b"no newline", 0, 10) is None  # nothing completed
+    assert splitter.feed_text(b"bar\r50%\n", 0, 8) is None  # a progress line: the rules apply
+    assert splitter.feed_range(b"no newline\n", 0, 11)[0] == ["no newline"]
+
+
+class _TextBlocks(Sink):
+    """Takes text: records the blocks it got."""
+
+    def __init__(self) -> None:
+        self.blocks: list[str] = []
+
+    def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
+        self.blocks.append("\n".join(lines))
+
+    def text(self, rank: int, stream: str, prefix: str, text: str) -> None:
+        self.blocks.append(text)
+
+
+class _LinesOfAConsole(ConsoleSink):
+    """A console sink whose subclass overrides ``lines`` only (a filter, say)."""
+
+    def __init__(self, stream: io.StringIO) -> None:
+        super().__init__(stream=stream)
+        self.calls = 0
+
+    def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
+        self.calls += 1
+        super().lines(rank, stream, prefix, [line.upper() for line in lines])
+
+
+def test_a_sink_gets_text_only_where_its_text_is_at_least_as_derived_as_its_lines() -> None:
+    from aioproc._output.sink import takes_text
+    from aioproc.sinks import _FilteredFileSink
+
+    class TextToo(_LinesOfAConsole):
+        def text(self, rank: int, stream: str, prefix: str, text: str) -> None:
+            pass
+
+    got = {
+        cls.__name__: takes_text(cls.__new__(cls))  # type: ignore[arg-type]
+        for cls in (Sink, _PerRank, _TextBlocks, ConsoleSink, FileSink, _LinesOfAConsole, TextToo)
+    }
+    got["_FilteredFileSink"] = takes_text(_FilteredFileSink.__new__(_FilteredFileSink))
+
+    class TextIsState(_TextBlocks):
+        text = "what a sink keeps, named text"  # type: ignore[assignment]
+
+    class TextIsAProperty(_PerRank):
+        @property
+        def text(self) -> str:  # type: ignore[override]
+            return "joined"
+
+    got["TextIsState"] = takes_text(TextIsState())
+    got["TextIsAProperty"] = takes_text(TextIsAProperty())
+    assert got == {
+        "Sink": False,
+        "_PerRank": False,
+        "_TextBlocks": True,
+        "ConsoleSink": True,
+        "FileSink": True,
+        "_LinesOfAConsole": False,  # its lines() would be skipped
+        "TextToo": True,
+        "_FilteredFileSink": False,
+        "TextIsState": False,
+        "TextIsAProperty": False,
+    }
+
+
+async def test_text_and_line_sinks_of_one_tee_each_get_every_line_in_order(
+    tmp_path: Path,
+) -> None:
+    """Sinks that take text get blocks of whole lines, the others single lines
+    (split once for all of them), a console subclass that overrides ``lines``
+    still sees every line through it; all of them get every line, in order."""
+    n = 20_000
+    # ASCII first, then lines with a two-byte character: both ways out
+    want = [f"{i:05d} " + ("y" * 58 if i < n // 2 else "é" * 29) for i in range(n)]
+    code = (
+        "import os\n"
+        f"ascii = [f'{{i:05d}} ' + 'y' * 58 for i in range({n // 2})]\n"
+        f"wide = [f'{{i:05d}} ' + '\\u00e9' * 29 for i in range({n // 2}, {n})]\n"
+        "data = ''.join(line + '\\n' for line in ascii + wide).encode()\n"
+        "view = memoryview(data)\n"
+        "while view:\n"
+        "    view = view[os.write(1, view):]\n"
+    )
+    blocks, per_rank, file_path = _TextBlocks(), _PerRank(), tmp_path / "lines.txt"
+    console, filtered = io.StringIO(), io.StringIO()
+    upper = _LinesOfAConsole(filtered)
+    sinks: list[Sink] = [blocks, per_rank, FileSink(str(file_path)), ConsoleSink(console), upper]
+    spec = DefaultLogsSpecs(log_dir=tmp_path / "logs", tee=Std.OUT)
+    async with aioproc.start_processes(
+        "w", sys.executable, {0: ("-c", code)}, {0: {}}, spec, sinks=sinks
+    ) as pc:
+        result = await asyncio.wait_for(pc.wait(), LIMIT)
+    assert result is not None and not result.is_failed(), result
+    assert "\n".join(blocks.blocks).split("\n") == want
+    assert 1 < len(blocks.blocks) < n // 10  # blocks, not a call per line
+    assert per_rank.got[0] == want
+    prefix = "[w0]:"
+    assert file_path.read_text("utf-8").splitlines() == [prefix + line for line in want]
+    assert console.getvalue().splitlines() == [prefix + line for line in want]
+    assert filtered.getvalue().splitlines() == [prefix + line.upper() for line in want]
+    assert upper.calls == len(blocks.blocks)
 
 
 async def test_a_pipe_cut_before_its_workers_exit_is_noticed_settles_its_output() -> None:

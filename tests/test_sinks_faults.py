@@ -170,6 +170,41 @@ async def test_raising_sync_sink_touches_nobody(
     assert {r.exc_info[1].args[0] for r in errors if r.exc_info} == {"sink bug", "status bug"}
 
 
+class RaisingText(Sink):
+    """Takes text and raises from text() every time."""
+
+    def __repr__(self) -> str:
+        return "<RaisingText sink>"
+
+    def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
+        raise AssertionError("a text sink gets plain lines through text()")
+
+    def text(self, rank: int, stream: str, prefix: str, text: str) -> None:
+        raise RuntimeError("text bug")
+
+
+async def test_a_raising_text_sink_touches_nobody(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sink that takes text and raises costs the line sinks, the console and
+    the log file nothing; its error is logged once, naming it."""
+    bad, good, console = RaisingText(), Collector(), io.StringIO()
+    entry, args = flood(20_000)
+    async with aioproc.start_processes(
+        "w", entry, args, {0: {}}, spec(tmp_path), sinks=[bad, good, sinks.ConsoleSink(console)]
+    ) as pc:
+        result = await asyncio.wait_for(pc.wait(), LIMIT)
+    assert result is not None and not result.is_failed(), result
+    assert good.got == flood_lines(20_000)
+    assert console.getvalue().splitlines() == ["[w0]:" + line for line in flood_lines(20_000)]
+    with open(pc.stdouts[0]) as f:
+        assert f.read().splitlines() == flood_lines(20_000)
+    errors = sink_errors(caplog, bad)
+    assert len(errors) == 1, [r.getMessage() for r in errors]
+    assert "text()" in errors[0].getMessage()
+    assert errors[0].exc_info is not None and errors[0].exc_info[1].args == ("text bug",)
+
+
 async def test_raising_async_sinks_never_make_close_raise(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -48,6 +48,8 @@ import codecs
 import collections
 import contextlib
 import errno
+import functools
+import io
 import itertools
 import os
 import shutil
@@ -374,32 +376,89 @@ def console_write(stream: TextIO, text: str) -> ConsoleWriter | None:
     Returns the writer holding what the console did not take at once, or
     None when ``stream`` was written directly.
     """
+    return _write(stream, text, None)
+
+
+def console_write_ascii(stream: TextIO, data: bytes) -> ConsoleWriter | None:
+    """``console_write`` of ASCII text given as its bytes.
+
+    The bytes go out as they are wherever the stream's encoding is
+    ASCII-compatible (UTF-8, Latin-1, ...), so text a tee got as bytes is
+    not decoded and encoded again on its way out.
+    """
+    return _write(stream, None, data)
+
+
+def _write(stream: TextIO, text: str | None, data: bytes | None) -> ConsoleWriter | None:
+    """``text``, or the ASCII ``data``, to ``stream`` (see ``console_write``)."""
     try:
         fd = stream.fileno()
         st = os.fstat(fd)
     except (AttributeError, OSError, ValueError):
-        safe_write(stream, text)
+        _direct(stream, text, data)
         return None
     if not _may_block(st):
-        safe_write(stream, text)
+        _direct(stream, text, data)
         return None
     try:
         writer = _writer_for(fd, st)
     except RuntimeError:  # no running loop: nothing to keep responsive
-        safe_write(stream, text)
+        _direct(stream, text, data)
         return None
     if not writer.pending:
         with contextlib.suppress(OSError, ValueError, AttributeError):
             stream.flush()  # the host's earlier writes come first
     enc = getattr(stream, "encoding", None) or "utf-8"
-    try:
-        data = text.encode(enc, "backslashreplace")
-    except LookupError:
-        data = text.encode("utf-8", "backslashreplace")
+    if data is None or not _ascii_compatible(enc):
+        if text is None:
+            assert data is not None
+            text = data.decode("ascii")
+        try:
+            data = text.encode(enc, "backslashreplace")
+        except LookupError:
+            data = text.encode("utf-8", "backslashreplace")
     if not writer.write(data):
-        safe_write(stream, text)
+        _direct(stream, text, data)
         return None
     return writer
+
+
+def _direct(stream: TextIO, text: str | None, data: bytes | None) -> None:
+    """Write straight to ``stream``: ``text`` (``safe_write``), or ``data`` (``write_ascii``)."""
+    if text is not None:
+        safe_write(stream, text)
+    else:
+        assert data is not None
+        write_ascii(stream, data)
+
+
+def write_ascii(stream: TextIO, data: bytes) -> None:
+    """``safe_write`` of ASCII text given as its bytes: through the stream's
+    binary buffer where its encoding writes ASCII unchanged."""
+    # only a plain text wrapper: whatever another stream's write() does (a
+    # wrapper that colours or stamps lines) is not skipped
+    plain = isinstance(stream, io.TextIOWrapper) and type(stream).write is io.TextIOWrapper.write
+    if not plain or not _ascii_compatible(stream.encoding):
+        safe_write(stream, data.decode("ascii"))
+        return
+    try:
+        stream.flush()  # the host's earlier writes come first
+        stream.buffer.write(data)
+        stream.buffer.flush()
+    except (OSError, ValueError):
+        pass  # console gone (closed pipe or file): the log file still has it
+
+
+@functools.lru_cache(maxsize=32)
+def _ascii_compatible(encoding: str) -> bool:
+    """Whether ``encoding`` writes every ASCII character as its own byte."""
+    try:
+        return _ASCII.decode("ascii").encode(encoding) == _ASCII
+    except (LookupError, UnicodeError):
+        return False
+
+
+_ASCII = bytes(range(128))
 
 
 def safe_write(stream: TextIO, text: str) -> None:

@@ -3,7 +3,9 @@
 One ``TeeProtocol`` reads one piped stream of one worker.  Every chunk goes
 to the log file unchanged; a ``LineSplitter`` turns the bytes into complete
 lines and progress updates, which are handed to the sinks (``aioproc.sinks``:
-console, file, callback, async iterator).  Since everything runs on the loop
+console, file, callback, async iterator); a run of plain lines goes to a
+sink that takes text (``Sink.text``) as one string, and is split into a
+list once for all the others.  Since everything runs on the loop
 thread and each sink writes a line in one call, a line of one rank can never
 be cut by a line of another.
 
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from .drain import ReadProgress
 from .flow import Flow
+from .sink import takes_text
 from .sinkops import report_sink_error
 
 if TYPE_CHECKING:
@@ -143,6 +146,28 @@ class LineSplitter:
             shown = self._seg or self._prev
             status = _decode(shown) if shown else None
         return lines, status
+
+    def feed_text(self, buf: Buffer, start: int, end: int) -> str | None:
+        """The lines ``buf[start:end]`` completes, as one text joined by ``\\n``.
+
+        For sinks that take text (``Sink.text``): no object per line.  Returns
+        ``None``, having consumed nothing, where the range needs the rules
+        ``feed_range`` applies (a ``\\r``, a line that may exceed
+        ``MAX_LINE``) or completes no line.
+        """
+        if self._cr or buf.find(b"\r", start, end) >= 0:
+            return None
+        nl = buf.rfind(b"\n", start, end)
+        seg = self._seg
+        # past MAX_LINE in all, one of its lines may be longer: feed_range cuts it
+        if nl < 0 or len(seg) + nl - start > MAX_LINE or end - nl - 1 > MAX_LINE:
+            return None
+        view = memoryview(buf)
+        # UTF-8 never uses the byte \n inside a character: decoding the block
+        # at once gives the text of decoding it line by line
+        text = _decode(seg + view[start:nl]) if seg else _decode(view[start:nl])
+        seg[:] = view[nl + 1 : end]
+        return text
 
     def _feed_plain(self, buf: Buffer, start: int, end: int) -> list[str] | None:
         """Fast path for ranges without ``\r``: decode and split whole blocks.
@@ -430,6 +455,8 @@ class TeeProtocol(asyncio.BufferedProtocol):
         self._prefix = prefix
         self._sinks = sinks
         self._splitter = LineSplitter() if sinks else None
+        # per sink, whether it takes text; empty when none does (no text is made)
+        self._texts = [takes_text(s) for s in sinks] if any(map(takes_text, sinks)) else []
         self.progress = ReadProgress()
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.write_error: OSError | None = None
@@ -622,16 +649,22 @@ class TeeProtocol(asyncio.BufferedProtocol):
         """Lines (and progress) of ``buf[start:end]`` to the sinks; then count it as read."""
         if self._splitter is not None:
             try:
-                lines, status = self._splitter.feed_range(buf, start, end)
+                text = self._splitter.feed_text(buf, start, end) if self._texts else None
+                if text is None:
+                    lines, status = self._splitter.feed_range(buf, start, end)
             except Exception:  # a bug here must not close the pipe (uvloop) and kill the worker
                 report_sink_error(self, "line splitting")
             else:
-                self._emit(lines)
-                if status is not None:
-                    self._status(status)
+                if text is not None:
+                    self._emit_text(text)
+                else:
+                    self._emit(lines)
+                    if status is not None:
+                        self._status(status)
                 if self._metrics is not None:
+                    count = len(lines) if text is None else text.count("\n") + 1
                     recorder, group, role = self._metrics
-                    recorder.output(group, role, self._stream, len(lines), end - start)
+                    recorder.output(group, role, self._stream, count, end - start)
         # counted once the sinks have the lines: settled() means they have them
         self.progress.advance(end - start)
 
@@ -682,6 +715,20 @@ class TeeProtocol(asyncio.BufferedProtocol):
                 sink.lines(self._rank, self._stream, self._prefix, lines)
             except Exception:
                 report_sink_error(sink, "lines()")
+
+    def _emit_text(self, text: str) -> None:
+        """``text``'s lines to the sinks, as text to those that take it."""
+        lines: list[str] | None = None
+        for sink, takes in zip(self._sinks, self._texts, strict=True):
+            try:
+                if takes:
+                    sink.text(self._rank, self._stream, self._prefix, text)
+                else:
+                    if lines is None:
+                        lines = text.split("\n")
+                    sink.lines(self._rank, self._stream, self._prefix, lines)
+            except Exception:
+                report_sink_error(sink, "text()" if takes else "lines()")
 
     def _status(self, text: str | None) -> None:
         for sink in self._sinks:
