@@ -17,6 +17,7 @@ A stuck, slow or ascii-only console (the console writer) is test_console.py's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import fcntl
 import io
@@ -383,6 +384,69 @@ async def test_full_disk_is_reported_and_sinks_get_every_line(
     path = "/fake/logs/stdout.log" if disk == "raising-file" else "/dev/full"
     assert "stdout log of rank 3" in warnings[0] and path in warnings[0], warnings[0]
     assert log.closed
+
+
+class _BreaksConsoles(Sink):
+    """At its first lines, breaks the consoles after it: closes a file console,
+    closes the reader of a pipe console."""
+
+    def __init__(self, file_console: io.TextIOWrapper, pipe_reader: int) -> None:
+        self._file, self._reader = file_console, pipe_reader
+        self.broke = False
+
+    def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
+        if not self.broke:
+            self.broke = True
+            self._file.close()
+            os.close(self._reader)
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+async def test_consoles_that_break_mid_flood_cost_nobody_anything(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file console closed by the host, a pipe console whose reader went away
+    and a console on a full disk, all mid-flood: the worker ends as it would
+    have, the log file and the other sinks get every line, nothing is logged
+    as an error, and no fd of ours stays open on the broken pipe."""
+    file_console = open(tmp_path / "console.txt", "w", encoding="utf-8")  # noqa: SIM115
+    r, w = os.pipe()
+    pipe_console = open(w, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+    pipe_name = os.readlink(f"/proc/self/fd/{w}")
+    full = open("/dev/full", "w", encoding="utf-8")  # noqa: SIM115 - closed below
+    breaker, good = _BreaksConsoles(file_console, r), Collector()
+    consoles = [sinks.ConsoleSink(stream=s) for s in (file_console, pipe_console, full)]
+    entry, args = flood(50_000)
+    try:
+        async with aioproc.start_processes(
+            "w", entry, args, {0: {}}, spec(tmp_path), sinks=[breaker, *consoles, good]
+        ) as pc:
+            result = await asyncio.wait_for(pc.wait(), LIMIT)
+        on_pipe = [fd for fd in os.listdir("/proc/self/fd") if _target(fd) == pipe_name]
+    finally:
+        for stream in (file_console, pipe_console, full):
+            with contextlib.suppress(OSError):
+                stream.close()
+        if not breaker.broke:
+            os.close(r)
+    assert breaker.broke
+    assert result is not None and not result.is_failed(), result
+    assert good.got == flood_lines(50_000)
+    with open(pc.stdouts[0]) as f:
+        assert f.read().splitlines() == flood_lines(50_000)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    # what the file console took before it was closed is whole lines
+    taken = (tmp_path / "console.txt").read_text().splitlines()
+    assert taken == ["[w0]:" + line for line in flood_lines(len(taken))]
+    # the pipe console's private fd is gone: only the host's own end is left
+    assert on_pipe == [str(w)]
+
+
+def _target(fd: str) -> str | None:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None  # the listing's own fd, closed since
 
 
 # ------------------------------------------------------------- 4. pipe budget
