@@ -27,7 +27,7 @@ from helpers import cgroup_host, need_cgroup, parent_of
 
 import aioproc
 import aioproc.metrics
-from aioproc import Capacity, ChildFailedError, DefaultLogsSpecs, Limits, Std, Usage
+from aioproc import Capacity, ChildFailedError, DefaultLogsSpecs, FileSink, Limits, Std, Usage
 from aioproc._group import resources
 from aioproc._limits import affinity, placement
 from aioproc._metrics import hooks
@@ -486,7 +486,9 @@ async def test_a_close_while_waiting_for_capacity_starts_nothing() -> None:
 # ------------------------------------------------------------------ metrics
 
 
-async def test_metrics_count_groups_workers_and_output(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sink", ["lines", "text"])
+async def test_metrics_count_groups_workers_and_output(tmp_path: Path, sink: str) -> None:
+    """Output lines are counted whether the sinks take lines or runs of them as text."""
     recorder = aioproc.metrics.enable()
     try:
         await aioproc.run(
@@ -494,8 +496,8 @@ async def test_metrics_count_groups_workers_and_output(tmp_path: Path) -> None:
             2,
             ("-c", "print('one'); print('two')"),
             name="counted",
-            logs_specs=DefaultLogsSpecs(log_dir=tmp_path, tee=Std.ALL),
-            sinks=[lambda line: None],
+            logs_specs=DefaultLogsSpecs(log_dir=tmp_path / "logs", tee=Std.ALL),
+            sinks=[(lambda line: None) if sink == "lines" else FileSink(str(tmp_path / "out"))],
         )
         with pytest.raises(ChildFailedError):
             await aioproc.run(burn, 1, (0.0, True), name="failing", sinks=[], logs_specs=NO_LOGS)
