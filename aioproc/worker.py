@@ -83,6 +83,12 @@ class _TailSink(Sink):
     def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
         self.lines_seen.extend(lines)
 
+    def text(self, rank: int, stream: str, prefix: str, text: str) -> None:
+        keep = self.lines_seen.maxlen
+        assert keep is not None
+        # only the last lines are split off: a flood costs no object per line
+        self.lines_seen.extend(text.rsplit("\n", keep)[-keep:])
+
 
 class _Turn:
     """One request at a time, in arrival order (``asyncio.Lock``'s contract).

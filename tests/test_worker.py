@@ -33,6 +33,7 @@ from aioproc import BrokenWorkerError, ForcedKillWarning, WorkerProcess, open_wo
 from aioproc._func import pickling as _funcpickle
 from aioproc._func.boot import Definitions
 from aioproc.errors import RemoteTraceback
+from aioproc.worker import STDERR_TAIL
 
 BIG = 100 * 1024 * 1024
 
@@ -226,6 +227,18 @@ async def test_concurrent_calls_are_serialised_and_all_answered(pw: ModuleType) 
         results = await asyncio.gather(*(w.call(pw.add, i, 1) for i in range(50)))
         assert results == [i + 1 for i in range(50)]
         assert w.calls == 50
+
+
+async def test_a_broken_worker_names_the_last_lines_of_its_stderr(pw: ModuleType) -> None:
+    """However much a worker wrote to stderr before it died, the error quotes
+    exactly its last lines, in order."""
+    async with open_worker(name="noisy") as w:
+        with pytest.raises(BrokenWorkerError) as info:
+            await asyncio.wait_for(w.call(pw.flood_stderr_then_exit, 50_000, 5), 20)
+    msg = str(info.value)
+    assert msg.startswith(f"worker noisy (pid {w.pid}) exited with code 5 during a call"), msg
+    tail = msg.split("; last lines of its stderr:\n", 1)[1].splitlines()
+    assert tail == [f"    err {i:05d}" for i in range(50_000 - STDERR_TAIL, 50_000)]
 
 
 # -------------------------------------------------------------- SIGKILL

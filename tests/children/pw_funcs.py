@@ -274,3 +274,12 @@ def announce_then_wait(announce: str, release: str, value: Any) -> Any:
 def takes_timeout(x: Any, timeout: Any = None) -> tuple[Any, Any]:
     """A function with a ``timeout`` keyword of its own."""
     return x, timeout
+
+
+def flood_stderr_then_exit(n: int, code: int) -> None:
+    """``n`` numbered lines to stderr in one write, then an exit during the call."""
+    data = "".join(f"err {i:05d}\n" for i in range(n)).encode()
+    view = memoryview(data)
+    while view:
+        view = view[os.write(2, view) :]
+    os._exit(code)
