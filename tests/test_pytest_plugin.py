@@ -693,6 +693,50 @@ def test_leak_check_names_what_leaked_and_removes_it(pytester: pytest.Pytester) 
     assert_all_gone([leaked, group])
 
 
+def test_leak_checks_child_list_keeps_a_child_whose_thread_exits_mid_scan(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A thread starts a child and exits while its threads' children are read,
+    after the main thread's list was read: the child moves to the main thread's
+    list, and the scan must still find it (it once missed it: a false report)."""
+    import subprocess
+    import threading
+
+    from aioproc._plugin import leakcheck
+
+    started: list[subprocess.Popen[bytes]] = []
+    release = threading.Event()
+
+    def start_then_exit() -> None:
+        started.append(subprocess.Popen(["/bin/sleep", "100"]))
+        release.wait(10)
+
+    thread = threading.Thread(target=start_then_exit)
+    thread.start()
+    while not started:
+        release.wait(0.001)
+    child = started[0]
+    main = f"/proc/self/task/{os.getpid()}/children"
+    real_open = open
+
+    def exit_after_main(path: str, *args: object, **kw: object) -> object:
+        f = real_open(path, *args, **kw)  # type: ignore[call-overload]
+        if path == main and thread.is_alive():
+            release.set()
+            thread.join(10)  # the child is the main thread's now, read already
+        return f
+
+    try:
+        monkeypatch.setattr(leakcheck, "open", exit_after_main, raising=False)
+        found = leakcheck.child_pids()
+    finally:
+        release.set()
+        thread.join(10)
+        child.kill()
+        child.wait()
+    assert child.pid in found
+
+
 def test_leak_check_is_opt_in_per_test_by_marker_or_fixture(pytester: pytest.Pytester) -> None:
     write_test(
         pytester,
