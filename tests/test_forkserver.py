@@ -80,6 +80,19 @@ async def test_results_and_session_of_forked_workers(method: str) -> None:
     no_template_left()
 
 
+async def test_forked_workers_have_the_name_of_spawned_ones() -> None:
+    """``ps`` shows a forked worker under the interpreter's name, as a spawned one;
+    the template, while it runs, under a name of its own."""
+    names = {}
+    for method in METHODS:
+        result = await run(fork_funcs.process_name, 2, (), start_method=method)
+        names[method] = set(result.return_values.values())
+    assert names["spawn"] == names["forkserver"] == {os.path.basename(sys.executable)[:15]}
+    async with open_forkserver([]) as server:
+        with open(f"/proc/{server.pid}/comm") as f:
+            assert re.fullmatch(r"aioproc-[0-9a-f]{7}", f.read().rstrip("\n"))
+
+
 async def test_exceptions_equal_spawned_ones() -> None:
     errors = []
     for method in METHODS:

@@ -177,6 +177,52 @@ async def test_template_killed_mid_fork_leaves_no_worker_nor_zombie(tmp_path: Pa
     assert problems == [], f"seed {SEED}, {outcomes}:\n" + "\n".join(problems)
 
 
+_DIE_NAMED = (
+    "import os, sys\n"
+    "fd = os.open('/proc/self/comm', os.O_WRONLY)\n"
+    "os.write(fd, sys.argv[1].encode())\n"
+    "os.setsid()\n"
+    "os._exit(0)\n"
+)
+"""A child that takes the name in ``argv[1]``, makes a session of its own and exits."""
+
+
+async def test_a_fork_killed_as_it_made_its_own_session_is_still_swept() -> None:
+    """A kill of the template's group can catch a fork just as it makes a session of
+    its own: it dies a zombie whose session and environment no longer name the
+    template.  The sweep after the template's death finds it by the process name
+    the template gave it (what ``ps`` shows) and reaps it; a dead child of ours
+    with another name is left to whoever started it."""
+    before = child_pids()
+    server = await open_forkserver(["json"])
+    spawned: list[int] = []
+    try:
+        template = server._template
+        assert template is not None
+        with open(f"/proc/{server.pid}/comm", "rb") as f:
+            name = f.read().rstrip(b"\n")
+        assert name.startswith(b"aioproc-"), name
+        for argv1 in (name.decode(), "not-a-fork"):
+            argv = [sys.executable, "-c", _DIE_NAMED, argv1]
+            spawned.append(os.posix_spawn(sys.executable, argv, dict(os.environ)))
+        fork, other = spawned
+        for pid in (*spawned, server.pid):
+            if pid == server.pid:
+                os.kill(pid, signal.SIGKILL)
+            await asyncio.to_thread(os.waitid, os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        assert (state(fork), state(other)) == ("Z", "Z")
+        assert await asyncio.to_thread(template._sweep) == 1
+        assert state(fork) == "", "the fork was not reaped"
+        assert state(other) == "Z", "a child that is no fork of the template was reaped"
+    finally:
+        for pid in spawned:
+            if pid in child_pids():
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        await server.aclose()
+    assert child_pids() - before == set()
+
+
 async def test_a_stopped_template_and_a_cancelled_start(tmp_path: Path) -> None:
     """A template that does not answer (stopped): a start cancelled after 2 s returns
     at once, not after the fork timeout, and the template was given up: killed,

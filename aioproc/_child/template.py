@@ -24,6 +24,10 @@ signals the processes it forked (it reads each one's "set up" report on a
 pipe): it forks every request it has received, answers them in order, and
 exits when the supervisor closes the socket or dies.
 
+The template takes a process name of its own (``comm``, what ``ps`` shows),
+which every fork has until it passes its gate and then gives back: the
+supervisor's sweep tells an abandoned fork by it even once the fork is dead.
+
 The new worker leads a session of its own, gets its fds at their numbers and
 nothing else, its environment and cwd, and then waits on its *gate*: the
 read end of a pipe that came with the request, whose write end only the
@@ -461,6 +465,8 @@ def _become_worker(
         environ[key] = value
     if not _pass_gate(gate):
         os._exit(127)  # given up, or the supervisor died: nothing of the user's runs
+    if _own_name is not None:
+        _set_name(_own_name)  # adopted now: the name a spawned worker has
 
 
 def _say(report: int, what: bytes) -> None:
@@ -470,6 +476,24 @@ def _say(report: int, what: bytes) -> None:
     except OSError:
         pass  # the template died: the supervisor finds this process by its environment
     os.close(report)
+
+
+_own_name: bytes | None = None
+"""The template's process name before it took the one it gives its forks."""
+
+
+def _set_name(name: bytes) -> None:
+    """Name this process (``comm``); best effort: nothing to do where it cannot."""
+    try:
+        fd = os.open("/proc/self/comm", os.O_WRONLY)
+    except OSError:
+        return
+    try:
+        os.write(fd, name)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _pass_gate(gate: int) -> bool:
@@ -516,6 +540,14 @@ def serve(fd: int) -> NoReturn:
     init = _recv(sock)
     if init is None:
         os._exit(0)
+    global _own_name
+    try:
+        with open("/proc/self/comm", "rb") as f:
+            _own_name = f.read().rstrip(b"\n")
+    except OSError:
+        pass  # no name to give back: none is taken either
+    else:
+        _set_name(init["name"])
     sys.path[:] = init["sys_path"]
     boot_main = _load_boot(init["boot"])
     runner = type(sys)("aioproc._child.script")

@@ -34,9 +34,11 @@ within ``FORK_TIMEOUT``, or a cancelled start gave it up when it answered
 nothing for ``CANCEL_GRACE``, see ``_func.fork``), the template's whole process group is
 SIGKILLed and the workers it forked for requests nobody will adopt are found among this
 process's children and killed and reaped (``_sweep``): a child is one of
-them only if its session is the template's (forked, not yet set up) or its
-exec environment carries this template's own mark (``MARK_VAR``), and it is
-neither registered with the guardian nor answered to a start in flight.
+them only if it has this template's own process name (``fork_name``: a
+fork keeps it until it passes its gate, and a zombie keeps it too), its
+session is the template's, or its exec environment carries the template's
+mark (``MARK_VAR``), and it is neither registered with the guardian nor
+answered to a start in flight.
 Closing a template SIGKILLs its group too: a process a preloaded module
 started dies with it.
 
@@ -74,7 +76,15 @@ from .._proc import lifeline as _lifeline
 from .._proc.exits import ExitWatcher
 from .boot import boot_blob
 from .script import ScriptCommand
-from .template_exec import MARK_VAR, _children, _forked_by, _script_runner, _source, _template_env
+from .template_exec import (
+    MARK_VAR,
+    _children,
+    _forked_by,
+    _script_runner,
+    _source,
+    _template_env,
+    fork_name,
+)
 
 FORK_TIMEOUT = 30.0
 """Seconds a fork request may take before the template is deemed wedged."""
@@ -148,6 +158,7 @@ class Template:
         self._abandoned = False  # killed by a cancelled start (see abandon)
         self.progress = time.monotonic()  # when a request was last sent or answered
         self.mark = f"{os.getpid()}-{secrets.token_hex(8)}"
+        self.name = fork_name(self.mark)  # its process name, and its forks' (see _sweep)
         self._lock = threading.Lock()  # guards the queue and the gates, whatever thread asks
         # fork requests not sent yet, and whether a helper thread is sending
         self._queue: list[_Request] = []
@@ -192,7 +203,13 @@ class Template:
         # the boot modules' code (see _boot): the template builds them once
         boot = boot_blob()[8:]
         init = marshal.dumps(
-            {"sys_path": paths, "preload": list(preload), "boot": boot, "script": _script_runner()}
+            {
+                "sys_path": paths,
+                "preload": list(preload),
+                "boot": boot,
+                "script": _script_runner(),
+                "name": self.name,
+            }
         )
         # ~50 KB into an empty socket buffer (over 200 KB): does not block
         mine.sendall(len(init).to_bytes(8, "big") + init)
@@ -532,16 +549,19 @@ class Template:
         Run once the template is dead, on the helper thread.  A candidate
         is a child of this process that is neither registered with the
         guardian (adopted) nor answered and waiting for ``go``; it is this
-        template's fork if it is in the template's session (forked, not set
-        up: alive or killed with the group) or its exec environment carries
-        the template's mark.  Those are SIGKILLed (they ran no user code, so
-        they have no descendants) and reaped.
+        template's fork if it has the template's process name (every fork
+        has, until it passes its gate), is in the template's session, or its
+        exec environment carries the template's mark.  The name is what
+        finds a fork that a kill of the template's group caught as it made
+        its own session: a zombie, its environment gone, its session its
+        own.  Those are SIGKILLed (they ran no user code, so they have no
+        descendants) and reaped.
         """
         with self._lock:
             waiting = set(self._gates)
         owned = _lifeline.registered_groups() | waiting | {self.pid}
         needle = f"{MARK_VAR}={self.mark}".encode()
-        found = [p for p in _children() - owned if _forked_by(p, self.pid, needle)]
+        found = [p for p in _children() - owned if _forked_by(p, self.pid, self.name, needle)]
         for pid in found:
             try:
                 os.kill(pid, signal.SIGKILL)  # our unreaped child: the pid is still its own

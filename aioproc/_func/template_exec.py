@@ -3,9 +3,9 @@
 The code a template runs (``_child.template``'s source, and ``_child.script``
 compiled for it to build once), its exec environment (this process's, the
 lifeline, its mark, the native thread-pool sizes while preloading), and the
-search for what it forked among this process's children, by its session or
-its mark (``MARK_VAR``): what ``Template._sweep`` kills after a failure
-(see ``_func.template``).
+search for what it forked among this process's children, by the name it
+gives them (``fork_name``), its session or its mark (``MARK_VAR``): what
+``Template._sweep`` kills after a failure (see ``_func.template``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,22 @@ logger = logging.getLogger("aioproc")
 MARK_VAR = "AIOPROC_TEMPLATE"
 """Environment variable of a template's exec environment naming that template:
 what tells its forks apart from this process's other children (``Template._sweep``)."""
+
+NAME_PREFIX = "aioproc-"
+"""How a template's process name starts (``fork_name``)."""
+
+
+def fork_name(mark: str) -> bytes:
+    """The process name (``comm``) of the template marked ``mark``, and of its forks
+    until they pass their gate.
+
+    Unlike its session and its environment, a process keeps its name once
+    dead: a fork that a kill of the template's group caught just as it made
+    its own session is a zombie whose name alone still tells whose fork it
+    is.  15 bytes, the most the kernel keeps.
+    """
+    return (NAME_PREFIX + mark.rpartition("-")[2][:7]).encode()
+
 
 THREAD_VARS = (
     "OMP_NUM_THREADS",
@@ -91,13 +107,20 @@ def _children() -> set[int]:
     return pids
 
 
-def _forked_by(pid: int, template: int, needle: bytes) -> bool:
-    """Whether our child ``pid`` is a fork of ``template`` (see ``Template._sweep``)."""
+def _forked_by(pid: int, template: int, name: bytes, needle: bytes) -> bool:
+    """Whether our child ``pid`` is a fork of ``template`` (see ``Template._sweep``).
+
+    ``name``: the template's process name (``fork_name``); ``needle``: its
+    mark as it appears in its exec environment.
+    """
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-        # after the command name: state, ppid, pgrp, session
-        _, _, pgrp, session = stat[stat.rindex(b")") + 2 :].split()[:4]
+        # "pid (comm) state ppid pgrp session ...": comm may hold spaces and parens
+        comm_end = stat.rindex(b")")
+        if stat[stat.index(b"(") + 1 : comm_end] == name:
+            return True  # not past its gate yet, alive or dead
+        _, _, pgrp, session = stat[comm_end + 2 :].split()[:4]
         if int(session) == template or int(pgrp) == template:
             return True
         with open(f"/proc/{pid}/environ", "rb") as f:

@@ -17,6 +17,12 @@ def ident(x: object) -> tuple[object, int, int, int, int]:
     return x, os.getpid(), os.getppid(), os.getsid(0), os.getpgid(0)
 
 
+def process_name() -> str:
+    """This process's name (``comm``): what ``ps`` and ``top`` show."""
+    with open("/proc/self/comm") as f:
+        return f.read().rstrip("\n")
+
+
 def fail(message: str) -> None:
     raise ValueError(message)
 
