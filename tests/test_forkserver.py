@@ -93,6 +93,23 @@ async def test_forked_workers_have_the_name_of_spawned_ones() -> None:
             assert re.fullmatch(r"aioproc-[0-9a-f]{7}", f.read().rstrip("\n"))
 
 
+async def test_a_preload_that_names_the_process_names_the_workers_not_the_template() -> None:
+    """A preloaded module that names its process (as ``setproctitle`` does) names the
+    workers forked after it, as a fork of that process would be named; the template
+    keeps the name its abandoned forks are found by."""
+    async with open_forkserver(["fork_rename_mod"]) as server:
+        with open(f"/proc/{server.pid}/comm") as f:
+            assert re.fullmatch(r"aioproc-[0-9a-f]{7}", f.read().rstrip("\n"))
+        result = await run(
+            fork_funcs.process_name,
+            2,
+            (),
+            start_method="forkserver",
+            preload=["fork_rename_mod"],
+        )
+    assert set(result.return_values.values()) == {"renamed-by-mod"}
+
+
 async def test_exceptions_equal_spawned_ones() -> None:
     errors = []
     for method in METHODS:

@@ -540,14 +540,6 @@ def serve(fd: int) -> NoReturn:
     init = _recv(sock)
     if init is None:
         os._exit(0)
-    global _own_name
-    try:
-        with open("/proc/self/comm", "rb") as f:
-            _own_name = f.read().rstrip(b"\n")
-    except OSError:
-        pass  # no name to give back: none is taken either
-    else:
-        _set_name(init["name"])
     sys.path[:] = init["sys_path"]
     boot_main = _load_boot(init["boot"])
     runner = type(sys)("aioproc._child.script")
@@ -580,6 +572,16 @@ def serve(fd: int) -> NoReturn:
 
     gc.freeze()
     _collapse()  # before READY: every fork finds the memory in large pages
+    # named last, so that a preloaded module that names the process
+    # (setproctitle) cannot take the name the sweep knows the forks by
+    global _own_name
+    try:
+        with open("/proc/self/comm", "rb") as f:
+            _own_name = f.read().rstrip(b"\n")
+    except OSError:
+        pass  # no name to give back: none is taken either
+    else:
+        _set_name(init["name"])
     modules = _Modules()
     sys.meta_path.insert(0, modules)
     scripts = _Scripts()
