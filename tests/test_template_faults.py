@@ -206,9 +206,8 @@ async def test_a_fork_killed_as_it_made_its_own_session_is_still_swept() -> None
             argv = [sys.executable, "-c", _DIE_NAMED, argv1]
             spawned.append(os.posix_spawn(sys.executable, argv, dict(os.environ)))
         fork, other = spawned
-        for pid in (*spawned, server.pid):
-            if pid == server.pid:
-                os.kill(pid, signal.SIGKILL)
+        os.kill(server.pid, signal.SIGKILL)
+        for pid in (fork, other, server.pid):  # dead, not reaped
             await asyncio.to_thread(os.waitid, os.P_PID, pid, os.WEXITED | os.WNOWAIT)
         assert (state(fork), state(other)) == ("Z", "Z")
         assert await asyncio.to_thread(template._sweep) == 1
