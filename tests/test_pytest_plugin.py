@@ -702,6 +702,7 @@ def test_leak_checks_child_list_keeps_a_child_whose_thread_exits_mid_scan(
     import subprocess
     import threading
 
+    from aioproc._base import children
     from aioproc._plugin import leakcheck
 
     started: list[subprocess.Popen[bytes]] = []
@@ -727,7 +728,7 @@ def test_leak_checks_child_list_keeps_a_child_whose_thread_exits_mid_scan(
         return f
 
     try:
-        monkeypatch.setattr(leakcheck, "open", exit_after_main, raising=False)
+        monkeypatch.setattr(children, "open", exit_after_main, raising=False)
         found = leakcheck.child_pids()
     finally:
         release.set()

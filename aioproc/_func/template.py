@@ -70,6 +70,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
+from .._base.children import child_pids
 from .._base.shield import shielded
 from .._errors.failure import RemoteTraceback
 from .._proc import lifeline as _lifeline
@@ -78,7 +79,6 @@ from .boot import boot_blob
 from .script import ScriptCommand
 from .template_exec import (
     MARK_VAR,
-    _children,
     _forked_by,
     _script_runner,
     _source,
@@ -561,7 +561,7 @@ class Template:
             waiting = set(self._gates)
         owned = _lifeline.registered_groups() | waiting | {self.pid}
         needle = f"{MARK_VAR}={self.mark}".encode()
-        found = [p for p in _children() - owned if _forked_by(p, self.pid, self.name, needle)]
+        found = [p for p in child_pids() - owned if _forked_by(p, self.pid, self.name, needle)]
         for pid in found:
             try:
                 os.kill(pid, signal.SIGKILL)  # our unreaped child: the pid is still its own

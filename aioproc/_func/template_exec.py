@@ -91,22 +91,6 @@ def _template_env(
     return env
 
 
-def _children() -> set[int]:
-    """This process's children (of every thread), running or zombie."""
-    pids: set[int] = set()
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return pids
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/children") as f:
-                pids.update(int(p) for p in f.read().split())
-        except OSError:
-            continue  # the thread just exited
-    return pids
-
-
 def _forked_by(pid: int, template: int, name: bytes, needle: bytes) -> bool:
     """Whether our child ``pid`` is a fork of ``template`` (see ``Template._sweep``).
 

@@ -23,41 +23,15 @@ import threading
 import time
 from dataclasses import dataclass
 
+from .._base.children import child_pids as child_pids
+
 SUPPORTED = sys.platform.startswith("linux")
 
 THREAD_GRACE = 1.0
 """Seconds new threads get, in all, to finish before they count as leaked."""
 
-SCANS = 20
-"""Scans of the threads' children at most, when threads keep coming and going."""
-
 AIOPROC_TEMP_PREFIXES = ("aioproc_", "aioproc-")
 """Names of the temp dirs aioproc makes (``DefaultLogsSpecs``, the pytest plugin)."""
-
-
-def child_pids() -> set[int]:
-    """Direct children of this process (of any thread), running or zombie.
-
-    Each thread lists the children it started.  A thread that exits during
-    the scan hands its children to another thread, perhaps one already
-    read (aioproc's helper thread exits once idle, right after a start):
-    the scan is then repeated, until no thread came or went during one
-    (at most ``SCANS`` times).
-    """
-    tids = os.listdir("/proc/self/task")
-    for _ in range(SCANS):
-        pids: set[int] = set()
-        for tid in tids:
-            try:
-                with open(f"/proc/self/task/{tid}/children") as f:
-                    pids.update(int(p) for p in f.read().split())
-            except FileNotFoundError:  # the thread just exited: scan again
-                continue
-        again = os.listdir("/proc/self/task")
-        if again == tids:
-            break
-        tids = again
-    return pids
 
 
 def open_fds() -> set[int]:
