@@ -253,7 +253,8 @@ def _prefixed_ascii(prefix: str, text: str) -> bytes | None:
     if not (text.isascii() and prefix.isascii()):
         return None
     pre = prefix.encode("ascii")
-    return pre + text.encode("ascii").replace(b"\n", b"\n" + pre) + b"\n"
+    # one copy of the result: ``a + b + c`` would copy it twice
+    return b"".join((pre, text.encode("ascii").replace(b"\n", b"\n" + pre), b"\n"))
 
 
 def _isatty(stream: TextIO) -> bool:
