@@ -98,8 +98,9 @@ SUPERVISOR = textwrap.dedent(
         _spawn._lifeline.unhold = lambda: None
 
     async def main():
+        worker_mode = "setsid" if mode == "setsid" else "wait"
         pc = await aioproc.start_processes(
-            "sup", sys.executable, {0: (grandchild, fifo, "wait")}, {0: {}}
+            "sup", sys.executable, {0: (grandchild, fifo, worker_mode)}, {0: {}}
         )
         print("started", flush=True)
         await asyncio.sleep(3600)
@@ -129,6 +130,35 @@ async def test_supervisor_sigkill_kills_worker_and_grandchild(tmp_path: Path, mo
                 sup.wait()
             assert sup.stdout is not None
             sup.stdout.close()
+
+
+async def test_a_descendant_that_left_the_group_is_swept_by_its_token(tmp_path: Path) -> None:
+    """A grandchild in a session of its own is out of reach of every group
+    signal; once the supervisor is SIGKILLed, the guardian finds it by the
+    token it kept in its environment."""
+    async with Fifo(tmp_path / "fifo") as fifo:
+        sup = subprocess.Popen(
+            [sys.executable, "-c", SUPERVISOR, fifo.path, GRANDCHILD, "setsid"],
+            stdout=subprocess.PIPE,
+            env={**os.environ, "TMPDIR": str(tmp_path)},
+        )
+        left: set[int] = set()
+        try:
+            ((worker, grandchild),) = await fifo.pid_pairs(1)
+            assert os.getsid(grandchild) == grandchild != os.getpgid(worker)
+            os.kill(sup.pid, signal.SIGKILL)
+            sup.wait()
+            left = await still_alive_after([worker, grandchild], 5)
+            assert left == set()
+        finally:
+            if sup.poll() is None:
+                sup.kill()
+                sup.wait()
+            assert sup.stdout is not None
+            sup.stdout.close()
+            for pid in left:  # the test started them, and they outlived the sweep
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 TWICE = textwrap.dedent(

@@ -24,10 +24,20 @@ from typing import Any
 
 import pytest
 from helpers import cgroup_host, need_cgroup, parent_of
+from proc_utils import Fifo
 
 import aioproc
 import aioproc.metrics
-from aioproc import Capacity, ChildFailedError, DefaultLogsSpecs, FileSink, Limits, Std, Usage
+from aioproc import (
+    Capacity,
+    ChildFailedError,
+    DefaultLogsSpecs,
+    FileSink,
+    ForcedKillWarning,
+    Limits,
+    Std,
+    Usage,
+)
 from aioproc._group import resources
 from aioproc._limits import affinity, placement
 from aioproc._metrics import hooks
@@ -186,6 +196,60 @@ async def test_a_rank_past_its_memory_limit_is_reported_oom_killed(kind: str) ->
             logs_specs=NO_LOGS,
             start_method=method,
         )
+
+
+DEAF = (
+    "import signal, sys\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "open(sys.argv[1], 'w').write('ready\\n')\n"
+    "signal.pause()\n"
+)
+HOG_ON_SIGTERM = (
+    "import signal, sys\n"
+    "def hog(*_):\n"
+    "    " + ALLOCATE.format(mib=256).replace("\n", "\n    ") + "\n"
+    "signal.signal(signal.SIGTERM, hog)\n"
+    "open(sys.argv[1], 'w').write('ready\\n')\n"
+    "signal.pause()\n"
+)
+
+
+async def test_a_sigkill_aioproc_sent_is_never_taken_for_the_oom_kill_beside_it(
+    tmp_path: Path,
+) -> None:
+    """A close stops two ranks sharing a 64 MiB cgroup: rank 0 ignores SIGTERM
+    and is SIGKILLed when the grace period ends; rank 1 answers SIGTERM by
+    allocating past the limit and is killed by the OOM killer.  Both die of
+    SIGKILL and are recorded in one pass, rank 0 first, with one OOM kill
+    counted: it is rank 1's, not the first SIGKILL recorded."""
+    need_cgroup("memory")
+    events: list[aioproc.WorkerEvent] = []
+    async with Fifo(tmp_path / "fifo") as fifo:
+        pc = await aioproc.start_processes(
+            "deaf",
+            sys.executable,
+            {0: ("-c", DEAF, fifo.path), 1: ("-c", HOG_ON_SIGTERM, fifo.path)},
+            {0: {}, 1: {}},
+            limits=Limits(memory="64M"),
+            on_event=events.append,
+            logs_specs=NO_LOGS,
+            sinks=[],
+        )
+        try:
+            await fifo.lines(2)
+            with pytest.warns(ForcedKillWarning, match=r"deaf/0 \(pid"):
+                await pc.close(timeout=2)
+        finally:
+            await pc.close(signal.SIGKILL)
+    result = pc.poll()
+    assert result is not None
+    assert {r: (f.exitcode, f.oom) for r, f in result.failures.items()} == {
+        0: (-signal.SIGKILL, ""),
+        1: (-signal.SIGKILL, OOM_TEXT),
+    }
+    summary = str(ChildFailedError("deaf", result.failures))
+    assert summary.count("  oom       :") == 1
+    assert {r: e.oom for r, e in exited(events).items()} == {0: None, 1: OOM_TEXT}
 
 
 @KINDS

@@ -131,6 +131,67 @@ async def test_cancelling_wait_inside_async_with_leaves_nothing(tmp_path: Path) 
     assert all(pid_gone(pid) for pid in pids.values())
 
 
+async def test_cancelling_a_bare_wait_leaves_the_workers_running(tmp_path: Path) -> None:
+    async with Fifo(tmp_path / "fifo") as fifo:
+        pc = await aioproc.start_processes(
+            "kept", blocking_worker, {r: (fifo.path,) for r in range(2)}, envs(2)
+        )
+        try:
+            await fifo.lines(2)
+            with anyio.move_on_after(0.2) as scope:
+                await pc.wait()
+            assert scope.cancelled_caught
+            pids = list(pc.pids().values())
+            assert await still_alive_after(pids, 0.5) == set(pids)
+            assert pc.poll() is None
+            # a later wait() gets the result, once the workers are stopped
+            waiting = asyncio.create_task(pc.wait())
+            for pid in pids:
+                os.kill(pid, signal.SIGUSR1)
+            result = await asyncio.wait_for(waiting, 20)
+        finally:
+            await pc.close(timeout=5)
+    assert result is not None
+    assert {r: f.exitcode for r, f in result.failures.items()} == {
+        0: -signal.SIGUSR1,
+        1: -signal.SIGUSR1,
+    }
+    assert all(pid_gone(pid) for pid in pids)
+
+
+async def test_a_second_close_with_sigkill_cuts_the_first_ones_grace_short(
+    tmp_path: Path,
+) -> None:
+    async with Fifo(tmp_path / "fifo") as fifo:
+        pc = await aioproc.start_processes(
+            "deaf",
+            sys.executable,
+            {r: (GRANDCHILD, fifo.path, "ignore-term") for r in range(2)},
+            envs(2),
+        )
+        try:
+            pairs = await fifo.pid_pairs(2)
+            with pytest.warns(ForcedKillWarning) as record:
+                first = asyncio.create_task(pc.close(timeout=300))
+                # the first close has sent its SIGTERM, which they ignore
+                await asyncio.sleep(0.3)
+                assert not first.done()
+                assert pc.poll() is None
+                await asyncio.wait_for(pc.close(signal.SIGKILL), 20)
+                await asyncio.wait_for(first, 20)  # far within its grace period
+        finally:
+            await pc.close(signal.SIGKILL)
+    assert len(record) == 1
+    result = pc.poll()
+    assert result is not None
+    assert {r: f.exitcode for r, f in result.failures.items()} == {
+        0: -signal.SIGKILL,
+        1: -signal.SIGKILL,
+    }
+    assert all(f.stopped for f in result.failures.values())
+    assert await still_alive_after([p for pair in pairs for p in pair], timeout=5) == set()
+
+
 async def test_anyio_cancel_scope_stops_stubborn_workers_within_grace(tmp_path: Path) -> None:
     async with Fifo(tmp_path / "fifo") as fifo:
         with anyio.CancelScope() as scope, pytest.warns(ForcedKillWarning):

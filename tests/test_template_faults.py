@@ -332,6 +332,50 @@ async def test_groups_starting_when_their_template_dies_start_on_a_new_one(
     assert child_pids() - before == set()
 
 
+async def test_a_start_whose_second_template_dies_too_raises_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The template is SIGKILLed with the start's requests unanswered, and so
+    is the fresh one its retry takes: the start raises, naming the second,
+    and neither template left a worker or a zombie behind."""
+    n = 4
+    before = child_pids()
+    fresh: list[int] = []
+    acquire = _template.acquire
+
+    async with open_forkserver(["json"]) as server:
+
+        async def acquire_and_kill(*args: Any, **kwargs: Any) -> _template.Template:
+            template = await acquire(*args, **kwargs)
+            if template.pid != server.pid and not fresh:
+                # the retry's template: killed before its first fork
+                fresh.append(template.pid)
+                os.kill(template.pid, signal.SIGKILL)
+            return template
+
+        monkeypatch.setattr(_template, "acquire", acquire_and_kill)
+        os.kill(server.pid, signal.SIGSTOP)  # answers nothing: the requests wait
+        start = asyncio.ensure_future(
+            start_processes(
+                "twice",
+                fork_fault_funcs.ident,
+                {r: (r,) for r in range(n)},
+                {r: {} for r in range(n)},
+                start_method="forkserver",
+                preload=["json"],
+            )
+        )
+        await asyncio.sleep(0.2)
+        assert not start.done()
+        os.kill(server.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError) as raised:
+            await asyncio.wait_for(start, 30)
+    assert len(fresh) == 1
+    assert f"pid {fresh[0]}" in str(raised.value)
+    assert await survivors() == set()
+    assert child_pids() - before == set()
+
+
 async def test_a_forkserver_pool_takes_a_fresh_template_when_its_own_died() -> None:
     """Every call after the template was SIGKILLed succeeds, on workers forked
     from a new template (the one another group started, if there is one)."""
