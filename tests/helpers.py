@@ -107,6 +107,16 @@ def parent_of(pid: int) -> int:
         return 0
 
 
+def state(pid: int) -> str:
+    """``pid``'s state letter (``Z`` for a zombie, ``T`` when stopped), or "" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return ""
+    return stat[stat.rindex(b")") + 2 :].split()[0].decode()
+
+
 def aioproc_temp_dirs(tmpdir: str | None = None) -> set[str]:
     """The private ``aioproc_*`` log dirs ``DefaultLogsSpecs()`` made in ``tmpdir``.
 

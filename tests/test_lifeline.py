@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import child_pids
+from helpers import child_pids, parent_of, state
 from proc_utils import Fifo, still_alive_after
 
 import aioproc
@@ -530,6 +530,68 @@ async def test_an_outer_sweep_alone_reaches_the_workers_of_a_nested_supervisor(
                     os.kill(inner_guardian, signal.SIGKILL)
                     os.kill(inner_guardian, signal.SIGCONT)
     assert [e for e in _empties(tmp_path) if "aioproc_" in e] == []
+
+
+EOF_SUPERVISOR = textwrap.dedent(
+    """
+    import asyncio, os, sys
+    sys.path.insert(0, sys.argv[2])
+    import aioproc
+    import fork_funcs
+
+    async def main():
+        async with aioproc.open_pool(2) as pool:
+            pids = await pool.run(os.getpid)
+            pc = await aioproc.start_processes(
+                "busy", fork_funcs.say_running_then_sleep, {0: (sys.argv[1], 1.0)}, {0: {}}
+            )
+            print(*pids, flush=True)
+            await asyncio.sleep(3600)
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_function_workers_exit_on_their_channels_eof_with_the_guardian_stopped(
+    tmp_path: Path,
+) -> None:
+    """The supervisor is SIGKILLed while its guardian cannot act (stopped): idle
+    pool workers exit as their control channel reaches EOF, and a group's
+    function worker as soon as its function returns, before anyone sweeps."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    if "uvloop" in type(asyncio.get_running_loop()).__module__:
+        env["AIOPROC_LOOP"] = "uvloop"
+    guardian = 0
+    async with Fifo(tmp_path / "fifo") as fifo:
+        sup = subprocess.Popen(
+            [sys.executable, "-c", EOF_SUPERVISOR, fifo.path, str(CHILDREN)],
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=tmp_path,
+        )
+        assert sup.stdout is not None
+        try:
+            (line,) = await fifo.lines(1)
+            busy = int(line.split()[1])
+            idle = [int(p) for p in (await asyncio.to_thread(sup.stdout.readline)).split()]
+            assert len(idle) == 2
+            (guardian,) = (g for g in _guardians_in(tmp_path) if parent_of(g) == sup.pid)
+            os.kill(guardian, signal.SIGSTOP)
+            os.kill(sup.pid, signal.SIGKILL)
+            sup.wait()
+            assert await still_alive_after([*idle, busy], 5) == set()
+            assert state(guardian) == "T"  # stopped all along: nobody swept them
+            os.kill(guardian, signal.SIGCONT)
+            assert await still_alive_after([guardian], 5) == set()
+        finally:
+            if sup.poll() is None:
+                sup.kill()
+                sup.wait()
+            sup.stdout.close()
+            if guardian:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(guardian, signal.SIGCONT)
 
 
 def ppid(pid: int) -> int:

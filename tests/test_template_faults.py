@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import CHILDREN_DIR, child_pids, loop_name
+from helpers import CHILDREN_DIR, child_pids, loop_name, state
 from proc_utils import still_alive_after
 
 from aioproc import open_forkserver, open_pool, run, start_processes
@@ -36,16 +36,6 @@ SEED = int(os.environ.get("AIOPROC_FAULT_SEED", random.randrange(1 << 30)))
 NPROCS = 64
 KILLS = 10
 """Template kills per loop here; ``benchmarks/soak_faults.py`` does hundreds."""
-
-
-def state(pid: int) -> str:
-    """``pid``'s state letter (``Z`` for a zombie), or "" once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return ""
-    return stat[stat.rindex(b")") + 2 :].split()[0].decode()
 
 
 def token_holders() -> set[int]:

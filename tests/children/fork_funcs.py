@@ -132,3 +132,10 @@ def say_running(fifo: str) -> int:
     finally:
         os.close(fd)
     return os.getpid()
+
+
+def say_running_then_sleep(fifo: str, seconds: float) -> int:
+    """``say_running``, then sleep ``seconds`` (still running when the test acts)."""
+    say_running(fifo)
+    time.sleep(seconds)
+    return os.getpid()
