@@ -43,6 +43,25 @@ limit, high = int(sys.argv[5]), int(sys.argv[6])
 def nap():
     time.sleep(60)
 
+def live_children():
+    # this process's live children other than its guardian, as command lines
+    pids = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            pids += [int(p) for p in f.read().split()]
+    left = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if stat[stat.rindex(b")") + 2 :][:1] != b"Z" and b"aioproc-guardian" not in cmd:
+            left.append(cmd.replace(b"\0", b" ").decode())
+    return left
+
 async def main():
     fd = os.open(os.devnull, os.O_RDONLY)
     os.dup2(fd, high, inheritable=True)
@@ -54,14 +73,20 @@ async def main():
         entry, args = sys.executable, {r: ("-S", "-c", code) for r in range(n)}
     else:
         entry, args = nap, {r: () for r in range(n)}
+    started = []
     try:
         async with aioproc.start_processes(
             "w", entry, args, {r: {} for r in range(n)},
             DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL),
+            on_event=lambda e: e.kind == "started" and started.append(e.pid),
         ) as pc:
             result = await pc.wait()
     except OSError as e:
-        return {"errno": e.errno, "error": str(e)}
+        gone = [pid for pid in started if not os.path.exists(f"/proc/{pid}")]
+        return {
+            "errno": e.errno, "error": str(e), "started": len(started), "gone": len(gone),
+            "left": live_children(),
+        }
     return {"failed": result.is_failed()}
 
 runner = asyncio.run
@@ -117,6 +142,9 @@ async def test_running_out_of_fds_is_emfile_naming_the_limit_to_raise(
         "open fds (RLIMIT_NOFILE); raise it"
     ), error
     assert "ulimit -n" in error and "start fewer workers" in error, error
+    # the workers started before the limit was reached are stopped and reaped
+    assert result["started"] > 0, result
+    assert (result["gone"], result["left"]) == (result["started"], []), result
 
 
 # ------------------------------------------------------------- a full disk
@@ -184,3 +212,48 @@ async def test_a_full_disk_under_a_redirected_log_is_named_in_the_summary(
         # the worker told the supervisor what failed; no half-written error file
         assert failure.error_file == "<N/A>"
         assert "OSError: [Errno 28] No space left on device" in summary, summary
+
+
+class Counter(aioproc.Sink):
+    """Counts the lines of each stream, and checks they come in order."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
+        n = self.counts.get(stream, 0)
+        for i, line in enumerate(lines, n):
+            assert line.startswith(f"line {i} "), (i, line[:20])
+        self.counts[stream] = n + len(lines)
+
+
+async def test_a_full_disk_under_a_teed_log_costs_the_sinks_no_line(
+    full_disk: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The worker writes into the tee's pipe, never to the disk: its log file
+    stops at the disk's size, one warning names it, the sinks get every line
+    and the worker succeeds."""
+    counter = Counter()
+    result = await asyncio.wait_for(
+        aioproc.run(
+            sys.executable,
+            nprocs=1,
+            args=("-c", NOISY),
+            name="noisy",
+            logs_specs=DefaultLogsSpecs(log_dir=full_disk / "logs", tee=Std.OUT),
+            sinks=[counter],
+        ),
+        LIMIT,
+    )
+    assert result.return_values == {0: None}
+    assert counter.counts == {"stdout": 100000}
+    path = result.stdouts[0]
+    with open(path) as f:
+        kept = f.read()
+    # the file holds the stream's start, as much as the disk took
+    assert 0 < len(kept) <= 256 * 1024
+    assert kept == "".join(f"line {i} " + "x" * 100 + "\n" for i in range(2500))[: len(kept)]
+    warnings = [r.getMessage() for r in caplog.records if "could not write" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"could not write the stdout log of rank 0 to {path}: ")
+    assert "No space left on device" in warnings[0]
