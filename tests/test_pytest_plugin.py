@@ -435,6 +435,52 @@ def test_group_and_pool_fixtures_close_what_they_started(
     assert_all_gone(pids)
 
 
+CANCELLED_TESTS = """
+import asyncio, os, sys
+import pytest
+{mark}
+
+async def test_cancelled_mid_test(aioproc_group, aioproc_pool, aioproc_cluster):
+    pc = await aioproc_group(sys.executable, 1, args=("-c", "import time; time.sleep(60)"))
+    pool = await aioproc_pool(1)
+    runner = await aioproc_cluster(sleep_forever, {{"worker": 1}}, stream_output=False)
+    pids = [pc.pids()[0], *(await pool.run(os.getpid)), runner.get_process_id("worker", 0)]
+    open("pid_cancelled", "w").write(" ".join(map(str, pids)))
+    asyncio.current_task().cancel()
+    await asyncio.sleep(30)
+
+def sleep_forever():
+    import time
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ("-o", "asyncio_mode=strict", "-p", "no:anyio"),
+        ("-o", "asyncio_mode=auto", "-p", "no:anyio"),
+    ],
+    ids=["asyncio-strict", "asyncio-auto"],
+)
+def test_fixtures_close_what_they_started_when_the_test_is_cancelled(
+    pytester: pytest.Pytester, mode: tuple[str, ...]
+) -> None:
+    """The test's task is cancelled: it fails with CancelledError, and the
+    teardown still closes everything, so the leak check finds nothing.
+    (Under anyio's plugin the test's task is anyio's runner task: cancelling
+    it leaves anyio unable to run any async fixture's teardown.)"""
+    mark = "pytestmark = pytest.mark.asyncio" if "asyncio_mode=strict" in mode else ""
+    write_test(pytester, CANCELLED_TESTS.format(mark=mark))
+    result = pytester.runpytest_subprocess(*PLUGIN, *mode, "--aioproc-leakcheck")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["FAILED test_it.py::test_cancelled_mid_test - *CancelledError*"])
+    assert "leaked" not in result.stdout.str(), result.stdout.str()
+    pids = [int(p) for p in (pytester.path / "pid_cancelled").read_text().split()]
+    assert len(pids) == 3
+    assert_all_gone(pids)
+
+
 @pytest.mark.parametrize("autoload", [True, False], ids=["entry-points", "explicit-p"])
 def test_strict_mode_fixtures_raise_no_deprecation_warning(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, autoload: bool
