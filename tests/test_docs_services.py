@@ -40,11 +40,22 @@ def example(tab: str) -> str:
     raise AssertionError(f"no {tab!r} tab in {PAGE}")
 
 
-def start_aiohttp(work: Path, env: dict[str, str], port: int) -> subprocess.Popen[str]:
+def start_aiohttp(
+    work: Path, env: dict[str, str], port: int, *, cancel: bool = True
+) -> subprocess.Popen[str]:
+    """The aiohttp tab; ``cancel=False`` runs it with aiohttp's default, where a
+    disconnect does not cancel the handler (the page says what happens then)."""
     code = example("aiohttp")
-    assert "port=8080" in code
-    (work / "service.py").write_text(code.replace("port=8080", f"port={port}"))
+    assert "port=8080, handler_cancellation=True" in code
+    arguments = f"port={port}" + (", handler_cancellation=True" if cancel else "")
+    (work / "service.py").write_text(
+        code.replace("port=8080, handler_cancellation=True", arguments)
+    )
     return serve([sys.executable, "service.py"], work, env, "Running on")
+
+
+def start_aiohttp_default(work: Path, env: dict[str, str], port: int) -> subprocess.Popen[str]:
+    return start_aiohttp(work, env, port, cancel=False)
 
 
 def start_fastapi(work: Path, env: dict[str, str], port: int) -> subprocess.Popen[str]:
@@ -67,15 +78,23 @@ def serve(argv: list[str], work: Path, env: dict[str, str], ready: str) -> subpr
     raise AssertionError(f"the service exited {proc.returncode} before serving:\n{''.join(seen)}")
 
 
-@pytest.fixture(params=["aiohttp", "FastAPI"])
+STARTS = {
+    "aiohttp": start_aiohttp,
+    "aiohttp-default-cancellation": start_aiohttp_default,
+    "FastAPI": start_fastapi,
+}
+
+
+@pytest.fixture(params=list(STARTS))
 def service(request: pytest.FixtureRequest, sandbox: tuple[Path, dict[str, str]]) -> Iterator[int]:
     """The tab's service, running on a free port; stopped with SIGINT afterwards."""
-    modules = ("aiohttp",) if request.param == "aiohttp" else ("fastapi", "uvicorn")
+    aiohttp = request.param.startswith("aiohttp")
+    modules = ("aiohttp",) if aiohttp else ("fastapi", "uvicorn")
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         pytest.skip(f"{', '.join(missing)} not installed (pip install -e '.[docs]')")
     port = free_port()
-    start = start_aiohttp if request.param == "aiohttp" else start_fastapi
+    start = STARTS[request.param]
     work, env = sandbox
     proc = start(work, env, port)
     try:
