@@ -152,3 +152,53 @@ async def test_an_output_stream_read_while_the_group_runs_is_never_warned_about(
 def test_stall_warning_is_checked(bad: object) -> None:
     with pytest.raises((TypeError, ValueError), match=r"^stall_warning must be"):
         OutputStream(stall_warning=bad)  # type: ignore[arg-type]
+
+
+async def test_a_console_nobody_reads_is_named_in_one_warning(
+    tmp_path: Path, stall_log: StallLog
+) -> None:
+    """The console is a pipe nobody reads: the workers block once it is full,
+    the console is named in one warning, and once the pipe is read again every
+    line arrives and the group succeeds."""
+    read_end, write_end = os.pipe()
+    console = os.fdopen(write_end, "w")
+    got = bytearray()
+
+    def drain() -> None:
+        while chunk := os.read(read_end, 1 << 16):
+            got.extend(chunk)
+
+    drained: asyncio.Future[None] | None = None
+    try:
+        pc = await aioproc.start_processes(
+            "trainer",
+            sys.executable,
+            {0: ("-S", FLOOD, str(LINES))},
+            {0: {}},
+            DefaultLogsSpecs(log_dir=tmp_path / "logs", tee=Std.OUT),
+            sinks=[aioproc.ConsoleSink(stream=console, stall_warning=0.3)],
+        )
+        try:
+            await asyncio.wait_for(stall_log.stalled.wait(), LIMIT)
+            assert pc.poll() is None  # blocked on its pipe, not finished
+            drained = asyncio.ensure_future(asyncio.to_thread(drain))
+            result = await asyncio.wait_for(pc.wait(), LIMIT)
+        finally:
+            await pc.close()
+    finally:
+        console.close()  # the reader sees EOF once our private fds are closed too
+        if drained is not None:
+            await asyncio.wait_for(drained, LIMIT)
+        os.close(read_end)
+    assert result is not None and not result.is_failed()
+    assert got.decode().splitlines() == [f"[trainer0]:{line}" for line in numbered(LINES)]
+    [warning] = stall_log.messages(logging.WARNING)
+    assert re.fullmatch(
+        r"output of worker trainer/0 \(stdout\) has been paused for \d+\.\d s: "
+        r"sink ConsoleSink\(<_io\.TextIOWrapper .*>\) holds \d+\.\d (KiB|MiB) the console "
+        r"has not accepted; the worker blocks on its pipe until the sink takes more "
+        r"\(the supervisor's stdout/stderr is a pipe nobody reads, or a paused terminal\)",
+        warning,
+    ), warning
+    [resumed] = stall_log.messages(logging.INFO)
+    assert resumed.startswith("output of worker trainer/0 (stdout) resumed after "), resumed
