@@ -110,42 +110,22 @@ SUPERVISOR = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("mode", ["registered", "unregistered"])
+@pytest.mark.parametrize("mode", ["registered", "unregistered", "setsid"])
 async def test_supervisor_sigkill_kills_worker_and_grandchild(tmp_path: Path, mode: str) -> None:
-    """Also a worker the guardian was never told of: the token sweep finds it."""
+    """Also a worker the guardian was never told of (unregistered), and a
+    grandchild in a session of its own (setsid), out of reach of every group
+    signal: the token sweep finds them by the token in their environment."""
     async with Fifo(tmp_path / "fifo") as fifo:
         sup = subprocess.Popen(
             [sys.executable, "-c", SUPERVISOR, fifo.path, GRANDCHILD, mode],
             stdout=subprocess.PIPE,
             env={**os.environ, "TMPDIR": str(tmp_path)},  # a SIGKILLed run keeps its logs
         )
-        try:
-            ((worker, grandchild),) = await fifo.pid_pairs(1)
-            os.kill(sup.pid, signal.SIGKILL)
-            sup.wait()
-            assert await still_alive_after([worker, grandchild], 5) == set()
-        finally:
-            if sup.poll() is None:
-                sup.kill()
-                sup.wait()
-            assert sup.stdout is not None
-            sup.stdout.close()
-
-
-async def test_a_descendant_that_left_the_group_is_swept_by_its_token(tmp_path: Path) -> None:
-    """A grandchild in a session of its own is out of reach of every group
-    signal; once the supervisor is SIGKILLed, the guardian finds it by the
-    token it kept in its environment."""
-    async with Fifo(tmp_path / "fifo") as fifo:
-        sup = subprocess.Popen(
-            [sys.executable, "-c", SUPERVISOR, fifo.path, GRANDCHILD, "setsid"],
-            stdout=subprocess.PIPE,
-            env={**os.environ, "TMPDIR": str(tmp_path)},
-        )
         left: set[int] = set()
         try:
             ((worker, grandchild),) = await fifo.pid_pairs(1)
-            assert os.getsid(grandchild) == grandchild != os.getpgid(worker)
+            if mode == "setsid":
+                assert os.getsid(grandchild) == grandchild != os.getpgid(worker)
             os.kill(sup.pid, signal.SIGKILL)
             sup.wait()
             left = await still_alive_after([worker, grandchild], 5)
@@ -494,14 +474,21 @@ async def test_nested_supervisors_sigkilled_at_random_moments_leave_nothing(
         assert [e for t in tmp_path.glob("t*") for e in _empties(t)] == []
 
 
+def supervisor_env(tmp_path: Path) -> dict[str, str]:
+    """A child supervisor's environment: its temp dirs under ``tmp_path``, and
+    ``AIOPROC_LOOP`` naming this test's loop, which the supervisor runs too."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    if "uvloop" in type(asyncio.get_running_loop()).__module__:
+        env["AIOPROC_LOOP"] = "uvloop"
+    return env
+
+
 async def test_an_outer_sweep_alone_reaches_the_workers_of_a_nested_supervisor(
     tmp_path: Path,
 ) -> None:
     """The inner guardian cannot act (stopped): the outer one's sweep still finds the
     inner workers and their children, and the inner guardian, continued, tidies up."""
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
-    if "uvloop" in type(asyncio.get_running_loop()).__module__:
-        env["AIOPROC_LOOP"] = "uvloop"
+    env = supervisor_env(tmp_path)
     inner_guardian = 0
     async with Fifo(tmp_path / "fifo") as fifo:
         sup = subprocess.Popen(
@@ -548,7 +535,11 @@ EOF_SUPERVISOR = textwrap.dedent(
             print(*pids, flush=True)
             await asyncio.sleep(3600)
 
-    asyncio.run(main())
+    if os.environ.get("AIOPROC_LOOP") == "uvloop":
+        import uvloop
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
     """
 )
 
@@ -559,9 +550,7 @@ async def test_function_workers_exit_on_their_channels_eof_with_the_guardian_sto
     """The supervisor is SIGKILLed while its guardian cannot act (stopped): idle
     pool workers exit as their control channel reaches EOF, and a group's
     function worker as soon as its function returns, before anyone sweeps."""
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
-    if "uvloop" in type(asyncio.get_running_loop()).__module__:
-        env["AIOPROC_LOOP"] = "uvloop"
+    env = supervisor_env(tmp_path)
     guardian = 0
     async with Fifo(tmp_path / "fifo") as fifo:
         sup = subprocess.Popen(
