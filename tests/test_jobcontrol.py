@@ -18,7 +18,11 @@ from pathlib import Path
 
 import pytest
 from conftest import _LOOP_FACTORIES
-from helpers import CHILDREN_DIR, REPO_ROOT
+from helpers import CHILDREN_DIR, REPO_ROOT, state
+
+import aioproc
+from aioproc._proc import jobcontrol as _jobcontrol
+from aioproc._proc import lifeline as _lifeline
 
 ROWS_WORKER = os.path.join(CHILDREN_DIR, "rows_worker.py")
 
@@ -48,11 +52,6 @@ while True:
     sys.exit(os.waitstatus_to_exitcode(status))
 """
 pytestmark = [pytest.mark.timeout(60)]
-
-
-def _state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        return f.read().rsplit(b")", 1)[1].split()[0].decode()
 
 
 def _workers(pid: int) -> list[int]:
@@ -122,9 +121,9 @@ def test_ctrl_z_stops_the_workers_with_the_agent_and_fg_continues_them(
         workers = _workers(agent)
         assert len(workers) == 2
         os.write(master, b"\x1a")  # Ctrl-Z: the terminal sends SIGTSTP
-        _wait_for("the agent to stop", lambda: _state(agent) == "T", drawn)
+        _wait_for("the agent to stop", lambda: state(agent) == "T", drawn)
         _wait_for("the shell to say so", lambda: b"Stopped" in drawn, drawn)
-        _wait_for("the workers to stop", lambda: {_state(w) for w in workers} == {"T"}, drawn)
+        _wait_for("the workers to stop", lambda: {state(w) for w in workers} == {"T"}, drawn)
         stopped = _rows(out)
         time.sleep(0.5)  # ~25 rows each if they still ran
         assert _rows(out) == stopped
@@ -134,7 +133,7 @@ def test_ctrl_z_stops_the_workers_with_the_agent_and_fg_continues_them(
             lambda: all(n > stopped[name] + 5 for name, n in _rows(out).items()),
             drawn,
         )
-        assert _state(agent) != "T"
+        assert state(agent) != "T"
         os.kill(agent, signal.SIGTERM)
         assert proc.wait(20) == 128 + signal.SIGTERM
         assert all(not os.path.exists(f"/proc/{w}") for w in workers)
@@ -146,3 +145,38 @@ def test_ctrl_z_stops_the_workers_with_the_agent_and_fg_continues_them(
             proc.wait()
         os.close(master)
         reader.join(5)
+
+
+async def test_fg_never_continues_a_group_whose_fence_expired_while_stopped() -> None:
+    """``fg`` after a stop longer than the fence deadline: the fenced group stays
+    stopped for the guardian to kill (its world is stale), the others go on.
+    The guardian is told of a long deadline only, so it kills nothing here."""
+    fence = _lifeline.Fence()
+    groups: list[aioproc.PContext] = []
+    try:
+        with fence.scope():
+            groups.append(await aioproc.start_processes("fenced", "sleep", {0: (60,)}, {0: {}}))
+        groups.append(await aioproc.start_processes("free", "sleep", {0: (60,)}, {0: {}}))
+        fenced, free = (pc.pids()[0] for pc in groups)
+        fence.renew(time.monotonic() + 60)  # what the guardian hears
+        assert _lifeline.fenced_out() == frozenset()
+        # Ctrl-Z: the agent stops its groups (then itself, left out here)
+        _jobcontrol._signal_groups(_lifeline.groups_now(), signal.SIGSTOP)
+        for pid in (fenced, free):
+            _wait_for(f"{pid} to stop", lambda p=pid: state(p) == "T", bytearray())
+        # the stop outlasted the deadline: renewed no more, not told to the guardian
+        fence.renew(time.monotonic() - 1, lag=3600)
+        assert _lifeline.fenced_out() == {fenced}
+        _jobcontrol._on_continue(signal.SIGCONT, None)  # fg
+        _wait_for("the free group to go on", lambda: state(free) == "S", bytearray())
+        assert state(fenced) == "T"
+    finally:
+        fence.close()
+        for i, pc in enumerate(groups):
+            # the fenced group is still stopped: SIGKILL, as its guardian would
+            await pc.close(signal.SIGKILL if i == 0 else signal.SIGTERM, timeout=5)
+    outcomes = [pc.poll() for pc in groups]
+    assert [r.failures[0].signal_name() for r in outcomes if r is not None] == [
+        "SIGKILL",
+        "SIGTERM",
+    ]
