@@ -117,6 +117,15 @@ def state(pid: int) -> str:
     return stat[stat.rindex(b")") + 2 :].split()[0].decode()
 
 
+def cmdline(pid: int) -> bytes:
+    """``pid``'s command line, NUL-separated, or b"" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def aioproc_temp_dirs(tmpdir: str | None = None) -> set[str]:
     """The private ``aioproc_*`` log dirs ``DefaultLogsSpecs()`` made in ``tmpdir``.
 

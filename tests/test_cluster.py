@@ -12,6 +12,7 @@ known).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -787,6 +788,46 @@ async def test_sigkilled_supervisor_leaves_no_task(tmp_path: Path) -> None:
                 proc.kill()
             await proc.wait()
     assert await still_alive_after(pids, 10) == set()
+
+
+async def test_tasks_kill_their_groups_on_their_channels_eof_with_the_guardian_stopped(
+    tmp_path: Path,
+) -> None:
+    """Nobody sweeps (the guardian is SIGSTOPped when the supervisor is SIGKILLed):
+    each task sees its control socket's EOF and kills its own group, the
+    grandchild it started in it included."""
+    from helpers import REPO_ROOT, cmdline, parent_of, state
+    from proc_utils import Fifo, still_alive_after
+
+    script = os.path.join(CHILDREN_DIR, "cluster_supervisor.py")
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT}
+    guardian = 0
+    async with Fifo(tmp_path / "pids") as fifo:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, script, fifo.path, "grandchild", env=env
+        )
+        try:
+            pids = [int(p) for line in await fifo.lines(3) for p in line.split()]
+            assert len(pids) == 6
+            (guardian,) = (
+                int(p)
+                for p in os.listdir("/proc")
+                if p.isdigit()
+                and parent_of(int(p)) == proc.pid
+                and b"aioproc-guardian" in cmdline(int(p)).split(b"\0")
+            )
+            os.kill(guardian, signal.SIGSTOP)
+            proc.kill()
+            await proc.wait()
+            assert await still_alive_after(pids, 10) == set()
+            assert state(guardian) == "T"  # stopped all along: nobody swept them
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            if guardian:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(guardian, signal.SIGCONT)
 
 
 async def test_restarts_back_off_by_policy(cf: ModuleType) -> None:

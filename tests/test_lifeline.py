@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import child_pids, parent_of, state
+from helpers import child_pids, cmdline, parent_of, state
 from proc_utils import Fifo, still_alive_after
 
 import aioproc
@@ -272,14 +272,6 @@ async def test_a_sigkilled_supervisors_empty_temp_log_dir_is_removed(tmp_path: P
     assert stdout_log == "-"  # rank 0's output went to the console
     assert not root.exists()
     assert list(tmp_path.iterdir()) == []
-
-
-def cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
 
 
 def all_pids() -> list[int]:
