@@ -790,12 +790,15 @@ async def test_sigkilled_supervisor_leaves_no_task(tmp_path: Path) -> None:
     assert await still_alive_after(pids, 10) == set()
 
 
+@pytest.mark.parametrize("mode", ["grandchild", "barrier"])
 async def test_tasks_kill_their_groups_on_their_channels_eof_with_the_guardian_stopped(
-    tmp_path: Path,
+    tmp_path: Path, mode: str
 ) -> None:
     """Nobody sweeps (the guardian is SIGSTOPped when the supervisor is SIGKILLed):
-    each task sees its control socket's EOF and kills its own group, the
-    grandchild it started in it included."""
+    each cluster task, and each rank waiting at ``barrier()``, sees its control
+    socket's EOF and kills its own group, the grandchild it started included.
+    A rank busy elsewhere runs on (no thread of its own watches the socket)
+    until the guardian, continued, sweeps it."""
     from helpers import REPO_ROOT, cmdline, parent_of, state
     from proc_utils import Fifo, still_alive_after
 
@@ -804,11 +807,13 @@ async def test_tasks_kill_their_groups_on_their_channels_eof_with_the_guardian_s
     guardian = 0
     async with Fifo(tmp_path / "pids") as fifo:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, script, fifo.path, "grandchild", env=env
+            sys.executable, script, fifo.path, mode, env=env
         )
         try:
-            pids = [int(p) for line in await fifo.lines(3) for p in line.split()]
-            assert len(pids) == 6
+            lines = [[int(p) for p in line.split()] for line in await fifo.lines(3)]
+            busy = [pids[0] for pids in lines if len(pids) == 1]
+            pids = [pid for pair in lines if len(pair) == 2 for pid in pair]
+            assert (len(pids), len(busy)) == ((6, 0) if mode == "grandchild" else (4, 1))
             (guardian,) = (
                 int(p)
                 for p in os.listdir("/proc")
@@ -821,6 +826,11 @@ async def test_tasks_kill_their_groups_on_their_channels_eof_with_the_guardian_s
             await proc.wait()
             assert await still_alive_after(pids, 10) == set()
             assert state(guardian) == "T"  # stopped all along: nobody swept them
+            assert await still_alive_after(busy, 0.2) == set(busy)
+            os.kill(guardian, signal.SIGCONT)
+            assert await still_alive_after(busy, 10) == set()
+            # it prunes the group's temp log dir after its sweep, then exits
+            assert await still_alive_after([guardian], 10) == set()
         finally:
             if proc.returncode is None:
                 proc.kill()

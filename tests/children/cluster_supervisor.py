@@ -1,8 +1,10 @@
 """A cluster run's supervisor, SIGKILLed by the test (no orphans).
 
-argv: <fifo> [grandchild].  Runs 3 tasks that write their pid to <fifo> and
-block; with "grandchild", each first starts `sleep 1000` in its own process
-group and writes "<pid> <grandchild pid>".
+argv: <fifo> [grandchild | barrier].  Runs 3 tasks that write their pid to
+<fifo> and block; with "grandchild", each first starts `sleep 1000` in its
+own process group and writes "<pid> <grandchild pid>".  With "barrier", an
+``aioproc.run`` group of 3 ranks instead: ranks 0 and 1 do the same, then
+wait at ``barrier()``, which rank 2 (writing its pid alone) never reaches.
 """
 
 import asyncio
@@ -11,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import aioproc
 from aioproc import cluster
 
 
@@ -24,6 +27,20 @@ def task(fifo: str, grandchild: bool) -> None:
         time.sleep(1000)
 
 
+def rank_task(fifo: str, rank: int) -> None:
+    if rank == 2:
+        task(fifo, False)
+    line = f"{os.getpid()} {subprocess.Popen(['sleep', '1000']).pid}"
+    with open(fifo, "w") as f:
+        f.write(f"{line}\n")
+    cluster.barrier()
+
+
 if __name__ == "__main__":
-    args = (sys.argv[1], sys.argv[2:] == ["grandchild"])
-    asyncio.run(cluster.run(task, {"worker": 2, "ps": 1}, args=args, timeout=None))
+    fifo, mode = sys.argv[1], sys.argv[2:]
+    if mode == ["barrier"]:
+        runs = aioproc.run(rank_task, 3, args={r: (fifo, r) for r in range(3)})
+        asyncio.run(runs)
+    else:
+        args = (fifo, mode == ["grandchild"])
+        asyncio.run(cluster.run(task, {"worker": 2, "ps": 1}, args=args, timeout=None))
