@@ -1,8 +1,8 @@
 """A cluster run's supervisor, SIGKILLed by the test (no orphans).
 
 argv: <fifo> [grandchild | barrier].  Runs 3 tasks that write their pid to
-<fifo> and block; with "grandchild", each first starts `sleep 1000` in its
-own process group and writes "<pid> <grandchild pid>".  With "barrier", an
+<fifo> and block; with "grandchild", each first starts `sleep 1000` in the
+task's own process group and writes "<pid> <grandchild pid>".  With "barrier", an
 ``aioproc.run`` group of 3 ranks instead: ranks 0 and 1 do the same, then
 wait at ``barrier()``, which rank 2 (writing its pid alone) never reaches.
 """
