@@ -795,10 +795,11 @@ async def test_tasks_kill_their_groups_on_their_channels_eof_with_the_guardian_s
     tmp_path: Path, mode: str
 ) -> None:
     """Nobody sweeps (the guardian is SIGSTOPped when the supervisor is SIGKILLed):
-    each cluster task, and each rank waiting at ``barrier()``, sees its control
-    socket's EOF and kills its own group, the grandchild it started included.
-    A rank busy elsewhere runs on (no thread of its own watches the socket)
-    until the guardian, continued, sweeps it."""
+    each cluster task, each rank waiting at ``barrier()`` and one that calls it
+    after the supervisor is gone see their control socket's EOF and kill their
+    own group, the grandchild they started included.  A rank busy elsewhere
+    runs on (no thread of its own watches the socket) until the guardian,
+    continued, sweeps it."""
     from helpers import REPO_ROOT, cmdline, parent_of, state
     from proc_utils import Fifo, still_alive_after
 

@@ -100,6 +100,11 @@ def _serve_requests(fd: int, *, until_release: bool) -> str:
                 _HOLD.release()  # the group has every result: the main thread exits
     except (_wire.ChannelClosed, OSError):
         pass
+    _supervisor_gone()
+
+
+def _supervisor_gone() -> NoReturn:
+    """The supervisor is gone: this worker's process group goes with it."""
     os.killpg(os.getpgid(0), _signal.SIGKILL)
     os._exit(137)  # not reached: SIGKILL is not blocked
 
@@ -183,7 +188,10 @@ def barrier_wait() -> None:
             "(cluster.run, ClusterRunner, run or start_processes)"
         )
     with _BARRIER_CALL:  # one waiter per worker: the supervisor counts workers
-        _write(fd, _wire.ARRIVE)
+        try:
+            _write(fd, _wire.ARRIVE)
+        except (_wire.ChannelClosed, OSError):
+            _supervisor_gone()  # arriving after it went away: as a waiter would
         if _BARRIER["lock"] is None:
             answer = _serve_requests(fd, until_release=True)  # no lifeline thread reads
         else:

@@ -4,7 +4,8 @@ argv: <fifo> [grandchild | barrier].  Runs 3 tasks that write their pid to
 <fifo> and block; with "grandchild", each first starts `sleep 1000` in the
 task's own process group and writes "<pid> <grandchild pid>".  With "barrier", an
 ``aioproc.run`` group of 3 ranks instead: ranks 0 and 1 do the same, then
-wait at ``barrier()``, which rank 2 (writing its pid alone) never reaches.
+call ``barrier()``, which rank 2 (writing its pid alone) never reaches; rank
+1 calls it 1.5 s late, once the test has (most likely) killed the supervisor.
 """
 
 import asyncio
@@ -33,6 +34,8 @@ def rank_task(fifo: str, rank: int) -> None:
     line = f"{os.getpid()} {subprocess.Popen(['sleep', '1000']).pid}"
     with open(fifo, "w") as f:
         f.write(f"{line}\n")
+    if rank == 1:
+        time.sleep(1.5)
     cluster.barrier()
 
 
