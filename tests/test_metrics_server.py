@@ -723,3 +723,60 @@ def test_the_apps_refuse_what_is_no_recorder() -> None:
         metrics.make_asgi_app(recorder=object())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"expected an aioproc\.metrics\.Recorder"):
         metrics.make_aiohttp_handler(recorder=object())  # type: ignore[arg-type]
+
+
+# -- cancellation and failures ----------------------------------------------------
+
+
+async def test_cancelled_opens_and_closes_leave_nothing_behind() -> None:
+    """Cancelled at every point of ``serve()`` and of ``aclose()``: no socket stays open."""
+    rec = running_groups(300)
+    for turns in range(12):
+        opening = asyncio.ensure_future(metrics.serve(recorder=rec).__aenter__())
+        for _ in range(turns % 4):
+            await asyncio.sleep(0)
+        opening.cancel()
+        try:
+            server = await opening
+        except asyncio.CancelledError:
+            continue  # cancelled before it listened: nothing to close
+        await server.aclose()
+    for turns in range(12):
+        server = await metrics.serve(recorder=rec)
+        port = server.port
+        scrape = asyncio.ensure_future(_http(port, GET))
+        half_open = await _connected(port, b"GET /met")
+        await _until(lambda server=server: server.connections == 2)
+        closing = asyncio.ensure_future(server.aclose(grace_period=0.1))
+        for _ in range(turns + 1):  # at least one: a task cancelled unstarted never runs
+            await asyncio.sleep(0)
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing  # the close ran to its end first (shielded), then re-raised
+        assert server.connections == 0 and "closed" in repr(server)
+        await asyncio.gather(scrape, return_exceptions=True)  # a page, or cut off
+        assert await _closed_by_server(half_open, 5) == b""
+        half_open.close()
+        with pytest.raises(ConnectionRefusedError):
+            await _http(port, GET)
+
+
+async def test_a_render_that_fails_is_a_500_and_the_server_goes_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from aioproc._metrics import text
+
+    def broken(metrics: object) -> Iterator[str]:
+        yield "# HELP half a page\n"
+        raise RuntimeError("a metric that cannot be written")
+
+    rec = Recorder()
+    async with metrics.serve(recorder=rec) as server:
+        with monkeypatch.context() as patch:
+            patch.setattr(text, "pieces", broken)
+            status, _, body = await _http(server.port, GET)
+        assert (status, body) == (500, b"rendering the metrics failed; see the aioproc log\n")
+        assert "rendering the metrics failed" in caplog.text
+        assert "a metric that cannot be written" in caplog.text
+        status, _, body = await _http(server.port, GET)
+        assert status == 200 and body.decode() == metrics.render(rec)

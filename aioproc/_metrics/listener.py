@@ -50,12 +50,24 @@ class Listener:
     async def bind(self, host: str, port: int) -> tuple[str, int]:
         """Listen on the first address ``host`` resolves to; the address and port bound.
 
+        ``""`` is every interface.
+
         Raises:
             OSError: the address cannot be resolved or bound.
         """
-        infos = await self._loop.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )
+        try:
+            # an address needs no lookup: no thread (the loop's resolver runs
+            # getaddrinfo on its executor) for the usual 127.0.0.1 or 0.0.0.0
+            infos = socket.getaddrinfo(
+                host or None,
+                port,
+                type=socket.SOCK_STREAM,
+                flags=socket.AI_PASSIVE | socket.AI_NUMERICHOST,
+            )
+        except socket.gaierror:
+            infos = await self._loop.getaddrinfo(
+                host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )
         if not infos:
             raise OSError(f"getaddrinfo({host!r}) returned nothing")
         family, kind, proto, _, address = infos[0]
