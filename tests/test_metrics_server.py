@@ -260,6 +260,37 @@ def _never_reading() -> socket.socket:
     return sock
 
 
+async def test_a_slow_reader_is_cut_off_by_the_write_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client that keeps taking a little (never idle) still gets WRITE_TIMEOUT in all."""
+    monkeypatch.setattr(server_module, "WRITE_TIMEOUT", 1.0)
+    rec = running_groups(2000)
+    page = len(metrics.render(rec).encode())
+    loop = asyncio.get_running_loop()
+    async with metrics.serve(recorder=rec) as server:
+        sock = _never_reading()
+        try:
+            await loop.sock_connect(sock, ("127.0.0.1", server.port))
+            sock.sendall(GET)
+            t0 = time.monotonic()
+            received = 0
+            while True:
+                try:
+                    data = await asyncio.wait_for(loop.sock_recv(sock, 4096), 10)
+                except ConnectionResetError:
+                    break
+                if not data:
+                    break
+                received += len(data)
+                await asyncio.sleep(0.02)  # about 200 KB/s: the page would take 30 s
+            took = time.monotonic() - t0
+        finally:
+            sock.close()
+    assert 0.9 < took < 5, took
+    assert 0 < received < page / 2, (received, page)
+
+
 async def test_at_the_cap_a_new_connection_replaces_the_oldest_half_open_one() -> None:
     async with metrics.serve(recorder=Recorder(), max_connections=4) as server:
         socks = [await _connected(server.port, b"GET /met") for _ in range(4)]

@@ -34,7 +34,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
+import socket
+import struct
 from collections.abc import Callable
 from typing import cast
 
@@ -253,12 +256,20 @@ class _Connection(asyncio.Protocol):
         self._idle = self._loop.call_later(IDLE_TIMEOUT, self.drop)
 
     def drop(self) -> None:
-        """Close the connection now, whatever it has not sent or taken."""
-        if not self._lost and self._transport is not None:
-            self._transport.abort()
+        """Close the connection now, with a reset, whatever it has not sent or taken."""
+        if self._lost or self._transport is None:
+            return
+        sock = self._transport.get_extra_info("socket")
+        if sock is not None:
+            # a plain close leaves the kernel sending what is buffered (megabytes
+            # to a slow reader) for as long as the client keeps taking it
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+        self._transport.abort()
 
 
 _WRITE_SLICE = 64 * 1024
+_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close with a reset, drop the buffer
 
 
 class MetricsServer:
