@@ -651,7 +651,12 @@ async def test_aclose_with_requests_in_flight_prints_nothing() -> None:
         sys.executable, "-W", "default", "-c", CLOSER, loop_name(),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO_ROOT,
     )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 50)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 50)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
     assert err.decode() == ""
     assert proc.returncode == 0
     words = out.decode().split()
