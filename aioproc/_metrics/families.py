@@ -19,8 +19,9 @@ page of megabytes after a thousand jobs.  The rule a ``Recorder`` applies
 - a ``(group, role)`` is *running* while it has a started group or worker
   not over yet; its series stay;
 - once nothing of it runs it is *finished*, and it keeps its series while
-  it is one of the last ``keep_finished`` finished (a later event, such as
-  a restart, makes it running or most recently finished again);
+  it is one of the last ``keep_finished`` finished (a later restart, stop
+  or run's end makes it running or most recently finished again; output,
+  the hot hook, only registers a series it creates);
 - the oldest finished beyond that *expires*: its counters and histograms
   are added into the series of its role whose ``group`` label is
   ``EXPIRED`` (so ``sum by (role)`` over a counter stays whole), and its
@@ -97,13 +98,15 @@ class _Scalar(Metric):
         super().__init__(name, documentation, labelnames)
         self._cells: dict[tuple[str, ...], list[float]] = {}
 
-    def _add(self, key: tuple[str, ...], amount: float) -> None:
-        # the recorder's path: its keys are built right, so nothing is checked
+    def _add(self, key: tuple[str, ...], amount: float) -> bool:
+        # the recorder's path: its keys are built right, so nothing is checked;
+        # True when the series is new (the expiry must then know its group)
         cell = self._cells.get(key)
         if cell is None:
             self._cells[key] = [float(amount)]
-        else:
-            cell[0] += amount
+            return True
+        cell[0] += amount
+        return False
 
     def _set(self, key: tuple[str, ...], value: float) -> None:
         cell = self._cells.get(key)

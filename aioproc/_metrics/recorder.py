@@ -301,6 +301,8 @@ class Recorder(NullRecorder):
                 (self._remaining, [()]),
             ],
         )
+        # the expiry's dict itself, read by the hot hooks (output) without a hop
+        self._running = self._expiry.running
 
     def _counter(self, name: str) -> Counter:
         info = _BY_NAME[name]
@@ -331,7 +333,7 @@ class Recorder(NullRecorder):
             group = self._group_label(group)
         key = (group, role)
         self._queue_seconds._observe(key, seconds)
-        if key not in self._expiry.running:
+        if key not in self._running:
             self._expiry.touched(key)
 
     def group_exited(self, group: str, role: str, outcome: str) -> None:
@@ -348,7 +350,7 @@ class Recorder(NullRecorder):
             group = self._group_label(group)
         key = (group, role)
         self._stop_seconds._observe(key, seconds)
-        if key not in self._expiry.running:
+        if key not in self._running:
             self._expiry.touched(key)
 
     def worker_started(self, group: str, role: str) -> None:
@@ -375,7 +377,7 @@ class Recorder(NullRecorder):
         self._restarts._add(key, 1.0)
         if remaining is not None:
             self._remaining._set(key, float(remaining))
-        if key not in self._expiry.running:
+        if key not in self._running:
             self._expiry.touched(key)
 
     def run_finished(self, group: str, role: str, outcome: str, restarts: int) -> None:
@@ -385,7 +387,7 @@ class Recorder(NullRecorder):
             group = self._group_label(group)
         retried = "true" if restarts > 0 else "false"
         self._runs._add((group, role, outcome, retried), 1.0)
-        if (group, role) not in self._expiry.running:
+        if (group, role) not in self._running:
             self._expiry.touched((group, role))
 
     def output(self, group: str, role: str, stream: str, lines: int, nbytes: int) -> None:
@@ -394,9 +396,10 @@ class Recorder(NullRecorder):
         if self._group_label is not None:
             group = self._group_label(group)
         key = (group, role, stream)
-        self._lines._add(key, lines)
         self._bytes._add(key, nbytes)
-        if (group, role) not in self._expiry.running:  # a last chunk read after the exit
+        # the hot hook: only a new series (a last chunk read after the group
+        # expired) needs the expiry to know its group
+        if self._lines._add(key, lines) and (group, role) not in self._running:
             self._expiry.touched((group, role))
 
     def backpressure(self, group: str, role: str, stream: str, seconds: float) -> None:
@@ -404,8 +407,7 @@ class Recorder(NullRecorder):
             _reject(stream, STREAMS, "stream")
         if self._group_label is not None:
             group = self._group_label(group)
-        self._paused._add((group, role, stream), seconds)
-        if (group, role) not in self._expiry.running:
+        if self._paused._add((group, role, stream), seconds) and (group, role) not in self._running:
             self._expiry.touched((group, role))
 
     def pool_call(self, pool: str, outcome: str, seconds: float) -> None:
