@@ -42,12 +42,14 @@ a host that already uses it (``register()``).
 **The server** (``serve()``, ``aioproc run --metrics-port``) answers at
 most ``max_connections`` clients at once (64): at the cap a new
 connection replaces the oldest one still sending its request head, or is
-answered 503 when all are being answered, so a crowd of half-open
-connections never costs the supervisor more than the cap's sockets (plus
-the listen backlog's, 128, for the moment an accept burst lasts).  A
-client has 10 s to send its request head, 30 s to take the response, and
-is cut off after 5 s without progress either way; ``aclose()`` gives the
-responses under way a grace period (1 s) and then drops them, read or not.
+answered 503 when all are being answered; it holds at most the cap's
+sockets plus 16 (connections being replaced), and past that does not
+accept at all (the kernel queues the rest), so a crowd of half-open
+connections never costs the supervisor more than 81 fds (its listening
+socket included).  A client has 10 s to send its request head, 30 s to
+take the response, and is cut off (reset) after 5 s without progress
+either way; ``aclose()`` gives the responses under way a grace period
+(1 s) and then drops them, read or not.
 
 **Series of finished groups expire.**  Every group labels a score of
 series; a scheduler that names every job differently would grow the page

@@ -10,9 +10,10 @@ supervisor more than a bounded share of its fds, its memory or its loop:
   cap, a new connection takes the place of the oldest one still sending
   its request head (it has had the longest to send it); when every
   connection is past its head (being answered), the new one gets a 503 and
-  is closed.  The server holds at most the cap's sockets and its listening
-  socket, plus, for the moment an accept burst lasts, the sockets that burst
-  accepted (the listen backlog, ``BACKLOG``) before they are closed.
+  is closed.  The server holds at most the cap's sockets plus ``EVICTING``
+  (those whose connections are being replaced) and its listening socket:
+  at that count it stops accepting (``listener.Listener``), and the
+  kernel queues the rest (``BACKLOG``).
 - **Deadlines**: the request head must arrive within ``HEADER_TIMEOUT``, in
   at most ``MAX_HEAD`` bytes, with no pause over ``IDLE_TIMEOUT``; the
   response must be taken within ``WRITE_TIMEOUT``, and a client that takes
