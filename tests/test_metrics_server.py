@@ -12,6 +12,7 @@ their limits and their stderr are their own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -681,8 +682,17 @@ async def asgi_port() -> AsyncIterator[int]:
     app = Starlette(routes=[Route("/metrics", metrics.make_asgi_app())])
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
+
+    class Server(uvicorn.Server):
+        # uvicorn takes SIGINT and SIGTERM while it serves, and gives them back
+        # when it stops: here in the fixture's teardown, another run of the
+        # loop than the one whose handler it took, which would stay installed
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
     config = uvicorn.Config(app, log_level="error", lifespan="off")
-    server = uvicorn.Server(config)
+    server = Server(config)
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     try:
         await _until(lambda: server.started, 20)
