@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import json
@@ -981,6 +982,27 @@ async def test_cancelled_while_open_agent_opens_leaves_no_run_behind(
             if e.kind == "worker_started" and e.pid is not None:
                 assert pid_gone(e.pid)
     assert began >= 1  # the cancellation also landed after the run began
+
+
+async def test_a_cancelled_aclose_still_ends_the_run_before_it_propagates(
+    tmp_path: Path, fifo: Fifo
+) -> None:
+    """``aclose()`` cancelled at successive points once it began: when the
+    cancellation reaches the caller the run has ended and its workers are gone."""
+    for turns in range(1, 7):
+        agent = await open_agent(announcing_spec(fifo), log_dir=str(tmp_path / f"l{turns}"))
+        try:
+            pids = [int(line) for line in await fifo.lines(2)]
+            closing = asyncio.ensure_future(agent.aclose())
+            for _ in range(turns):  # the first turn starts it
+                await asyncio.sleep(0)
+            closing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await closing
+            assert all(pid_gone(p) for p in pids), turns
+            assert (await agent.wait()).state == WorkerState.STOPPED
+        finally:
+            await agent.aclose()
 
 
 async def test_wait_is_for_opened_agents_and_open_agent_checks_at_the_call() -> None:
