@@ -984,6 +984,18 @@ async def test_cancelled_while_open_agent_opens_leaves_no_run_behind(
     assert began >= 1  # the cancellation also landed after the run began
 
 
+async def test_the_agent_is_still_its_own_context_manager(tmp_path: Path, fifo: Fifo) -> None:
+    """The old form: ``async with LocalElasticAgent(...)``, ``run()`` in the
+    block; leaving the block ends the run (``aclose()``)."""
+    async with LocalElasticAgent(announcing_spec(fifo), log_dir=str(tmp_path / "l")) as agent:
+        running = asyncio.ensure_future(agent.run())
+        pids = [int(line) for line in await fifo.lines(2)]
+    assert running.done()
+    assert (await running).state == WorkerState.STOPPED
+    assert all(pid_gone(p) for p in pids)
+    assert agent.event_history[-1].message == "stopped by aclose() with SIGTERM, grace 30 s"
+
+
 async def test_a_cancelled_aclose_still_ends_the_run_before_it_propagates(
     tmp_path: Path, fifo: Fifo
 ) -> None:
