@@ -41,7 +41,8 @@ class Sink:
       (``self.flow = Flow(self)``); the sink holds it while its buffer is
       full and releases it once drained, and the workers feeding it pause
       meanwhile (they block on their pipes).  ``None`` (the default): the
-      sink never falls behind (it writes at once, or drops).
+      sink never falls behind (it writes at once, or drops); anything that
+      is not a ``Flow`` is ignored.
     * ``describe_pending()``: what the sink holds, for the warning that
       names a sink holding workers back too long.
     * ``drop_pending()``: drop what is still buffered once the sink's
