@@ -347,3 +347,28 @@ async def test_a_sink_of_ones_own_that_never_drains_is_dropped_at_close_and_coun
     # every line it took and did not upload, and none it uploaded
     assert int(match[1]) + len(sink.uploaded) >= SlowUploader.HIGH // 999
     assert sink.uploaded == []
+
+
+async def test_a_sink_whose_flow_attribute_is_no_flow_still_gets_every_line(
+    tmp_path: Path,
+) -> None:
+    """A sink of its own making whose ``flow`` means something else (it predates
+    the contract) takes no part in backpressure, and loses nothing."""
+
+    class Pipeline(Sink):
+        flow = "downstream"  # type: ignore[assignment]
+
+        def __init__(self) -> None:
+            self.got: list[str] = []
+
+        def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
+            self.got.extend(lines)
+
+    sink = Pipeline()
+    pc = await start(tmp_path, {0: 300}, sink)
+    try:
+        result = await asyncio.wait_for(pc.wait(), LIMIT)
+    finally:
+        await pc.close()
+    assert result is not None and not result.is_failed()
+    assert sink.got == numbered(300)
