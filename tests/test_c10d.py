@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import pytest
+from conftest import _LOOP_FACTORIES
 from helpers import CHILDREN_DIR, REPO_ROOT, free_port, pid_gone
 
 pytest.importorskip("aetcd", reason="aetcd not installed: pip install 'aioproc[etcd]'")
@@ -236,19 +237,15 @@ def test_the_host_is_this_machine_by_name_or_address() -> None:
         ("node1", {}, ("node1", 29400, None, {}, ())),
         ("[::1]", {"is_host": "1"}, ("::1", 29400, True, {}, ())),
         ("[::1]:1234", {"is_host": "false"}, ("::1", 1234, False, {}, ())),
-        # torchrun's timeout is the join timeout, unless join_timeout is given
+        # torch's c10d never reads torchrun's timeout: the join timeout is join_timeout
+        # alone, and a timeout that is no number of seconds (quotes left in by a
+        # shell-less launcher) is no error
+        ("h:5", {"timeout": "900", "read_timeout": "60"}, ("h", 5, None, {}, ("timeout",))),
         (
             "h:5",
-            {"timeout": "900", "read_timeout": "60"},
-            ("h", 5, None, {"join_timeout": "900"}, ()),
+            {"timeout": "5", "join_timeout": "30", "lease_ttl": "2"},
+            ("h", 5, None, {"join_timeout": "30", "lease_ttl": "2"}, ("timeout",)),
         ),
-        (
-            "h:5",
-            {"timeout": "900", "join_timeout": "30", "lease_ttl": "2"},
-            ("h", 5, None, {"join_timeout": "30", "lease_ttl": "2"}, ()),
-        ),
-        # torch's c10d never reads timeout: one that is no number of seconds (quotes
-        # left in by a shell-less launcher) is unused there and here, not an error
         ("h:5", {"timeout": "5'"}, ("h", 5, None, {}, ("timeout",))),
         # torch's options aioproc has no use for are accepted, and named as unused
         (
@@ -477,6 +474,51 @@ def test_a_taken_endpoint_fails_the_host_at_once_naming_it(tmp_path: Any) -> Non
     ), err
     assert last.endswith(f"{endpoint}: bind: address already in use"), err
     assert data_dirs(out) == []
+
+
+@needs_etcd
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("loop", list(_LOOP_FACTORIES))
+def test_torchs_timeout_option_is_not_the_join_timeout(tmp_path: Any, loop: str) -> None:
+    """torch's ``test_launch_elastic_agent_raise_exception`` command, one agent of 1 to 2.
+
+    torch's c10d never reads ``timeout``: the round completes with the one
+    agent after ``last_call_timeout`` (30 s), and the job runs; it must not
+    time out after 5 s.
+    """
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, MH_OUT=str(out), MH_HOST="127.0.0.1", AIOPROC_LOOP=loop, LOGLEVEL="INFO")
+    env["PYTHONPATH"] = REPO_ROOT
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "aioproc", "run", "--nnodes=1:2", "--nproc-per-node=4"),
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=localhost:{free_port()}",
+            "--rdzv_conf=timeout=5",
+            "--rdzv-id=1234",
+            "--monitor-interval=1",
+            "--max-restarts=0",
+            "--start-method=spawn",
+            f"--log-dir={tmp_path / 'logs'}",
+            "--no-live",
+            WORKER,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    completed = [line for line in lines if "rendezvous completed: round 0: " in line]
+    assert len(completed) == 1, proc.stderr
+    assert completed[0].endswith("group rank 0 of 1 nodes, world size 4"), proc.stderr
+    recs = records(str(out))
+    assert [int(r["env"]["RANK"]) for r in recs] == [0, 1, 2, 3]
+    assert all(r["peers"] == [0, 1, 2, 3] for r in recs)
+    assert data_dirs(str(tmp_path)) == []
 
 
 @needs_etcd

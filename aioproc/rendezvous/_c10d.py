@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib.util
 import ipaddress
 import logging
-import math
 import os
 import shutil
 import socket
@@ -46,7 +45,7 @@ DEFAULT_PORT = 29400
 ETCD_OPTIONS = ("join_timeout", "last_call_timeout", "close_timeout", "lease_ttl")
 """The options the etcd rendezvous takes; c10d passes them on as they are."""
 
-_TORCH_OPTIONS = ("timeout", "read_timeout", "is_host", "store_type")
+_OWN_OPTIONS = ("read_timeout", "is_host", "store_type")
 """torch's c10d options that aioproc reads itself (see ``c10d_options``)."""
 
 
@@ -87,14 +86,14 @@ def c10d_options(params: RendezvousParameters) -> C10dOptions:
 
     torch's options: ``is_host`` (a boolean: whether this agent hosts the
     store; inferred from the endpoint when absent), ``read_timeout``
-    (positive seconds; accepted, see ``C10dOptions``), ``timeout`` (the
-    rendezvous timeout of torchrun's launcher, which its older backends
-    take as the join timeout: it is ``join_timeout`` here unless that is
-    given too; torch's c10d backend never reads it, so a value that is no
-    number of seconds is left unused, as torch leaves it), ``store_type``
+    (positive seconds; accepted, see ``C10dOptions``), ``store_type``
     (``tcp`` only: aioproc's store is a server, never a file).  The etcd
-    rendezvous's options pass through; any other option is accepted and
-    unused, as torch's backends ignore what they do not read.
+    rendezvous's options pass through.
+    Any other option is accepted and unused, as torch's backends ignore what
+    they do not read: ``timeout`` among them, which torch's launcher always
+    passes (its rendezvous timeout) and torch's c10d backend never reads, so
+    a round completes by ``max_nodes`` or ``last_call_timeout`` however
+    small it is; the join timeout is ``join_timeout`` alone.
 
     Raises:
         ValueError: an endpoint without a usable host and port, or a bad
@@ -120,15 +119,6 @@ def c10d_options(params: RendezvousParameters) -> C10dOptions:
             "store is a server on the endpoint's host (store_type=tcp)"
         )
     passed = {key: config[key] for key in ETCD_OPTIONS if key in config}
-    known = set(ETCD_OPTIONS) | set(_TORCH_OPTIONS)
-    if "timeout" in config and "join_timeout" not in passed:
-        # torch's c10d backend never reads ``timeout``, so torchrun runs whatever
-        # it says (even a value garbled by quotes that reached the argv); only a
-        # number of seconds stands in for the join timeout, the rest goes unused
-        if _is_seconds(config["timeout"]):
-            passed["join_timeout"] = config["timeout"]
-        else:
-            known.discard("timeout")
     etcd_params = RendezvousParameters(
         params.backend,
         format_hostport(host, port),
@@ -138,19 +128,9 @@ def c10d_options(params: RendezvousParameters) -> C10dOptions:
         local_addr=params.local_addr,
         **passed,
     )
+    known = set(ETCD_OPTIONS) | set(_OWN_OPTIONS)
     unused = tuple(sorted(key for key in config if key not in known))
     return C10dOptions(etcd_params, host, port, is_host, read_timeout, unused)
-
-
-def _is_seconds(value: object) -> bool:
-    """Whether ``value`` is a finite number of seconds >= 0 (as an option's text or a number)."""
-    if isinstance(value, bool):
-        return False
-    try:
-        seconds = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return False
-    return math.isfinite(seconds) and seconds >= 0
 
 
 def matches_machine_hostname(host: str) -> bool:
