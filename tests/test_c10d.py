@@ -247,6 +247,8 @@ def test_the_host_is_this_machine_by_name_or_address() -> None:
             ("h", 5, None, {"join_timeout": "30", "lease_ttl": "2"}, ("timeout",)),
         ),
         ("h:5", {"timeout": "5'"}, ("h", 5, None, {}, ("timeout",))),
+        # where a hosted store keeps its data: aioproc's own option
+        ("h:5", {"data_dir": "/var/tmp/x"}, ("h", 5, None, {}, ())),
         # torch's options aioproc has no use for are accepted, and named as unused
         (
             "h:5",

@@ -45,8 +45,8 @@ DEFAULT_PORT = 29400
 ETCD_OPTIONS = ("join_timeout", "last_call_timeout", "close_timeout", "lease_ttl")
 """The options the etcd rendezvous takes; c10d passes them on as they are."""
 
-_OWN_OPTIONS = ("read_timeout", "is_host", "store_type")
-"""torch's c10d options that aioproc reads itself (see ``c10d_options``)."""
+_OWN_OPTIONS = ("read_timeout", "is_host", "store_type", "data_dir")
+"""The c10d options that aioproc reads itself: torch's, and ``data_dir`` (see ``c10d_options``)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,8 @@ class C10dOptions:
         is_host: ``is_host`` as given, or None to infer it from ``host``.
         read_timeout: torch's per-operation store timeout (checked, not
             used: every etcd call is bounded by the agent's lease instead).
+        data_dir: where a hosted store keeps its data directory (None:
+            the temp dir).
         unused: the options no part of aioproc reads, by name.
     """
 
@@ -69,6 +71,7 @@ class C10dOptions:
     port: int
     is_host: bool | None
     read_timeout: float
+    data_dir: str | None
     unused: tuple[str, ...]
 
     @property
@@ -87,8 +90,9 @@ def c10d_options(params: RendezvousParameters) -> C10dOptions:
     torch's options: ``is_host`` (a boolean: whether this agent hosts the
     store; inferred from the endpoint when absent), ``read_timeout``
     (positive seconds; accepted, see ``C10dOptions``), ``store_type``
-    (``tcp`` only: aioproc's store is a server, never a file).  The etcd
-    rendezvous's options pass through.
+    (``tcp`` only: aioproc's store is a server, never a file).  aioproc's
+    own: ``data_dir`` (where a hosted store keeps its data; ``aioproc run``
+    passes its ``--log-dir``).  The etcd rendezvous's options pass through.
     Any other option is accepted and unused, as torch's backends ignore what
     they do not read: ``timeout`` among them, which torch's launcher always
     passes (its rendezvous timeout) and torch's c10d backend never reads, so
@@ -118,6 +122,9 @@ def c10d_options(params: RendezvousParameters) -> C10dOptions:
             f"rdzv option store_type={config['store_type']!r} is not supported: aioproc's c10d "
             "store is a server on the endpoint's host (store_type=tcp)"
         )
+    data_dir = config.get("data_dir")
+    if data_dir is not None and (not isinstance(data_dir, str) or not data_dir.strip()):
+        raise ValueError(f"rdzv option data_dir must be a directory, got {data_dir!r}")
     passed = {key: config[key] for key in ETCD_OPTIONS if key in config}
     etcd_params = RendezvousParameters(
         params.backend,
@@ -130,7 +137,7 @@ def c10d_options(params: RendezvousParameters) -> C10dOptions:
     )
     known = set(ETCD_OPTIONS) | set(_OWN_OPTIONS)
     unused = tuple(sorted(key for key in config if key not in known))
-    return C10dOptions(etcd_params, host, port, is_host, read_timeout, unused)
+    return C10dOptions(etcd_params, host, port, is_host, read_timeout, data_dir, unused)
 
 
 def matches_machine_hostname(host: str) -> bool:

@@ -33,7 +33,6 @@ from typing import Any, TypeVar
 import anyio
 
 from ._c10d import (
-    C10dOptions,
     c10d_options,
     etcd_missing,
     find_etcd,
@@ -50,63 +49,59 @@ from .api import (
 )
 from .etcd import EtcdRendezvousHandler
 
-__all__ = ["C10dRendezvousHandler", "create_c10d_handler"]
+__all__ = ["C10dRendezvousHandler"]
 
 logger = logging.getLogger("aioproc.rendezvous")
 
 T = TypeVar("T")
 
 
-def create_c10d_handler(
-    params: RendezvousParameters, *, data_root: str | None = None
-) -> C10dRendezvousHandler:
-    """The handler of a c10d job (``params.backend`` is ``"c10d"``).
+class C10dRendezvousHandler(EtcdRendezvousHandler):
+    """The etcd rendezvous in a store that this agent hosts, or another agent hosts.
 
-    Decides now whether this agent hosts the store (resolving names, so
-    before the event loop runs), and finds the etcd binary if it does.
+    Build it with ``create_handler(RendezvousParameters("c10d", ...))``:
+    the endpoint is ``HOST[:PORT]`` of the hosting agent.  Building it
+    decides whether this agent hosts the store (resolving names, so before
+    the event loop runs), and finds the etcd binary if it does.  A hosting
+    agent starts its etcd server when its session opens and stops it when
+    the session ends, after the other agents have left it.  The hosting
+    agent is the job's single point of failure (as torch's c10d host is):
+    if it dies, every other agent fails, naming the endpoint.
 
-    Args:
-        params: the job; ``endpoint`` is ``HOST[:PORT]`` of the hosting agent.
-        data_root: where the hosted server keeps its data directory (the
-            run's log dir; None: the temp dir).
+    Options: those of ``_c10d.c10d_options``; ``data_dir`` is where a
+    hosted server keeps its data directory (the run's log dir with
+    ``aioproc run``; else the temp dir).
 
     Raises:
         ValueError: a bad option or endpoint, or this agent hosts the store
             and no etcd binary is installed (the message says how to get one).
         ImportError: aetcd is not installed (says how to install it).
-    """
-    options = c10d_options(params)
-    hosting = options.is_host
-    if hosting is None:
-        hosting = matches_machine_hostname(options.host)
-    binary = find_etcd() if hosting else None
-    # built first: a bad option or a missing client is told before a missing binary
-    handler = C10dRendezvousHandler(options, binary, data_root)
-    if hosting and binary is None:
-        raise ValueError(etcd_missing(options.endpoint))
-    return handler
-
-
-class C10dRendezvousHandler(EtcdRendezvousHandler):
-    """The etcd rendezvous in a store that this agent hosts, or another agent hosts.
-
-    Build it with ``create_c10d_handler``.  A hosting agent starts its etcd
-    server when its session opens and stops it when the session ends, after
-    the other agents have left it.  The hosting agent is the job's single
-    point of failure (as torch's c10d host is): if it dies, every other
-    agent fails, naming the endpoint.
 
     Attributes:
         endpoint: ``HOST:PORT`` of the store.
         hosting: whether this agent serves the store right now.
     """
 
-    def __init__(self, options: C10dOptions, binary: str | None, data_root: str | None) -> None:
+    endpoint_help = (
+        "HOST[:PORT] (the host whose agent serves the rendezvous; port 29400 by default)"
+    )
+    needs_run_id = False  # torchrun's default id, "none": the store is the job's own
+    hosts_store = True
+
+    def __init__(self, params: RendezvousParameters) -> None:
+        options = c10d_options(params)
+        hosting = options.is_host
+        if hosting is None:
+            hosting = matches_machine_hostname(options.host)
+        binary = find_etcd() if hosting else None
+        # built first: a bad option or a missing client is told before a missing binary
         super().__init__(options.etcd_params)
+        if hosting and binary is None:
+            raise ValueError(etcd_missing(options.endpoint))
         self._options = options
         self.endpoint = options.endpoint
         self._server = (
-            EmbeddedEtcd(binary, options.host, options.port, data_root) if binary else None
+            EmbeddedEtcd(binary, options.host, options.port, options.data_dir) if binary else None
         )
         self._hosted: EmbeddedEtcd | None = None
 

@@ -78,6 +78,7 @@ from ._etcd_round import Joining
 from ._etcd_schema import World
 from .api import (
     DEFAULT_ROLE,
+    RendezvousHandler,
     RendezvousInfo,
     RendezvousJobFailedError,
     RendezvousNode,
@@ -97,7 +98,7 @@ _READ_OPTIONS = frozenset(
 )
 
 
-class EtcdRendezvousHandler:
+class EtcdRendezvousHandler(RendezvousHandler):
     """torch's ``DynamicRendezvousHandler`` semantics on an etcd v3 server.
 
     Build it with ``create_handler(RendezvousParameters("etcd", ...))``.
@@ -106,6 +107,10 @@ class EtcdRendezvousHandler:
     and the job's keys are watched; ``next_rendezvous()`` joins a round,
     ``wait_for_change()`` returns when the running world must be re-formed.
     """
+
+    endpoint_help = "HOST:PORT (the etcd server)"
+    # the etcd server outlives jobs: a job's keys stay, so each job needs an id of its own
+    needs_run_id = True
 
     def __init__(self, params: RendezvousParameters) -> None:
         import_aetcd()  # fail now, with the install hint, not when the agent runs
