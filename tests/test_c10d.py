@@ -47,6 +47,7 @@ from test_rendezvous_etcd import (
 
 from aioproc.rendezvous import RendezvousParameters
 from aioproc.rendezvous._c10d import (
+    SILENCE,
     c10d_options,
     find_etcd,
     matches_machine_hostname,
@@ -521,6 +522,101 @@ def test_torchs_timeout_option_is_not_the_join_timeout(tmp_path: Any, loop: str)
     assert [int(r["env"]["RANK"]) for r in recs] == [0, 1, 2, 3]
     assert all(r["peers"] == [0, 1, 2, 3] for r in recs)
     assert data_dirs(str(tmp_path)) == []
+
+
+FAKE = os.path.join(CHILDREN_DIR, "etcd_fake.py")
+
+# what the agent says each listener did (``etcd_fake.py``'s modes)
+NOT_ETCD = {
+    "silent": re.escape(f"it accepts connections and answers nothing for {SILENCE:g} s"),
+    "close": "it accepts connections and closes them without a word",
+    "garbage": re.escape(
+        r"it answered b'\x7f\x00garbage\xff\xfe of no protocol', which no HTTP/2 server says"
+    ),
+    "http1": re.escape("it answered b'HTTP/1.1 404 Not Found', which no HTTP/2 server says"),
+}
+
+
+@needs_etcd
+@pytest.mark.parametrize("loop", list(_LOOP_FACTORIES))
+@pytest.mark.parametrize("kind", list(NOT_ETCD))
+def test_an_endpoint_held_by_something_else_than_etcd_fails_within_seconds_naming_it(
+    tmp_path: Any, kind: str, loop: str
+) -> None:
+    """The port is another program's: no agent can ever serve the store there.
+
+    The agent on the endpoint's host finds the port taken and joins as a
+    client, as when another agent hosts (torch's fallback); what answers
+    there is then told apart from etcd, instead of being retried until
+    ``join_timeout`` (600 s by default here).
+    """
+    out, job = str(tmp_path), f"held-{kind}"
+    fake = subprocess.Popen([sys.executable, FAKE, kind], stdout=subprocess.PIPE, text=True)
+    try:
+        assert fake.stdout is not None
+        endpoint = f"127.0.0.1:{int(fake.stdout.readline())}"
+        started = time.monotonic()
+        with agents_cleanup(
+            [
+                Agent(
+                    endpoint,
+                    job,
+                    "127.0.0.1",
+                    out,
+                    nnodes="2:2",
+                    conf=f"lease_ttl={TTL}",
+                    loop=loop,
+                )
+            ]
+        ) as agents:
+            rc, err = agents[0].finish(timeout=60)
+        took = time.monotonic() - started
+    finally:
+        fake.kill()
+        fake.communicate()
+    assert rc == 1, err
+    # seconds, not join_timeout: a silent listener is given SILENCE to turn out to be etcd
+    assert took < (SILENCE if kind == "silent" else 0) + 20, (took, err)
+    assert f"c10d rendezvous: {endpoint} is served already" in err, err  # it tried to host
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"aioproc run: the c10d rendezvous endpoint {re.escape(endpoint)} is held by "
+        rf"something that is not etcd: {NOT_ETCD[kind]}; no agent can serve the rendezvous "
+        rf"store there \(stop what listens on port {endpoint.rsplit(':', 1)[1]}, or choose "
+        rf"another port\)",
+        last,
+    ), err
+    assert "Traceback" not in err
+    assert records(out) == []
+    assert data_dirs(out) == []
+
+
+@needs_etcd
+def test_a_client_of_an_endpoint_held_by_something_else_fails_at_once_too(tmp_path: Any) -> None:
+    """``is_host=false``: an agent that never tries to host tells the same at once."""
+    out = str(tmp_path)
+    fake = subprocess.Popen([sys.executable, FAKE, "garbage"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert fake.stdout is not None
+        endpoint = f"127.0.0.1:{int(fake.stdout.readline())}"
+        with agents_cleanup(
+            [Agent(endpoint, "client", HOST, out, nnodes="2:2", is_host=False, conf="lease_ttl=2")]
+        ) as agents:
+            rc, err = agents[0].finish(timeout=60)
+    finally:
+        fake.kill()
+        fake.communicate()
+    assert rc == 1, err
+    assert "is served already" not in err  # it never tried to host
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"aioproc run: the c10d rendezvous endpoint {endpoint} is held by something that is "
+            "not etcd: it answered "
+        )
+    ), err
+    assert records(out) == []
 
 
 @needs_etcd

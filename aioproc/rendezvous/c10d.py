@@ -33,10 +33,12 @@ from typing import Any, TypeVar
 import anyio
 
 from ._c10d import (
+    StoreNotEtcdError,
     c10d_options,
     etcd_missing,
     find_etcd,
     matches_machine_hostname,
+    not_etcd,
 )
 from ._etcd_server import EmbeddedEtcd, EtcdStartError
 from .api import (
@@ -104,6 +106,8 @@ class C10dRendezvousHandler(EtcdRendezvousHandler):
             EmbeddedEtcd(binary, options.host, options.port, options.data_dir) if binary else None
         )
         self._hosted: EmbeddedEtcd | None = None
+        self._closed_once = False  # the endpoint closed a probe's connection the last time
+        self._vet = self._vet_endpoint
 
     def __repr__(self) -> str:
         state = f"round {self._info.round}" if self._info is not None else "not joined"
@@ -147,7 +151,7 @@ class C10dRendezvousHandler(EtcdRendezvousHandler):
         try:
             return await call
         except RendezvousConnectionError as e:
-            if self._hosted is not None:
+            if self._hosted is not None or isinstance(e, StoreNotEtcdError):
                 raise
             raise RendezvousConnectionError(
                 f"{e} (the c10d rendezvous store, served by the agent on "
@@ -169,6 +173,32 @@ class C10dRendezvousHandler(EtcdRendezvousHandler):
             ) from e
 
     # the store
+
+    async def _vet_endpoint(self, left: float) -> None:
+        """While this agent connects to a store it does not host: is the endpoint etcd at all?
+
+        Called by the session after a call that failed as if the store were
+        not up yet, with the seconds left before ``join_timeout``.  Whatever
+        else holds the endpoint's port keeps every agent from serving the
+        store there, so waiting for it would only wait out ``join_timeout``.
+
+        Raises:
+            StoreNotEtcdError: something that is not etcd holds the endpoint
+                (named, with what it did).
+        """
+        if self._hosted is not None:
+            return  # this agent's own etcd serves it
+        options = self._options
+        verdict = await not_etcd(options.host, options.port, left)
+        kind = verdict[0] if verdict is not None else None
+        closed_before, self._closed_once = self._closed_once, kind == "closed"
+        if verdict is None or (kind == "closed" and not closed_before):
+            return  # an etcd being stopped closes what it had not served: ask again
+        raise StoreNotEtcdError(
+            f"the c10d rendezvous endpoint {self.endpoint} is held by something that is not "
+            f"etcd: {verdict[1]}; no agent can serve the rendezvous store there (stop what "
+            f"listens on port {options.port}, or choose another port)"
+        )
 
     async def _host_store(self) -> None:
         """Start the store if this agent hosts it; return once it serves the endpoint.

@@ -66,7 +66,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio
@@ -149,6 +149,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._info: RendezvousInfo | None = None
         self._world_now: World | None = None  # the world of ``_info``
         self._lost_cache: tuple[tuple[int, int], list[RendezvousNode]] | None = None
+        # while the session opens: asked, after a call that failed as if etcd were not
+        # up yet, whether the endpoint can be etcd at all (c10d knows; None: wait for it)
+        self._vet: Callable[[float], Awaitable[None]] | None = None
 
     def __repr__(self) -> str:
         state = f"round {self._info.round}" if self._info is not None else "not joined"
@@ -456,6 +459,7 @@ class _Session:
             raise RuntimeError(f"{h!r} already has a session")
         session = keys.new_session(h._host, h._port, h.lease_ttl)
         session.renewed = self._lease_renewed
+        session.vet = h._vet
         # reaching etcd counts against join_timeout too: an endpoint that
         # never answers fails in time, naming itself and the last error
         self._open = session.open(h.join_timeout)
