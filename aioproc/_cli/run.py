@@ -218,6 +218,9 @@ def _make_run(ns: argparse.Namespace) -> _Run:
         sigs.append(signal.SIGHUP)
     event_log = _event_log(ns)
     rdzv_handler = _make_rdzv_handler(ns)
+    # torchrun gives the spec a master address of its own only with one host or a
+    # fixed world; an elastic rendezvous publishes group rank 0's
+    own_master = rdzv_handler is None or not rdzv_handler.elastic
     spec = WorkerSpec(
         role=ns.role,
         local_world_size=ns.nproc_per_node,
@@ -228,8 +231,8 @@ def _make_run(ns: argparse.Namespace) -> _Run:
         redirects=ns.redirects,
         tee=ns.tee,
         local_ranks_filter=ns.local_ranks_filter,
-        master_addr=ns.master_addr,
-        master_port=ns.master_port,
+        master_addr=ns.master_addr if own_master else None,
+        master_port=ns.master_port if own_master else None,
         restart_policy=ns.backoff or RestartPolicy(),
         watchdog=ns.watchdog,
         duplicate_stdout_filters=ns.duplicate_stdout_filters or None,

@@ -305,7 +305,11 @@ class LocalElasticAgent:
         self._begin_run()
         spec = self._spec
         master_addr = spec.master_addr or "127.0.0.1"
-        master_port = spec.master_port or free_port(master_addr)
+        # over several hosts each round names group rank 0's port (the spec's wins):
+        # none is taken here, on an address that may not even be this host's
+        master_port = spec.master_port or (
+            free_port(master_addr) if spec.rdzv_handler is None else 0
+        )
         watchdog = self._new_watchdog()
         hosts = self._hosts = self._new_hosts()
         try:

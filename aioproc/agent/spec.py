@@ -58,6 +58,8 @@ class WorkerSpec:
         redirects, tee, local_ranks_filter: as in ``DefaultLogsSpecs``.
         master_addr, master_port: rendezvous address for the workers
             (``MASTER_ADDR``/``MASTER_PORT``); a free port when not given.
+            Over several hosts they override the rendezvous's address, each
+            on its own, as in torch (``spec.master_addr or`` group rank 0's).
         env: extra environment for every worker.
         restart_policy: backoff and expected exit codes between attempts.
         watchdog: enable ``aioproc.timer`` watchdog timers in the workers.
@@ -69,8 +71,8 @@ class WorkerSpec:
         rdzv_handler: a ``RendezvousHandler`` (from
             ``aioproc.rendezvous.create_handler``, or of a backend of one's
             own) for a job over several hosts (each runs an agent); None:
-            this host alone.  ``master_addr``/``master_port`` are then
-            ignored: group rank 0 publishes its own through the rendezvous.
+            this host alone.  Group rank 0 publishes its address through the
+            rendezvous; ``master_addr``/``master_port``, when given, win.
         virtual_local_rank: torch's virtual local rank mode: every worker
             gets ``LOCAL_RANK=0`` and ``CUDA_VISIBLE_DEVICES`` naming only
             its own GPU (see ``visible_device``).
