@@ -73,6 +73,12 @@ def test_a_registered_class_is_built_from_the_parameters(
     assert isinstance(handler, RendezvousHandler)
     assert handler.get_run_id() == "job"
     assert registry.names() == ("file",)
+    with pytest.raises(ValueError, match="unknown rendezvous backend") as info:
+        registry.backend("zk")
+    assert str(info.value) == (
+        "unknown rendezvous backend 'zk'; registered: file (another package adds one with "
+        "aioproc.rendezvous.register_backend)"
+    )
     # the backend refuses its parameters in its own words
     with pytest.raises(ValueError, match="the file rendezvous needs a directory, got 'nowhere'"):
         registry.create_handler(params("file", "nowhere"))

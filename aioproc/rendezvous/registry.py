@@ -195,10 +195,12 @@ class RendezvousHandlerRegistry:
                 self.register(name, cls)
                 return cls
         known = ", ".join(self.names(aliases=True))
+        how = "with aioproc.rendezvous.register_backend"
+        if self._group is not None:
+            how = f"with an {self._group!r} entry point, or {how}"
         raise ValueError(
             f"unknown rendezvous backend {name!r}; registered: {known or 'none'} (another "
-            f"package adds one with an {ENTRY_POINT_GROUP!r} entry point, or with "
-            "aioproc.rendezvous.register_backend)"
+            f"package adds one {how})"
         )
 
 
