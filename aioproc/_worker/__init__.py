@@ -4,5 +4,7 @@
 ``WorkerOptions``; ``turn``: one request at a time; ``process``: the
 ``WorkerProcess`` handle (calls, pings, its stop); ``start``: the one way a
 worker comes to exist; ``records``: what a pool keeps of its starts and
-calls, and ``PoolStats``; ``pool``: ``WorkerPool``'s body.
+calls, and ``PoolStats``; ``supply``: what a pool gives each start (slots,
+placements, CPUs, the template); ``dispatch``: which positions are free and
+who waits for one; ``pool``: ``WorkerPool``'s body, the owner of the rest.
 """

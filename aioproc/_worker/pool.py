@@ -28,21 +28,13 @@ ones when the pool opens, a replacement when one dies, is recycled after
 # returns only then, so when it returns no interpreter and no guardian of
 # the pool is left, whatever was starting, retiring or running at the time.
 #
-# Slots
-# -----
-#
-# With ``capacity=`` the pool reserves its ``size`` first slots at once
-# (``_open``), before anything starts: two pools that reserved one slot per
-# worker could each hold half of a budget and wait for the other for ever.
-# Each first start takes over one reserved slot (``_prepaid``); a slot whose
-# start never ran goes back when the owner ends.  A worker gives its slot
-# back once it is reaped (``WorkerProcess._shutdown``), so a replacement,
-# which asks for a new one, never overlaps the worker it replaces.
+# What each start is given (slots, placements, CPUs, the template) is
+# ``supply.Supply``; which positions are free, and who waits for one,
+# ``dispatch.Dispatch``.
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -57,14 +49,14 @@ from .._base.owner import Owner
 from .._base.resource import OpenResource
 from .._base.shield import shielded
 from .._errors.failure import BrokenWorkerError
-from .._func import template as _template
-from .._func.template import Template
-from .._group.resources import CpusArg, GroupResources
+from .._group.resources import CpusArg
 from .._metrics import hooks as _hooks
+from .dispatch import Dispatch
 from .options import WorkerOptions, worker_cpus
 from .process import Undelivered, WorkerProcess
 from .records import PoolCall, PoolStart, PoolStats
 from .start import start_worker
+from .supply import Supply
 
 __all__ = ["WorkerPool", "open_workers"]
 
@@ -87,23 +79,13 @@ class WorkerPool:
         self.name = name
         self._slots = slots  # (name, env) of each worker position
         self._options = options
-        self._limits_reported = False  # see _resources
-        self._cpus = cpus  # {0: CPU ids} of each position's worker, or None
-        self._prepaid: set[int] = set()  # positions whose slot _open reserved, not yet taken
+        self._supply = Supply([name for name, _ in slots], options, cpus)
+        self._dispatch = Dispatch(idle_timeout)
         # read once: metrics enabled later count from the next pool on
         self._rec = _hooks.current
-        self._template: Template | None = None  # a lease held for the pool's life
-        self._renewing: asyncio.Lock | None = None  # one start replaces a dead template
         self._max_calls = max_calls_per_worker
-        self._idle_timeout = idle_timeout
         self._workers: list[WorkerProcess | None] = [None] * len(slots)
         self._starts: dict[int, PoolStart] = {}  # position -> its start in flight
-        self._idle: collections.deque[int] = collections.deque()
-        self._idle_timers: dict[int, asyncio.TimerHandle] = {}
-        # positions whose idle timer fired (at most one entry per worker)
-        self._idle_expired_q: asyncio.Queue[int] = asyncio.Queue()
-        self._waiters: collections.deque[asyncio.Future[int]] = collections.deque()
-        self._busy: set[int] = set()
         self._restarts = 0
         self._completed = 0
         self._failed = 0
@@ -114,8 +96,9 @@ class WorkerPool:
 
     def __repr__(self) -> str:
         live = sum(w is not None and w.alive for w in self._workers)
+        busy = len(self._dispatch.busy)
         state = " closed" if self._closed else ""
-        return f"<WorkerPool size={len(self._slots)} live={live} busy={len(self._busy)}{state}>"
+        return f"<WorkerPool size={len(self._slots)} live={live} busy={busy}{state}>"
 
     @property
     def size(self) -> int:
@@ -131,7 +114,7 @@ class WorkerPool:
         for i, w in enumerate(self._workers):
             if i in self._starts:
                 continue
-            if i in self._busy or (w is not None and w.busy):
+            if i in self._dispatch.busy or (w is not None and w.busy):
                 busy += 1
             elif w is not None and w.alive:
                 idle += 1
@@ -140,7 +123,7 @@ class WorkerPool:
             busy=busy,
             idle=idle,
             starting=len(self._starts),
-            queued=sum(not fut.done() for fut in self._waiters),
+            queued=self._dispatch.queued(),
             restarts=self._restarts,
             completed=self._completed,
             failed=self._failed,
@@ -160,23 +143,11 @@ class WorkerPool:
         """
         if self._owner.started:
             raise RuntimeError(f"{self!r} was already opened")
-        capacity = self._options.capacity
-        if capacity is not None:
-            # every first worker's slot at once (see "Slots" above); a
-            # cancelled wait holds nothing
-            await capacity.acquire(self.size)
-            self._prepaid = set(range(self.size))
-        try:
-            if self._options.preload is not None:
-                # cancelled or failed, acquire leaves nothing behind; the owner
-                # gives the lease back once every worker has stopped
-                self._template = await _template.acquire(self._options.preload)
-        except BaseException:
-            self._give_back_prepaid()
-            raise
+        # all or nothing, also when cancelled; the owner gives it back at its end
+        await self._supply.reserve()
         # No await before the try: once the owner exists, it is always closed.
         starts = [self._new_start(i) for i in range(self.size)]
-        self._owner.start(self._own, after=self._after_owner)
+        self._owner.start(self._own, after=self._supply.release)
         try:
             pending = {s.finished for s in starts}
             while pending:
@@ -188,9 +159,7 @@ class WorkerPool:
         except BaseException:
             await shielded(self._close())
             raise
-        self._idle.extend(range(self.size))
-        for i in range(self.size):
-            self._arm_idle(i)
+        self._dispatch.free(range(self.size))
         return self
 
     async def _own(self, tg: anyio.abc.TaskGroup) -> None:
@@ -204,34 +173,6 @@ class WorkerPool:
         retiring.cancel()
         self._stop_everything(tg)
 
-    async def _after_owner(self) -> None:
-        """Once every start and retirement is over: slots never taken, then the template."""
-        self._give_back_prepaid()
-        await self._release_template()
-
-    def _give_back_prepaid(self) -> None:
-        capacity = self._options.capacity
-        if self._prepaid and capacity is not None:
-            count, self._prepaid = len(self._prepaid), set()
-            capacity.release(count)
-
-    def _resources(self, i: int) -> GroupResources:
-        """The resources of a new worker at ``i``: its placement, CPUs and slot."""
-        name = self._slots[i][0]
-        options = self._options
-        resources = GroupResources(name, 1, options.limits, options.capacity, self._cpus[i])
-        # one INFO line (and WARNING) per pool: its workers share their limits
-        resources.report, self._limits_reported = not self._limits_reported, True
-        if i in self._prepaid:
-            self._prepaid.discard(i)
-            resources.granted()
-        return resources
-
-    async def _release_template(self) -> None:
-        if self._template is not None:
-            await _template.release(self._template)
-            self._template = None
-
     async def _retire_idle(self, scope: anyio.CancelScope) -> None:
         """Retire the workers whose idle timer fired, from inside the task group.
 
@@ -241,12 +182,13 @@ class WorkerPool:
         """
         with scope:
             while True:
-                i = await self._idle_expired_q.get()
-                if i in self._idle and not self._closed:
+                i = await self._dispatch.expired.get()
+                if i in self._dispatch.idle and not self._closed:
                     self._retire(i)  # stays in the idle list: restarted on its next use
 
     def _stop_everything(self, tg: anyio.abc.TaskGroup) -> None:
         self._closed = True
+        self._dispatch.stop()
         for start in self._starts.values():
             start.scope.cancel()  # a cancelled start kills what it launched
         for i, w in enumerate(self._workers):
@@ -273,9 +215,10 @@ class WorkerPool:
                 # A template that died between its last fork and this one (its
                 # exit not noticed yet) makes the fork try a fresh one
                 # (``_func.fork``); the next start finds it broken.
-                template = await self._live_template()
+                template = await self._supply.live_template()
                 # the worker owns them: closed with it, or if this start fails
-                worker = await start_worker(name, self._options, env, template, self._resources(i))
+                resources = self._supply.resources(i)
+                worker = await start_worker(name, self._options, env, template, resources)
                 # no await from here on: the worker is never without an owner
                 start.worker = worker
                 if not self._closed:
@@ -291,26 +234,6 @@ class WorkerPool:
             if start.worker is not None and self._closed:
                 # finished just as the pool closed: nobody else will close it
                 await self._stop_worker(start.worker)
-
-    async def _live_template(self) -> Template | None:
-        """The pool's template, replaced first if it died (killed, OOM): forkserver only.
-
-        Raises:
-            What ``open_pool`` raises for a template that cannot start.
-
-        Cancellation: the pool keeps a lease on one template, old or new.
-        """
-        if self._template is None or self._template.usable:
-            return self._template
-        if self._renewing is None:
-            self._renewing = asyncio.Lock()
-        async with self._renewing:  # the other starts wait for the one replacement
-            old = self._template
-            if not old.usable:
-                # the running one for the same preload (another group's), or a new one
-                self._template = await _template.acquire(old.preload)
-                await shielded(_template.release(old))
-        return self._template
 
     async def _stop_worker(self, w: WorkerProcess) -> None:
         """Close one worker (retired, replaced, or the pool closing); shielded, bounded."""
@@ -348,50 +271,17 @@ class WorkerPool:
         if not w.alive or (self._max_calls is not None and w.calls >= self._max_calls):
             self._retire(i)  # crashed, killed or recycled: replaced on next use
 
-    def _arm_idle(self, i: int) -> None:
-        if self._idle_timeout is None or self._closed:
-            return
-        loop = asyncio.get_running_loop()
-        self._idle_timers[i] = loop.call_later(self._idle_timeout, self._idle_expired, i)
-
-    def _idle_expired(self, i: int) -> None:
-        self._idle_timers.pop(i, None)
-        self._idle_expired_q.put_nowait(i)  # see _retire_idle
-
     # ---------------------------------------------------------- scheduling
 
     async def _acquire(self) -> int:
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
-        if self._idle:
-            i = self._idle.popleft()
-        else:
-            fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-            self._waiters.append(fut)
-            try:
-                i = await fut
-            except asyncio.CancelledError:
-                if fut.done() and not fut.cancelled() and fut.exception() is None:
-                    self._release(fut.result())  # handed over just as we were cancelled
-                raise
-        timer = self._idle_timers.pop(i, None)
-        if timer is not None:
-            timer.cancel()
-        self._busy.add(i)
-        return i
+        return await self._dispatch.take()
 
     def _release(self, i: int) -> None:
-        self._busy.discard(i)
-        if self._closed:
-            return
-        self._recycle_if_spent(i)
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(i)
-                return
-        self._idle.append(i)
-        self._arm_idle(i)
+        if not self._closed:
+            self._recycle_if_spent(i)
+        self._dispatch.give_back(i)
 
     async def submit(
         self, fn: Callable[..., Any], /, *args: Any, timeout: float | None = None, **kwargs: Any
@@ -539,7 +429,7 @@ class WorkerPool:
 
         results = await asyncio.gather(*(one(i) for i in range(self.size)), return_exceptions=True)
         for i in range(self.size):
-            if i not in self._busy:
+            if i not in self._dispatch.busy:
                 self._recycle_if_spent(i)
         for value in results:
             if isinstance(value, BaseException):
@@ -576,13 +466,7 @@ class WorkerPool:
     async def _close(self) -> None:
         if not self._closed:
             self._closed = True
-            for timer in self._idle_timers.values():
-                timer.cancel()
-            self._idle_timers.clear()
-            for fut in self._waiters:
-                if not fut.done():
-                    fut.set_exception(RuntimeError(f"{self!r} was closed"))
-            self._waiters.clear()
+            self._dispatch.close(lambda: RuntimeError(f"{self!r} was closed"))
         self._owner.request_close(None)
         await self._owner.wait()  # every closer waits for the one close
 
