@@ -15,6 +15,7 @@ import functools
 import importlib.machinery
 import os
 import pickle
+import random
 import re
 import signal
 import sys
@@ -371,6 +372,29 @@ async def test_aclose_is_idempotent_and_a_second_call_waits_for_the_first(
         await w.aclose()
     await w.aclose()  # and again, long after: nothing left to do
     assert repr(w) == f"<WorkerProcess twice pid={pid} exited -9>"
+
+
+async def test_cancelling_either_of_two_acloses_at_random_points_leaves_no_worker(
+    pw: ModuleType,
+) -> None:
+    rng = random.Random(41)
+    children = child_pids()
+    for round_ in range(8):
+        w = await open_worker(name=f"racer{round_}", grace_period=0.3)
+        pid = await w.call(pw.refuse_to_exit)
+        with pytest.warns(ForcedKillWarning, match=rf"racer{round_} \(pid {pid}\)"):
+            closes = [asyncio.ensure_future(w.aclose()) for _ in range(2)]
+            victim = closes[rng.randrange(2)]
+            for _ in range(rng.randrange(6)):
+                await asyncio.sleep(0)
+            if rng.random() < 0.5:
+                await asyncio.sleep(rng.uniform(0, 0.5))  # during the grace period, or after
+            victim.cancel()
+            (survivor,) = [c for c in closes if c is not victim]
+            await asyncio.wait_for(survivor, 10)  # returns only once the worker is gone
+            assert w.returncode == -signal.SIGKILL and pid_gone(pid)
+            await asyncio.wait({victim})  # cancelled, or done before the cancel came
+    assert child_pids() == children
 
 
 async def test_close_is_torchs_alias_of_aclose(pw: ModuleType) -> None:
