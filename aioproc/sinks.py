@@ -51,7 +51,7 @@ import inspect
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TextIO
 
 from ._base.checks import check_duration
@@ -352,19 +352,6 @@ class LoggingSink(Sink):
         extra = {"rank": rank, "stream": stream, "prefix": prefix}
         for line in lines:
             self._logger.log(level, "%s%s", prefix, line, extra=extra)
-
-
-class _FilteredFileSink(FileSink):
-    """torch's duplicate filters: lines containing a needle also go to a file."""
-
-    def __init__(self, path: str, needles: Iterable[str]) -> None:
-        super().__init__(path)
-        self._needles = tuple(needles)
-
-    def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
-        hits = [line for line in lines if any(n in line for n in self._needles)]
-        if hits:
-            super().lines(rank, stream, prefix, hits)
 
 
 # ----------------------------------------------------------------- callbacks

@@ -373,8 +373,8 @@ class _LinesOfAConsole(ConsoleSink):
 
 
 def test_a_sink_gets_text_only_where_its_text_is_at_least_as_derived_as_its_lines() -> None:
+    from aioproc._group.rank_launcher import _FilteredFileSink
     from aioproc._output.sink import takes_text
-    from aioproc.sinks import _FilteredFileSink
 
     class TextToo(_LinesOfAConsole):
         def text(self, rank: int, stream: str, prefix: str, text: str) -> None:
