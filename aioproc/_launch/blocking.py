@@ -93,7 +93,7 @@ def launch_agent(
     """
 
     async def main() -> dict[int, Any]:
-        job = Launch(config, entrypoint, tuple(args))  # type: ignore[arg-type]
+        job = Launch(config, entrypoint, tuple(args))
         if threading.current_thread() is not threading.main_thread():
             return await job.run()  # Python delivers signals to the main thread only
         async with translate_signals(job.signals):

@@ -105,10 +105,14 @@ class Launch:
     """
 
     def __init__(
-        self, config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: tuple[Any, ...]
+        self,
+        config: LaunchConfig,
+        entrypoint: Callable[..., Any] | str | None,
+        args: tuple[Any, ...],
     ) -> None:
         check_config(config)
         if not callable(entrypoint) and not isinstance(entrypoint, str):
+            # torch's signature allows None; there is nothing to run then
             raise TypeError(f"entrypoint must be a function or a program, got {entrypoint!r}")
         run_id = config.run_id or str(uuid.uuid4().int)
         flags = config_flags(config, function=callable(entrypoint))
