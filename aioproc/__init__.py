@@ -15,7 +15,8 @@ ones below it (checked by ``tests/test_layers.py``)::
     _limits   resource limits (cgroups, rlimits), usage, the process budget
     _proc     one OS process: spawn, exit, channel, guardian, stop and release
     _func     function workers, parent side
-    _group    what a PContext is made of
+    _group    what a group's ranks are made of: checks, outcomes, launcher, resources
+    _supervisor  a group's crew: spec, launch, hold, exits, shutdown, supervisor
     _cli, _cluster, _pool, _plugin    behind aioproc.cli, .cluster, .pool, .pytest_plugin
 """
 
@@ -28,10 +29,10 @@ TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs worker
 if TYPE_CHECKING:
     from typing import Any
 
+    from ._base import __version__ as __version__
     from ._child.boot import worker_state as worker_state
     from ._limits.capacity import Capacity as Capacity
     from ._limits.spec import Limits as Limits
-    from ._limits.usage import Usage as Usage
     from .agent import AgentEvent as AgentEvent
     from .agent import LocalElasticAgent as LocalElasticAgent
     from .agent import RestartPolicy as RestartPolicy
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from .forkserver import open_forkserver as open_forkserver
     from .logs import DefaultLogsSpecs as DefaultLogsSpecs
     from .logs import LogsDest as LogsDest
+    from .logs import LogsPlan as LogsPlan
     from .logs import LogsSpecs as LogsSpecs
     from .logs import Std as Std
     from .logs import to_map as to_map
@@ -58,6 +60,8 @@ if TYPE_CHECKING:
     from .pool import WorkerPool as WorkerPool
     from .pool import open_pool as open_pool
     from .results import RunProcsResult as RunProcsResult
+    from .results import RunTimeoutError as RunTimeoutError
+    from .results import Usage as Usage
     from .runner import run as run
     from .runner import start_processes as start_processes
     from .signals import SignalException as SignalException
@@ -74,8 +78,6 @@ if TYPE_CHECKING:
     from .worker import WorkerProcess as WorkerProcess
     from .worker import open_worker as open_worker
 
-__version__ = "0.1.0"
-
 # public name -> submodule that defines it
 _EXPORTS: dict[str, str] = {
     "AgentEvent": "agent",
@@ -88,6 +90,8 @@ _EXPORTS: dict[str, str] = {
     "PContext": "context",
     "preimport": "context",
     "RunProcsResult": "results",
+    "RunTimeoutError": "results",
+    "Usage": "results",
     "run": "runner",
     "start_processes": "runner",
     "ChildFailedError": "errors",
@@ -97,6 +101,7 @@ _EXPORTS: dict[str, str] = {
     "record": "errors",
     "DefaultLogsSpecs": "logs",
     "LogsDest": "logs",
+    "LogsPlan": "logs",
     "LogsSpecs": "logs",
     "Std": "logs",
     "to_map": "logs",
@@ -120,7 +125,6 @@ _EXPORTS: dict[str, str] = {
     "worker_state": "_child.boot",
     "Capacity": "_limits.capacity",
     "Limits": "_limits.spec",
-    "Usage": "_limits.usage",
     "Forkserver": "forkserver",
     "open_forkserver": "forkserver",
 }
@@ -136,15 +140,19 @@ def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         __import__(f"{__name__}.{name}")
         return sys.modules[f"{__name__}.{name}"]
+    if name == "__version__":
+        from ._base import __version__
+
+        return __version__
     try:
         module = _EXPORTS[name]
     except KeyError:
         raise AttributeError(f"module 'aioproc' has no attribute {name!r}") from None
-    # plain __import__: importlib would cost every worker an import
+    # plain __import__: importlib would cost every worker an import.  A name
+    # defined in a wing names this package as its module where it is
+    # defined, never here: its identity must not depend on the path taken.
     __import__(f"{__name__}.{module}")
     value = getattr(sys.modules[f"{__name__}.{module}"], name)
-    if module.startswith("_"):
-        value.__module__ = __name__  # defined in a wing, imported from here
     globals()[name] = value  # later lookups skip __getattr__
     return value
 

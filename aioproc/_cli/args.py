@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The ``aioproc`` parser and its ``run`` subparser (``main`` reports usage errors on it)."""
-    from .. import __version__
+    from .._base import __version__
 
     parser = argparse.ArgumentParser(
         prog=PROG,

@@ -32,7 +32,7 @@ from .values import (
 )
 
 if TYPE_CHECKING:
-    from .. import Limits
+    from .._limits.spec import Limits
     from ..agent import WorkerSpec
     from ..logs import LogsSpecs
     from ..rendezvous import RendezvousHandler
@@ -174,7 +174,7 @@ def _limits(ns: argparse.Namespace) -> dict[int, Limits] | None:
     """
     if ns.memory_limit is None and ns.cpu_limit is None and ns.pids_limit is None:
         return None
-    from .. import Limits
+    from .._limits.spec import Limits
 
     one = Limits(memory=ns.memory_limit, cpus=ns.cpu_limit, pids=ns.pids_limit)
     return dict.fromkeys(range(ns.nproc_per_node), one)
