@@ -29,6 +29,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from ._base import public_module
 from ._cli.args import _build_parsers
 from ._cli.args import build_parser as build_parser
 from ._cli.run import _make_run as _make_run  # imported from here by the tests
@@ -39,9 +40,7 @@ from ._cli.values import parse_nproc as parse_nproc
 __all__ = ["build_parser", "main", "parse_backoff", "parse_nproc"]
 
 # Defined in the wing, named here: reprs and pickles show the path users import.
-for _public in (build_parser, parse_backoff, parse_nproc):
-    _public.__module__ = __name__
-del _public
+public_module(__name__, build_parser, parse_backoff, parse_nproc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ._base import public_module
 from ._child.barrier import barrier as barrier
 from ._cluster.result import DEFAULT_TIMEOUT
 from ._cluster.result import MultiProcessRunnerResult as MultiProcessRunnerResult
@@ -39,16 +40,15 @@ if TYPE_CHECKING:
     from ._cluster.runner import ClusterRunner as ClusterRunner
 
 # Defined in the wing, named here: reprs and pickles show the path users import.
-for _public in (
+public_module(
+    __name__,
     MultiProcessRunnerResult,
     SubprocessTimeoutError,
     UnexpectedSubprocessExitError,
     assign_gpus,
     barrier,
     create_cluster_spec,
-):
-    _public.__module__ = __name__
-del _public
+)
 
 __all__ = [
     "ClusterRunner",
@@ -192,9 +192,8 @@ def __getattr__(name: str) -> Any:
     # The runner (and with it asyncio) loads on first use: a task that only
     # calls ``barrier()`` imports this module without paying for the loop.
     if name == "ClusterRunner":
-        from ._cluster.runner import ClusterRunner
+        from ._cluster.runner import ClusterRunner  # named this module's where it is defined
 
-        ClusterRunner.__module__ = __name__
         globals()[name] = ClusterRunner
         return ClusterRunner
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

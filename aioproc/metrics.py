@@ -161,6 +161,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from ._base import public_module
 from ._base.resource import OpenResource
 from ._metrics import hooks as _hooks
 from ._metrics.apps import MetricsApp
@@ -219,20 +220,19 @@ __all__ = [
 ]
 
 # defined in the wing, imported from here
-for _name in (
-    "Counter",
-    "Gauge",
-    "Histogram",
-    "MetricInfo",
-    "MetricsApp",
-    "MetricsServer",
-    "NullRecorder",
-    "Recorder",
-    "Registry",
-    "outcome_of",
-):
-    globals()[_name].__module__ = __name__
-del _name
+public_module(
+    __name__,
+    Counter,
+    Gauge,
+    Histogram,
+    MetricInfo,
+    MetricsApp,
+    MetricsServer,
+    NullRecorder,
+    Recorder,
+    Registry,
+    outcome_of,
+)
 
 
 def enable(recorder: Recorder | None = None) -> Recorder:

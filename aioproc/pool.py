@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from ._base import public_module
 from ._base.resource import OpenResource
 from ._cluster.tfconfig import ClusterSpec, worker_slots
 from ._group.resources import CpusArg
@@ -33,8 +34,7 @@ from .results import DEFAULT_GRACE_PERIOD
 
 __all__ = ["PoolStats", "WorkerPool", "open_pool"]
 
-for _public in (PoolStats, WorkerPool):
-    _public.__module__ = __name__  # defined in the wing, imported from here
+public_module(__name__, PoolStats, WorkerPool)  # defined in the wing, imported from here
 
 
 def open_pool(

@@ -54,6 +54,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TextIO
 
+from ._base import public_module
 from ._base.checks import check_duration
 from ._output.console import (
     ConsoleWriter,
@@ -84,9 +85,7 @@ __all__ = [
 
 # defined with the output machinery (which must not import this module), and
 # shown, pickled and documented as this module's
-Flow.__module__ = __name__
-OutputLine.__module__ = __name__
-Sink.__module__ = __name__
+public_module(__name__, Flow, OutputLine, Sink)
 
 
 # ------------------------------------------------------------------ console

@@ -472,6 +472,12 @@ def worker_state() -> Any:
     return STATE
 
 
+# imported by users from the package itself; set here, where it is defined
+# (``_child`` imports the standard library only, not ``_base``'s helper), so
+# its name never depends on the path that reached it
+worker_state.__module__ = "aioproc"
+
+
 _SERVING = False
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from .._base import public_module
 from .._base.checks import check_duration, check_env, check_signal
 from .._base.owner import Owner
 from .._base.shield import shielded
@@ -42,6 +43,7 @@ from .result import DEFAULT_TIMEOUT, ClusterOutcomes, MultiProcessRunnerResult, 
 from .task import (
     Collect,
     Task,
+    base_spec,
     check_call,
     restart_delay,
     task_group,
@@ -160,6 +162,7 @@ class ClusterRunner:
             self._sinks.append(Collect(self._outcomes.stdout))
         # the barrier counts the tasks of the spec, as TF's Manager barrier does
         self._hub = ControlHub(len(spec_tasks), returns=self._comes_back)
+        self._base = base_spec(self.grace_period, self._sinks, self._hub)
         self._tasks: dict[TaskKey, Task] = {}
         self._halt = asyncio.Event()  # timeout, terminate_all, close, chief gone: no more attempts
         self._chief_succeeded = False
@@ -343,7 +346,7 @@ class ClusterRunner:
             gpu = self._gpus[len(self._tasks) % len(self._gpus)]  # a task not in the spec
         env = {**self._env, "CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else self._env
         config = tf_config(self.cluster_spec, *task.key, self.rpc_layer)
-        return task_group(task, config, env, self.grace_period, self._sinks, self._hub)
+        return task_group(task, config, env, self._base)
 
     async def _run_task(self, task: Task, launched: asyncio.Future[None]) -> None:
         """Every attempt of one task: start, wait (bounded by max_run_time), record, restart."""
@@ -608,3 +611,7 @@ class ClusterRunner:
         self._closing = True
         self._halt.set()
         await self._owner.close(True)
+
+
+# loaded on first use by ``aioproc.cluster``, whose name it carries from the start
+public_module("aioproc.cluster", ClusterRunner)

@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from .._base import public_module
 from .._metrics import hooks as _hooks
 
 
@@ -168,3 +169,7 @@ def _check_slots(name: str, value: object) -> int:
     if value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+# imported by users from the package itself: named so wherever it is reached from
+public_module("aioproc", Capacity)

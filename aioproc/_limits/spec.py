@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from decimal import Decimal
 
+from .._base import public_module
+
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)(iB)?\s*", re.IGNORECASE)
 
@@ -135,3 +137,7 @@ def _check_pids(value: object) -> int:
     if value < 1:
         raise ValueError(f"pids must be a positive int, got {value!r}")
     return value
+
+
+# imported by users from the package itself: named so wherever it is reached from
+public_module("aioproc", Limits)

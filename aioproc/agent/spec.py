@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._base import public_module
 from .._base.checks import check_duration, check_env, check_exec_text, check_preload
 from .._errors.failure import ProcessFailure
 from .._group.resources import CpusArg, LimitsArg, check_cpus, check_limits
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RestartPolicy", "RunResult", "WorkerSpec", "WorkerState"]
 
-RestartPolicy.__module__ = __name__  # shared with the cluster runner, named here
+public_module(__name__, RestartPolicy)  # shared with the cluster runner, named here
 
 
 class WorkerState(str, enum.Enum):
