@@ -13,13 +13,20 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from ._base import public_module
 from ._base.checks import check_preload
 from ._base.loops import check_loop
 from ._base.resource import OpenResource
 from ._base.shield import shielded
 from ._func import template as _template
+from ._func.template import TemplateError as TemplateError
+from ._func.template import TemplateLost as TemplateLost
 
-__all__ = ["Forkserver", "open_forkserver"]
+__all__ = ["Forkserver", "TemplateError", "TemplateLost", "open_forkserver"]
+
+# Defined in the wing, named here: reprs, pickles and the docs show the path
+# users import them from.
+public_module(__name__, TemplateError, TemplateLost)
 
 
 class Forkserver:

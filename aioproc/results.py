@@ -13,10 +13,7 @@ from typing import Any, NamedTuple
 
 from ._errors.failure import ProcessFailure
 
-__all__ = ["DEFAULT_GRACE_PERIOD", "RunProcsResult", "Usage", "WorkerEvent"]
-
-DEFAULT_GRACE_PERIOD = 30.0
-"""Seconds between ``death_sig`` and SIGKILL when a failure stops the group."""
+__all__ = ["RunProcsResult", "RunTimeoutError", "Usage", "WorkerEvent"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +88,25 @@ class RunProcsResult:
 
     def is_failed(self) -> bool:
         return len(self.failures) > 0
+
+
+class RunTimeoutError(TimeoutError):
+    """``run()``'s ``timeout`` expired: the workers were stopped.
+
+    A ``TimeoutError``, so ``except TimeoutError`` keeps catching it.
+
+    Attributes:
+        result: the partial ``RunProcsResult``: the ranks that finished in
+            time with their values, the others as failures (``stopped``
+            True, their signal as exit code).
+    """
+
+    def __init__(self, message: str, result: RunProcsResult | None = None) -> None:
+        super().__init__(message)
+        self.result = result
+
+    def __reduce__(self) -> tuple[type[RunTimeoutError], tuple[str, RunProcsResult | None]]:
+        return type(self), (str(self), self.result)
 
 
 class WorkerEvent(NamedTuple):

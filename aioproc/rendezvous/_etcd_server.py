@@ -51,6 +51,7 @@ from .._proc.exits import ExitWatcher
 from .._proc.shutdown import release, stop_groups
 from .._proc.spawn import Child, spawn
 from ._c10d import format_hostport
+from .api import RendezvousError
 
 __all__ = ["EmbeddedEtcd", "EtcdStartError"]
 
@@ -85,8 +86,10 @@ shutil.rmtree(sys.argv[2], ignore_errors=True)
 """
 
 
-class EtcdStartError(Exception):
+class EtcdStartError(RendezvousError):
     """etcd did not come up; the message says why, in etcd's words.
+
+    A ``RendezvousError``: the store of a c10d rendezvous could not start.
 
     Attributes:
         endpoint_taken: the endpoint's port was in use (another process,
