@@ -45,7 +45,7 @@ from enum import IntFlag
 from ._base.checks import check_log_dir, check_path_name
 from ._child.errorfile import ERROR_FILE_ENV
 
-__all__ = ["DefaultLogsSpecs", "LogsDest", "LogsSpecs", "Std", "to_map"]
+__all__ = ["DefaultLogsSpecs", "LogsDest", "LogsPlan", "LogsSpecs", "Std", "to_map"]
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +152,26 @@ class LogsDest:
     filtered_stderr: str = ""
 
 
+@dataclass
+class LogsPlan:
+    """One start of a group as its ``LogsSpecs`` plans it (``LogsSpecs.plan``).
+
+    Attributes:
+        dest: the ranks' destinations, as ``reify`` returns them.
+        rank_dirs: ``{local_rank: dir}`` that ``plan`` left for the caller
+            to make, each before anything of its rank is opened or started
+            (the supervisor makes them in rank order while the first
+            workers start); empty when everything is made.
+        temp_root: the private temporary directory the tree lives in, which
+            ``prune`` removes once empty; ``None`` for a directory the user
+            gave.  The supervisor has it tidied if it dies.
+    """
+
+    dest: LogsDest
+    rank_dirs: dict[int, str] = field(default_factory=dict)
+    temp_root: str | None = None
+
+
 class LogsSpecs(ABC):
     """Decides where each worker's output and error file go.
 
@@ -234,6 +254,34 @@ class LogsSpecs(ABC):
         output is flushed.  The default does nothing.
         """
 
+    @property
+    def makes_temp_root(self) -> bool:
+        """True when reading ``root_log_dir`` now makes a private temporary directory.
+
+        The supervisor asks before each start: it then has the guardian
+        ready before the directory exists, so that a supervisor killed at
+        any moment leaves no empty tree behind.  The default is False.
+        """
+        return False
+
+    def plan(self, envs: dict[int, dict[str, str]]) -> LogsPlan:
+        """Plan one start of a process group: what ``reify`` does, some of it left to the caller.
+
+        The supervisor calls this, off the event loop, instead of
+        ``reify``.  An implementation may leave the per-rank directories to
+        the caller (``LogsPlan.rank_dirs``), which makes each one before its
+        rank starts, and names the private temporary directory it keeps its
+        tree in (``LogsPlan.temp_root``).  The default is ``reify(envs)``
+        with nothing left over.
+
+        Args:
+            envs: each local rank's environment, as for ``reify``.
+
+        Returns:
+            The plan for every rank in ``envs``.
+        """
+        return LogsPlan(self.reify(envs))
+
 
 class DefaultLogsSpecs(LogsSpecs):
     """torchelastic's log layout (see the module docstring).
@@ -306,14 +354,33 @@ class DefaultLogsSpecs(LogsSpecs):
             os.mkdir(path)
         return dest
 
-    def _reify_deferred(self, envs: dict[int, dict[str, str]]) -> tuple[LogsDest, dict[int, str]]:
-        """``reify`` without making the rank dirs: returns them, to be made in rank order.
+    @property
+    def makes_temp_root(self) -> bool:
+        """True while no ``log_dir`` was given and the temp dir is not made (yet, or again)."""
+        return self._root_log_dir is None
 
-        The supervisor makes them while the first workers start (see
-        ``PContext``): thousands of ``mkdir`` next to each other cost
-        milliseconds each on some file systems.  A rank's dir must exist
-        before anything of the rank is opened or started.
+    def plan(self, envs: dict[int, dict[str, str]]) -> LogsPlan:
+        """``reify`` without making the rank dirs: they are left to the caller, in rank order.
+
+        The supervisor makes them while the first workers start: thousands
+        of ``mkdir`` next to each other cost milliseconds each on some file
+        systems.  A subclass with a ``reify`` of its own gets it called.
+
+        Args:
+            envs: each local rank's environment, ranks ``0..n-1``.
+
+        Returns:
+            The destinations, the rank dirs still to make and the private
+            temp dir (``None`` for a given ``log_dir``).
         """
+        if type(self).reify is DefaultLogsSpecs.reify:
+            dest, rank_dirs = self._reify_deferred(envs)
+        else:  # a subclass's own layout: it makes everything itself
+            dest, rank_dirs = self.reify(envs), {}
+        return LogsPlan(dest, rank_dirs, self._ephemeral_root)
+
+    def _reify_deferred(self, envs: dict[int, dict[str, str]]) -> tuple[LogsDest, dict[int, str]]:
+        """``reify`` without making the rank dirs: returns them, to be made in rank order."""
         self.validate(envs)
         nprocs = len(envs)
         env0 = envs[0] if nprocs else {}

@@ -13,7 +13,13 @@ from typing import Any, NamedTuple
 
 from ._errors.failure import ProcessFailure
 
-__all__ = ["RunProcsResult", "RunTimeoutError", "Usage", "WorkerEvent"]
+__all__ = ["DEFAULT_GRACE_PERIOD", "RunProcsResult", "RunTimeoutError", "Usage", "WorkerEvent"]
+
+DEFAULT_GRACE_PERIOD = 30.0
+"""Seconds between the graceful signal and SIGKILL when a group (or a persistent
+worker, a pool, the agent) is stopped, unless its ``grace_period`` says
+otherwise: torch's 30 s.  Written once, here, on the lowest floor that every
+stop's owner imports; ``GroupSpec`` holds it as its default."""
 
 
 @dataclass(frozen=True)

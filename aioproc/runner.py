@@ -12,12 +12,12 @@ from ._base.checks import check_duration
 from ._base.resource import OpenResource
 from ._errors.summary import ChildFailedError
 from ._group.rank_launcher import SinkLike
-from ._group.resources import CpusArg
+from ._group.resources import CpusArg, LimitsArg
 from ._limits.capacity import Capacity
-from ._limits.spec import Limits
+from ._supervisor.spec import DEFAULT_GRACE_PERIOD, GroupSpec
 from .context import PContext, close_on_exit
 from .logs import DefaultLogsSpecs, LogsSpecs
-from .results import DEFAULT_GRACE_PERIOD, RunProcsResult, WorkerEvent
+from .results import RunProcsResult, RunTimeoutError, WorkerEvent
 
 __all__ = ["run", "start_processes"]
 
@@ -45,7 +45,7 @@ def start_processes(
     close_sinks: bool = True,
     preload: Sequence[str] = (),
     kwargs: Mapping[int, Mapping[str, Any]] | None = None,
-    limits: Limits | Mapping[int, Limits] | None = None,
+    limits: LimitsArg = None,
     capacity: Capacity | None = None,
     cpus: CpusArg = None,
     sample_interval: float | None = None,
@@ -144,7 +144,7 @@ def start_processes(
     block exits: SIGTERM (or the translated signal), SIGKILL after the
     grace period, shielded.
     """
-    pc = PContext(
+    spec = GroupSpec(
         name,
         entrypoint,
         args,
@@ -166,6 +166,7 @@ def start_processes(
         cpus=cpus,
         sample_interval=sample_interval,
     )
+    pc = PContext._from_spec(spec)
     return OpenResource(lambda: _start(pc), close_on_exit, "start_processes(...)")
 
 
@@ -184,7 +185,7 @@ async def run(
     grace_period: float = DEFAULT_GRACE_PERIOD,
     sinks: Sequence[SinkLike] | None = None,
     preload: Sequence[str] = (),
-    limits: Limits | Mapping[int, Limits] | None = None,
+    limits: LimitsArg = None,
     capacity: Capacity | None = None,
     cpus: CpusArg = None,
 ) -> RunProcsResult:
@@ -199,9 +200,10 @@ async def run(
         kwargs: keyword arguments of function workers: one ``{name: value}``
             dict for every rank, or ``{local_rank: {name: value}}``.
         name: group name (default: the function's or executable's name).
-        timeout: seconds before the group is stopped and ``TimeoutError``
+        timeout: seconds before the group is stopped and ``RunTimeoutError``
             raised (its ``result`` attribute holds the partial result).
-        start_method, preload, limits, capacity, cpus: as for ``start_processes``.
+        logs_specs, log_line_prefixes, start_method, grace_period, sinks,
+            preload, limits, capacity, cpus: as for ``start_processes``.
 
     Returns:
         The ``RunProcsResult`` when every worker succeeded; its ``usage``
@@ -211,7 +213,10 @@ async def run(
         ChildFailedError: a worker failed; its ``__cause__`` is the root-cause
             worker's own exception (function workers), whose ``__cause__``
             holds the worker's traceback.
-        TimeoutError: ``timeout`` expired.
+        RunTimeoutError: ``timeout`` expired (a ``TimeoutError``).
+        TypeError, ValueError: bad input, before anything is started (a
+            ``{local_rank: tuple}`` ``args`` whose ranks are not ``0..nprocs-1``
+            is a ``ValueError`` naming both).
 
     Cancellation: the workers are stopped (shielded, bounded) before the
     cancellation propagates; a run still waiting for ``capacity`` started
@@ -220,62 +225,74 @@ async def run(
     check_duration("timeout", timeout, allow_none=True)
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs <= 0:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
-    if args is None:
-        args = {}
-    if isinstance(args, tuple):
-        rank_args: Mapping[int, tuple[Any, ...]] = {r: args for r in range(nprocs)}
-    elif isinstance(args, Mapping):
-        rank_args = args if args else {r: () for r in range(nprocs)}
-    else:
-        raise TypeError(f"args must be a tuple or a {{local_rank: tuple}} dict, got {args!r}")
-    rank_envs = envs if envs else {r: {} for r in range(nprocs)}
-    rank_kwargs: Mapping[int, Mapping[str, Any]] | None = None
-    if kwargs:
-        if not isinstance(kwargs, Mapping):
-            raise TypeError(f"kwargs must be a dict, got {kwargs!r}")
-        if all(isinstance(k, str) for k in kwargs):
-            shared: Mapping[str, Any] = kwargs  # type: ignore[assignment]
-            rank_kwargs = {r: shared for r in range(nprocs)}
-        else:
-            rank_kwargs = kwargs  # type: ignore[assignment]  # checked per rank by PContext
+    rank_args = _rank_args(args, nprocs)
     if name is None:
         name = (
             os.path.basename(entrypoint)
             if isinstance(entrypoint, str)
             else getattr(entrypoint, "__name__", "worker")
         )
-    if len(rank_args) != nprocs:
-        raise RuntimeError(
-            f"args has {len(rank_args)} ranks {sorted(rank_args)} but nprocs is {nprocs}"
-        )
-    async with start_processes(
+    spec = GroupSpec(
         name,
         entrypoint,
         rank_args,
-        rank_envs,
-        logs_specs,
+        envs if envs else {r: {} for r in range(nprocs)},
+        logs_specs if logs_specs is not None else DefaultLogsSpecs(),
         log_line_prefixes,
         start_method,
         grace_period=grace_period,
         sinks=sinks,
         preload=preload,
-        kwargs=rank_kwargs,
+        kwargs=_rank_kwargs(kwargs, nprocs),
         limits=limits,
         capacity=capacity,
         cpus=cpus,
-    ) as pc:
+    )
+    group = PContext._from_spec(spec)
+    async with OpenResource(lambda: _start(group), close_on_exit, "run()") as pc:
         result = await pc.wait(-1 if timeout is None else timeout)
         if result is None:
-            await pc.close(signal.SIGTERM, grace_period)
+            await pc.close(signal.SIGTERM)
             partial = pc.poll()
             stopped = sorted(partial.failures) if partial is not None else []
-            err = TimeoutError(
-                f"{pc.name}: workers still running after {timeout} s; stopped ranks {stopped}"
+            raise RunTimeoutError(
+                f"{pc.name}: workers still running after {timeout} s; stopped ranks {stopped}",
+                partial,
             )
-            err.result = partial  # type: ignore[attr-defined]
-            raise err
         if result.is_failed():
             failed = ChildFailedError(pc.name, result.failures, result.log_dir)
             root, _ = failed.get_first_failure()
             raise failed from pc.remote_exception(root)
         return result
+
+
+def _rank_args(
+    args: Mapping[int, tuple[Any, ...]] | tuple[Any, ...] | None, nprocs: int
+) -> Mapping[int, tuple[Any, ...]]:
+    """``run()``'s ``args`` as ``{local_rank: tuple}`` for ranks ``0..nprocs-1``."""
+    if args is None or (isinstance(args, Mapping) and not args):
+        return {r: () for r in range(nprocs)}
+    if isinstance(args, tuple):
+        return dict.fromkeys(range(nprocs), args)
+    if not isinstance(args, Mapping):
+        raise TypeError(f"args must be a tuple or a {{local_rank: tuple}} dict, got {args!r}")
+    if set(args) != set(range(nprocs)):
+        raise ValueError(
+            f"args has {len(args)} ranks {sorted(args, key=repr)} but nprocs is {nprocs}: "
+            f"give one tuple for every rank 0..{nprocs - 1}, or one tuple for all"
+        )
+    return args
+
+
+def _rank_kwargs(
+    kwargs: Mapping[int, Mapping[str, Any]] | Mapping[str, Any] | None, nprocs: int
+) -> Mapping[int, Mapping[str, Any]] | None:
+    """``run()``'s ``kwargs`` as ``{local_rank: {name: value}}`` (a shared dict for every rank)."""
+    if not kwargs:
+        return None
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(f"kwargs must be a dict, got {kwargs!r}")
+    if all(isinstance(k, str) for k in kwargs):
+        shared: Mapping[str, Any] = kwargs  # type: ignore[assignment]
+        return dict.fromkeys(range(nprocs), shared)
+    return kwargs  # type: ignore[return-value]  # checked per rank by the spec

@@ -62,6 +62,9 @@ BANNED_IN_WORKERS = (
     "aiofiles",
     "uvloop",
     "aioproc.context",
+    "aioproc._supervisor",
+    "aioproc._supervisor.spec",
+    "aioproc._supervisor.supervisor",
     "aioproc._proc.spawn",
     "aioproc._output",
     "aioproc._proc.channel",
@@ -913,10 +916,21 @@ async def test_run_bad_nprocs(nprocs: Any, private_tmpdir: str) -> None:
     assert aioproc_temp_dirs(private_tmpdir) == set()
 
 
-async def test_run_args_size_mismatch(private_tmpdir: str) -> None:
-    with pytest.raises(RuntimeError) as info:
-        await aioproc.run("/bin/true", 3, args={0: (), 1: ()})
+@pytest.mark.parametrize(
+    ("args", "named"), [({0: (), 1: ()}, "2 ranks [0, 1]"), ({0: (), 1: (), 5: ()}, "[0, 1, 5]")]
+)
+async def test_run_args_size_mismatch(
+    args: dict[int, tuple[()]], named: str, private_tmpdir: str
+) -> None:
+    """A ``{local_rank: tuple}`` that does not cover ranks 0..nprocs-1 is a ValueError
+    naming the ranks given and ``nprocs``, raised before anything starts."""
+    children_before = child_pids()
+    with pytest.raises(ValueError, match="but nprocs is 3") as info:
+        await aioproc.run("/bin/true", 3, args=args)
+    assert not isinstance(info.value, RuntimeError)
+    assert named in str(info.value)
     assert "nprocs is 3" in str(info.value)
+    assert child_pids() == children_before
     assert aioproc_temp_dirs(private_tmpdir) == set()
 
 
@@ -1052,7 +1066,7 @@ async def test_failure_during_start_stops_later_ranks(
     recorded rank 0's failure (the moment it builds its ProcessFailure).
     Unforced, the same happens with many ranks on uvloop.
     """
-    import aioproc.context as context
+    from aioproc._supervisor import exits
 
     real_spawn = aioproc._proc.spawn.spawn
     noticed = asyncio.Event()
@@ -1069,7 +1083,7 @@ async def test_failure_during_start_stops_later_ranks(
         return await real_spawn(label, *args, **kwargs)
 
     _patch_spawn(monkeypatch, late_spawn)
-    monkeypatch.setattr(context, "ProcessFailure", NoticedFailure)
+    monkeypatch.setattr(exits, "ProcessFailure", NoticedFailure)
     pc = await aioproc.start_processes(
         "late", workers.fail_or_block, {0: (0, 0), 1: (1, 0)}, envs_for(2), grace_period=1
     )

@@ -684,7 +684,7 @@ async def main():
         "crash", sys.executable, {0: ("-c", "import time; time.sleep(3600)")}, {0: {}},
         limits=aioproc.Limits(memory="256M"),
     )
-    paths = [str(p) for p in pc._resources._group.cgroups]
+    paths = [str(p) for p in pc._sup._resources._group.cgroups]
     print("ready", pc.pids()[0], *paths, flush=True)
     await asyncio.sleep(3600)
 

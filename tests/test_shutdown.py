@@ -102,7 +102,7 @@ async def test_grandchild_left_by_an_exited_worker_is_stopped_on_close(tmp_path:
         ) as pc:
             ((worker, grandchild),) = await fifo.pid_pairs(1)
             # the leader's exit alone does not stop what it left in its group
-            await asyncio.wait_for(pc._children[0].watcher.future, 10)
+            await asyncio.wait_for(pc._sup.children[0].watcher.future, 10)
             assert await still_alive_after([grandchild], timeout=0.2) == {grandchild}
             # a final result closes the group, as torch's wait() does
             result = await pc.wait()
@@ -309,7 +309,7 @@ async def test_unkillable_worker_is_reported_as_running_and_reaped_when_it_exits
         pc = await aioproc.start_processes("stuck", blocking_worker, {0: (fifo.path,)}, envs(1))
         try:
             await fifo.lines(1)
-            child = pc._children[0]
+            child = pc._sup.children[0]
             child.watcher.detach()  # from now on its exit goes unnoticed
             with pytest.warns(ForcedKillWarning, match="stuck/0"):
                 await pc.close(timeout=0.1)
@@ -417,11 +417,11 @@ async def test_close_reports_every_error_file_written_on_sigterm(
     files lie side by side in the temp dir (the close lists it once instead of
     looking for each file) and the prune, done while the exits are recorded,
     keeps exactly the files written."""
-    from aioproc import context
     from aioproc._errors import failure as _failure
+    from aioproc._supervisor import exits
     from aioproc.errors import ProcessFailure
 
-    n = context._RECORD_BATCH + 5
+    n = exits.RECORD_BATCH + 5
     assert n >= _failure.LIST_DIR_FROM
     log_dir = tmp_path / "logs" if layout == "rank dirs" else None
     async with Fifo(tmp_path / "fifo") as fifo:

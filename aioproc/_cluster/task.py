@@ -4,22 +4,22 @@ names and prefix, the sink behind ``return_output``, argument checks."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._func.barrier import ControlHub
 from .._group.restart import RestartPolicy
+from .._supervisor.spec import GroupSpec
+from ..context import PContext
 from ..logs import DefaultLogsSpecs, Std
 from ..results import WorkerEvent
 from ..sinks import Sink
 from .result import TaskKey
-
-if TYPE_CHECKING:
-    from ..context import PContext
 
 Restarts = tuple[RestartPolicy, int]
 """The backoff policy and the restarts allowed per task."""
@@ -78,33 +78,40 @@ class Task:
         return self.pc is not None and self.exit_code is None
 
 
-def task_group(
-    task: Task,
-    tf_config: str,
-    env: Mapping[str, str],
-    grace_period: float,
-    sinks: list[Sink],
-    hub: ControlHub,
-) -> PContext:
-    """A one-rank group running ``task``'s current attempt (not started)."""
-    from ..context import PContext
+def base_spec(grace_period: float, sinks: list[Sink], hub: ControlHub) -> GroupSpec:
+    """What every task's one-rank group shares; ``task_group`` fills in the task.
 
-    return PContext(
-        task.label,
-        task.fn,
-        {0: task.args},
-        # a crashing task prints its stacks (faulthandler), as under TF
-        {0: {"PYTHONFAULTHANDLER": "1", **env, "TF_CONFIG": tf_config}},
+    Lines go to the runner's sinks (which outlive each attempt), no files;
+    ``barrier()`` goes through the runner's hub, keyed by task.
+    """
+    return GroupSpec(
+        "",
+        "",
+        {},
+        {},
         DefaultLogsSpecs(log_dir=os.devnull, tee=Std.ALL),  # lines to the sinks, no files
-        {0: line_prefix(*task.key)},
         grace_period=grace_period,
         sinks=sinks,
         close_sinks=False,
+        hub=hub,
+    )
+
+
+def task_group(task: Task, tf_config: str, env: Mapping[str, str], base: GroupSpec) -> PContext:
+    """A one-rank group running ``task``'s current attempt (not started)."""
+    spec = dataclasses.replace(
+        base,
+        name=task.label,
+        entrypoint=task.fn,
+        args={0: task.args},
+        # a crashing task prints its stacks (faulthandler), as under TF
+        envs={0: {"PYTHONFAULTHANDLER": "1", **env, "TF_CONFIG": tf_config}},
+        log_line_prefixes={0: line_prefix(*task.key)},
         kwargs={0: task.kwargs},
         on_event=functools.partial(on_exited, task.exited),  # this attempt's event
-        hub=hub,
         hub_keys={0: task.label},
     )
+    return PContext._from_spec(spec)
 
 
 def will_restart(task: Task, code: int, restarts: Restarts) -> bool:

@@ -14,6 +14,7 @@ does not import ``local``, it hears of the agent through callbacks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -26,6 +27,7 @@ import anyio
 from .._errors.summary import ChildFailedError
 from .._group.rank_launcher import SinkLike
 from .._limits.capacity import Capacity
+from .._supervisor.spec import GroupSpec
 from ..context import PContext, RunProcsResult, WorkerEvent
 from ..logs import LogsSpecs
 from ..signals import pending_signal
@@ -96,16 +98,30 @@ class Workers:
     ) -> None:
         self._spec = spec
         self._run_id = run_id
-        self._logs_specs = logs_specs
-        self._log_line_prefix_template = log_line_prefix_template
-        self._start_method = start_method
-        self._grace_period = grace_period
-        self._sinks = sinks
-        self._preload = preload
+        # every attempt's group: this, with the attempt's args, envs and fds
+        self._base = GroupSpec(
+            spec.role,
+            spec.entrypoint,
+            {},
+            {},
+            logs_specs,
+            log_line_prefix_template,
+            start_method,
+            grace_period=grace_period,
+            sinks=sinks,
+            duplicate_stdout_filters=spec.duplicate_stdout_filters,
+            duplicate_stderr_filters=spec.duplicate_stderr_filters,
+            on_event=self._on_worker_event,
+            close_sinks=False,  # they live across attempts; closed when run() ends
+            preload=preload,
+            limits=spec.limits,
+            capacity=capacity,
+            cpus=spec.cpus,
+            role=spec.role,
+        )
         self._publish = publish
         self._starting = starting
         self._stop_asked = stop_asked
-        self._capacity = capacity
         self.group = WorkerGroup(spec)
         self.pids: dict[int, int] = {}
         self._watchdog_expired: dict[int, str] = {}
@@ -174,26 +190,9 @@ class Workers:
             )
             for r in range(n)
         ]
-        pc = PContext(
-            spec.role,
-            spec.entrypoint,
-            args,
-            envs,
-            self._logs_specs,
-            self._log_line_prefix_template,
-            self._start_method,
-            grace_period=self._grace_period,
-            sinks=self._sinks,
-            duplicate_stdout_filters=spec.duplicate_stdout_filters,
-            duplicate_stderr_filters=spec.duplicate_stderr_filters,
-            pass_fds=watchdog.pass_fds() if watchdog is not None else (),
-            on_event=self._on_worker_event,
-            close_sinks=False,  # they live across attempts; closed when run() ends
-            preload=self._preload,
-            limits=spec.limits,
-            capacity=self._capacity,
-            cpus=spec.cpus,
-            role=spec.role,
+        pass_fds = watchdog.pass_fds() if watchdog is not None else ()
+        pc = PContext._from_spec(
+            dataclasses.replace(self._base, args=args, envs=envs, pass_fds=pass_fds)
         )
         # known to stop() from here: start() has begun by its first await
         self.pc = pc
