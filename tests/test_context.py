@@ -19,6 +19,7 @@ import hashlib
 import importlib
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -749,15 +750,21 @@ async def test_close_stops_running_workers_and_is_idempotent(
 
 
 async def test_run_timeout_stops_the_workers(workers: types.ModuleType) -> None:
+    """The timeout is a named ``TimeoutError`` carrying the partial result, which pickles."""
     with pytest.raises(TimeoutError) as info:
         await aioproc.run(workers.fail_or_block, 2, args={0: (0, -1), 1: (1, -1)}, timeout=0.5)
-    partial = info.value.result  # type: ignore[attr-defined]
+    assert type(info.value) is aioproc.errors.RunTimeoutError is aioproc.RunTimeoutError
+    assert "workers still running after 0.5 s; stopped ranks [0, 1]" in str(info.value)
+    partial = info.value.result
     assert partial is not None
     assert {r: (f.exitcode, f.stopped) for r, f in partial.failures.items()} == {
         0: (-15, True),
         1: (-15, True),
     }
     assert all(pid_gone(f.pid) for f in partial.failures.values())
+    again = pickle.loads(pickle.dumps(info.value))
+    assert (type(again), str(again)) == (type(info.value), str(info.value))
+    assert again.result is not None and sorted(again.result.failures) == [0, 1]
 
 
 async def test_unstarted_pcontext(workers: types.ModuleType) -> None:

@@ -549,6 +549,89 @@ def test_child_failed_error_pickles(tmp_path: Path) -> None:
     assert str(loaded) == str(err)
 
 
+PUBLIC_MODULES = (
+    "aioproc",
+    "aioproc.agent",
+    "aioproc.cli",
+    "aioproc.cluster",
+    "aioproc.context",
+    "aioproc.errors",
+    "aioproc.forkserver",
+    "aioproc.logs",
+    "aioproc.metrics",
+    "aioproc.pool",
+    "aioproc.rendezvous",
+    "aioproc.results",
+    "aioproc.runner",
+    "aioproc.signals",
+    "aioproc.sinks",
+    "aioproc.tail",
+    "aioproc.testing",
+    "aioproc.timer",
+    "aioproc.worker",
+)
+
+
+def _public_exceptions() -> dict[str, type[BaseException]]:
+    import importlib
+
+    found: dict[str, type[BaseException]] = {}
+    for module_name in PUBLIC_MODULES:
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            value = getattr(module, name)
+            if isinstance(value, type) and issubclass(value, (Exception, Warning)):
+                found[name] = value
+    return found
+
+
+def test_every_public_exception_is_drawn_in_the_errors_tree() -> None:
+    """Each exception or warning a public module exports has its line in the tree of
+    ``aioproc.errors``' docstring, under the base the tree shows."""
+    import aioproc.errors
+
+    doc = aioproc.errors.__doc__ or ""
+    tree = doc[doc.index("::") : doc.index("Misuse")]
+    drawn = {line.strip("│├└─ ").split()[0] for line in tree.splitlines()[2:] if line.strip()}
+    exceptions = _public_exceptions()
+    assert set(exceptions) <= drawn, f"not drawn: {sorted(set(exceptions) - drawn)}"
+    for name, cls in exceptions.items():
+        # the parent drawn above it is one of its bases
+        lines = [line for line in tree.splitlines() if line.strip("│├└─ ").split()[:1] == [name]]
+        (line,) = lines
+        depth = len(line) - len(line.lstrip("│├└─ "))
+        above = tree.splitlines()[: tree.splitlines().index(line)]
+        parent = next(
+            p.strip("│├└─ ").split()[0]
+            for p in reversed(above)
+            if p.strip() and len(p) - len(p.lstrip("│├└─ ")) < depth
+        )
+        assert parent in {c.__name__ for c in cls.__mro__[1:]}, (name, parent)
+
+
+def test_the_exceptions_users_meet_are_importable_from_public_modules() -> None:
+    import pickle
+
+    import aioproc
+    import aioproc.forkserver
+    import aioproc.rendezvous
+    import aioproc.results
+    from aioproc._func.template import TemplateError, TemplateLost
+    from aioproc.rendezvous._etcd_server import EtcdStartError
+
+    assert aioproc.errors.RunTimeoutError is aioproc.results.RunTimeoutError
+    assert aioproc.RunTimeoutError is aioproc.results.RunTimeoutError
+    assert issubclass(aioproc.errors.RunTimeoutError, TimeoutError)
+    err = aioproc.errors.RunTimeoutError("late", None)
+    assert (str(err), err.result) == ("late", None)
+    assert pickle.loads(pickle.dumps(err)).result is None
+    assert aioproc.forkserver.TemplateError is TemplateError
+    assert aioproc.forkserver.TemplateLost is TemplateLost
+    assert TemplateError.__module__ == TemplateLost.__module__ == "aioproc.forkserver"
+    assert issubclass(EtcdStartError, aioproc.rendezvous.RendezvousError)
+    assert EtcdStartError("no etcd", endpoint_taken=True).endpoint_taken
+
+
 def test_forced_kill_warning_is_a_runtime_warning() -> None:
     assert issubclass(ForcedKillWarning, RuntimeWarning)
     with pytest.warns(ForcedKillWarning, match="pid 4242"):

@@ -84,3 +84,45 @@ def test_preimport_leaves_nothing_for_the_first_start_to_import() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == {"threads": 1, "same": True, "new": []}
+
+
+def test_a_public_names_module_does_not_depend_on_the_path_that_reached_it() -> None:
+    """A name defined in a wing carries its public module from the start: reaching it
+    through its wing first, then through the package, changes nothing (and the other
+    way round), and ``__version__`` is the base's."""
+    code = (
+        "import json\n"
+        "from aioproc._limits.spec import Limits\n"
+        "from aioproc._limits.capacity import Capacity\n"
+        "from aioproc._child.boot import worker_state\n"
+        "from aioproc.results import Usage\n"
+        "from aioproc._cluster.runner import ClusterRunner\n"
+        "before = [c.__module__ for c in (Limits, Capacity, worker_state, Usage, ClusterRunner)]\n"
+        "import aioproc, aioproc.cluster\n"
+        "from aioproc import _base\n"
+        "same = [aioproc.Limits is Limits, aioproc.Capacity is Capacity,\n"
+        "        aioproc.worker_state is worker_state, aioproc.Usage is Usage,\n"
+        "        aioproc.cluster.ClusterRunner is ClusterRunner]\n"
+        "after = [c.__module__ for c in (Limits, Capacity, worker_state, Usage, ClusterRunner)]\n"
+        "print(json.dumps([before, after, same, aioproc.__version__ == _base.__version__]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    before, after, same, version = json.loads(out.stdout)
+    expected = ["aioproc", "aioproc", "aioproc", "aioproc.results", "aioproc.cluster"]
+    assert before == after == expected
+    assert same == [True] * 5
+    assert version
+
+
+def test_public_module_refuses_a_private_module_name() -> None:
+    from aioproc._base import public_module
+
+    class Thing:
+        pass
+
+    with pytest.raises(ValueError, match=r"'aioproc\._base'"):
+        public_module("aioproc._base", Thing)
+    with pytest.raises(ValueError, match="'json'"):
+        public_module("json", Thing)
+    public_module("aioproc.errors", Thing)
+    assert Thing.__module__ == "aioproc.errors"

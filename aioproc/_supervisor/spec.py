@@ -84,7 +84,7 @@ class GroupSpec:
         Returns:
             This spec with each option in its checked form: ``args`` a
             ``{local_rank: tuple}`` dict, durations floats, ``kwargs`` a dict
-            per rank, ``sinks`` the ``Sink`` objects (a ``ConsoleSink`` for
+            per rank (None for none), ``sinks`` the ``Sink`` objects (a ``ConsoleSink`` for
             ``None``, which the group then closes), the filters, fds and
             preload tuples, ``limits``/``capacity``/``cpus`` resolved.
 
@@ -128,7 +128,7 @@ class GroupSpec:
             # sinks the group made itself are its own to close
             close_sinks=self.close_sinks or self.sinks is None,
             preload=preload,
-            kwargs=kwargs,
+            kwargs=kwargs or None,  # None, not {}: a checked spec passes its check again
             limits=limits,
             capacity=capacity,
             cpus=cpus,
