@@ -202,8 +202,8 @@ async def run(
         name: group name (default: the function's or executable's name).
         timeout: seconds before the group is stopped and ``RunTimeoutError``
             raised (its ``result`` attribute holds the partial result).
-        logs_specs, log_line_prefixes, start_method, grace_period, sinks,
-            preload, limits, capacity, cpus: as for ``start_processes``.
+        logs_specs, log_line_prefixes, start_method: as for ``start_processes``.
+        grace_period, sinks, preload, limits, capacity, cpus: as for ``start_processes``.
 
     Returns:
         The ``RunProcsResult`` when every worker succeeded; its ``usage``

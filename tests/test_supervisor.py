@@ -370,3 +370,26 @@ async def test_a_default_logs_spec_with_its_own_reify_gets_it_called(tmp_path: P
     )
     assert result.failures == {}
     assert calls == [2]
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+async def test_a_closed_group_is_freed_without_the_garbage_collector() -> None:
+    """No cycle runs through the crew: dropping a closed group frees its results (and
+    their shared memory) at once, not at the next collection."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        pc = await aioproc.start_processes("freed", _square, {0: (3,), 1: (4,)}, envs(2))
+        result = await pc.wait()
+        assert result is not None and result.return_values == {0: 9, 1: 16}
+        sup = weakref.ref(pc._sup)
+        del pc, result
+        assert sup() is None
+    finally:
+        gc.enable()

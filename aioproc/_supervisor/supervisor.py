@@ -21,7 +21,9 @@ import enum
 import functools
 import signal
 import time
-from typing import cast
+import weakref
+from collections.abc import Callable
+from typing import Any, cast
 
 import anyio
 import anyio.abc
@@ -101,10 +103,12 @@ class Supervisor:
         self._hub = hub
         self.children: dict[int, Child] = {}
         self._outcomes = Outcomes(n)
-        self._hold = Hold(n, self.children, self._left if hub is not None else None)
+        # the crew calls back weakly: a cycle would keep every result (its
+        # shared memory, its mapped fd) alive until the next garbage collection
+        self._hold = Hold(n, self.children, _weak(self._left) if hub is not None else None)
         self._exits = Exits(
             spec, self.children, self._outcomes, self._resources, self._hold, hub, self._rec,
-            self._failed,
+            _weak(self._failed),
         )  # fmt: skip
         self._launch = Launch(
             spec, self._ranks, self.children, self._outcomes, self._hold, self._exits, hub,
@@ -112,7 +116,7 @@ class Supervisor:
         )  # fmt: skip
         self._shutdown = Shutdown(
             spec, self.children, self._outcomes, self._hold, self._exits, self._ranks,
-            self._recorded,
+            _weak(self._recorded),
         )  # fmt: skip
         self._owner: Owner[Request] = Owner(f"aioproc-supervisor-{spec.name}")
         self._state = _State.NEW
@@ -442,6 +446,18 @@ class Supervisor:
             return
         self.request_close(sig, timeout)
         await self._owner.wait()
+
+
+def _weak(method: Callable[..., None]) -> Callable[..., None]:
+    """``method``, called while its object lives, without keeping it alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        target = ref()
+        if target is not None:
+            target(*args)
+
+    return call
 
 
 def _outcome(outcomes: Outcomes) -> str:
