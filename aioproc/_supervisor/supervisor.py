@@ -181,7 +181,10 @@ class Supervisor:
     async def start(self) -> None:
         """Check against the present, take the slots, plan the logs, launch.
 
-        Cancellation: see ``PContext.start``.
+        Cancellation: before the launch, nothing was started and no slot is
+        held; during it, every worker started so far is stopped (shielded,
+        bounded: killed at once, or with a translated signal and the grace
+        period) before the cancellation propagates.
         """
         self._state = _State.STARTING
         self._starting = asyncio.get_running_loop().create_future()
@@ -308,7 +311,12 @@ class Supervisor:
     async def _supervise(
         self, plan: LogsPlan, payloads: dict[int, list[bytes]], tg: anyio.abc.TaskGroup
     ) -> None:
-        """The group's one owner: launch, watch, stop (after a failure or a close)."""
+        """The group's one owner: launch, watch, stop (after a failure or a close).
+
+        Cancellation: the owner task is cancelled only when the loop shuts
+        down with the group open: every worker is then killed at once
+        (SIGKILL), the stop shielded and bounded.
+        """
         assert self._launched is not None
         await self._launch.run(plan.dest, payloads)
         if self._launch.error is not None:
