@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from ._base import public_module
 from ._base.resource import OpenResource
 from ._group.resources import CpusArg
 from ._limits.capacity import Capacity
@@ -24,7 +25,7 @@ from .results import DEFAULT_GRACE_PERIOD
 
 __all__ = ["WorkerProcess", "open_worker"]
 
-WorkerProcess.__module__ = __name__  # defined in the wing, imported from here
+public_module(__name__, WorkerProcess)  # defined in the wing, imported from here
 
 _counter = 0  # numbers the workers opened without a name
 
