@@ -25,6 +25,7 @@ is translated to that command's parsed flags and built by the same code
 
 from __future__ import annotations
 
+from ._base import public_module
 from ._launch.blocking import elastic_launch as elastic_launch
 from ._launch.blocking import launch_agent as launch_agent
 from ._launch.config import LaunchConfig as LaunchConfig
@@ -33,6 +34,4 @@ from ._launch.launch import launch as launch
 __all__ = ["LaunchConfig", "elastic_launch", "launch", "launch_agent"]
 
 # Defined in the wing, named here: reprs and pickles show the path users import.
-for _public in (LaunchConfig, elastic_launch, launch, launch_agent):
-    _public.__module__ = __name__
-del _public
+public_module(__name__, LaunchConfig, elastic_launch, launch, launch_agent)

@@ -20,6 +20,7 @@ translation (``aioproc._launch.flags``), and the job runs on
 
 from __future__ import annotations
 
+from ._base import public_module
 from ._launch.parser import get_args_parser as get_args_parser
 from ._launch.parser import parse_args as parse_args
 from ._launch.torchrun import config_from_args as config_from_args
@@ -47,7 +48,8 @@ __all__ = [
 # Defined in the wing, named here: reprs show the path users import.  Not
 # run_script_path: it runs in --run-path's workers, which import it where it
 # lives (light), not this module (the agent's imports).
-for _public in (
+public_module(
+    __name__,
     config_from_args,
     determine_local_world_size,
     get_args_parser,
@@ -57,6 +59,4 @@ for _public in (
     parse_args,
     parse_min_max_nnodes,
     run,
-):
-    _public.__module__ = __name__
-del _public
+)
