@@ -140,7 +140,9 @@ async def spawn_forked(
     finally:
         close_given_ends(mine)
     proc = PidProc(pid, readers.get(1), readers.get(2))
-    return await adopt(label, proc, channel, tee_out, tee_err)
+    child = await adopt(label, proc, channel, tee_out, tee_err)
+    child.execed = False  # forked: its ru_maxrss counts the template's pages, not ours
+    return child
 
 
 async def _fork(
