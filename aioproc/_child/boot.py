@@ -1,10 +1,11 @@
 """Child side of a function worker.  Standard library (and the user's code) only.
 
-The supervisor starts ``sys.executable -c <BOOT_CODE> <fd>`` (see ``_func.boot``)
-where ``fd`` is this worker's end of a socketpair.  Over it the child
-receives this module and ``_child.channel`` as compiled code, then INIT (the
-parent's ``sys.path``) and CALL (the function and its arguments), runs the
-function in the main thread and answers with RESULT or ERROR before exiting.
+The supervisor starts ``sys.executable -c <stub> <fd> <title>`` (see
+``_func.boot``) where ``fd`` is this worker's end of a socketpair.  Over it
+the child receives its boot code, this module and ``_child.channel`` as
+compiled code, then INIT (the parent's ``sys.path``) and CALL (the function
+and its arguments), runs the function in the main thread and answers with
+RESULT or ERROR before exiting.
 After a RESULT it waits for the supervisor's TERMINATE before it exits (see
 "Holding" below).
 

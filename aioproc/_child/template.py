@@ -6,12 +6,11 @@ its own (see ``_func.template``); ``fd`` is the template's end of a
 socketpair, on which the source comes first.  The template reads its INIT
 message (the parent's ``sys.path``, the modules to preload, the code of the
 function workers' boot modules, which it builds once), takes its title
-("Title" in ``_child.boot``: ``ps`` shows ``aioproc-template <pid>``), imports the
-modules, checks it is
-still single-threaded and has not initialised CUDA, has a large memory
-backed by 2 MiB pages so that forks copy few page-table entries
-(``_collapse``), answers READY (or why not) and then serves fork requests
-until EOF.
+("Title" in ``_child.boot``: ``ps`` shows ``aioproc-template <pid>``),
+imports the modules, checks it is still single-threaded and has not
+initialised CUDA, has a large memory backed by 2 MiB pages so that forks
+copy few page-table entries (``_collapse``), answers READY (or why not) and
+then serves fork requests until EOF.
 
 A request carries, as SCM_RIGHTS fds, a worker's stdout, stderr, channel
 socket and extra fds, and as data their fd numbers in the worker, its
