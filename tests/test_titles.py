@@ -125,6 +125,14 @@ async def test_a_long_group_name_is_cut_and_every_title_stays_short() -> None:
     assert len(command) <= 200
 
 
+async def test_a_name_a_title_cannot_show_is_shown_with_question_marks() -> None:
+    """A NUL cannot be in an argument, a tab or a lone surrogate not in a title: the
+    worker starts all the same."""
+    async with aioproc.open_worker(name="ck\tpt é\x00\udc80") as worker:
+        command, _, _ = await worker.call(own_command_line)
+    assert command == "aioproc: ck?pt é??\0".encode()
+
+
 async def test_a_worker_booting_shows_a_short_command_line_with_its_title() -> None:
     """Before its boot code arrives (the supervisor has not sent it yet), a spawned
     function worker is a short stub and its title, not a page of code."""

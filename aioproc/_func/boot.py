@@ -83,11 +83,14 @@ def process_title(label: str) -> str:
     """``"trainer/3"`` -> ``"aioproc: trainer[3]"``: what ``ps`` shows for a worker.
 
     A label without a rank (a persistent worker's own name) is shown as it
-    is: ``"aioproc: ckpt"``.  Cut to ``TITLE_LIMIT`` characters.
+    is: ``"aioproc: ckpt"``.  Cut to ``TITLE_LIMIT`` characters; a character
+    that cannot be shown (a NUL, which no argument may hold, a control
+    character, a lone surrogate) is shown as ``?``.
     """
     group, _, rank = label.rpartition("/")
     name = f"{group}[{rank}]" if group and rank.isdigit() else label
-    return f"aioproc: {name}"[:TITLE_LIMIT]
+    title = f"aioproc: {name}"[:TITLE_LIMIT]
+    return "".join(c if c.isprintable() else "?" for c in title)
 
 
 def stub_argv(fd: int, title: str) -> list[str]:
