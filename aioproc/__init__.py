@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from .agent import RunResult as RunResult
     from .agent import WorkerSpec as WorkerSpec
     from .agent import WorkerState as WorkerState
+    from .agent import open_agent as open_agent
     from .context import PContext as PContext
     from .context import preimport as preimport
     from .errors import BrokenWorkerError as BrokenWorkerError
@@ -69,6 +70,7 @@ if TYPE_CHECKING:
     from .sinks import OutputStream as OutputStream
     from .sinks import Sink as Sink
     from .tail import TailLog as TailLog
+    from .tail import open_tail_log as open_tail_log
     from .worker import WorkerProcess as WorkerProcess
     from .worker import open_worker as open_worker
 
@@ -82,6 +84,7 @@ _EXPORTS: dict[str, str] = {
     "RunResult": "agent",
     "WorkerSpec": "agent",
     "WorkerState": "agent",
+    "open_agent": "agent",
     "PContext": "context",
     "preimport": "context",
     "RunProcsResult": "results",
@@ -107,6 +110,7 @@ _EXPORTS: dict[str, str] = {
     "OutputStream": "sinks",
     "Sink": "sinks",
     "TailLog": "tail",
+    "open_tail_log": "tail",
     "BrokenWorkerError": "errors",
     "PoolStats": "pool",
     "WorkerPool": "pool",

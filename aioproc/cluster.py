@@ -9,8 +9,13 @@
 Every task ``(task_type, task_id)`` of the cluster spec runs ``fn`` in a
 fresh interpreter with ``TF_CONFIG`` naming the cluster and the task; its
 lines reach the console (and ``result.stdout``) prefixed ``[worker-1]:`` as
-TF prints them.  ``ClusterRunner`` gives per-task control (terminate, start a
-single task, pids, exit codes); ``barrier()`` synchronises the tasks.
+TF prints them.  ``open_cluster`` opens a ``ClusterRunner``, for per-task
+control (terminate, start a single task, pids, exit codes)::
+
+    async with aioproc.cluster.open_cluster(train, spec) as runner:
+        result = await runner.join()
+
+``barrier()`` synchronises the tasks.
 Differences from TF: a task killed by a signal is a failure
 (``UnexpectedSubprocessExitError``), results are ordered, a timeout reports
 every live task's stacks, restarts back off, and nothing polls.
@@ -30,6 +35,7 @@ from ._cluster.tfconfig import assign_gpus as assign_gpus
 from ._cluster.tfconfig import create_cluster_spec as create_cluster_spec
 
 if TYPE_CHECKING:
+    from ._base.resource import OpenResource
     from ._cluster.runner import ClusterRunner as ClusterRunner
 
 # Defined in the wing, named here: reprs and pickles show the path users import.
@@ -52,6 +58,7 @@ __all__ = [
     "assign_gpus",
     "barrier",
     "create_cluster_spec",
+    "open_cluster",
     "run",
 ]
 
@@ -131,6 +138,54 @@ async def run(
     )
     async with runner:
         return await runner.join(timeout)
+
+
+def open_cluster(
+    fn: Callable[..., Any],
+    cluster_spec: Mapping[str, Sequence[str] | int],
+    **options: Any,
+) -> OpenResource[ClusterRunner]:
+    """A started ``ClusterRunner``: ``fn`` runs once per task of ``cluster_spec``.
+
+    Awaited, it starts every task and returns the runner (close it with
+    ``await runner.aclose()``); with ``async with``, leaving the block stops
+    every task (SIGTERM, SIGKILL after the runner's ``grace_period``) and
+    releases everything.  TF's face, ``ClusterRunner(...)`` then
+    ``start()``, stays.
+
+    Usage::
+
+        async with open_cluster(train, create_cluster_spec(num_workers=2)) as runner:
+            await runner.terminate("worker", 1)
+            result = await runner.join()
+
+    Args:
+        fn: a picklable callable.
+        cluster_spec: as for ``run``.
+        options: ``ClusterRunner``'s options, keyword-only (``args``,
+            ``kwargs``, ``return_output``, ``grace_period``...); checked at
+            the call, before anything starts.
+
+    Returns:
+        An ``OpenResource``: ``await`` it, or use it with ``async with``.
+
+    Raises:
+        TypeError, ValueError: bad arguments (at the call).
+        OSError: a task could not be launched (the others are stopped).
+
+    Cancellation: cancelled while the tasks start, those started are
+    stopped (shielded, bounded) before it propagates; leaving the ``async
+    with`` block by a cancellation stops every task the same way.
+    """
+    from ._base.resource import OpenResource
+    from ._cluster.runner import ClusterRunner
+
+    runner = ClusterRunner(fn, cluster_spec, **options)
+
+    async def close(runner: ClusterRunner, exc: BaseException | None) -> None:
+        await runner.aclose()
+
+    return OpenResource(runner._started, close, "open_cluster(...)")
 
 
 def __getattr__(name: str) -> Any:

@@ -351,12 +351,15 @@ class PContext:
 
         Cancellation: a cancelled wait holds no slot (``Capacity.acquire``).
         """
-        self._began = time.monotonic()
+        queued = time.monotonic()
         if self._early_close is None:
             with anyio.CancelScope() as self._capacity_wait:
                 await self._resources.acquire()
             self._capacity_wait = None
+        self._began = time.monotonic()  # the start's time excludes the wait for slots
         if self._early_close is None:
+            if self._rec.enabled:
+                self._rec.group_queued(self.name, self._role, self._began - queued)
             self._ranks.joins = self._resources.open()
             self._ranks.entries = self._resources.entries()
 
@@ -827,9 +830,12 @@ class PContext:
                 await self._launch_done.wait()
                 running = [c for c in self._children.values() if c.returncode is None]
                 if running:
+                    began = time.monotonic()
                     forced = await stop_groups(
                         list(self._children.values()), signal.SIGTERM, self.grace_period
                     )
+                    if self._rec.enabled:  # a stop a failure caused is timed as a close's
+                        self._rec.group_stopped(self.name, self._role, time.monotonic() - began)
                     try:
                         warn_forced(forced, signal.SIGTERM, self.grace_period)
                     except Exception:  # a filter made the warning an error: log it

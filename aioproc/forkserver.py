@@ -10,6 +10,7 @@ pools hold a lease of their own for their whole life.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 from ._base.checks import check_preload
@@ -26,6 +27,7 @@ class Forkserver:
 
     def __init__(self, template: _template.Template) -> None:
         self._template: _template.Template | None = template
+        self._closing: asyncio.Future[None] | None = None  # the one release, once asked
         self.preload = template.preload
         self.pid = template.pid
 
@@ -36,13 +38,22 @@ class Forkserver:
     async def aclose(self) -> None:
         """Give the lease back; the template exits if nobody else holds it.
 
-        Cancellation: shielded, bounded by a few seconds.  Idempotent.
+        The template is SIGKILLed with its process group when its last lease
+        goes (it holds nothing a worker needs, and no user code runs in it),
+        so no ``grace_period`` applies.  Idempotent: a second call waits for
+        the first.
+
+        Cancellation: shielded, bounded by a few seconds.
         """
-        if self._template is None:
+        if self._closing is not None:
+            if not self._closing.done():
+                await asyncio.wait({self._closing})
             return
+        assert self._template is not None
         check_loop(self._template.watcher.loop, self)
         template, self._template = self._template, None
-        await shielded(_template.release(template))
+        self._closing = asyncio.ensure_future(_template.release(template))
+        await shielded(self._closing)
 
 
 async def _open(preload: tuple[str, ...]) -> Forkserver:

@@ -12,628 +12,38 @@ restarted on demand).  ``pool.stats()`` counts what the pool is doing.
 Each worker has its own placement (``limits=``, ``cpus=``) and, with
 ``capacity=``, holds one slot of the budget from its start until it is
 reaped.  The first workers' slots are reserved together, as a group's are;
-a replacement waits, first come first served, for one slot.
+a replacement waits, first come first served, for one slot.  The
+implementation lives in the ``_worker`` wing.
 """
-
-# Ownership
-# ---------
-#
-# A pool outlives the call that opened it (``pool = await open_pool(...)``
-# returns it to the caller), so the pool's task group cannot live in the
-# caller's task.  It lives in one task of the pool's own, the *owner*,
-# created when the pool opens and awaited when it closes.  Everything the
-# pool does in the background runs in that task group: every worker start
-# (the first ones and the replacements), every retirement (recycled, idle,
-# crashed).  Callers never start workers themselves: ``submit``/``run``
-# ask the owner for a start and wait for its outcome, so a cancelled caller
-# can never strand a half-started worker; the worker still lands in its
-# position and is closed with the pool.
-#
-# Closing asks the owner to finish: it cancels the starts in flight (a
-# cancelled start kills what it launched), closes every live worker, and
-# leaves its task group once the last retirement is done.  ``aclose()``
-# returns only then, so when it returns no interpreter and no guardian of
-# the pool is left, whatever was starting, retiring or running at the time.
-#
-# Slots
-# -----
-#
-# With ``capacity=`` the pool reserves its ``size`` first slots at once
-# (``_open``), before anything starts: two pools that reserved one slot per
-# worker could each hold half of a budget and wait for the other for ever.
-# Each first start takes over one reserved slot (``_prepaid``); a slot whose
-# start never ran goes back when the owner ends.  A worker gives its slot
-# back once it is reaped (``WorkerProcess._shutdown``), so a replacement,
-# which asks for a new one, never overlaps the worker it replaces.
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import logging
-import math
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-import anyio
-import anyio.abc
-
-from ._base.checks import check_duration, check_env, check_preload, check_start_method
-from ._base.loops import check_loop
-from ._base.owner import Owner
 from ._base.resource import OpenResource
-from ._base.shield import shielded
 from ._cluster.tfconfig import ClusterSpec, worker_slots
-from ._errors.failure import BrokenWorkerError
-from ._func import template as _template
-from ._func.template import Template
-from ._group.resources import (
-    GroupResources,
-    check_capacity,
-    check_worker_cpus,
-    check_worker_limits,
-)
+from ._group.resources import CpusArg
 from ._limits.capacity import Capacity
 from ._limits.spec import Limits
-from ._metrics import hooks as _hooks
-from ._pool.records import PoolCall, PoolStart, PoolStats
-from .worker import WorkerProcess, _start_worker, _Undelivered
+from ._worker.options import worker_options
+from ._worker.pool import WorkerPool, open_workers
+from ._worker.records import PoolStats
+from .results import DEFAULT_GRACE_PERIOD
 
 __all__ = ["PoolStats", "WorkerPool", "open_pool"]
 
-PoolStats.__module__ = __name__  # defined in the wing, imported from here
-
-logger = logging.getLogger("aioproc")
-
-
-class WorkerPool:
-    """A fixed-size set of persistent workers; built by ``open_pool``."""
-
-    def __init__(
-        self,
-        slots: list[tuple[str, dict[str, str]]],
-        initializer: Callable[..., Any] | None,
-        initargs: tuple[Any, ...],
-        init_timeout: float,
-        shutdown_timeout: float,
-        max_calls_per_worker: int | None,
-        idle_timeout: float | None,
-        preload: tuple[str, ...] | None = None,
-        *,
-        name: str = "pool",
-        limits: Limits | None = None,
-        capacity: Capacity | None = None,
-        cpus: list[dict[int, tuple[int, ...]]] | None = None,
-    ) -> None:
-        self.name = name
-        self._slots = slots  # (name, env) of each worker position
-        self._limits = limits
-        self._capacity = capacity
-        self._limits_reported = False  # see _resources
-        self._cpus = cpus  # {0: CPU ids} of each position's worker
-        self._prepaid: set[int] = set()  # positions whose slot _open reserved, not yet taken
-        # read once: metrics enabled later count from the next pool on
-        self._rec = _hooks.current
-        self._preload = preload  # forkserver: the template's modules; None: spawn
-        self._template: Template | None = None  # a lease held for the pool's life
-        self._renewing: asyncio.Lock | None = None  # one start replaces a dead template
-        self._initializer = initializer
-        self._initargs = initargs
-        self._init_timeout = init_timeout
-        self._shutdown_timeout = shutdown_timeout
-        self._max_calls = max_calls_per_worker
-        self._idle_timeout = idle_timeout
-        self._workers: list[WorkerProcess | None] = [None] * len(slots)
-        self._starts: dict[int, PoolStart] = {}  # position -> its start in flight
-        self._idle: collections.deque[int] = collections.deque()
-        self._idle_timers: dict[int, asyncio.TimerHandle] = {}
-        # positions whose idle timer fired (at most one entry per worker)
-        self._idle_expired_q: asyncio.Queue[int] = asyncio.Queue()
-        self._waiters: collections.deque[asyncio.Future[int]] = collections.deque()
-        self._busy: set[int] = set()
-        self._restarts = 0
-        self._completed = 0
-        self._failed = 0
-        # the owner task and its task group: set by _open, for the pool's lifetime
-        self._owner: Owner[None] = Owner(f"aioproc pool owner ({self.size} workers)")
-        self._errors: list[Exception] = []  # from closing workers; raised by aclose()
-        self._closed = False
-
-    def __repr__(self) -> str:
-        live = sum(w is not None and w.alive for w in self._workers)
-        state = " closed" if self._closed else ""
-        return f"<WorkerPool size={len(self._slots)} live={live} busy={len(self._busy)}{state}>"
-
-    @property
-    def size(self) -> int:
-        return len(self._slots)
-
-    def pids(self) -> list[int | None]:
-        """Pid of the worker at each position (``None`` where none is running)."""
-        return [w.pid if w is not None and w.alive else None for w in self._workers]
-
-    def stats(self) -> PoolStats:
-        """Counts of busy, idle and starting workers, queued calls, restarts and outcomes."""
-        busy = idle = 0
-        for i, w in enumerate(self._workers):
-            if i in self._starts:
-                continue
-            if i in self._busy or (w is not None and w.busy):
-                busy += 1
-            elif w is not None and w.alive:
-                idle += 1
-        return PoolStats(
-            size=self.size,
-            busy=busy,
-            idle=idle,
-            starting=len(self._starts),
-            queued=sum(not fut.done() for fut in self._waiters),
-            restarts=self._restarts,
-            completed=self._completed,
-            failed=self._failed,
-        )
-
-    # ------------------------------------------------------------ lifecycle
-
-    async def _open(self) -> WorkerPool:
-        """Start every worker (concurrently); on failure none is left running.
-
-        Raises:
-            Exception: what made a worker's start fail, as soon as one
-                fails (see ``open_pool``).
-
-        Cancellation: every worker started or starting is stopped (shielded,
-        bounded) before the cancellation propagates.
-        """
-        if self._owner.started:
-            raise RuntimeError(f"{self!r} was already opened")
-        if self._capacity is not None:
-            # every first worker's slot at once (see "Slots" above); a
-            # cancelled wait holds nothing
-            await self._capacity.acquire(self.size)
-            self._prepaid = set(range(self.size))
-        try:
-            if self._preload is not None:
-                # cancelled or failed, acquire leaves nothing behind; the owner
-                # gives the lease back once every worker has stopped
-                self._template = await _template.acquire(self._preload)
-        except BaseException:
-            self._give_back_prepaid()
-            raise
-        # No await before the try: once the owner exists, it is always closed.
-        starts = [self._new_start(i) for i in range(self.size)]
-        self._owner.start(self._own, after=self._after_owner)
-        try:
-            pending = {s.finished for s in starts}
-            while pending:
-                # report a failure at once, without waiting for slower starts
-                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for s in starts:
-                    if s.error is not None:
-                        raise s.error
-        except BaseException:
-            await shielded(self._close())
-            raise
-        self._idle.extend(range(self.size))
-        for i in range(self.size):
-            self._arm_idle(i)
-        return self
-
-    async def _own(self, tg: anyio.abc.TaskGroup) -> None:
-        """The owner's body: every start and retirement runs in its task group."""
-        for i, start in list(self._starts.items()):  # the first ones, made by _open
-            tg.start_soon(self._run_start, i, start)
-        retiring = anyio.CancelScope()
-        tg.start_soon(self._retire_idle, retiring)
-        # also when the owner itself is cancelled (the loop shutting down)
-        await self._owner.closing(None)
-        retiring.cancel()
-        self._stop_everything(tg)
-
-    async def _after_owner(self) -> None:
-        """Once every start and retirement is over: slots never taken, then the template."""
-        self._give_back_prepaid()
-        await self._release_template()
-
-    def _give_back_prepaid(self) -> None:
-        if self._prepaid and self._capacity is not None:
-            count, self._prepaid = len(self._prepaid), set()
-            self._capacity.release(count)
-
-    def _resources(self, i: int) -> GroupResources:
-        """The resources of a new worker at ``i``: its placement, CPUs and slot."""
-        name = self._slots[i][0]
-        cpus = None if self._cpus is None else self._cpus[i]
-        resources = GroupResources(name, 1, self._limits, self._capacity, cpus)
-        # one INFO line (and WARNING) per pool: its workers share their limits
-        resources.report, self._limits_reported = not self._limits_reported, True
-        if i in self._prepaid:
-            self._prepaid.discard(i)
-            resources.granted()
-        return resources
-
-    async def _release_template(self) -> None:
-        if self._template is not None:
-            await _template.release(self._template)
-            self._template = None
-
-    async def _retire_idle(self, scope: anyio.CancelScope) -> None:
-        """Retire the workers whose idle timer fired, from inside the task group.
-
-        The timer is a plain loop callback, where the task group cannot be
-        used (anyio needs a task to tell which event loop runs it), so it
-        only queues the position; this task does the rest.
-        """
-        with scope:
-            while True:
-                i = await self._idle_expired_q.get()
-                if i in self._idle and not self._closed:
-                    self._retire(i)  # stays in the idle list: restarted on its next use
-
-    def _stop_everything(self, tg: anyio.abc.TaskGroup) -> None:
-        self._closed = True
-        for start in self._starts.values():
-            start.scope.cancel()  # a cancelled start kills what it launched
-        for i, w in enumerate(self._workers):
-            if w is not None:
-                self._workers[i] = None
-                tg.start_soon(self._stop_worker, w)
-
-    def _new_start(self, i: int) -> PoolStart:
-        start = PoolStart()
-        if self._owner.started:  # else: one of the first starts, made by _open
-            self._restarts += 1
-        self._starts[i] = start
-        if self._owner.group is not None:  # else: the owner starts it when it begins
-            self._owner.group.start_soon(self._run_start, i, start)
-        return start
-
-    async def _run_start(self, i: int, start: PoolStart) -> None:
-        """Start the worker at ``i``; it belongs to the pool the moment it exists."""
-        name, env = self._slots[i]
-        try:
-            with start.scope:
-                if self._closed:  # closed before this start began: launch nothing
-                    return
-                # A template that died between its last fork and this one (its
-                # exit not noticed yet) makes the fork try a fresh one
-                # (``_func.fork``); the next start finds it broken.
-                template = await self._live_template()
-                # the worker owns them: closed with it, or if this start fails
-                worker = await _start_worker(
-                    name,
-                    self._initializer,
-                    self._initargs,
-                    self._init_timeout,
-                    self._shutdown_timeout,
-                    env,
-                    template,
-                    self._resources(i),
-                )
-                # no await from here on: the worker is never without an owner
-                start.worker = worker
-                if not self._closed:
-                    self._workers[i] = worker
-        except Exception as e:
-            start.error = e
-        finally:
-            if self._starts.get(i) is start:
-                del self._starts[i]
-            if start.worker is None and start.error is None:
-                start.error = RuntimeError(f"{self!r} was closed while worker {name} started")
-            start.finished.set_result(None)
-            if start.worker is not None and self._closed:
-                # finished just as the pool closed: nobody else will close it
-                await self._stop_worker(start.worker)
-
-    async def _live_template(self) -> Template | None:
-        """The pool's template, replaced first if it died (killed, OOM): forkserver only.
-
-        Raises:
-            What ``open_pool`` raises for a template that cannot start.
-
-        Cancellation: the pool keeps a lease on one template, old or new.
-        """
-        if self._template is None or self._template.usable:
-            return self._template
-        if self._renewing is None:
-            self._renewing = asyncio.Lock()
-        async with self._renewing:  # the other starts wait for the one replacement
-            old = self._template
-            if not old.usable:
-                # the running one for the same preload (another group's), or a new one
-                self._template = await _template.acquire(old.preload)
-                await shielded(_template.release(old))
-        return self._template
-
-    async def _stop_worker(self, w: WorkerProcess) -> None:
-        """Close one worker (retired, replaced, or the pool closing); shielded, bounded."""
-        try:
-            await w.aclose()
-        except Exception as e:  # e.g. a ForcedKillWarning turned into an error
-            self._errors.append(e)
-
-    async def _ensure(self, i: int) -> WorkerProcess:
-        """The live worker at position ``i``, starting one if needed.
-
-        Cancellation: the start goes on in the pool (which keeps the worker).
-        """
-        w = self._workers[i]
-        if w is not None and w.alive:
-            return w
-        if self._closed:
-            raise RuntimeError(f"{self!r} is closed")
-        if w is not None:
-            self._retire(i)  # dead: reaped and its guardian dismissed by the pool
-        start = self._starts.get(i) or self._new_start(i)
-        return await start.outcome()
-
-    def _retire(self, i: int) -> None:
-        """Stop the worker at ``i`` in the pool's task group (recycled, idle, dead)."""
-        w = self._workers[i]
-        self._workers[i] = None
-        if w is not None and self._owner.group is not None:
-            self._owner.group.start_soon(self._stop_worker, w)
-
-    def _recycle_if_spent(self, i: int) -> None:
-        w = self._workers[i]
-        if w is None or self._closed:
-            return
-        if not w.alive or (self._max_calls is not None and w.calls >= self._max_calls):
-            self._retire(i)  # crashed, killed or recycled: replaced on next use
-
-    def _arm_idle(self, i: int) -> None:
-        if self._idle_timeout is None or self._closed:
-            return
-        loop = asyncio.get_running_loop()
-        self._idle_timers[i] = loop.call_later(self._idle_timeout, self._idle_expired, i)
-
-    def _idle_expired(self, i: int) -> None:
-        self._idle_timers.pop(i, None)
-        self._idle_expired_q.put_nowait(i)  # see _retire_idle
-
-    # ---------------------------------------------------------- scheduling
-
-    async def _acquire(self) -> int:
-        if self._closed:
-            raise RuntimeError(f"{self!r} is closed")
-        if self._idle:
-            i = self._idle.popleft()
-        else:
-            fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-            self._waiters.append(fut)
-            try:
-                i = await fut
-            except asyncio.CancelledError:
-                if fut.done() and not fut.cancelled() and fut.exception() is None:
-                    self._release(fut.result())  # handed over just as we were cancelled
-                raise
-        timer = self._idle_timers.pop(i, None)
-        if timer is not None:
-            timer.cancel()
-        self._busy.add(i)
-        return i
-
-    def _release(self, i: int) -> None:
-        self._busy.discard(i)
-        if self._closed:
-            return
-        self._recycle_if_spent(i)
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(i)
-                return
-        self._idle.append(i)
-        self._arm_idle(i)
-
-    async def submit(
-        self, fn: Callable[..., Any], /, *args: Any, timeout: float | None = None, **kwargs: Any
-    ) -> Any:
-        """Run ``fn(*args, **kwargs)`` on one idle worker and return its value.
-
-        ``timeout`` belongs to the pool, not to ``fn``: like the options of
-        ``concurrent.futures``' ``Executor.map(..., timeout=)`` or dask's
-        ``Client.submit(..., retries=)``, it is keyword-only and every other
-        keyword goes to ``fn``.  To give ``fn`` a keyword named ``timeout``,
-        bind it: ``pool.submit(functools.partial(fn, timeout=5), x)``.
-
-        A call whose worker turns out to have died while idle, before it
-        read the request, runs on a fresh worker instead (once); a worker
-        that read the request and died fails the call: it never runs twice.
-
-        Args:
-            fn: a picklable callable (lambdas and closures too).
-            *args: positional arguments for ``fn``.
-            timeout: seconds from this call until the value is back, all
-                included: waiting for a free worker, (re)starting it and the
-                call itself.  ``None`` (the default): no limit.
-            **kwargs: keyword arguments for ``fn``.
-
-        Raises:
-            Exception: what ``fn`` raised (with the worker's traceback).
-            BrokenWorkerError: the worker died during the call; it is
-                replaced for later calls.
-            TimeoutError: ``timeout`` passed.  A call still waiting for a
-                worker (or for its worker to start) never runs; a running
-                one cannot be withdrawn, so its worker is killed (its whole
-                process group) and replaced.  The message names ``fn``, the
-                timeout and what happened.
-            TypeError, ValueError: ``fn``, its arguments or ``timeout`` are
-                unusable; raised before a worker is involved.
-            RuntimeError: the pool is closed, or was closed before the call
-                got a worker.
-
-        Cancellation: cancelling kills the worker running the call; the pool
-        replaces it.  Cancelled while waiting for a worker, the call never
-        runs; cancelled while its worker is (re)starting, the start goes on
-        and the pool keeps the worker.
-        """
-        check_loop(self._owner.loop, self)
-        limit = check_duration("submit(timeout=...)", timeout, allow_none=True, allow_negative=True)
-        if limit is not None and limit <= 0:
-            raise ValueError(f"submit(timeout=...) must be > 0 seconds, got {timeout!r}")
-        if self._closed:
-            raise RuntimeError(f"{self!r} is closed")
-        call = PoolCall(fn, args, kwargs)
-        rec = self._rec
-        began = time.monotonic() if rec.enabled else 0.0
-        timed_out = False
-        try:
-            if limit is None:
-                value = await self._submit(call)
-            else:
-                with anyio.move_on_after(limit) as scope:
-                    value = await self._submit(call)
-                if scope.cancelled_caught:
-                    timed_out = True  # the pool's timeout, not a TimeoutError fn raised
-                    raise TimeoutError(call.timed_out(limit, self._slots, self.size))
-        except Exception as e:
-            self._failed += 1
-            if rec.enabled:
-                outcome = "timeout" if timed_out else _outcome(e)
-                rec.pool_call(self.name, outcome, time.monotonic() - began)
-            raise
-        except asyncio.CancelledError:
-            if rec.enabled:
-                rec.pool_call(self.name, "cancelled", time.monotonic() - began)
-            raise
-        self._completed += 1
-        if rec.enabled:
-            rec.pool_call(self.name, "succeeded", time.monotonic() - began)
-        return value
-
-    async def _submit(self, call: PoolCall) -> Any:
-        i = await self._acquire()
-        call.position = i
-        try:
-            return await self._call_at(i, call)
-        finally:
-            self._release(i)
-
-    async def _call_at(self, i: int, call: PoolCall) -> Any:
-        """Make ``call`` on the worker at ``i``; again on a fresh one if it never ran there.
-
-        A worker that died while idle may not be noticed before the request
-        is written to it; it reports ``_Undelivered`` once its exit is seen
-        (see ``Channel.dropped_by_peer``), and its replacement gets the
-        request.  Only once: a second worker dying unread fails the call.
-
-        Cancellation: as ``submit``.
-        """
-        for attempt in (1, 2):
-            call.worker = w = await self._ensure(i)
-            try:
-                return await w._call(call.fn, call.args, call.kwargs)
-            except _Undelivered:
-                if attempt == 2 or self._closed:
-                    raise
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    async def run(
-        self,
-        fn: Callable[..., Any],
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> list[Any]:
-        """Run ``fn`` on every worker; return the values ordered by worker.
-
-        A worker found dead before it read the request is replaced and the
-        request goes to the new one, as for ``submit``.
-
-        Raises:
-            Exception: the first error in worker order (after every worker
-                finished its call), with that worker's traceback.
-
-        Cancellation: cancelling kills the workers still running the call.
-        """
-        check_loop(self._owner.loop, self)
-        if self._closed:
-            raise RuntimeError(f"{self!r} is closed")
-        call_args, call_kwargs = tuple(args), dict(kwargs or {})
-        rec = self._rec
-        began = time.monotonic() if rec.enabled else 0.0
-
-        async def one(i: int) -> Any:
-            try:
-                value = await self._call_at(i, PoolCall(fn, call_args, call_kwargs))
-            except Exception as e:
-                self._failed += 1
-                if rec.enabled:
-                    rec.pool_call(self.name, _outcome(e), time.monotonic() - began)
-                raise
-            except asyncio.CancelledError:
-                if rec.enabled:
-                    rec.pool_call(self.name, "cancelled", time.monotonic() - began)
-                raise
-            self._completed += 1
-            if rec.enabled:
-                rec.pool_call(self.name, "succeeded", time.monotonic() - began)
-            return value
-
-        results = await asyncio.gather(*(one(i) for i in range(self.size)), return_exceptions=True)
-        for i in range(self.size):
-            if i not in self._busy:
-                self._recycle_if_spent(i)
-        for value in results:
-            if isinstance(value, BaseException):
-                raise value
-        return list(results)
-
-    async def aclose(self) -> None:
-        """Stop every worker (terminate request, then SIGKILL after the timeout).
-
-        Starts in flight are cancelled (what they launched is killed),
-        waiting and running calls fail, and every retirement still going on
-        is waited for: when ``aclose()`` returns, none of the pool's
-        processes is left.  A second call waits for the first.
-
-        Raises:
-            Exception: what closing a worker raised (e.g. a
-                ``ForcedKillWarning`` that a warnings filter turned into an
-                error), once everything is closed; when several did, the
-                first, and the others are logged.
-
-        Cancellation: shielded and bounded.
-        """
-        check_loop(self._owner.loop, self)
-        await shielded(self._close())
-        errors, self._errors = self._errors, []
-        for e in errors[1:]:
-            logger.error("closing %r also failed", self, exc_info=e)
-        if errors:
-            raise errors[0]
-
-    async def _close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            for timer in self._idle_timers.values():
-                timer.cancel()
-            self._idle_timers.clear()
-            for fut in self._waiters:
-                if not fut.done():
-                    fut.set_exception(RuntimeError(f"{self!r} was closed"))
-            self._waiters.clear()
-        self._owner.request_close(None)
-        await self._owner.wait()  # every closer waits for the one close
-
-
-async def _started(pool: WorkerPool) -> WorkerPool:
-    return await pool._open()
-
-
-async def _closed(pool: WorkerPool, exc: BaseException | None) -> None:
-    await pool.aclose()
+for _public in (PoolStats, WorkerPool):
+    _public.__module__ = __name__  # defined in the wing, imported from here
 
 
 def open_pool(
     n_or_cluster_spec: int | ClusterSpec,
     initializer: Callable[..., Any] | None = None,
-    initargs: tuple[Any, ...] = (),
+    initargs: Iterable[Any] = (),
     *,
     init_timeout: float = 30,
-    shutdown_timeout: float = 60,
+    grace_period: float = DEFAULT_GRACE_PERIOD,
     max_calls_per_worker: int | None = None,
     idle_timeout: float | None = None,
     env: Mapping[str, str] | None = None,
@@ -642,7 +52,8 @@ def open_pool(
     preload: Sequence[str] = (),
     limits: Limits | None = None,
     capacity: Capacity | None = None,
-    cpus: Sequence[int] | str | None = None,
+    cpus: CpusArg = None,
+    shutdown_timeout: float | None = None,
 ) -> OpenResource[WorkerPool]:
     """Start a pool of persistent workers.
 
@@ -657,7 +68,11 @@ def open_pool(
         initializer: run once in each worker (again in a replacement); its
             return value is that worker's ``aioproc.worker_state()``.
         initargs: arguments for ``initializer``.
-        init_timeout, shutdown_timeout: as for ``open_worker``.
+        init_timeout: seconds each initializer may take (``TimeoutError``
+            beyond).
+        grace_period: seconds each worker gets to exit after the terminate
+            request before its process group is SIGKILLed (and named in a
+            ``ForcedKillWarning``); the default is every aioproc stop's.
         max_calls_per_worker: recycle a worker after this many calls.
         idle_timeout: stop a worker idle this long; it restarts on demand.
         env: extra environment for every worker.
@@ -681,18 +96,24 @@ def open_pool(
             recycling or ``idle_timeout``) waits in the same queue for one
             slot, which its predecessor gave back once reaped: a call at
             that position waits too, ``submit(timeout=...)`` included.
-        cpus: the CPUs the workers run on (Linux): a list of CPU ids for
-            every worker, ``"numa:<node>"`` (that node's CPUs, from
-            ``/sys/devices/system/node/node<N>/cpulist``, among the allowed
-            ones), or ``"round-robin"``: the worker at position ``i`` (and
-            its replacements) gets the ``i % n``-th of the ``n`` CPUs this
-            process may use (``os.sched_getaffinity(0)``).
+        cpus: the CPUs the workers run on (Linux), as ``start_processes``
+            takes them, a worker's position standing for a local rank: a
+            list of CPU ids for every worker, ``"numa:<node>"`` (that node's
+            CPUs, from ``/sys/devices/system/node/node<N>/cpulist``, among
+            the allowed ones), ``{position: CPU ids}`` for the workers named
+            (the others run where this process may), or ``"round-robin"``:
+            the worker at position ``i`` (and its replacements) gets the
+            ``i % n``-th of the ``n`` CPUs this process may use
+            (``os.sched_getaffinity(0)``).
+        shutdown_timeout: deprecated name of ``grace_period`` (warns
+            ``DeprecationWarning``).
 
     Raises:
-        ValueError, TypeError: a bad argument (at the call, before anything
-            starts): a CPU outside the allowed set, an empty list, a NUMA
-            node this machine does not list (the message names the missing
-            file), a ``capacity`` with fewer slots than workers.
+        ValueError, TypeError: a bad argument, named (at the call, before
+            anything starts): a CPU outside the allowed set, an empty list,
+            a NUMA node this machine does not list (the message names the
+            missing file), a ``capacity`` with fewer slots than workers,
+            ``grace_period`` and ``shutdown_timeout`` both given.
         Exception: what made a worker's start fail (the initializer's
             exception, ``TimeoutError``, ``BrokenWorkerError``), raised as
             soon as one fails, once every worker is stopped.
@@ -702,54 +123,30 @@ def open_pool(
     bounded, before the cancellation propagates: nothing is left running,
     and no slot of ``capacity`` is held.
     """
-    check_duration("init_timeout", init_timeout)
-    check_duration("shutdown_timeout", shutdown_timeout)
-    check_duration("idle_timeout", idle_timeout, allow_none=True)
-    if env is not None:
-        check_env("env", env)
-    check_start_method(start_method)
-    names = check_preload(start_method, preload)
+    if not isinstance(name, str):
+        raise TypeError(f"open_pool(): name must be a str, got {name!r}")
+    if env is not None and not isinstance(env, Mapping):
+        raise TypeError(f"env must be a dict of str to str, got {env!r}")
     slots = worker_slots(n_or_cluster_spec, name, dict(env or {}))
-    if max_calls_per_worker is not None and (
-        isinstance(max_calls_per_worker, bool)
-        or not isinstance(max_calls_per_worker, int)
-        or max_calls_per_worker <= 0
-    ):
-        raise ValueError(
-            f"max_calls_per_worker must be a positive int, got {max_calls_per_worker!r}"
-        )
-    if idle_timeout is not None and not (_is_number(idle_timeout) and idle_timeout > 0):
-        raise ValueError(f"idle_timeout must be > 0, got {idle_timeout!r}")
-    for what, value in (("init_timeout", init_timeout), ("shutdown_timeout", shutdown_timeout)):
-        if not (_is_number(value) and value >= 0):
-            raise ValueError(f"{what} must be a number >= 0, got {value!r}")
-    if initializer is not None and not callable(initializer):
-        raise TypeError(f"initializer must be callable, got {initializer!r}")
-    limits = check_worker_limits(limits)
-    capacity = check_capacity(capacity, len(slots))
-    cpu_sets = check_worker_cpus(cpus, len(slots))
-    pool = WorkerPool(
-        slots,
-        initializer,
-        tuple(initargs),
-        init_timeout,
-        shutdown_timeout,
-        max_calls_per_worker,
-        idle_timeout,
-        names if start_method == "forkserver" else None,
-        name=name,
+    options = worker_options(
+        "open_pool",
+        workers=len(slots),
+        initializer=initializer,
+        initargs=initargs,
+        init_timeout=init_timeout,
+        grace_period=grace_period,
+        shutdown_timeout=shutdown_timeout,
+        env=env,
+        start_method=start_method,
+        preload=preload,
         limits=limits,
         capacity=capacity,
-        cpus=cpu_sets,
     )
-    return OpenResource(lambda: _started(pool), _closed, "open_pool(...)")
-
-
-def _outcome(error: Exception) -> str:
-    """The metrics outcome of a pool call that raised ``error`` (not the pool's timeout)."""
-    return "broken" if isinstance(error, BrokenWorkerError) else "failed"
-
-
-def _is_number(value: object) -> bool:
-    """A real, finite number (NaN and infinity are no durations)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return open_workers(
+        slots,
+        options,
+        name=name,
+        max_calls_per_worker=max_calls_per_worker,
+        idle_timeout=idle_timeout,
+        cpus=cpus,
+    )

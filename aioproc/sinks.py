@@ -32,6 +32,10 @@ supervisor's memory stays bounded; the log files still get every byte.
 A sink that keeps workers paused for ``stall_warning`` seconds (default
 ``STALL_WARNING``, 10 s; ``None``: never) is named in one warning on the
 ``aioproc`` logger, with the workers it holds back and what it has pending.
+The built-in sinks take part through the same public contract a sink of
+your own uses: a ``Flow`` in the sink's ``flow`` attribute, held while its
+buffer is full, plus ``Sink.describe_pending`` and ``Sink.drop_pending``
+(see ``Sink``).
 
 A sink that raises is isolated: the error is logged once on the ``aioproc``
 logger, naming the sink, and neither the workers, the log files, the other
@@ -47,7 +51,7 @@ import inspect
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TextIO
 
 from ._base.checks import check_duration
@@ -60,7 +64,7 @@ from ._output.console import (
     safe_write,
     write_ascii,
 )
-from ._output.flow import STALL_WARNING, Flow, StallWatch, format_size
+from ._output.flow import STALL_WARNING, Flow, format_size
 from ._output.sink import OutputLine, Sink
 from ._output.sinkops import SINK_CLOSE_DEADLINE as SINK_CLOSE_DEADLINE
 from ._output.sinkops import LineQueue, discard, report_sink_error
@@ -70,6 +74,7 @@ __all__ = [
     "CallbackSink",
     "ConsoleSink",
     "FileSink",
+    "Flow",
     "LoggingSink",
     "OutputLine",
     "OutputStream",
@@ -79,6 +84,7 @@ __all__ = [
 
 # defined with the output machinery (which must not import this module), and
 # shown, pickled and documented as this module's
+Flow.__module__ = __name__
 OutputLine.__module__ = __name__
 Sink.__module__ = __name__
 
@@ -124,13 +130,10 @@ class ConsoleSink(Sink):
         self._redraw_interval = check_duration("redraw_interval", redraw_interval)
         self._last_printed: dict[tuple[int, str, str], tuple[float, str]] = {}
         self._keys: set[tuple[int, str, str]] = set()
-        self._backpressure = Flow(
-            StallWatch(
-                self,
-                self._describe_stall,
-                "the supervisor's stdout/stderr is a pipe nobody reads, or a paused terminal",
-                check_duration("stall_warning", stall_warning, allow_none=True),
-            )
+        self.flow = Flow(
+            self,
+            stall_warning=stall_warning,
+            hint="the supervisor's stdout/stderr is a pipe nobody reads, or a paused terminal",
         )
         self._writers: list[ConsoleWriter] = []
 
@@ -138,7 +141,7 @@ class ConsoleSink(Sink):
         target = "write=" + repr(self._write) if self._write is not None else self._stream
         return f"ConsoleSink({target or ''})"
 
-    def _describe_stall(self) -> str:
+    def describe_pending(self) -> str:
         pending = sum(w.pending for w in self._writers)
         return f"holds {format_size(pending)} the console has not accepted"
 
@@ -158,11 +161,12 @@ class ConsoleSink(Sink):
             writer.flow.watch(self._on_writer_flow)
 
     def _on_writer_flow(self, flow: Flow, blocked: bool) -> None:
-        assert self._backpressure is not None
+        # this sink's flow is held while any console writer it uses is full
+        assert self.flow is not None
         if blocked:
-            self._backpressure.hold(flow)
+            self.flow.hold(flow)
         else:
-            self._backpressure.release(flow)
+            self.flow.release(flow)
 
     def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
         key = (rank, stream, prefix)
@@ -234,7 +238,7 @@ class ConsoleSink(Sink):
                 await writer.drain()
         release_consoles()  # the private fds kept for the next writes
 
-    def _drop_pending(self) -> int:
+    def drop_pending(self) -> int:
         dropped = 0
         for writer in self._writers:
             dropped += writer.abandon()  # releases its flow: readers resume
@@ -350,19 +354,6 @@ class LoggingSink(Sink):
             self._logger.log(level, "%s%s", prefix, line, extra=extra)
 
 
-class _FilteredFileSink(FileSink):
-    """torch's duplicate filters: lines containing a needle also go to a file."""
-
-    def __init__(self, path: str, needles: Iterable[str]) -> None:
-        super().__init__(path)
-        self._needles = tuple(needles)
-
-    def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
-        hits = [line for line in lines if any(n in line for n in self._needles)]
-        if hits:
-            super().lines(rank, stream, prefix, hits)
-
-
 # ----------------------------------------------------------------- callbacks
 
 _Job = tuple[OutputLine, "Awaitable[Any] | None"]
@@ -394,15 +385,12 @@ class CallbackSink(Sink):
         self._async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
             getattr(fn, "__call__", None)  # noqa: B004 - an object with async __call__
         )
-        self._queue: LineQueue[_Job] = LineQueue(
-            StallWatch(
-                self,
-                lambda: _describe_queue(self._queue, "its callback has not taken yet"),
-                "the callback is slower than the workers' output",
-                check_duration("stall_warning", stall_warning, allow_none=True),
-            )
+        self.flow = Flow(
+            self,
+            stall_warning=stall_warning,
+            hint="the callback is slower than the workers' output",
         )
-        self._backpressure = self._queue.flow
+        self._queue: LineQueue[_Job] = LineQueue(self.flow)
         self._task: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
@@ -451,7 +439,10 @@ class CallbackSink(Sink):
             self._queue.end()
             await self._task
 
-    def _drop_pending(self) -> int:
+    def describe_pending(self) -> str:
+        return _describe_queue(self._queue, "its callback has not taken yet")
+
+    def drop_pending(self) -> int:
         if self._task is not None and not self._task.done():
             self._task.cancel()
         left = self._queue.clear()
@@ -480,15 +471,12 @@ class OutputStream(Sink):
     """
 
     def __init__(self, *, stall_warning: float | None = STALL_WARNING) -> None:
-        self._queue: LineQueue[OutputLine] = LineQueue(
-            StallWatch(
-                self,
-                lambda: _describe_queue(self._queue, "unread"),
-                "iterate the stream in a task of its own while the group runs, not after wait()",
-                check_duration("stall_warning", stall_warning, allow_none=True),
-            )
+        self.flow = Flow(
+            self,
+            stall_warning=stall_warning,
+            hint="iterate the stream in a task of its own while the group runs, not after wait()",
         )
-        self._backpressure = self._queue.flow
+        self._queue: LineQueue[OutputLine] = LineQueue(self.flow)
         self._closed = False
 
     def __repr__(self) -> str:
@@ -503,7 +491,10 @@ class OutputStream(Sink):
             self._closed = True
             self._queue.end()
 
-    def _drop_pending(self) -> int:
+    def describe_pending(self) -> str:
+        return _describe_queue(self._queue, "unread")
+
+    def drop_pending(self) -> int:
         # what is buffered stays readable after close; only overflow was lost
         dropped, self._queue.dropped = self._queue.dropped, 0
         return dropped

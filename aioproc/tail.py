@@ -17,14 +17,18 @@ the tailer falls back to **a backoff delay**: it re-checks after 1 ms,
 doubling up to ``interval_sec`` (100 ms by default) while nothing changes,
 and back to 1 ms once data flows.
 inotify does not see writes made through ``mmap`` or from another host on a
-network file system; ``stop()`` still drains such files to their end.
+network file system; ``aclose()`` still drains such files to their end.
+
+Open one with ``open_tail_log(...)``: awaited (``tail = await
+open_tail_log(...)``, closed with ``await tail.aclose()``) or with ``async
+with``.  torch's face stays: ``TailLog(...)``, ``start()`` and ``stop()``.
 """
 
 # Design notes.
 #
 # One coroutine per file instead of torch's polling thread per file: it clears
 # its wake event, reads to the end of the file, then waits on the event, which
-# inotify (or the backoff timer, or stop()) sets.  Clearing before reading
+# inotify (or the backoff timer, or aclose()) sets.  Clearing before reading
 # means a write that lands after the read is always noticed.
 #
 # Reads never block the loop: ``os.pread`` at our own offset runs on the
@@ -36,8 +40,8 @@ network file system; ``stop()`` still drains such files to their end.
 # whatever the read boundaries, and every write to the destination is a batch
 # of whole lines made on the loop thread: lines of different ranks never mix.
 #
-# stop() flips the state and wakes everyone.  Each coroutine then takes the
-# file's size (after stop() was called, so it covers every write made before),
+# aclose() flips the state and wakes everyone.  Each coroutine then takes the
+# file's size (after aclose() was called, so it covers every write made before),
 # reads up to exactly that size, and flushes the held partial line as one
 # whole line.  A file that had not appeared gets one last open attempt.
 
@@ -61,9 +65,10 @@ import anyio.abc
 
 from ._base.offloop import helper, run_blocking
 from ._base.owner import Owner
+from ._base.resource import OpenResource
 from ._output.tee import LineFramer
 
-__all__ = ["LineSink", "TailLog"]
+__all__ = ["LineSink", "TailLog", "open_tail_log"]
 
 logger = logging.getLogger("aioproc")
 
@@ -262,11 +267,13 @@ class _Tail:
 class TailLog:
     """Follows log files and copies their lines, prefixed, to one destination.
 
-    The files need not exist when ``start()`` is awaited: each is waited for
-    without polling, then followed until ``stop()``, which drains every file
-    to its end first.  A line is written whole and once, with its rank's
+    Opened with ``open_tail_log(...)`` (awaited or with ``async with``), or,
+    as in torch, built and then started with ``start()``.  The files need not
+    exist when it starts: each is waited for without polling, then followed
+    until ``aclose()`` (torch's ``stop()``), which drains every file to its
+    end first.  A line is written whole and once, with its rank's
     prefix, however the writer chunked it; a partial last line is held until
-    its newline or until ``stop()``; a line longer than
+    its newline or until ``aclose()``; a line longer than
     ``aioproc._output.tee.MAX_LINE`` bytes arrives in prefixed pieces; invalid
     UTF-8 becomes U+FFFD.  A path that is a directory (or cannot be opened)
     is logged as an error on the ``aioproc`` logger and skipped.  As in torch,
@@ -275,9 +282,17 @@ class TailLog:
 
     Usage::
 
-        async with TailLog("trainer", {0: "/tmp/0.log", 1: "/tmp/1.log"}, sys.stdout):
+        async with open_tail_log("trainer", {0: "/tmp/0.log", 1: "/tmp/1.log"}, sys.stdout):
             await run_trainers()
         # [trainer0]:first line of 0.log ...
+
+        tail = await TailLog("trainer", log_files, sys.stdout).start()  # torch's face
+        ...
+        await tail.stop()
+
+    The positional order is torch's (``name, log_files, dst,
+    log_line_prefixes, interval_sec, log_line_filter``); ``TailLog`` is
+    also its own context manager (``async with TailLog(...)``), as before.
 
     Args:
         name: Used in the default prefix ``[{name}{rank}]:``.
@@ -352,10 +367,10 @@ class TailLog:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.stop()
+        await self.aclose()
 
     def stopped(self) -> bool:
-        """True once ``stop()`` has finished."""
+        """True once ``aclose()`` (or ``stop()``) has finished."""
         return self._state == "stopped"
 
     async def start(self) -> TailLog:
@@ -365,7 +380,7 @@ class TailLog:
             This ``TailLog``, so ``tailer = await TailLog(...).start()`` works.
 
         Raises:
-            RuntimeError: ``start()`` or ``stop()`` was called before.
+            RuntimeError: ``start()`` or ``aclose()`` was called before.
             OSError: the ``dst`` path cannot be opened.
 
         **Cancellation:** safe; if cancelled while opening the ``dst`` path,
@@ -383,7 +398,7 @@ class TailLog:
                 self._state = "stopped"
                 self._done.set()
                 raise
-            if self._state != "starting":  # stop() was called meanwhile
+            if self._state != "starting":  # aclose() was called meanwhile
                 self._owned.close()
                 raise RuntimeError(f"{self!r} was stopped while starting")
             self._stream = self._owned
@@ -413,11 +428,17 @@ class TailLog:
         self._done.set()
 
     async def stop(self) -> None:
+        """torch's name for ``aclose()``: drain every file to its end and release all."""
+        await self.aclose()
+
+    async def aclose(self) -> None:
         """Drain every file to its end, emit held partial lines, and release everything.
 
-        Everything written to the files before ``stop()`` was called reaches
-        ``dst``, a final line without newline included (once, whole).  Calling
-        it again, or on a ``TailLog`` never started, returns at once.
+        Everything written to the files before ``aclose()`` was called
+        reaches ``dst``, a final line without newline included (once,
+        whole).  Idempotent: a call while another task closes it waits for
+        that close; a call once closed, or on a ``TailLog`` never started,
+        returns at once.
 
         **Cancellation:** the drain is abandoned: the followers are cancelled
         and awaited, every fd (files, inotify, a ``dst`` path) is closed, the
@@ -471,7 +492,7 @@ class TailLog:
         delay = _BACKOFF_MIN
         while True:
             t.wake.clear()
-            # read the state before trying: a stop() during a failed open needs one more try
+            # read the state before trying: an aclose() during a failed open needs one more try
             last_try = self._state != "running"
             w = self._watch_parent(t)
             try:
@@ -551,7 +572,7 @@ class TailLog:
             t.offset += len(data)
             got = True
             await self._emit(t, t.framer.feed(data))
-            # a short read is the end of a regular file; stop() wants the final drain
+            # a short read is the end of a regular file; aclose() wants the final drain
             if end is None and (len(data) < want or self._state != "running"):
                 break
         return got
@@ -583,3 +604,51 @@ class TailLog:
             kept = [f"{line}\n" for line in lines if keep(f"{line[cut:]}\n")]
             if kept:
                 _write_whole(self._stream, "".join(kept))
+
+
+def open_tail_log(
+    name: str,
+    log_files: dict[int, str],
+    dst: TextIO | str | os.PathLike[str] | LineSink,
+    *,
+    log_line_prefixes: dict[int, str] | None = None,
+    interval_sec: float = _BACKOFF_MAX,
+    log_line_filter: Callable[[str], bool] | None = None,
+) -> OpenResource[TailLog]:
+    """Follow ``log_files`` and copy their lines, prefixed, to ``dst``: a started ``TailLog``.
+
+    Awaited, it returns the running ``TailLog`` (close it with ``await
+    tail.aclose()``); with ``async with``, the block's end closes it, which
+    drains every file to its end first.  The arguments are ``TailLog``'s
+    (its options keyword-only here); they are checked when this is called,
+    before anything starts.
+
+    Usage::
+
+        async with open_tail_log("trainer", {0: "0.log", 1: "1.log"}, sys.stdout):
+            await run_trainers()
+
+    Returns:
+        An ``OpenResource``: ``await`` it, or use it with ``async with``.
+
+    Raises:
+        TypeError, ValueError: as ``TailLog`` (at the call).
+        OSError: the ``dst`` path cannot be opened (when awaited).
+
+    Cancellation: cancelled while it opens a ``dst`` path, nothing is left
+    open; leaving the ``async with`` block by a cancellation still closes
+    the ``TailLog`` (see ``TailLog.aclose``).
+    """
+    tail = TailLog(
+        name,
+        log_files,
+        dst,
+        log_line_prefixes,
+        interval_sec,
+        log_line_filter,
+    )
+
+    async def close(tail: TailLog, exc: BaseException | None) -> None:
+        await tail.aclose()
+
+    return OpenResource(tail.start, close, "open_tail_log(...)")

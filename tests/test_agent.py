@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import json
@@ -23,7 +24,14 @@ import aioproc.metrics
 from aioproc import Std
 from aioproc._limits.cgroups import discover
 from aioproc._metrics import hooks
-from aioproc.agent import AgentEvent, LocalElasticAgent, RestartPolicy, WorkerSpec, WorkerState
+from aioproc.agent import (
+    AgentEvent,
+    LocalElasticAgent,
+    RestartPolicy,
+    WorkerSpec,
+    WorkerState,
+    open_agent,
+)
 from aioproc.agent.events import EventHub
 from aioproc.rendezvous import RendezvousParameters
 from aioproc.rendezvous.static import StaticRendezvousHandler
@@ -382,7 +390,9 @@ async def test_stop_ends_the_run_with_the_given_signal_and_no_restart(
     running = asyncio.ensure_future(agent.run())
     try:
         pids = [int(line) for line in await fifo.lines(2)]  # both workers are up
-        await asyncio.wait_for(agent.stop(signal.SIGUSR1, timeout=5), 20)
+        # the old keyword still works, and says it is deprecated
+        with pytest.warns(DeprecationWarning, match=r"stop\(timeout=\.\.\.\) is deprecated"):
+            await asyncio.wait_for(agent.stop(signal.SIGUSR1, timeout=5), 20)
         assert running.done()  # stop() returns once run() has ended
         result = await running
     finally:
@@ -516,10 +526,17 @@ async def test_stop_rejects_bad_arguments_before_stopping_anything() -> None:
     agent = LocalElasticAgent(WorkerSpec(role="r", local_world_size=1, entrypoint="true"))
     with pytest.raises(ValueError, match="death_sig must be a signal number, got 999"):
         await agent.stop(999)
-    with pytest.raises(ValueError, match="timeout must be a number >= 0, got nan"):
+    with pytest.raises(ValueError, match="grace_period must be a number >= 0, got nan"):
         await agent.stop(signal.SIGTERM, float("nan"))
-    with pytest.raises(ValueError, match="timeout must be a number >= 0, got -1"):
+    with pytest.raises(ValueError, match="grace_period must be a number >= 0, got -1"):
         await agent.stop(signal.SIGTERM, -1)
+    with (
+        pytest.warns(DeprecationWarning, match="use stop"),
+        pytest.raises(ValueError, match="timeout must be a number >= 0, got -1"),
+    ):
+        await agent.stop(signal.SIGTERM, timeout=-1)
+    with pytest.raises(TypeError, match=r"give grace_period=1 or timeout=2 \(its old name\)"):
+        await agent.stop(signal.SIGTERM, 1, timeout=2)
 
 
 # ----------------------------------------------------- bounded event memory
@@ -809,3 +826,207 @@ def test_a_bad_limit_or_cpu_set_fails_when_the_spec_is_made() -> None:
         WorkerSpec("w", 2, sys.executable, limits="1G")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^WorkerSpec\.cpus=\[100000\]: CPU 100000 not in"):
         WorkerSpec("w", 2, sys.executable, cpus=[100000])
+
+
+# ------------------------------------------------- aclose() and open_agent()
+#
+# aclose() is the agent's close, as every handle's; stop() stays (with a
+# signal and a grace period of its own), and open_agent() opens an agent as
+# every handle opens: awaited or with async with, its run in a task of its own.
+
+# says its pid, then ignores SIGTERM: only the SIGKILL after the grace period ends it
+STUBBORN = (
+    "import os, signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "fd = os.open(sys.argv[1], os.O_WRONLY)\n"
+    "os.write(fd, f'{os.getpid()}\\n'.encode())\n"
+    "os.close(fd)\n"
+    "time.sleep(600)\n"
+)
+
+
+async def test_aclose_stops_the_run_is_idempotent_and_safe_from_other_tasks(
+    tmp_path: Path, fifo: Fifo
+) -> None:
+    events: list[AgentEvent] = []
+    agent = LocalElasticAgent(
+        announcing_spec(fifo), log_dir=str(tmp_path / "logs"), on_event=events.append
+    )
+    running = asyncio.ensure_future(agent.run())
+    try:
+        pids = [int(line) for line in await fifo.lines(2)]
+        # two other tasks close it at once: both return once the run has ended
+        await asyncio.wait_for(asyncio.gather(agent.aclose(), agent.aclose()), 20)
+        assert running.done()
+        result = await running
+    finally:
+        await agent.aclose()
+        await asyncio.gather(running, return_exceptions=True)
+    assert result.state == WorkerState.STOPPED
+    assert {f.exitcode for f in result.failures.values()} == {-signal.SIGTERM}
+    assert agent.restart_count == 0
+    assert all(pid_gone(p) for p in pids)
+    assert [e.kind for e in events].count("group_stopped") == 1
+    assert events[-1].message == "stopped by aclose() with SIGTERM, grace 30 s"
+    await agent.aclose()  # no run going on: returns at once
+
+
+async def test_aclose_honours_the_agents_grace_period(tmp_path: Path, fifo: Fifo) -> None:
+    """A worker ignoring SIGTERM is SIGKILLed once the agent's grace period is over."""
+    spec = WorkerSpec(
+        role="st", local_world_size=1, entrypoint=sys.executable, args=("-c", STUBBORN, fifo.path)
+    )
+    agent = LocalElasticAgent(spec, log_dir=str(tmp_path / "logs"), grace_period=1)
+    running = asyncio.ensure_future(agent.run())
+    try:
+        [pid] = [int(line) for line in await fifo.lines(1)]
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        with pytest.warns(aioproc.ForcedKillWarning, match=r"1 worker\(s\) did not exit"):
+            await asyncio.wait_for(agent.aclose(), 20)
+        took = loop.time() - began
+        result = await running
+    finally:
+        await agent.stop(signal.SIGKILL, 0)
+        await asyncio.gather(running, return_exceptions=True)
+    assert result.failures[0].exitcode == -signal.SIGKILL
+    assert pid_gone(pid)
+    assert 0.9 <= took < 15, took  # the grace period, and a generous bound above it
+
+
+async def test_open_agent_awaited_runs_in_the_background_until_aclose(
+    tmp_path: Path, fifo: Fifo
+) -> None:
+    agent = await open_agent(announcing_spec(fifo), log_dir=str(tmp_path / "logs"))
+    try:
+        pids = [int(line) for line in await fifo.lines(2)]
+        assert agent.state == WorkerState.HEALTHY
+        assert sorted(agent.pids().values()) == sorted(pids)
+        with pytest.raises(RuntimeError, match="already running"):
+            await agent.run()  # one run at a time
+    finally:
+        await asyncio.wait_for(agent.aclose(), 20)
+    result = await agent.wait()
+    assert result.state == WorkerState.STOPPED
+    assert {f.exitcode for f in result.failures.values()} == {-signal.SIGTERM}
+    assert all(pid_gone(p) for p in pids)
+    assert await agent.wait() is result  # the same result, every time
+    await agent.aclose()
+
+
+async def test_open_agent_with_async_with_waits_for_the_result_and_closes(tmp_path: Path) -> None:
+    spec = flaky_spec("0", n=2, max_restarts=1)  # rank 0 fails once, then all succeed
+    async with open_agent(spec, log_dir=str(tmp_path), grace_period=5) as agent:
+        result = await asyncio.wait_for(agent.wait(), 30)
+    assert result.state == WorkerState.SUCCEEDED
+    assert agent.restart_count == 1
+    kinds = [e.kind for e in agent.event_history]
+    assert kinds.count("attempt_started") == 2 and kinds[-1] == "group_succeeded"
+
+
+async def test_leaving_open_agents_block_early_stops_the_workers(
+    tmp_path: Path, fifo: Fifo
+) -> None:
+    pids: list[int] = []
+    with pytest.raises(LookupError, match="the block's own error"):
+        async with open_agent(announcing_spec(fifo), log_dir=str(tmp_path / "logs")) as agent:
+            pids = [int(line) for line in await fifo.lines(2)]
+            raise LookupError("the block's own error")
+    assert all(pid_gone(p) for p in pids)
+    assert (await agent.wait()).state == WorkerState.STOPPED
+
+
+async def test_a_signal_ending_open_agents_block_stops_the_workers_with_it(
+    tmp_path: Path, fifo: Fifo
+) -> None:
+    pids: list[int] = []
+    with pytest.raises(aioproc.SignalException) as info:
+        async with aioproc.translate_signals((signal.SIGUSR1,)):
+            async with open_agent(announcing_spec(fifo), log_dir=str(tmp_path / "logs")) as agent:
+                pids = [int(line) for line in await fifo.lines(2)]
+                os.kill(os.getpid(), signal.SIGUSR1)
+                await asyncio.sleep(30)  # the signal ends this wait
+    assert info.value.sigval == signal.SIGUSR1
+    result = await agent.wait()
+    assert result.state == WorkerState.STOPPED
+    assert {f.exitcode for f in result.failures.values()} == {-signal.SIGUSR1}
+    assert all(pid_gone(p) for p in pids)
+    assert agent.event_history[-1].message == "stopped by aclose() with SIGUSR1, grace 30 s"
+
+
+async def test_cancelled_while_open_agent_opens_leaves_no_run_behind(
+    tmp_path: Path, fifo: Fifo
+) -> None:
+    """Cancelled at successive points of the open: a run it began has ended (its
+    workers gone) by the time the cancellation reaches the caller."""
+    spec = announcing_spec(fifo, n=1)
+    began = 0
+    for turns in range(8):
+        events: list[AgentEvent] = []
+        opening = asyncio.ensure_future(
+            open_agent(spec, log_dir=str(tmp_path / f"l{turns}"), on_event=events.append)
+        )
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        opening.cancel()
+        try:
+            agent = await opening
+        except asyncio.CancelledError:
+            agent = None
+        if agent is not None:
+            await agent.aclose()  # opened before the cancellation landed: ours to close
+        if events:
+            began += 1
+            assert events[-1].kind == "group_stopped", events[-1]
+        for e in events:
+            if e.kind == "worker_started" and e.pid is not None:
+                assert pid_gone(e.pid)
+    assert began >= 1  # the cancellation also landed after the run began
+
+
+async def test_the_agent_is_still_its_own_context_manager(tmp_path: Path, fifo: Fifo) -> None:
+    """The old form: ``async with LocalElasticAgent(...)``, ``run()`` in the
+    block; leaving the block ends the run (``aclose()``)."""
+    async with LocalElasticAgent(announcing_spec(fifo), log_dir=str(tmp_path / "l")) as agent:
+        running = asyncio.ensure_future(agent.run())
+        pids = [int(line) for line in await fifo.lines(2)]
+    assert running.done()
+    assert (await running).state == WorkerState.STOPPED
+    assert all(pid_gone(p) for p in pids)
+    assert agent.event_history[-1].message == "stopped by aclose() with SIGTERM, grace 30 s"
+
+
+async def test_a_cancelled_aclose_still_ends_the_run_before_it_propagates(
+    tmp_path: Path, fifo: Fifo
+) -> None:
+    """``aclose()`` cancelled at successive points once it began: when the
+    cancellation reaches the caller the run has ended and its workers are gone."""
+    for turns in range(1, 7):
+        agent = await open_agent(announcing_spec(fifo), log_dir=str(tmp_path / f"l{turns}"))
+        try:
+            pids = [int(line) for line in await fifo.lines(2)]
+            closing = asyncio.ensure_future(agent.aclose())
+            for _ in range(turns):  # the first turn starts it
+                await asyncio.sleep(0)
+            closing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await closing
+            assert all(pid_gone(p) for p in pids), turns
+            assert (await agent.wait()).state == WorkerState.STOPPED
+        finally:
+            await agent.aclose()
+
+
+async def test_wait_is_for_opened_agents_and_open_agent_checks_at_the_call() -> None:
+    spec = WorkerSpec(role="r", local_world_size=1, entrypoint="true")
+    with pytest.raises(RuntimeError, match=r"was not opened with open_agent\(\)"):
+        await LocalElasticAgent(spec).wait()
+    with pytest.raises(TypeError, match="spec must be a WorkerSpec"):
+        open_agent("trainer")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="grace_period"):
+        open_agent(spec, grace_period=-1)
+    with pytest.raises(TypeError, match="positional"):
+        open_agent(spec, None)  # type: ignore[misc]
+    agent = await open_agent(spec)
+    assert (await agent.wait()).state == WorkerState.SUCCEEDED
+    await agent.aclose()

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import pytest
+from conftest import _LOOP_FACTORIES
 from helpers import CHILDREN_DIR, REPO_ROOT, free_port, pid_gone
 
 pytest.importorskip("aetcd", reason="aetcd not installed: pip install 'aioproc[etcd]'")
@@ -46,6 +47,7 @@ from test_rendezvous_etcd import (
 
 from aioproc.rendezvous import RendezvousParameters
 from aioproc.rendezvous._c10d import (
+    SILENCE,
     c10d_options,
     find_etcd,
     matches_machine_hostname,
@@ -236,20 +238,18 @@ def test_the_host_is_this_machine_by_name_or_address() -> None:
         ("node1", {}, ("node1", 29400, None, {}, ())),
         ("[::1]", {"is_host": "1"}, ("::1", 29400, True, {}, ())),
         ("[::1]:1234", {"is_host": "false"}, ("::1", 1234, False, {}, ())),
-        # torchrun's timeout is the join timeout, unless join_timeout is given
+        # torch's c10d never reads torchrun's timeout: the join timeout is join_timeout
+        # alone, and a timeout that is no number of seconds (quotes left in by a
+        # shell-less launcher) is no error
+        ("h:5", {"timeout": "900", "read_timeout": "60"}, ("h", 5, None, {}, ("timeout",))),
         (
             "h:5",
-            {"timeout": "900", "read_timeout": "60"},
-            ("h", 5, None, {"join_timeout": "900"}, ()),
+            {"timeout": "5", "join_timeout": "30", "lease_ttl": "2"},
+            ("h", 5, None, {"join_timeout": "30", "lease_ttl": "2"}, ("timeout",)),
         ),
-        (
-            "h:5",
-            {"timeout": "900", "join_timeout": "30", "lease_ttl": "2"},
-            ("h", 5, None, {"join_timeout": "30", "lease_ttl": "2"}, ()),
-        ),
-        # torch's c10d never reads timeout: one that is no number of seconds (quotes
-        # left in by a shell-less launcher) is unused there and here, not an error
         ("h:5", {"timeout": "5'"}, ("h", 5, None, {}, ("timeout",))),
+        # where a hosted store keeps its data: aioproc's own option
+        ("h:5", {"data_dir": "/var/tmp/x"}, ("h", 5, None, {}, ())),
         # torch's options aioproc has no use for are accepted, and named as unused
         (
             "h:5",
@@ -477,6 +477,146 @@ def test_a_taken_endpoint_fails_the_host_at_once_naming_it(tmp_path: Any) -> Non
     ), err
     assert last.endswith(f"{endpoint}: bind: address already in use"), err
     assert data_dirs(out) == []
+
+
+@needs_etcd
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("loop", list(_LOOP_FACTORIES))
+def test_torchs_timeout_option_is_not_the_join_timeout(tmp_path: Any, loop: str) -> None:
+    """torch's ``test_launch_elastic_agent_raise_exception`` command, one agent of 1 to 2.
+
+    torch's c10d never reads ``timeout``: the round completes with the one
+    agent after ``last_call_timeout`` (30 s), and the job runs; it must not
+    time out after 5 s.
+    """
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, MH_OUT=str(out), MH_HOST="127.0.0.1", AIOPROC_LOOP=loop, LOGLEVEL="INFO")
+    env["PYTHONPATH"] = REPO_ROOT
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "aioproc", "run", "--nnodes=1:2", "--nproc-per-node=4"),
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=localhost:{free_port()}",
+            "--rdzv_conf=timeout=5",
+            "--rdzv-id=1234",
+            "--monitor-interval=1",
+            "--max-restarts=0",
+            "--start-method=spawn",
+            f"--log-dir={tmp_path / 'logs'}",
+            "--no-live",
+            WORKER,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    completed = [line for line in lines if "rendezvous completed: round 0: " in line]
+    assert len(completed) == 1, proc.stderr
+    assert completed[0].endswith("group rank 0 of 1 nodes, world size 4"), proc.stderr
+    recs = records(str(out))
+    assert [int(r["env"]["RANK"]) for r in recs] == [0, 1, 2, 3]
+    assert all(r["peers"] == [0, 1, 2, 3] for r in recs)
+    assert data_dirs(str(tmp_path)) == []
+
+
+FAKE = os.path.join(CHILDREN_DIR, "etcd_fake.py")
+
+# what the agent says each listener did (``etcd_fake.py``'s modes)
+NOT_ETCD = {
+    "silent": re.escape(f"it accepts connections and answers nothing for {SILENCE:g} s"),
+    "close": "it accepts connections and closes them without a word",
+    "garbage": re.escape(
+        r"it answered b'\x7f\x00garbage\xff\xfe of no protocol', which no HTTP/2 server says"
+    ),
+    "http1": re.escape("it answered b'HTTP/1.1 404 Not Found', which no HTTP/2 server says"),
+}
+
+
+@needs_etcd
+@pytest.mark.parametrize("loop", list(_LOOP_FACTORIES))
+@pytest.mark.parametrize("kind", list(NOT_ETCD))
+def test_an_endpoint_held_by_something_else_than_etcd_fails_within_seconds_naming_it(
+    tmp_path: Any, kind: str, loop: str
+) -> None:
+    """The port is another program's: no agent can ever serve the store there.
+
+    The agent on the endpoint's host finds the port taken and joins as a
+    client, as when another agent hosts (torch's fallback); what answers
+    there is then told apart from etcd, instead of being retried until
+    ``join_timeout`` (600 s by default here).
+    """
+    out, job = str(tmp_path), f"held-{kind}"
+    fake = subprocess.Popen([sys.executable, FAKE, kind], stdout=subprocess.PIPE, text=True)
+    try:
+        assert fake.stdout is not None
+        endpoint = f"127.0.0.1:{int(fake.stdout.readline())}"
+        started = time.monotonic()
+        with agents_cleanup(
+            [
+                Agent(
+                    endpoint,
+                    job,
+                    "127.0.0.1",
+                    out,
+                    nnodes="2:2",
+                    conf=f"lease_ttl={TTL}",
+                    loop=loop,
+                )
+            ]
+        ) as agents:
+            rc, err = agents[0].finish(timeout=60)
+        took = time.monotonic() - started
+    finally:
+        fake.kill()
+        fake.communicate()
+    assert rc == 1, err
+    # seconds, not join_timeout: a silent listener is given SILENCE to turn out to be etcd
+    assert took < (SILENCE if kind == "silent" else 0) + 20, (took, err)
+    assert f"c10d rendezvous: {endpoint} is served already" in err, err  # it tried to host
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"aioproc run: the c10d rendezvous endpoint {re.escape(endpoint)} is held by "
+        rf"something that is not etcd: {NOT_ETCD[kind]}; no agent can serve the rendezvous "
+        rf"store there \(stop what listens on port {endpoint.rsplit(':', 1)[1]}, or choose "
+        rf"another port\)",
+        last,
+    ), err
+    assert "Traceback" not in err
+    assert records(out) == []
+    assert data_dirs(out) == []
+
+
+@needs_etcd
+def test_a_client_of_an_endpoint_held_by_something_else_fails_at_once_too(tmp_path: Any) -> None:
+    """``is_host=false``: an agent that never tries to host tells the same at once."""
+    out = str(tmp_path)
+    fake = subprocess.Popen([sys.executable, FAKE, "garbage"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert fake.stdout is not None
+        endpoint = f"127.0.0.1:{int(fake.stdout.readline())}"
+        with agents_cleanup(
+            [Agent(endpoint, "client", HOST, out, nnodes="2:2", is_host=False, conf="lease_ttl=2")]
+        ) as agents:
+            rc, err = agents[0].finish(timeout=60)
+    finally:
+        fake.kill()
+        fake.communicate()
+    assert rc == 1, err
+    assert "is served already" not in err  # it never tried to host
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"aioproc run: the c10d rendezvous endpoint {endpoint} is held by something that is "
+            "not etcd: it answered "
+        )
+    ), err
+    assert records(out) == []
 
 
 @needs_etcd

@@ -372,7 +372,7 @@ def test_default_cap_is_one_gib_and_hundreds_of_mib_fit() -> None:
 async def test_persistent_worker_call_sending_a_2gib_header_does_not_hang(
     cf: ModuleType,
 ) -> None:
-    async with open_worker(name="forger", shutdown_timeout=5) as w:
+    async with open_worker(name="forger", grace_period=5) as w:
         with pytest.raises(BrokenWorkerError, match=r"worker forger \(pid \d+\)"):
             await asyncio.wait_for(w.call(cf.forge_header, _wire.RESULT, 2 * GiB), 20)
         with pytest.raises(BrokenWorkerError):
@@ -383,7 +383,7 @@ async def test_persistent_worker_call_sending_a_2gib_header_does_not_hang(
 async def test_persistent_worker_call_raises_the_channel_error_at_once(
     cf: ModuleType,
 ) -> None:
-    async with open_worker(name="forger", shutdown_timeout=5) as w:
+    async with open_worker(name="forger", grace_period=5) as w:
         # the worker stays blocked: only the channel error can end the call
         call = w.call(cf.forge_header_then_block, _wire.RESULT, 2 * GiB)
         with pytest.raises(BrokenWorkerError) as info:

@@ -728,7 +728,11 @@ def test_version() -> None:
         (["--node-rank", "1"], "--node-rank 1 needs --nnodes > 1"),
         (["--node_rank=3", "--nnodes=1"], "--node-rank 3 needs --nnodes > 1"),
         (["--nnodes=2", "--node-rank=2"], "--node-rank 2 must be < --nnodes 2"),
-        (["--nnodes=1:4"], "--nnodes 1:4 is elastic: use --rdzv-backend etcd"),
+        (
+            ["--nnodes=1:4"],
+            "--nnodes 1:4 is elastic: use --rdzv-backend c10d or etcd, or a fixed --nnodes N "
+            "with --rdzv-backend static",
+        ),
         (
             ["--nnodes=2:3", "--rdzv-backend=c10d"],
             "--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT] (the host whose agent "

@@ -859,3 +859,70 @@ async def test_restarts_back_off_by_policy(cf: ModuleType) -> None:
             stream_output=False,
         )
     assert asked == [0, 1, 2]  # one delay per restart, growing; none once the budget is spent
+
+
+# ----------------------------------------------- open_cluster() and aclose()
+
+
+async def test_open_cluster_awaited_then_aclose_from_two_tasks(cf: ModuleType) -> None:
+    lines = Lines()
+    runner = await cluster.open_cluster(
+        cf.prints_then_blocks, {"worker": 2}, stream_output=False, sinks=[lines]
+    )
+    try:
+        await lines.wait_for("blocking now", times=2)
+        pids = [runner.get_process_id("worker", i) for i in range(2)]
+        assert repr(runner) == "<ClusterRunner prints_then_blocks running=2>"
+    finally:
+        # two tasks close it at once: both return once every task is gone
+        await asyncio.gather(runner.aclose(), runner.aclose())
+    assert all(p is not None and pid_gone(p) for p in pids)
+    assert repr(runner) == "<ClusterRunner prints_then_blocks closed>"
+    assert runner.get_process_exit_code("worker", 0) == -signal.SIGTERM
+    await runner.aclose()  # closed: returns at once
+
+
+async def test_open_cluster_with_async_with_joins_and_closes(cf: ModuleType) -> None:
+    async with cluster.open_cluster(cf.task, {"chief": 1, "worker": 2}, stream_output=False) as r:
+        result = await r.join()
+    assert result.return_value == [("chief", 0), ("worker", 0), ("worker", 1)]
+    assert repr(r) == "<ClusterRunner task closed>"
+
+
+async def test_aclose_honours_the_runners_grace_period(cf: ModuleType) -> None:
+    """A task ignoring SIGTERM is SIGKILLed once the runner's grace period is over."""
+    lines = Lines()
+    runner = await cluster.open_cluster(
+        cf.ignores_sigterm, {"worker": 1}, stream_output=False, sinks=[lines], grace_period=1
+    )
+    try:
+        await lines.wait_for("blocking now")
+        pid = runner.get_process_id("worker", 0)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        with pytest.warns(aioproc.ForcedKillWarning, match=r"did not exit"):
+            await runner.aclose()
+        took = loop.time() - began
+    finally:
+        await runner.aclose()
+    assert pid is not None and pid_gone(pid)
+    assert runner.get_process_exit_code("worker", 0) == -signal.SIGKILL
+    assert 0.9 <= took < 15, took  # the grace period, and a generous bound above it
+
+
+def test_the_runners_grace_period_default_is_its_own() -> None:
+    from aioproc._cluster.runner import GRACE_PERIOD
+
+    runner = ClusterRunner(print, {"worker": 1})
+    assert runner.grace_period == GRACE_PERIOD == 5.0
+
+
+async def test_open_cluster_checks_its_arguments_at_the_call(cf: ModuleType) -> None:
+    with pytest.raises(ValueError, match="grace_period"):
+        cluster.open_cluster(cf.task, {"worker": 1}, grace_period=-1)
+    with pytest.raises(TypeError, match="fn must be callable, got 42"):
+        cluster.open_cluster(42, {"worker": 1})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'grace'"):
+        cluster.open_cluster(cf.task, {"worker": 1}, grace=1)
+    with pytest.raises(TypeError, match="positional"):
+        cluster.open_cluster(cf.task, {"worker": 1}, ())  # type: ignore[call-arg]

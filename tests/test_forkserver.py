@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import CHILDREN_DIR, REPO_ROOT, child_pids, loop_name
+from helpers import CHILDREN_DIR, REPO_ROOT, child_pids, loop_name, pid_gone
 from proc_utils import Fifo, still_alive_after
 
 from aioproc import (
@@ -362,6 +362,20 @@ async def test_pool_and_worker_fork_from_the_template() -> None:
         )
         assert import_pid != pid == w.pid and was_loaded and ppid == os.getpid()
     no_template_left()
+
+
+async def test_forkserver_aclose_is_idempotent_and_a_second_call_waits_for_the_first() -> None:
+    server = await open_forkserver(["fork_preload_mod"])
+    pid = server.pid
+    assert repr(server) == f"<Forkserver pid={pid} preload=['fork_preload_mod'] open>"
+    first = asyncio.ensure_future(server.aclose())
+    await asyncio.sleep(0)  # the first call is giving the lease back
+    await server.aclose()  # returns once the template is gone, as the first does
+    assert pid_gone(pid)
+    no_template_left()
+    await first
+    await server.aclose()
+    assert repr(server) == f"<Forkserver pid={pid} preload=['fork_preload_mod'] closed>"
 
 
 BLOCK_SCRIPT = os.path.join(CHILDREN_DIR, "cli_sleep.py")

@@ -84,6 +84,7 @@ ORDER = (
     "rendezvous",  # c10d's agent runs the store as a child process of its own
     "_func",  # function workers, parent side
     "_group",  # what a PContext is made of
+    "_worker",  # persistent workers and pools
     "worker",
     "forkserver",
     "context",
@@ -92,9 +93,11 @@ ORDER = (
     "_cli",
     "cli",
     "__main__",
+    "_launch",  # torch's launch API: LaunchConfig and torchrun's flags, run by the agent
+    "launcher",
+    "torchrun",
     "_cluster",
     "cluster",
-    "_pool",
     "pool",
     "_plugin",
     "pytest_plugin",
@@ -199,6 +202,40 @@ def test_the_layers_are_few(capsys: pytest.CaptureFixture[str]) -> None:
         for n in range(1, max(layer.values()) + 1):
             print(f"  layer {n:2}: {' '.join(p for p in ORDER if layer[p] == n)}")
     assert max(layer.values()) <= 12
+
+
+def private_names_from_faces(source: str, package: str, modules: set[str]) -> list[str]:
+    """The private names ``source`` imports from a public module (not its private submodules)."""
+    found = []
+    for line, imported in imported_modules(source, package):
+        face, _, name = imported.rpartition(".")
+        public = not any(part.startswith("_") for part in face.split(".")[1:])
+        private = name.startswith("_") and not name.startswith("__")
+        if face in modules and public and private and imported not in modules:
+            found.append(f"{line}: {imported}")
+    return found
+
+
+def test_no_private_name_is_imported_from_a_public_module() -> None:
+    """A public module is a face: what another module needs of it lives in a wing."""
+    modules = _modules()
+    wrong = [
+        f"{name}:{found}"
+        for name, path in modules.items()
+        for found in private_names_from_faces(
+            path.read_text(),
+            name if path.name == "__init__.py" else name.rsplit(".", 1)[0],
+            set(modules),
+        )
+    ]
+    assert wrong == [], "private names imported from public modules:\n" + "\n".join(wrong)
+    # the check sees the offence where it hides: relative, function-level, aliased
+    source = "def f():\n    from ..worker import _start as start, WorkerProcess\n"
+    assert private_names_from_faces(source, "aioproc._worker", set(modules)) == [
+        "2: aioproc.worker._start"
+    ]
+    allowed = "from ..agent import _workers\nfrom .. import __version__\n"
+    assert private_names_from_faces(allowed, "aioproc._cli", set(modules)) == []
 
 
 def test_private_modules_live_in_wings_of_at_most_eight() -> None:

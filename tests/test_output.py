@@ -373,8 +373,8 @@ class _LinesOfAConsole(ConsoleSink):
 
 
 def test_a_sink_gets_text_only_where_its_text_is_at_least_as_derived_as_its_lines() -> None:
+    from aioproc._group.rank_launcher import _FilteredFileSink
     from aioproc._output.sink import takes_text
-    from aioproc.sinks import _FilteredFileSink
 
     class TextToo(_LinesOfAConsole):
         def text(self, rank: int, stream: str, prefix: str, text: str) -> None:
@@ -1536,18 +1536,18 @@ async def test_streams_a_full_sink_lets_go_resume_a_few_per_loop_iteration() -> 
     asked, not all in one iteration: each may then read a whole pipe and write
     it to its log file (up to ~0.5 ms), and with a dozen flooded streams one
     iteration would hold the loop for several milliseconds."""
-    from aioproc._output.flow import Flow
     from aioproc._output.tee import TeeProtocol
+    from aioproc.sinks import Flow
 
     class FlowSink(Sink):
         def __init__(self) -> None:
-            self._backpressure = Flow()
+            self.flow = Flow()
 
         def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
             pass
 
     sink = FlowSink()
-    assert sink._backpressure is not None
+    assert sink.flow is not None
     log: list[tuple[int, str, int]] = []
     clock = {"iteration": 0}
     n = 16
@@ -1555,10 +1555,10 @@ async def test_streams_a_full_sink_lets_go_resume_a_few_per_loop_iteration() -> 
     transports = [_FakePipeTransport(log, rank, clock) for rank in range(n)]
     for tee, transport in zip(tees, transports, strict=True):
         tee.connection_made(transport)  # type: ignore[arg-type]
-    sink._backpressure.hold("console full")
+    sink.flow.hold("console full")
     assert not any(t.reading for t in transports)
     log.clear()
-    sink._backpressure.release("console full")
+    sink.flow.release("console full")
     for _ in range(n):
         clock["iteration"] += 1
         await asyncio.sleep(0)

@@ -225,10 +225,10 @@ async def test_replaced_worker_is_reaped(pw: ModuleType, dropped: Dropped) -> No
 # ---------------------------------------------------------------- shutdown
 
 
-async def test_worker_ignoring_terminate_is_killed_after_shutdown_timeout(
+async def test_worker_ignoring_terminate_is_killed_after_its_grace_period(
     pw: ModuleType,
 ) -> None:
-    pool = await open_pool(2, name="stub", shutdown_timeout=0.5)
+    pool = await open_pool(2, name="stub", grace_period=0.5)
     try:
         pids = live_pids(pool)
         stubborn = await pool.submit(pw.refuse_to_exit)
@@ -244,10 +244,51 @@ async def test_worker_ignoring_terminate_is_killed_after_shutdown_timeout(
     assert pid_gone(stubborn) and pid_gone(polite)
 
 
+async def test_aclose_is_idempotent_and_shutdown_is_tfs_alias(pw: ModuleType) -> None:
+    assert WorkerPool.shutdown is WorkerPool.aclose
+    pool = await open_pool(2, name="twice", grace_period=0.5)
+    try:
+        pids = live_pids(pool)
+        stubborn = await pool.submit(pw.refuse_to_exit)
+        with pytest.warns(ForcedKillWarning, match=rf"twice/\d \(pid {stubborn}\)"):
+            first = asyncio.ensure_future(pool.aclose())
+            await asyncio.sleep(0)
+            await pool.shutdown()  # waits for the first close
+            assert all(pid_gone(pid) for pid in pids)
+            await first
+    finally:
+        await pool.aclose()
+    await pool.aclose()
+    assert repr(pool) == "<WorkerPool size=2 live=0 busy=0 closed>"
+
+
+async def test_shutdown_timeout_still_works_and_warns(pw: ModuleType) -> None:
+    with pytest.warns(DeprecationWarning, match=r"open_pool\(shutdown_timeout=\.\.\.\)") as old:
+        opening = open_pool(1, name="old", shutdown_timeout=0.5)
+    assert old[0].filename == __file__  # it points at the caller's line
+    pool = await opening
+    try:
+        stubborn = await pool.submit(pw.refuse_to_exit)
+        t0 = time.monotonic()
+        with pytest.warns(ForcedKillWarning, match=r"within 0.5 s of the terminate request"):
+            await pool.aclose()
+        elapsed = time.monotonic() - t0
+    finally:
+        await pool.aclose()
+    assert 0.5 <= elapsed < 5
+    assert pid_gone(stubborn)
+    with pytest.raises(TypeError, match=r"open_pool\(\) got both grace_period=1 and shutdown_"):
+        open_pool(1, grace_period=1, shutdown_timeout=2)
+    with pytest.raises(TypeError, match=r"open_pool\(\): name must be a str, got None"):
+        open_pool(1, name=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"takes from 1 to 3 positional arguments but 4"):
+        open_pool(1, None, (), 30)  # type: ignore[misc]
+
+
 async def test_closing_a_busy_pool_fails_waiting_and_running_calls(
     pw: ModuleType, fifo: Fifo
 ) -> None:
-    pool = await open_pool(1, name="busy", shutdown_timeout=0.2)
+    pool = await open_pool(1, name="busy", grace_period=0.2)
     try:
         running = asyncio.ensure_future(pool.submit(pw.announce_pid_then_block, fifo.path))
         queued = asyncio.ensure_future(pool.submit(os.getpid))

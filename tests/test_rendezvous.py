@@ -64,14 +64,6 @@ def test_parameters_refuse_bad_values(kwargs: dict[str, Any], message: str) -> N
     assert str(info.value) == message
 
 
-def test_create_handler_names_an_unknown_backend() -> None:
-    with pytest.raises(ValueError, match="unknown rendezvous backend") as info:
-        create_handler(RendezvousParameters("zookeeper", "localhost:0", "job", 1, 2))
-    assert str(info.value) == (
-        "unknown rendezvous backend 'zookeeper'; aioproc has: c10d, etcd, etcd-v3, static"
-    )
-
-
 def test_create_handler_builds_a_c10d_handler_as_torchs_registry_does() -> None:
     """torch's API users (LocalElasticAgent's specs) get c10d from the same entry point."""
     pytest.importorskip("aetcd")
@@ -163,6 +155,19 @@ def test_info_assigns_global_ranks_as_torch_does() -> None:
     info = RendezvousInfo(round=2, group_rank=2, nodes=nodes)
     assert (info.world_size, info.group_world_size, info.base_global_rank) == (6, 3, 4)
     assert (info.master_addr, info.master_port) == ("10.0.0.1", 4000)
+
+
+def test_static_takes_torchs_rank_option_for_the_node_rank() -> None:
+    """torch's launcher passes a fixed world's node rank as ``rank``; aioproc run, ``node_rank``."""
+    from aioproc.rendezvous.static import StaticRendezvousHandler
+
+    torch_style = RendezvousParameters("static", "10.0.0.1:29501", "job", 2, 2, rank="1")
+    handler = create_handler(torch_style)
+    assert isinstance(handler, StaticRendezvousHandler)
+    assert (handler.node_rank, handler.master_addr, handler.master_port) == (1, "10.0.0.1", 29501)
+    assert not handler.elastic
+    with pytest.raises(ValueError, match=re.escape("got '2'")):
+        create_handler(RendezvousParameters("static", "10.0.0.1:29501", "job", 2, 2, rank="2"))
 
 
 def test_static_two_nodes_meet_at_the_master(tmp_path: Any) -> None:

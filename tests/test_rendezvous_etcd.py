@@ -877,3 +877,35 @@ def test_agents_of_three_roles_get_torchs_role_ranks(etcd: Etcd, tmp_path: Any) 
             str(base + local): expected_env(nodes, group_rank, local) for local in range(a["nproc"])
         }
     assert_only_closed(etcd, job)
+
+
+@pytest.mark.parametrize(
+    ("addr", "port"),
+    [("test_host", "42"), ("test_host", "-"), ("-", "42"), ("-", "-")],
+    ids=["both", "addr", "port", "neither"],
+)
+def test_the_specs_master_address_overrides_the_rendezvous_as_in_torch(
+    etcd: Etcd, tmp_path: Any, addr: str, port: str
+) -> None:
+    """torch's ``check_master_addr_port_override``: ``spec.master_addr or`` the round's, each."""
+    child = os.path.join(CHILDREN_DIR, "master_override.py")
+    proc = subprocess.run(
+        [sys.executable, child, etcd.endpoint, f"master-{addr}-{port}", addr, port],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env=dict(os.environ, PYTHONPATH=REPO_ROOT),
+        cwd=str(tmp_path),
+    )
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout)
+    assert record["state"] == "SUCCEEDED", proc.stderr
+    rdzv_addr, rdzv_port = record["rendezvous"]
+    assert rdzv_addr == "127.0.0.1"  # the agent's --local-addr, published as group rank 0
+    assert rdzv_port != 42
+    expected = [
+        rdzv_addr if addr == "-" else addr,
+        rdzv_port if port == "-" else int(port),
+    ]
+    assert record["group"] == expected  # the agent's WorkerGroup, as torch's
+    assert record["worker"] == [expected[0], str(expected[1])]  # what the worker saw

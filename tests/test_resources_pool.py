@@ -481,14 +481,12 @@ async def test_bad_cpus_raise_before_anything_starts(
     with pytest.raises(error, match=match):
         await aioproc.run("true", 2, cpus=cpus)
     assert events == []
-    if not isinstance(cpus, dict):
-        with pytest.raises(error, match=match):
-            aioproc.open_pool(2, cpus=cpus)
+    # a pool takes cpus as a group does, its positions standing for local ranks
+    with pytest.raises(error, match=match):
+        aioproc.open_pool(2, cpus=cpus)
+    if not isinstance(cpus, dict):  # a worker is a group of one: rank 5 is another message
         with pytest.raises(error, match=match):
             aioproc.open_worker(cpus=cpus)
-    else:
-        with pytest.raises(TypeError, match="cpus of persistent workers must be a list"):
-            aioproc.open_pool(2, cpus=cpus)
 
 
 async def test_pool_and_worker_cpus(tmp_path: Path) -> None:
@@ -502,6 +500,11 @@ async def test_pool_and_worker_cpus(tmp_path: Path) -> None:
         assert pool.pids()[1] != old[1]
     async with aioproc.open_pool(2, cpus=[ALLOWED[1]], start_method="forkserver") as pool:
         assert await pool.run(affinity_of) == [[ALLOWED[1]], [ALLOWED[1]]]
+    async with aioproc.open_pool(2, cpus={1: [ALLOWED[1]]}) as pool:
+        # as a group's ranks: the position named runs on its CPUs, the other where we may
+        assert await pool.run(affinity_of) == [list(ALLOWED), [ALLOWED[1]]]
+    async with aioproc.open_worker(cpus={0: [ALLOWED[1]]}) as worker:
+        assert await worker.call(affinity_of) == [ALLOWED[1]]
     async with aioproc.open_worker(cpus="round-robin") as first:
         async with aioproc.open_worker(cpus="round-robin") as second:
             # one CPU each, the next one of the allowed set for each worker opened

@@ -18,7 +18,7 @@ import pytest
 
 from aioproc import tail as tail_module
 from aioproc._output.tee import MAX_LINE
-from aioproc.tail import TailLog
+from aioproc.tail import TailLog, open_tail_log
 
 
 @pytest.fixture(params=["inotify", "backoff"])
@@ -346,3 +346,79 @@ async def test_cancelled_stop_closes_everything(tmp_path: Path, mode: str) -> No
     with pytest.raises(asyncio.CancelledError):
         await stopping
     assert tailer.stopped()  # and the leak check sees no fd left open
+
+
+# ------------------------------------------------- aclose() and open_tail_log
+
+
+async def test_aclose_drains_every_file_and_is_idempotent_from_another_task(
+    tmp_path: Path, mode: str
+) -> None:
+    """``aclose()`` drains to the end (a partial last line included), a second
+    call from another task waits for the first, a third returns at once."""
+    path = tmp_path / "a.log"
+    path.write_bytes(b"one\ntwo\nno newline")
+    out = io.StringIO()
+    tailer = await TailLog("a", {0: str(path)}, out).start()
+    first = asyncio.create_task(tailer.aclose())
+    second = asyncio.create_task(tailer.aclose())  # another task, while the first drains
+    await asyncio.gather(first, second)
+    assert tailer.stopped()
+    assert out.getvalue() == "[a0]:one\n[a0]:two\n[a0]:no newline\n"
+    await tailer.aclose()
+    assert repr(tailer) == "<TailLog a files=1 stopped>"
+
+
+async def test_open_tail_log_awaited_or_with_async_with(tmp_path: Path, mode: str) -> None:
+    path = tmp_path / "o.log"
+    path.write_text("first\n")
+    out = io.StringIO()
+    tailer = await open_tail_log("o", {0: str(path)}, out, log_line_prefixes={0: "> "})
+    assert repr(tailer) == f"<TailLog o files=1 running, {mode}>"
+    await tailer.aclose()
+    assert out.getvalue() == "> first\n"
+
+    seen: list[str] = []
+
+    async def sink(rank: int, line: str) -> None:
+        seen.append(line)
+
+    keep = lambda line: line != "skip\n"  # noqa: E731
+    async with open_tail_log("o", {0: str(path)}, sink, log_line_filter=keep) as tailer:
+        with open(path, "a") as f:
+            f.write("skip\nsecond\n")
+    assert tailer.stopped()
+    assert seen == ["first\n", "second\n"]
+
+
+async def test_open_tail_log_checks_its_arguments_at_the_call() -> None:
+    with pytest.raises(TypeError, match="dst must be a text stream, a path or an async callable"):
+        open_tail_log("x", {}, 42)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="interval_sec must be positive and finite, got 0"):
+        open_tail_log("x", {}, io.StringIO(), interval_sec=0)
+    with pytest.raises(TypeError, match="positional"):
+        open_tail_log("x", {}, io.StringIO(), None)  # type: ignore[misc]
+
+
+async def test_stop_is_torchs_name_for_aclose(tmp_path: Path) -> None:
+    """torch's verbs stay, without a warning (the suite turns warnings into errors)."""
+    path = tmp_path / "t.log"
+    path.write_text("line\n")
+    out = io.StringIO()
+    tailer = await TailLog("t", {0: str(path)}, out).start()
+    await tailer.stop()
+    assert tailer.stopped()
+    await tailer.aclose()  # and the other way round: one close
+    assert out.getvalue() == "[t0]:line\n"
+
+
+async def test_aclose_during_a_path_destinations_start(tmp_path: Path) -> None:
+    """``aclose()`` from another task while ``start()`` opens its ``dst`` path:
+    the start fails clearly and nothing is left open (the leak check)."""
+    tailer = TailLog("s", {0: str(tmp_path / "never.log")}, tmp_path / "out.log")
+    starting = asyncio.create_task(tailer.start())
+    await asyncio.sleep(0)  # the start is opening its path on the helper thread
+    await tailer.aclose()
+    with pytest.raises(RuntimeError, match="was stopped while starting"):
+        await starting
+    assert tailer.stopped()

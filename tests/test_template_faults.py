@@ -381,8 +381,8 @@ async def test_a_forkserver_pool_takes_a_fresh_template_when_its_own_died() -> N
         # A start that raced the kill (the template not dead yet when it was
         # sent) was forked by a template its retry took for itself alone; the
         # pool takes a live one for good at its next start at the latest.
-        await pool._live_template()
-        assert pool._template is _template._templates[key]
+        await pool._supply.live_template()
+        assert pool._supply.template is _template._templates[key]
         second = _template._templates[key].pid
         assert second != first
         # killed again, and another group starts a fresh one: the pool shares it

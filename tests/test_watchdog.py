@@ -24,7 +24,7 @@ from proc_utils import still_alive_after
 import aioproc.agent.watchdog as wd
 from aioproc import Std
 from aioproc.agent import AgentEvent, LocalElasticAgent, RestartPolicy, WorkerSpec, WorkerState
-from aioproc.agent.watchdog import WatchdogServer
+from aioproc.agent.watchdog import WatchdogServer, open_watchdog
 from aioproc.timer import FD_ENV, INODE_ENV, MAX_PENDING, MAX_SCOPE_LEN, expires
 
 WD_WORKER = str(Path(__file__).parent / "children" / "wd_worker.py")
@@ -417,6 +417,67 @@ async def test_server_lifecycle_misuse(server: Any) -> None:
     assert "closed" in repr(started)
     with pytest.raises(RuntimeError, match="not running"):
         started.set_workers({})
+
+
+# a worker whose timer expires at once, and which ignores the stack dump's SIGUSR2
+# and sends no "dumped": only the SIGKILL of its group ends it
+EXPIRING = (
+    "import json, os, signal, sys, time\n"
+    "signal.signal(signal.SIGUSR2, signal.SIG_IGN)\n"
+    "request = {'op': 'acquire', 'pid': os.getpid(), 'id': 1, 'scope': 'x', 'after': 0}\n"
+    f"os.write(int(os.environ['{FD_ENV}']), json.dumps(request).encode())\n"
+    "time.sleep(600)\n"
+)
+
+
+async def test_aclose_from_two_tasks_finishes_the_kill_under_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A second ``aclose()`` waits for the first, which ends the kill under way:
+    the worker's group is SIGKILLed and the worker gone."""
+    monkeypatch.setattr(wd, "DUMP_TIMEOUT", 0.5)  # the dump ack never comes
+    expired = asyncio.Event()
+    server = await open_watchdog(lambda *a: expired.set())
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        EXPIRING,
+        env={**os.environ, **server.env()},
+        pass_fds=server.pass_fds(),
+        start_new_session=True,
+    )
+    try:
+        server.set_workers({0: proc.pid})
+        await asyncio.wait_for(expired.wait(), LIMIT)  # the kill is under way
+        first = asyncio.create_task(server.aclose())
+        await asyncio.sleep(0)  # the first close is waiting for the kill
+        await asyncio.wait_for(server.aclose(), LIMIT)
+        assert first.done()  # the second returned only once the first had
+        await first
+        assert await asyncio.wait_for(proc.wait(), LIMIT) == -signal.SIGKILL
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await server.aclose()
+    assert "closed" in repr(server)
+
+
+async def test_open_watchdog_with_async_with_and_torchs_stop() -> None:
+    async with open_watchdog(lambda *a: None) as server:
+        assert "running" in repr(server)
+        assert server.pass_fds() == (int(server.env()[FD_ENV]),)
+    assert "closed" in repr(server)
+    with pytest.raises(RuntimeError, match="not running"):
+        server.env()
+
+    server = WatchdogServer(lambda *a: None)  # torch's face: start() then stop()
+    await server.start()
+    await server.stop()
+    assert "closed" in repr(server)
+    await server.aclose()  # one close, whichever name
+    with pytest.raises(TypeError, match="on_expired must be callable"):
+        open_watchdog("not callable")  # type: ignore[arg-type]
 
 
 # ------------------------------------------------- 3. the worker-side module

@@ -15,6 +15,7 @@ import functools
 import importlib.machinery
 import os
 import pickle
+import random
 import re
 import signal
 import sys
@@ -32,8 +33,8 @@ import aioproc
 from aioproc import BrokenWorkerError, ForcedKillWarning, WorkerProcess, open_worker
 from aioproc._func import pickling as _funcpickle
 from aioproc._func.boot import Definitions
+from aioproc._worker.process import STDERR_TAIL
 from aioproc.errors import RemoteTraceback
-from aioproc.worker import STDERR_TAIL
 
 BIG = 100 * 1024 * 1024
 
@@ -304,10 +305,10 @@ async def test_worker_killed_while_idle_is_not_reported_as_dying_during_a_call(
 # ------------------------------------------------------------- shutdown
 
 
-async def test_worker_ignoring_terminate_is_killed_after_shutdown_timeout(
+async def test_worker_ignoring_terminate_is_killed_after_its_grace_period(
     pw: ModuleType,
 ) -> None:
-    w = await open_worker(name="stubborn", shutdown_timeout=0.5)
+    w = await open_worker(name="stubborn", grace_period=0.5)
     try:
         pid = await w.call(pw.refuse_to_exit)
         assert pid == w.pid
@@ -323,7 +324,7 @@ async def test_worker_ignoring_terminate_is_killed_after_shutdown_timeout(
 
 
 async def test_forced_kill_warning_names_what_was_actually_sent(pw: ModuleType) -> None:
-    w = await open_worker(shutdown_timeout=0.5)
+    w = await open_worker(grace_period=0.5)
     try:
         await w.call(pw.refuse_to_exit)
         with pytest.warns(ForcedKillWarning) as record:
@@ -336,7 +337,7 @@ async def test_forced_kill_warning_names_what_was_actually_sent(pw: ModuleType) 
     assert f"(pid {w.pid})" in str(warning.message)
 
 
-async def test_worker_with_a_live_non_daemon_thread_is_killed_after_shutdown_timeout(
+async def test_worker_with_a_live_non_daemon_thread_is_killed_after_its_grace_period(
     pw: ModuleType,
 ) -> None:
     def start_thread() -> None:
@@ -345,11 +346,141 @@ async def test_worker_with_a_live_non_daemon_thread_is_killed_after_shutdown_tim
 
         threading.Thread(target=time.sleep, args=(60,), daemon=False).start()
 
-    w = await open_worker(name="threaded", shutdown_timeout=0.5)
+    w = await open_worker(name="threaded", grace_period=0.5)
     await w.call(start_thread)
     with pytest.warns(ForcedKillWarning, match=rf"threaded \(pid {w.pid}\)"):
         await w.aclose()
     assert pid_gone(w.pid)
+
+
+# -------------------------------------------------- one vocabulary, old spellings
+
+
+async def test_aclose_is_idempotent_and_a_second_call_waits_for_the_first(
+    pw: ModuleType,
+) -> None:
+    w = await open_worker(name="twice", grace_period=0.5)
+    try:
+        pid = await w.call(pw.refuse_to_exit)
+        with pytest.warns(ForcedKillWarning, match=rf"twice \(pid {pid}\)"):
+            first = asyncio.ensure_future(w.aclose())
+            await asyncio.sleep(0)  # the first call has sent the terminate request
+            await w.aclose()  # returns only once the first call's stop is over
+            assert w.returncode == -signal.SIGKILL and pid_gone(pid)
+            await first
+    finally:
+        await w.aclose()
+    await w.aclose()  # and again, long after: nothing left to do
+    assert repr(w) == f"<WorkerProcess twice pid={pid} exited -9>"
+
+
+async def test_cancelling_either_of_two_acloses_at_random_points_leaves_no_worker(
+    pw: ModuleType,
+) -> None:
+    rng = random.Random(41)
+    children = child_pids()
+    for round_ in range(8):
+        w = await open_worker(name=f"racer{round_}", grace_period=0.3)
+        pid = await w.call(pw.refuse_to_exit)
+        with pytest.warns(ForcedKillWarning, match=rf"racer{round_} \(pid {pid}\)"):
+            closes = [asyncio.ensure_future(w.aclose()) for _ in range(2)]
+            victim = closes[rng.randrange(2)]
+            for _ in range(rng.randrange(6)):
+                await asyncio.sleep(0)
+            if rng.random() < 0.5:
+                await asyncio.sleep(rng.uniform(0, 0.5))  # during the grace period, or after
+            victim.cancel()
+            (survivor,) = [c for c in closes if c is not victim]
+            await asyncio.wait_for(survivor, 10)  # returns only once the worker is gone
+            assert w.returncode == -signal.SIGKILL and pid_gone(pid)
+            await asyncio.wait({victim})  # cancelled, or done before the cancel came
+    assert child_pids() == children
+
+
+async def test_close_is_torchs_alias_of_aclose(pw: ModuleType) -> None:
+    assert WorkerProcess.close is WorkerProcess.aclose
+    w = await open_worker()
+    try:
+        pid = await w.call(os.getpid)
+    finally:
+        await w.close()
+    assert w.returncode == 0 and pid_gone(pid)
+
+
+async def test_a_polite_worker_is_not_kept_for_its_grace_period(pw: ModuleType) -> None:
+    w = await open_worker(grace_period=600)
+    pid = w.pid
+    t0 = time.monotonic()
+    await w.aclose()  # no ForcedKillWarning: the suite turns warnings into errors
+    assert time.monotonic() - t0 < 30
+    assert w.returncode == 0 and pid_gone(pid)
+
+
+async def test_shutdown_timeout_still_works_and_warns(pw: ModuleType) -> None:
+    with pytest.warns(DeprecationWarning, match=r"shutdown_timeout=\.\.\.\) is deprecated") as old:
+        opening = open_worker(name="old", shutdown_timeout=0.5)
+    (warning,) = old
+    assert warning.filename == __file__  # it points at the caller's line
+    w = await opening
+    try:
+        pid = await w.call(pw.refuse_to_exit)
+        t0 = time.monotonic()
+        with pytest.warns(ForcedKillWarning, match=r"within 0.5 s of the terminate request"):
+            await w.aclose()
+        elapsed = time.monotonic() - t0
+    finally:
+        await w.aclose()
+    assert 0.5 <= elapsed < 5
+    assert pid_gone(pid)
+
+
+def test_two_spellings_of_one_option_are_refused_naming_both() -> None:
+    children = child_pids()
+    with pytest.raises(TypeError, match=r"got both grace_period=5 and shutdown_timeout=1, "):
+        open_worker(grace_period=5, shutdown_timeout=1)
+    with pytest.raises(TypeError, match=r"got both initializer=<built-in function print> and "):
+        open_worker(print, initializer=print)
+    with pytest.raises(TypeError, match=r"got both initargs=\(1,\) and init_args=\(2,\)"):
+        open_worker(print, init_args=(2,), initargs=(1,))
+    with pytest.raises(TypeError, match=r"open_worker\(\): initializer must be callable, got 7"):
+        open_worker(initializer=7)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"open_worker\(\): init_args must be a tuple .* got 'ab'"):
+        open_worker(print, "ab")
+    with pytest.raises(TypeError, match=r"open_worker\(\): name must be a str, got 3"):
+        open_worker(name=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"grace_period must be a number of seconds, got '5'"):
+        open_worker(grace_period="5")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"grace_period must be a number >= 0, got -1"):
+        open_worker(grace_period=-1)
+    with pytest.raises(TypeError, match=r"takes from 0 to 2 positional arguments but 3"):
+        open_worker(print, (), 30)  # type: ignore[misc]
+    assert child_pids() == children
+
+
+async def test_initializer_and_initargs_as_for_pools() -> None:
+    async with open_worker(initializer=dict, initargs=([("via", "initializer")],)) as w:
+        assert await w.call(aioproc.worker_state) == {"via": "initializer"}
+    async with open_worker(dict, ([("via", "position")],)) as w:
+        assert await w.call(aioproc.worker_state) == {"via": "position"}
+    async with open_worker(init=dict, init_args=([("via", "init")],)) as w:
+        assert await w.call(aioproc.worker_state) == {"via": "init"}
+    async with open_worker(initializer=dict, init_args=([("via", "mixed")],)) as w:
+        assert await w.call(aioproc.worker_state) == {"via": "mixed"}
+
+
+def test_options_are_keyword_only_in_one_order_with_the_groups_types() -> None:
+    import inspect
+
+    group = inspect.signature(aioproc.start_processes).parameters
+    for factory in (open_worker, aioproc.open_pool):
+        params = inspect.signature(factory).parameters
+        positional = [p.name for p in params.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+        assert len(positional) <= 3, positional
+        names = list(params)
+        assert names.index("limits") < names.index("capacity") < names.index("cpus")
+        assert params["cpus"].annotation == group["cpus"].annotation == "CpusArg"
+        assert params["grace_period"].default is aioproc.results.DEFAULT_GRACE_PERIOD
+        assert params["grace_period"].default == group["grace_period"].default
 
 
 # --------------------------------------------------------------- payloads

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .values import (
-    MULTI_NODE_BACKENDS,
     SHUTDOWN_TIMEOUT_ENV,
     SIGNALS_ENV,
     _number,
@@ -36,6 +35,7 @@ if TYPE_CHECKING:
     from .. import Limits
     from ..agent import WorkerSpec
     from ..logs import LogsSpecs
+    from ..rendezvous import RendezvousHandler
     from .torchrun import EventLog
 
 PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
@@ -218,6 +218,9 @@ def _make_run(ns: argparse.Namespace) -> _Run:
         sigs.append(signal.SIGHUP)
     event_log = _event_log(ns)
     rdzv_handler = _make_rdzv_handler(ns)
+    # torchrun gives the spec a master address of its own only with one host or a
+    # fixed world; an elastic rendezvous publishes group rank 0's
+    own_master = rdzv_handler is None or not rdzv_handler.elastic
     spec = WorkerSpec(
         role=ns.role,
         local_world_size=ns.nproc_per_node,
@@ -228,8 +231,8 @@ def _make_run(ns: argparse.Namespace) -> _Run:
         redirects=ns.redirects,
         tee=ns.tee,
         local_ranks_filter=ns.local_ranks_filter,
-        master_addr=ns.master_addr,
-        master_port=ns.master_port,
+        master_addr=ns.master_addr if own_master else None,
+        master_port=ns.master_port if own_master else None,
         restart_policy=ns.backoff or RestartPolicy(),
         watchdog=ns.watchdog,
         duplicate_stdout_filters=ns.duplicate_stdout_filters or None,
@@ -268,52 +271,61 @@ def _shown(cpus: list[int] | str) -> str:
     return cpus if isinstance(cpus, str) else ",".join(map(str, cpus))
 
 
-def _make_rdzv_handler(ns: argparse.Namespace) -> Any:
+def _make_rdzv_handler(ns: argparse.Namespace) -> RendezvousHandler | None:
     """The rendezvous handler for a run over several nodes; None for this host alone.
 
+    The backend is looked up in the registry (aioproc's own, those other
+    packages register); what its class says of itself (``elastic``,
+    ``needs_endpoint``, ``needs_run_id``, ``hosts_store``) decides which
+    flags it needs and what it is passed, as torchrun's ``config_from_args``
+    passes ``--node-rank`` and the master's address to a fixed world only.
+    ``--rdzv-id`` defaults to torchrun's ``none``.
+
     Raises:
-        ValueError: flags that do not make a multi-node run (the message says which).
+        ValueError: flags that do not make a multi-node run, an unknown
+            backend, or one that refuses its options (the message says which).
     """
     min_nodes, max_nodes = ns.nnodes
     if ns.standalone or max_nodes == 1:
         if ns.node_rank != 0:
             raise ValueError(f"--node-rank {ns.node_rank} needs --nnodes > 1")
         return None
-    from ..rendezvous import RendezvousParameters, create_handler
+    from ..rendezvous import RendezvousParameters, rendezvous_handler_registry
 
     backend = ns.rdzv_backend
-    if backend not in MULTI_NODE_BACKENDS:
-        names = [b for b in MULTI_NODE_BACKENDS if b != "etcd-v3"]  # etcd's alias
+    registry = rendezvous_handler_registry
+    if backend not in registry.names(aliases=True):
+        names = registry.names()
         raise ValueError(
             f"--rdzv-backend {backend!r} cannot join several nodes in aioproc; "
             f"use {', '.join(names[:-1])} or {names[-1]}"
         )
-    if backend == "c10d":
-        return _make_c10d_handler(ns)
+    try:
+        cls = registry.backend(backend)
+    except ImportError as e:
+        raise ValueError(str(e)) from None
     conf: dict[str, Any] = dict(ns.rdzv_conf)
-    if backend == "static":
+    if not cls.elastic:
         if min_nodes != max_nodes:
+            elastic = [name for name in registry.names() if _elastic(name)]
             raise ValueError(
-                f"--nnodes {min_nodes}:{max_nodes} is elastic: use --rdzv-backend etcd or c10d, "
-                f"or a fixed --nnodes N with --rdzv-backend static"
+                f"--nnodes {min_nodes}:{max_nodes} is elastic: use --rdzv-backend "
+                f"{' or '.join(elastic)}, or a fixed --nnodes N with --rdzv-backend {backend}"
             )
         if ns.node_rank >= max_nodes:
             raise ValueError(f"--node-rank {ns.node_rank} must be < --nnodes {max_nodes}")
         conf["node_rank"] = ns.node_rank
         conf["master_addr"] = ns.master_addr
         conf.setdefault("master_port", ns.master_port or 29500)
-        endpoint = ns.rdzv_endpoint
-    else:
-        if not ns.rdzv_endpoint:
-            raise ValueError(
-                f"--rdzv-backend {backend} needs --rdzv-endpoint HOST:PORT (the etcd server)"
-            )
-        if ns.run_id is None:
-            raise ValueError(f"--rdzv-backend {backend} needs --rdzv-id (the job's id)")
-        endpoint = ns.rdzv_endpoint
+    if cls.needs_endpoint and not ns.rdzv_endpoint:
+        raise ValueError(f"--rdzv-backend {backend} needs --rdzv-endpoint {cls.endpoint_help}")
+    if cls.needs_run_id and ns.run_id is None:
+        raise ValueError(f"--rdzv-backend {backend} needs --rdzv-id (the job's id)")
+    if cls.hosts_store and ns.log_dir not in (None, os.devnull):
+        conf.setdefault("data_dir", ns.log_dir)  # the hosted store's data, beside the logs
     params = RendezvousParameters(
         backend,
-        endpoint,
+        ns.rdzv_endpoint,
         ns.run_id or "none",
         min_nodes,
         max_nodes,
@@ -321,48 +333,19 @@ def _make_rdzv_handler(ns: argparse.Namespace) -> Any:
         **conf,
     )
     try:
-        return create_handler(params)
+        return registry.create_handler(params)
     except ImportError as e:
         raise ValueError(str(e)) from None
 
 
-def _make_c10d_handler(ns: argparse.Namespace) -> Any:
-    """torchrun's c10d backend: the agent on the endpoint's host serves the store.
+def _elastic(name: str) -> bool:
+    """Whether the backend ``name`` forms its world itself; False if it cannot be loaded."""
+    from ..rendezvous import rendezvous_handler_registry
 
-    That agent runs an etcd server (keeping its data under ``--log-dir``,
-    else in the temp dir); every agent meets in it.  Whether this agent is
-    that one, and where its etcd binary is, is settled here, before
-    anything starts.  ``--rdzv-id`` defaults to torchrun's ``none``: the
-    store is the job's own.
-
-    Raises:
-        ValueError: no endpoint, a bad option, aetcd missing, or this agent
-            hosts the store and finds no etcd binary (the message says how
-            to get one).
-    """
-    from ..rendezvous import RendezvousParameters
-    from ..rendezvous.c10d import create_c10d_handler
-
-    if not ns.rdzv_endpoint:
-        raise ValueError(
-            "--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT] (the host whose agent "
-            "serves the rendezvous; port 29400 by default)"
-        )
-    min_nodes, max_nodes = ns.nnodes
-    params = RendezvousParameters(
-        "c10d",
-        ns.rdzv_endpoint,
-        ns.run_id or "none",
-        min_nodes,
-        max_nodes,
-        local_addr=ns.local_addr,
-        **dict(ns.rdzv_conf),
-    )
-    root = ns.log_dir if ns.log_dir not in (None, os.devnull) else None
     try:
-        return create_c10d_handler(params, data_root=root)
-    except ImportError as e:
-        raise ValueError(str(e)) from None
+        return rendezvous_handler_registry.backend(name).elastic
+    except (ImportError, ValueError):
+        return False
 
 
 def _live_possible() -> bool:

@@ -3,7 +3,7 @@
 Each parser is an argparse ``type=``: it turns one flag's string into its
 value, or raises ``argparse.ArgumentTypeError`` with a message saying what
 was expected, so a bad flag is a usage error (exit 2) before anything
-starts.  ``PROG``, ``SIGNALS_ENV`` and ``MULTI_NODE_BACKENDS`` live here, at
+starts.  ``PROG`` and ``SIGNALS_ENV`` live here, at
 the bottom of ``_cli``, because the parser, the run and the messages all
 name them.  The parsers that need the agent or the checks import them when
 called, so ``aioproc --help`` stays fast.
@@ -30,8 +30,6 @@ PROG = "aioproc"
 SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 LOGS_SPECS_GROUP = "torchrun.logs_specs"
-# c10d: an etcd server hosted by the agent on the endpoint's host (torchrun's default)
-MULTI_NODE_BACKENDS = ("c10d", "etcd", "etcd-v3", "static")
 
 _UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
 

@@ -50,7 +50,7 @@ from .task import (
 )
 from .tfconfig import assign_gpus, check_cluster_spec, tf_config, visible_gpus
 
-__all__ = ["ClusterRunner"]
+__all__ = ["GRACE_PERIOD", "ClusterRunner"]
 
 logger = logging.getLogger("aioproc.cluster")
 
@@ -58,18 +58,28 @@ logger = logging.getLogger("aioproc.cluster")
 _STACKS_TIMEOUT = 5.0
 """Bound on waiting for a task's stack dump (its main thread may hold the GIL in C)."""
 
+GRACE_PERIOD = 5.0
+"""The runner's default ``grace_period``: TF's runner kills tasks at once, so
+its users expect a stop to be quick; 5 s lets a task flush and clean up."""
+
 
 class ClusterRunner:
     """Run ``fn`` once per task of ``cluster_spec``, each task in its own process.
 
-    Built directly (``ClusterRunner(fn, spec, ...)``); ``async with`` starts
-    it and stops every task when the block exits.  See ``aioproc.cluster.run``
-    for the arguments; in addition:
+    Opened with ``aioproc.cluster.open_cluster(fn, spec, ...)``, awaited or
+    with ``async with`` (whose end stops every task), as every handle of
+    aioproc opens; closed with ``aclose()``.  TF's face stays: the
+    constructor, ``start()``, ``join()`` and ``terminate_all()`` (and the
+    constructor is its own context manager, as before).  See
+    ``aioproc.cluster.run`` for the arguments; in addition:
 
     Args:
         sinks: extra sinks for the tasks' prefixed lines (``aioproc.sinks``).
         grace_period: seconds between SIGTERM and SIGKILL when a task is
-            stopped (terminate, chief dependence, timeout, close).
+            stopped (terminate, chief dependence, timeout, ``aclose()``).
+            The runner keeps a default of its own, ``GRACE_PERIOD`` (5 s),
+            not the groups' ``DEFAULT_GRACE_PERIOD`` (30 s): TF's runner
+            kills its tasks at once, and its users expect a quick stop.
         chief_grace_period: with ``dependence_on_chief``, how long the other
             tasks may keep running after the chief exited before they are
             stopped (TF waits 3 s).
@@ -99,7 +109,7 @@ class ClusterRunner:
         env: Mapping[str, str] | None = None,
         rpc_layer: str | None = None,
         sinks: Sequence[SinkLike] = (),
-        grace_period: float = 5.0,
+        grace_period: float = GRACE_PERIOD,
         chief_grace_period: float = 3.0,
         restart_policy: RestartPolicy | None = None,
         max_restarts: int = 10,
@@ -172,12 +182,17 @@ class ClusterRunner:
 
     async def __aenter__(self) -> ClusterRunner:
         if not self._owner.started:
-            try:
-                await self.start()
-            except BaseException:
-                # no __aexit__ follows a failed __aenter__: stop what started
-                await shielded(self.aclose())
-                raise
+            await self._started()
+        return self
+
+    async def _started(self) -> ClusterRunner:
+        """``start()``, closing what started if it fails (``open_cluster``, ``async with``)."""
+        try:
+            await self.start()
+        except BaseException:
+            # no close follows a failed open: stop what started
+            await shielded(self.aclose())
+            raise
         return self
 
     async def __aexit__(
@@ -579,6 +594,11 @@ class ClusterRunner:
 
     async def aclose(self) -> None:
         """Stop every task (SIGTERM, SIGKILL after ``grace_period``) and release all.
+
+        No more restarts; the tasks' outcomes stay readable (``join()``
+        returns them).  Idempotent and safe from any task: a call while
+        another closes the runner waits for the same end; a call on a
+        runner never started returns at once.
 
         Cancellation: runs shielded and bounded; a cancellation is re-raised
         once it is done.

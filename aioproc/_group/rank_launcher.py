@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import string
 import subprocess
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any, TypeAlias
 
 from .._child import channel as _wire
@@ -28,7 +28,7 @@ from .._output.tee import TeeProtocol
 from .._proc.lifeline import SHELL
 from .._proc.spawn import BinaryStart, Child, adopt, discard, spawn, spawn_binaries
 from ..logs import LogsDest
-from ..sinks import CallbackSink, ConsoleSink, FileSink, Sink, _FilteredFileSink
+from ..sinks import CallbackSink, ConsoleSink, FileSink, Sink
 
 if TYPE_CHECKING:
     from .._func.template import Template
@@ -38,6 +38,19 @@ ROLE = "default"
 
 SinkLike: TypeAlias = Sink | Callable[..., Any] | str | IO[str]
 """A sink, a callable taking an ``OutputLine``, a file path or an open text file."""
+
+
+class _FilteredFileSink(FileSink):
+    """torch's duplicate filters: lines containing a needle also go to a file."""
+
+    def __init__(self, path: str, needles: Iterable[str]) -> None:
+        super().__init__(path)
+        self._needles = tuple(needles)
+
+    def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
+        hits = [line for line in lines if any(n in line for n in self._needles)]
+        if hits:
+            super().lines(rank, stream, prefix, hits)
 
 
 class RankLauncher:

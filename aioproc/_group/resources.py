@@ -134,28 +134,6 @@ def check_worker_limits(limits: object) -> Limits | None:
     raise TypeError(f"limits must be an aioproc.Limits (each worker gets its own), got {limits!r}")
 
 
-def check_worker_cpus(cpus: object, workers: int) -> list[dict[int, tuple[int, ...]]] | None:
-    """``cpus=`` of ``workers`` persistent workers: each one's ``{0: CPU ids}``, or None.
-
-    As ``check_cpus`` for a group of ``workers``, but without per-rank
-    sets: a pool's workers are alike, so they share one set or take one
-    CPU each in turn (``"round-robin"``, by position).
-
-    Raises:
-        TypeError, ValueError: as ``check_cpus``; a mapping is refused.
-    """
-    if cpus is None:
-        return None
-    if isinstance(cpus, Mapping):
-        raise TypeError(
-            f"cpus of persistent workers must be a list of CPU ids, 'numa:<node>' or "
-            f"{ROUND_ROBIN!r}, got {cpus!r}"
-        )
-    per_worker = check_cpus(cpus, workers)
-    assert per_worker is not None
-    return [{0: per_worker[i]} for i in range(workers)]
-
-
 def check_capacity(capacity: object, nprocs: int) -> Capacity | None:
     """``capacity=`` checked: a ``Capacity`` that can ever hold the group, or None.
 

@@ -1,12 +1,14 @@
 """Backpressure between the output readers and the buffers they feed.
 
 Every consumer of tee'd output that buffers (the console writer, the queue of
-an async ``CallbackSink``, an ``OutputStream``) owns a ``Flow``.  It is
-*held* while the buffer is above its high-water mark and *released* once it
-drained below its low-water mark; the readers (``TeeProtocol``) watch the
-flows of their sinks and pause their pipe transport while any of them is
-held, so a worker that outpaces its consumers blocks on its own pipe instead
-of growing the supervisor's memory.
+an async ``CallbackSink``, an ``OutputStream``, a third-party sink) owns a
+``Flow``.  It is *held* while the buffer is above its high-water mark and
+*released* once it drained below its low-water mark; the readers
+(``TeeProtocol``) watch the flows of their sinks (``Sink.flow``) and pause
+their pipe transport while any of them is held, so a worker that outpaces
+its consumers blocks on its own pipe instead of growing the supervisor's
+memory.  ``Flow`` is public (``aioproc.sinks.Flow``): it is the whole of a
+sink's part in backpressure.
 
 A flow may have several holders (a ``ConsoleSink`` is held by each console
 writer it uses that is full), and several watchers (one reader per worker
@@ -14,11 +16,11 @@ stream); it is blocked while it has a holder.
 
 Backpressure is right, silence is not: a consumer nobody drains (an
 ``OutputStream`` read only after the group finished) would freeze its
-workers without a word.  So a flow may carry a ``StallWatch``: the readers
-it pauses report themselves to it, and when some stay paused longer than
-its threshold, one warning names the consumer, the workers and what is
-pending.  A timer armed when the first reader pauses and cancelled when the
-last resumes does this; nothing polls.
+workers without a word.  So a flow made for a sink carries a ``StallWatch``:
+the readers it pauses report themselves to it, and when some stay paused
+longer than its threshold, one warning names the sink, the workers and what
+is pending (``Sink.describe_pending``).  A timer armed when the first
+reader pauses and cancelled when the last resumes does this; nothing polls.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Hashable
+
+from .._base.checks import check_duration
 
 FlowWatcher = Callable[["Flow", bool], None]
 """Called with (the flow, whether it is now blocked) on every change."""
@@ -56,29 +60,102 @@ logger = logging.getLogger("aioproc")
 
 
 class Flow:
-    """Whether one bounded buffer wants its producers to pause."""
+    """A sink's valve: while it is held, the workers feeding the sink pause.
 
-    __slots__ = ("_holders", "_watchers", "stall")
+    A sink that buffers what it is given (a queue a task of its own
+    drains, a socket with a bounded send buffer) makes one flow and keeps
+    it in its ``flow`` attribute (``Sink.flow``).  The output readers of
+    every group the sink is given to watch it: while it is held they stop
+    reading the workers' pipes, so each worker blocks on its own full pipe,
+    nothing is lost and the supervisor's memory stays bounded; once it is
+    released they read on.  The sink holds it when its buffer passes a
+    high-water mark and releases it when the buffer drained below a lower
+    one.  Lines already read when the flow is held still arrive (at most a
+    read's worth per stream), and so does what a worker left in its pipe
+    when it exited: the log files must get every byte.
 
-    def __init__(self, stall: StallWatch | None = None) -> None:
+    A flow made for a sink (``Flow(sink)``) also watches how long it holds
+    workers back: past ``stall_warning`` seconds, one warning on the
+    ``aioproc`` logger names the sink (its ``repr``), the workers it holds
+    back, what it has pending (``sink.describe_pending()``) and ``hint``;
+    an info line says when they resume.
+
+    Use it on the event loop thread (where sinks are called), as
+    everything in a sink.
+
+    Args:
+        sink: the sink it belongs to, named by the stall warning; ``None``:
+            a flow of its own (an inner buffer's), which never warns.
+        stall_warning: seconds the sink may keep workers paused before the
+            warning (default ``STALL_WARNING``, 10 s); ``None``: never.
+        hint: what the user can do about a stall, closing the warning.
+
+    Raises:
+        TypeError, ValueError: ``stall_warning`` is not a number of seconds
+            >= 0 or None; ``hint`` is not a str.
+
+    Usage::
+
+        class Uploader(Sink):
+            def __init__(self) -> None:
+                self.flow = Flow(self, hint="the upload is slower than the workers")
+                ...
+
+            def lines(self, rank, stream, prefix, lines):
+                self._queue.extend(lines)
+                if len(self._queue) > 10_000:
+                    self.flow.hold()  # the workers pause
+
+            async def _upload(self):  # a task of the sink's own
+                ...
+                if len(self._queue) < 1_000:
+                    self.flow.release()  # they read on
+    """
+
+    __slots__ = ("_holders", "_stall", "_watchers")
+
+    def __init__(
+        self,
+        sink: object = None,
+        *,
+        stall_warning: float | None = STALL_WARNING,
+        hint: str = "the sink is slower than the workers' output",
+    ) -> None:
+        after = check_duration("stall_warning", stall_warning, allow_none=True)
+        if not isinstance(hint, str):
+            raise TypeError(f"hint must be a str, got {hint!r}")
         self._holders: set[Hashable] = set()
         self._watchers: list[FlowWatcher] = []
-        self.stall = stall
-        """Told by the readers when this flow pauses them (see ``StallWatch``)."""
+        self._stall = None if sink is None else StallWatch(sink, _pending_of(sink), hint, after)
+
+    def __repr__(self) -> str:
+        return f"<Flow {'held' if self._holders else 'open'}>"
 
     @property
     def blocked(self) -> bool:
+        """True while the flow is held (by any holder)."""
         return bool(self._holders)
 
-    def hold(self, holder: Hashable) -> None:
-        """Block on behalf of ``holder`` (idempotent per holder)."""
+    def hold(self, holder: Hashable = None) -> None:
+        """Pause the workers feeding the sink, on behalf of ``holder``.
+
+        Idempotent per holder: holding twice needs one release.
+
+        Args:
+            holder: who holds it (any hashable, default ``None``); a sink
+                with several buffers holds once per full buffer, and the
+                flow stays held until each has released.
+        """
         was = bool(self._holders)
         self._holders.add(holder)
         if not was:
             self._notify(True)
 
-    def release(self, holder: Hashable) -> None:
-        """Drop ``holder``'s block; unblocks once no holder is left."""
+    def release(self, holder: Hashable = None) -> None:
+        """Drop ``holder``'s hold; the workers read on once no holder is left.
+
+        Releasing a holder that does not hold it does nothing.
+        """
         if holder not in self._holders:
             return
         self._holders.discard(holder)
@@ -86,12 +163,17 @@ class Flow:
             self._notify(False)
 
     def watch(self, watcher: FlowWatcher) -> None:
-        """Call ``watcher`` on every change (and now, if currently blocked)."""
+        """Call ``watcher(flow, blocked)`` on every change (and now, if held).
+
+        The output readers watch their sinks' flows; a sink made of inner
+        buffers may watch theirs too and hold its own flow while one is held.
+        """
         self._watchers.append(watcher)
         if self._holders:
             watcher(self, True)
 
     def unwatch(self, watcher: FlowWatcher) -> None:
+        """Stop calling ``watcher`` (not watching: nothing)."""
         try:
             self._watchers.remove(watcher)
         except ValueError:
@@ -100,6 +182,19 @@ class Flow:
     def _notify(self, blocked: bool) -> None:
         for watcher in list(self._watchers):
             watcher(self, blocked)
+
+
+def stall_of(flow: Flow) -> StallWatch | None:
+    """The stall watch of ``flow`` (what the readers report their pauses to), if any."""
+    return flow._stall
+
+
+def _pending_of(sink: object) -> Callable[[], str]:
+    """What the stall warning says ``sink`` holds: its ``describe_pending()``."""
+    describe = getattr(sink, "describe_pending", None)
+    if not callable(describe):
+        return lambda: "holds lines it has not taken yet"
+    return lambda: str(describe())
 
 
 def format_size(n: int) -> str:

@@ -26,10 +26,32 @@ class OutputLine(NamedTuple):
 
 
 class Sink:
-    """Base class: override ``lines`` (and optionally ``text``, ``status``, ``aclose``)."""
+    """Base class of every sink: override ``lines`` (and optionally the rest).
 
-    # the flow readers watch to pause while this sink's buffer is full (None: no buffer)
-    _backpressure: Flow | None = None
+    The output readers call a sink on the event loop thread, in order, with
+    whole lines (``lines`` or ``text``) and progress-bar states
+    (``status``); the group calls ``aclose()`` when it is closed.  A sink
+    that raises is isolated (logged once, never costing another sink, the
+    log files or the verdict a line).
+
+    A sink whose consumer can fall behind takes part in backpressure with
+    public API only:
+
+    * ``flow``: a ``Flow`` made in the sink's ``__init__``
+      (``self.flow = Flow(self)``); the sink holds it while its buffer is
+      full and releases it once drained, and the workers feeding it pause
+      meanwhile (they block on their pipes).  ``None`` (the default): the
+      sink never falls behind (it writes at once, or drops); anything that
+      is not a ``Flow`` is ignored.
+    * ``describe_pending()``: what the sink holds, for the warning that
+      names a sink holding workers back too long.
+    * ``drop_pending()``: drop what is still buffered once the sink's
+      ``aclose()`` has used up the close deadline (``close_sinks``); returns
+      the number of lines lost, counted in one warning.
+    """
+
+    flow: Flow | None = None
+    """The sink's valve (see the class docstring); ``None``: no backpressure."""
 
     def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
         """Receive complete lines of one worker stream, in order."""
@@ -53,8 +75,21 @@ class Sink:
     async def aclose(self) -> None:
         """Flush and release resources; called when the group is closed."""
 
-    def _drop_pending(self) -> int:
-        """Drop what is still buffered; the number of lines lost (ever) not yet reported."""
+    def describe_pending(self) -> str:
+        """What the sink holds, said by the stall warning after the sink's ``repr``.
+
+        For example ``"holds 1.0 MiB (900 lines) unread"``; the default says
+        ``"holds lines it has not taken yet"``.
+        """
+        return "holds lines it has not taken yet"
+
+    def drop_pending(self) -> int:
+        """Drop what is still buffered; the number of lines lost (ever) not yet reported.
+
+        Called once the close deadline has passed, after ``aclose()`` was
+        cancelled; a sink with a ``flow`` releases it here.  The default
+        (nothing buffered) returns 0.
+        """
         return 0
 
 

@@ -10,7 +10,7 @@ import weakref
 from collections.abc import Awaitable, Sequence
 from typing import Any, Generic, TypeVar
 
-from .flow import HARD_LIMIT, HIGH_WATER, LOW_WATER, RECORD_OVERHEAD, Flow, StallWatch
+from .flow import HARD_LIMIT, HIGH_WATER, LOW_WATER, RECORD_OVERHEAD, Flow
 from .sink import Sink
 
 logger = logging.getLogger("aioproc")
@@ -56,16 +56,17 @@ class LineQueue(Generic[T]):
     ``LOW_WATER`` released.  Past ``HARD_LIMIT`` (readers that ignore
     backpressure: a worker's last output after it exited) records are
     dropped and counted in ``dropped``.  ``end()`` adds an end marker that is
-    never dropped.  ``stall``: see ``Flow.stall``.
+    never dropped.  ``flow``: the flow it holds (a sink's own, which names
+    the sink in stall warnings); None: one of its own.
     """
 
-    def __init__(self, stall: StallWatch | None = None) -> None:
+    def __init__(self, flow: Flow | None = None) -> None:
         self._items: collections.deque[tuple[T | None, int]] = collections.deque()
         self._cost = 0
         self.size = 0
         """Text bytes of the records queued."""
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-        self.flow = Flow(stall)
+        self.flow = Flow() if flow is None else flow
         self.dropped = 0
         self._resumed = 0.0  # loop time a get() last suspended (see get())
 
@@ -203,9 +204,9 @@ def _give_up(
     late: list[tuple[Sink, int]] = []
     for sink in tasks.values():
         try:
-            n = sink._drop_pending()
+            n = sink.drop_pending()
         except Exception:
-            report_sink_error(sink, "_drop_pending()")
+            report_sink_error(sink, "drop_pending()")
             continue
         if n:
             late.append((sink, n))

@@ -32,7 +32,7 @@ import weakref
 from typing import TYPE_CHECKING, BinaryIO
 
 from .drain import ReadProgress
-from .flow import Flow
+from .flow import Flow, stall_of
 from .sink import takes_text
 from .sinkops import report_sink_error
 
@@ -477,7 +477,9 @@ class TeeProtocol(asyncio.BufferedProtocol):
         self._backlog: collections.deque[tuple[Buffer, int, int]] = collections.deque()
         self._lent: bytearray | None = None  # the buffer get_buffer gave the transport
         self._slicer = _slicer()
-        self._flows = [f for f in (s._backpressure for s in sinks) if f is not None]
+        # a sink's ``flow`` attribute that is no Flow (a sink of its own making
+        # that predates the contract) takes no part in backpressure
+        self._flows = [f for f in (getattr(s, "flow", None) for s in sinks) if isinstance(f, Flow)]
         for flow in self._flows:
             flow.watch(self._on_flow)
 
@@ -537,7 +539,7 @@ class TeeProtocol(asyncio.BufferedProtocol):
 
     def _track_stall(self, flow: Flow) -> None:
         """Tell ``flow``'s stall watch whether it holds this reader's worker now."""
-        stall = flow.stall
+        stall = stall_of(flow)
         if stall is None:
             return
         # a reader not connected yet, closed, or draining an exited worker

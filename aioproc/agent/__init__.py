@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .events import AgentEvent as AgentEvent
 from .local import LocalElasticAgent as LocalElasticAgent
+from .local import open_agent as open_agent
 from .spec import RestartPolicy as RestartPolicy
 from .spec import RunResult as RunResult
 from .spec import Worker as Worker
@@ -20,4 +21,5 @@ __all__ = [
     "WorkerGroup",
     "WorkerSpec",
     "WorkerState",
+    "open_agent",
 ]

@@ -1,7 +1,7 @@
 """``LocalElasticAgent``'s argument checks, in the order the agent makes them.
 
 The messages are the agent's: they name its arguments (``spec``,
-``logs_specs``, ``stop()``'s ``death_sig`` and ``timeout``...).
+``logs_specs``, ``stop()``'s ``death_sig`` and ``grace_period``...).
 """
 
 from __future__ import annotations
@@ -69,13 +69,20 @@ def check_agent_args(
 
 
 def check_stop_args(
-    death_sig: int, timeout: float | None, grace_period: float
+    death_sig: int, grace: float | None, default: float, *, name: str = "grace_period"
 ) -> tuple[signal.Signals, float]:
-    """Check ``stop()``'s arguments; ``grace_period``: the agent's, for ``timeout=None``.
+    """Check a stop's arguments; ``default``: the agent's grace period, for ``grace=None``.
+
+    Args:
+        death_sig: the graceful signal.
+        grace: seconds before SIGKILL, or None for ``default``.
+        default: the agent's ``grace_period``.
+        name: how the caller spelled ``grace`` (``"grace_period"``, or the
+            deprecated ``"timeout"``), for the message.
 
     Returns:
         ``(signal, grace)``: ``death_sig`` as a ``signal.Signals``, and the
-        grace period before SIGKILL (``timeout`` as given, or the agent's).
+        grace period before SIGKILL (``grace`` as given, or ``default``).
 
     Raises:
         ValueError: as ``LocalElasticAgent.stop`` documents.
@@ -84,12 +91,12 @@ def check_stop_args(
         sig = signal.Signals(death_sig)
     except (ValueError, TypeError):
         raise ValueError(f"death_sig must be a signal number, got {death_sig!r}") from None
-    grace = grace_period if timeout is None else timeout
+    value = default if grace is None else grace
     if (
-        isinstance(grace, bool)
-        or not isinstance(grace, (int, float))
-        or math.isnan(grace)
-        or grace < 0
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or math.isnan(value)
+        or value < 0
     ):
-        raise ValueError(f"timeout must be a number >= 0, got {timeout!r}")
-    return sig, grace
+        raise ValueError(f"{name} must be a number >= 0, got {grace!r}")
+    return sig, value

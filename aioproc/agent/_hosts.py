@@ -305,10 +305,11 @@ class Hosts:
     async def change_in_flight(self) -> WorldChange | RendezvousError | None:
         """A world change that arrives within ``FAILURE_SETTLE`` of a failed attempt.
 
-        With one host or a static world: None, at once.
+        With one host or a fixed world (a backend that is not ``elastic``):
+        None, at once.
         """
         handler = self.handler
-        if handler is None or handler.get_backend() == "static":
+        if handler is None or not handler.elastic:
             return None
         from ..rendezvous import RendezvousError
 
@@ -350,7 +351,7 @@ class Hosts:
 
     def failure_host(self) -> str:
         """Where the run's failures happened: the failed host, else this one ("" with one host)."""
-        return self._failed_host or getattr(self.handler, "addr", "")
+        return self._failed_host or (self.handler.addr if self.handler is not None else "")
 
 
 def _failure_record(rank: int, failure: Any) -> dict[str, Any]:

@@ -129,7 +129,7 @@ class Workers:
         Args:
             attempt: ``TORCHELASTIC_RESTART_COUNT``.
             master_addr, master_port: rank 0's address with one host (over
-                several hosts, ``info``'s).
+                several hosts, ``info``'s unless the spec gives its own).
             watchdog: the run's watchdog server, if ``spec.watchdog``.
             hosts: the run's multi-host coordination.
             info: this attempt's rendezvous round, over several hosts.
@@ -144,8 +144,9 @@ class Workers:
         """
         spec = self._spec
         n = spec.local_world_size
-        if info is not None:
-            master_addr, master_port = info.master_addr, info.master_port
+        if info is not None:  # torch's rule: the spec's own address wins over the round's
+            master_addr = spec.master_addr or info.master_addr
+            master_port = spec.master_port or info.master_port
         ranks = assigned_ranks(n, info)
         base = ranks.base_global_rank
         envs = {

@@ -7,13 +7,18 @@ waits the restart policy's backoff and starts the next attempt, logging
 into ``attempt_<n>`` beside the earlier attempts' logs, while restarts
 remain.  Everything that happens is published as an ``AgentEvent``.
 
-``stop()`` ends the run, as torchelastic's agent treats a stop: it never
-restarts.  The run's own task does the stopping (one close per attempt,
-with the signal and grace period ``stop()`` was given); ``stop()`` asks and
-waits for the run to end.  A ``stop()`` while the workers are already
-being stopped (by an earlier ``stop()`` or a signal) can only cut that
-stop's grace period short: it closes the attempt's group again, which
-brings the SIGKILL forward.
+``aclose()`` (or ``stop()`` with a signal and a grace period of its own)
+ends the run, as torchelastic's agent treats a stop: it never restarts.
+The run's own task does the stopping (one close per attempt, with the
+signal and grace period asked for); ``aclose()`` asks and waits for the run
+to end.  A stop while the workers are already being stopped (by an earlier
+one or a signal) can only cut that stop's grace period short: it closes the
+attempt's group again, which brings the SIGKILL forward.
+
+Two faces open an agent: ``open_agent(spec, ...)``, an ``OpenResource``
+whose run goes on in a task of the agent's own (``await agent.wait()`` for
+its result), as every handle of aioproc opens; and torch's, the constructor
+then ``await agent.run()``.
 
 Over several hosts (``spec.rdzv_handler``), each attempt starts with a
 rendezvous round that gives the host its group rank and the world; while
@@ -36,12 +41,16 @@ import asyncio
 import signal
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.abc
 
+from .._base.owner import Owner
+from .._base.resource import OpenResource
 from .._base.shield import shielded
 from .._errors.summary import ChildFailedError
 from .._func import template as _template
@@ -51,8 +60,8 @@ from .._group.rank_launcher import make_sinks as _make_sinks
 from .._limits.capacity import Capacity
 from .._metrics import hooks as _hooks
 from ..logs import DefaultLogsSpecs, LogsSpecs
-from ..results import Usage
-from ..signals import pending_signal
+from ..results import DEFAULT_GRACE_PERIOD, Usage
+from ..signals import SignalException, pending_signal
 from ..sinks import close_sinks
 from . import events as ev
 from ._checks import check_agent_args, check_stop_args
@@ -65,7 +74,7 @@ if TYPE_CHECKING:
     from ..rendezvous import RendezvousError, WorldChange
     from .watchdog import WatchdogServer
 
-__all__ = ["LocalElasticAgent"]
+__all__ = ["LocalElasticAgent", "open_agent"]
 
 
 class LocalElasticAgent:
@@ -74,6 +83,8 @@ class LocalElasticAgent:
     The positional order is torch's (>= 2.2): ``LocalElasticAgent(spec,
     logs_specs, start_method, exit_barrier_timeout,
     log_line_prefix_template)``; aioproc's own options are keyword-only.
+    This constructor with ``await agent.run()`` is torch's face;
+    ``open_agent(spec, ...)`` opens an agent as aioproc opens every handle.
 
     Args:
         spec: what to run.
@@ -93,7 +104,9 @@ class LocalElasticAgent:
             written to ``os.environ``.
         log_dir: base directory of the logs when ``logs_specs`` is None
             (torch's layout); ``None``: a private temp dir.
-        grace_period: seconds between the stop signal and SIGKILL.
+        grace_period: seconds between the stop signal and SIGKILL, for every
+            stop: a failure's, ``aclose()``'s, a signal's (default
+            ``DEFAULT_GRACE_PERIOD``, 30 s, as every group's).
         run_id: ``TORCHELASTIC_RUN_ID`` (default: a random id).
         sinks: where tee'd lines go (see ``start_processes``).
         on_event: called with every ``AgentEvent`` (synchronously: keep it
@@ -117,7 +130,7 @@ class LocalElasticAgent:
 
         result = await LocalElasticAgent(spec).run()
         async with LocalElasticAgent(spec, DefaultLogsSpecs(log_dir="logs")) as agent:
-            result = await agent.run()
+            result = await agent.run()  # leaving the block stops the run: aclose()
     """
 
     def __init__(
@@ -129,7 +142,7 @@ class LocalElasticAgent:
         log_line_prefix_template: str | None = None,
         *,
         log_dir: str | None = None,
-        grace_period: float = 30.0,
+        grace_period: float = DEFAULT_GRACE_PERIOD,
         run_id: str | None = None,
         sinks: Sequence[SinkLike] | None = None,
         on_event: Callable[[AgentEvent], Any] | None = None,
@@ -170,8 +183,9 @@ class LocalElasticAgent:
         self._restart_count = 0
         self._remaining_restarts = spec.max_restarts
         self._running = False
-        # set by stop() while a run is going on: (signal, grace period)
+        # set by a stop while a run is going on: (signal, grace period), and who asked
         self._stop_request: tuple[int, float] | None = None
+        self._stop_verb = ""
         self._stop_requested: asyncio.Event | None = None
         self._run_ended: asyncio.Event | None = None
         self._run_task: asyncio.Task[Any] | None = None
@@ -197,6 +211,9 @@ class LocalElasticAgent:
         self._usage: dict[int, Usage] = {}  # the last attempt's, by global rank
         # the metrics recorder, read once per run: one enabled later counts from the next run
         self._rec = _hooks.current
+        # opened by open_agent: the task that runs run(), and how the run ended
+        self._background: Owner[None] | None = None
+        self._outcome: RunResult | BaseException | None = None
 
     def __repr__(self) -> str:
         return (
@@ -271,12 +288,15 @@ class LocalElasticAgent:
         Returns:
             ``RunResult`` keyed by global rank: SUCCEEDED with the return
             values, FAILED with the last attempt's failures, or STOPPED
-            (with how each worker ended) when ``stop()`` ended the run;
-            a stop never consumes a restart or starts an attempt.
+            (with how each worker ended) when a stop (``aclose()``,
+            ``stop()``) ended the run; a stop never consumes a restart or
+            starts an attempt.
 
         Raises:
             SignalException: when run inside ``translate_signals`` and a
                 signal arrives; the workers are stopped with that signal first.
+            RuntimeError: a run of this agent is going on already (one
+                ``open_agent`` started, or another task's ``run()``).
 
         Cancellation: the current attempt's workers are stopped (SIGTERM,
         then SIGKILL after the grace period; shielded and bounded) before the
@@ -285,7 +305,11 @@ class LocalElasticAgent:
         self._begin_run()
         spec = self._spec
         master_addr = spec.master_addr or "127.0.0.1"
-        master_port = spec.master_port or free_port(master_addr)
+        # over several hosts each round names group rank 0's port (the spec's wins):
+        # none is taken here, on an address that may not even be this host's
+        master_port = spec.master_port or (
+            free_port(master_addr) if spec.rdzv_handler is None else 0
+        )
         watchdog = self._new_watchdog()
         hosts = self._hosts = self._new_hosts()
         try:
@@ -352,6 +376,7 @@ class LocalElasticAgent:
         self._run_task = asyncio.current_task()
         self._workers.signalled = False
         self._stop_request = None
+        self._stop_verb = ""
         self._stop_requested = asyncio.Event()
         self._run_ended = asyncio.Event()
         self._consecutive = 0
@@ -534,7 +559,8 @@ class LocalElasticAgent:
         }.get(state, ev.GROUP_FAILED)
         if state == WorkerState.STOPPED and self._stop_request is not None and not message:
             sig, grace = self._stop_request
-            message = f"stopped by stop() with {signal.Signals(sig).name}, grace {grace:g} s"
+            name = signal.Signals(sig).name
+            message = f"stopped by {self._stop_verb} with {name}, grace {grace:g} s"
         self._publish(kind, message=message)
         result = RunResult(
             state, values, failures, self._logs_specs.run_log_dir, message, usage=self._usage
@@ -568,40 +594,76 @@ class LocalElasticAgent:
 
     # ---------------------------------------------------------------- close
 
-    # ``timeout`` is the grace period before SIGKILL (PContext.close's name), not a deadline
+    async def aclose(self) -> None:
+        """End the run: stop the workers and return once the run has ended.
+
+        The workers get SIGTERM, then SIGKILL after the agent's
+        ``grace_period`` (``ForcedKillWarning`` names each one killed); the
+        run (``run()``, or the one ``open_agent`` started) then returns a
+        ``RunResult`` with state STOPPED (SUCCEEDED if every worker had
+        already succeeded): a stop is the end of the run, never a failure
+        to restart from, as in torchelastic.  Asked while the group
+        starts, the group is stopped once started; asked during a restart's
+        backoff, no new attempt starts.  Idempotent and safe from any task:
+        a call while a stop is under way waits for the same end; a call
+        when no run is going on returns at once.
+
+        Cancellation: shielded: the stop and the wait for the run's end
+        (bounded by the grace period, the kill and the rendezvous' close)
+        finish, then the cancellation is re-raised.
+        """
+        await shielded(self._close(signal.SIGTERM))
+
     async def stop(
         self,
         death_sig: int = signal.SIGTERM,
+        grace_period: float | None = None,
+        *,
         timeout: float | None = None,
     ) -> None:
-        """End the run: stop the workers and return once ``run()`` has ended.
+        """End the run with ``death_sig`` and a grace period of its own; see ``aclose()``.
 
-        ``run()`` then returns a ``RunResult`` with state STOPPED (SUCCEEDED
-        if every worker had already succeeded): a stop is the end of the
-        run, never a failure to restart from, as in torchelastic.  Asked
-        while the group starts, the group is stopped once started; asked
-        during a restart's backoff, no new attempt starts.  A call while
-        the workers are already being stopped (by an earlier ``stop()``, or
-        by a signal under ``translate_signals``) keeps that stop's signal
-        but can cut its grace period short: the workers still running are
-        killed ``timeout`` seconds from now if that is sooner (at once with
-        ``death_sig=SIGKILL``), as a second Ctrl-C does in ``aioproc run``.
-        Calls when no run is going on return at once.
+        A call while the workers are already being stopped (by an earlier
+        stop, or by a signal under ``translate_signals``) keeps that stop's
+        signal but can cut its grace period short: the workers still
+        running are killed ``grace_period`` seconds from now if that is
+        sooner (at once with ``death_sig=SIGKILL``), as a second Ctrl-C does
+        in ``aioproc run``.  Calls when no run is going on return at once.
 
         Args:
             death_sig: the graceful signal sent to every worker's group.
-            timeout: seconds before SIGKILL (default: the agent's
+            grace_period: seconds before SIGKILL (default: the agent's
                 ``grace_period``).
+            timeout: the old name of ``grace_period``; deprecated.
 
         Raises:
-            ValueError: ``death_sig`` is not a signal, or ``timeout`` is
-                negative or not a number.
+            ValueError: ``death_sig`` is not a signal, or ``grace_period``
+                is negative or not a number.
+            TypeError: both ``grace_period`` and ``timeout`` are given.
 
-        Cancellation: the stop goes on in ``run()``'s task (shielded and
+        Cancellation: the stop goes on in the run's task (shielded and
         bounded, like ``PContext.close``); only the wait for it is
         cancelled.
         """
-        sig, grace = check_stop_args(death_sig, timeout, self._grace_period)
+        name = "grace_period"
+        if timeout is not None:
+            if grace_period is not None:
+                raise TypeError(
+                    f"give grace_period={grace_period!r} or timeout={timeout!r} "
+                    f"(its old name), not both"
+                )
+            warnings.warn(
+                "LocalElasticAgent.stop(timeout=...) is deprecated: "
+                "use stop(grace_period=...), the seconds before SIGKILL",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            grace_period, name = timeout, "timeout"
+        sig, grace = check_stop_args(death_sig, grace_period, self._grace_period, name=name)
+        await self._stop(sig, grace, "stop()")
+
+    async def _stop(self, sig: signal.Signals, grace: float, verb: str) -> None:
+        """Ask the run (if one is going on) to stop with ``sig``; wait for its end."""
         if not self._running or self._run_ended is None:
             return
         stopping = self._stop_request is not None or self._workers.signalled
@@ -609,6 +671,7 @@ class LocalElasticAgent:
             stopping = True  # a signal's stop is on its way to the group
         if self._stop_request is None:
             self._stop_request = (int(sig), float(grace))
+            self._stop_verb = verb
             assert self._stop_requested is not None
             self._stop_requested.set()
             if self._hosts is not None:
@@ -619,6 +682,65 @@ class LocalElasticAgent:
             await pc.close(sig, grace)
         await self._run_ended.wait()
 
+    async def _close(self, sig: int) -> None:
+        """``aclose()`` with ``sig``; the run ``open_agent`` started ends too."""
+        if self._background is not None and not self._running:
+            # its run has not begun (or is over): there is nothing to ask, only a task to end
+            self._background.cancel()
+        await self._stop(signal.Signals(sig), self._grace_period, "aclose()")
+        if self._background is not None:
+            await self._background.wait()
+
+    async def _open(self) -> LocalElasticAgent:
+        """Start ``run()`` in a task of the agent's own (``open_agent``); return the agent."""
+        if self._running or self._background is not None:
+            raise RuntimeError(f"{self!r} was started before: an agent opens once")
+        owner: Owner[None] = Owner(f"aioproc-agent-{self._spec.role}")
+        self._background = owner
+
+        async def body(group: anyio.abc.TaskGroup) -> None:
+            try:
+                self._outcome = await self.run()
+            except Exception as e:  # the run's own error: wait() raises it
+                self._outcome = e
+            except BaseException as e:  # cancelled with the loop: stopped all the same
+                self._outcome = e
+                raise
+
+        owner.start(body)
+        try:
+            # run() marks itself running before its first await: a close from now on stops it
+            await owner.opened()
+        except asyncio.CancelledError:
+            await shielded(self._close(signal.SIGTERM))  # nobody else could close it
+            raise
+        return self
+
+    async def wait(self) -> RunResult:
+        """The result of the run ``open_agent`` started, once it has ended.
+
+        Returns:
+            The run's ``RunResult`` (see ``run()``).
+
+        Raises:
+            RuntimeError: the agent was not opened with ``open_agent``
+                (torch's face: ``await agent.run()`` returns the result).
+            Exception: what the run raised (an error of the agent's own).
+
+        Cancellation: the run goes on; ``aclose()`` stops it.
+        """
+        if self._background is None:
+            raise RuntimeError(
+                f"{self!r} was not opened with open_agent(): await agent.run() for its result"
+            )
+        await self._background.wait()
+        outcome = self._outcome
+        if isinstance(outcome, RunResult):
+            return outcome
+        if isinstance(outcome, Exception):
+            raise outcome
+        raise RuntimeError(f"the run of {self!r} was cancelled before it ended")
+
     async def __aenter__(self) -> LocalElasticAgent:
         return self
 
@@ -628,7 +750,74 @@ class LocalElasticAgent:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.stop()
+        await self.aclose()
+
+
+def open_agent(
+    spec: WorkerSpec,
+    *,
+    logs_specs: LogsSpecs | None = None,
+    start_method: str = "spawn",
+    exit_barrier_timeout: float = 300,
+    log_line_prefix_template: str | None = None,
+    log_dir: str | None = None,
+    grace_period: float = DEFAULT_GRACE_PERIOD,
+    run_id: str | None = None,
+    sinks: Sequence[SinkLike] | None = None,
+    on_event: Callable[[AgentEvent], Any] | None = None,
+    event_history_size: int = HISTORY_SIZE,
+    capacity: Capacity | None = None,
+) -> OpenResource[LocalElasticAgent]:
+    """Run ``spec``'s workers with restarts, in a task of the agent's own.
+
+    Awaited, it starts the run and returns the ``LocalElasticAgent``:
+    ``await agent.wait()`` is the run's ``RunResult``, ``await
+    agent.aclose()`` stops it.  With ``async with``, leaving the block
+    stops the run (with the signal that ended the block, under
+    ``translate_signals``) and waits for its end.  The arguments are
+    ``LocalElasticAgent``'s, keyword-only after ``spec``; they are checked
+    at the call, before anything starts.
+
+    Usage::
+
+        async with open_agent(spec, log_dir="logs") as agent:
+            result = await agent.wait()
+
+    Returns:
+        An ``OpenResource``: ``await`` it, or use it with ``async with``.
+
+    Raises:
+        TypeError, ValueError: as ``LocalElasticAgent`` (at the call).
+
+    Cancellation: cancelled while it opens, the run is started and stopped
+    again; leaving the ``async with`` block by a cancellation stops the run
+    (shielded and bounded, as ``aclose()``) before it propagates.
+    """
+    agent = LocalElasticAgent(
+        spec,
+        logs_specs,
+        start_method,
+        exit_barrier_timeout,
+        log_line_prefix_template,
+        log_dir=log_dir,
+        grace_period=grace_period,
+        run_id=run_id,
+        sinks=sinks,
+        on_event=on_event,
+        event_history_size=event_history_size,
+        capacity=capacity,
+    )
+
+    async def close(agent: LocalElasticAgent, exc: BaseException | None) -> None:
+        # a signal that ended the block stops the workers with that signal
+        sig: int = signal.SIGTERM
+        if isinstance(exc, SignalException):
+            sig = exc.sigval
+        elif isinstance(exc, asyncio.CancelledError):
+            sig = pending_signal() or signal.SIGTERM
+        await shielded(agent._close(sig))
+
+    return OpenResource(agent._open, close, "open_agent(...)")
 
 
 def _is_signal(e: BaseException) -> bool:

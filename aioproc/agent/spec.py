@@ -16,7 +16,7 @@ from ..logs import Std
 from ..results import Usage
 
 if TYPE_CHECKING:
-    from ..rendezvous import RendezvousHandler
+    from ..rendezvous.api import RendezvousHandler
 
 __all__ = ["RestartPolicy", "RunResult", "WorkerSpec", "WorkerState"]
 
@@ -58,6 +58,8 @@ class WorkerSpec:
         redirects, tee, local_ranks_filter: as in ``DefaultLogsSpecs``.
         master_addr, master_port: rendezvous address for the workers
             (``MASTER_ADDR``/``MASTER_PORT``); a free port when not given.
+            Over several hosts they override the rendezvous's address, each
+            on its own, as in torch (``spec.master_addr or`` group rank 0's).
         env: extra environment for every worker.
         restart_policy: backoff and expected exit codes between attempts.
         watchdog: enable ``aioproc.timer`` watchdog timers in the workers.
@@ -66,10 +68,11 @@ class WorkerSpec:
         preload: modules the forkserver template imports before forking the
             workers (with the agent's ``start_method="forkserver"``); the
             agent keeps the template up across restarts.
-        rdzv_handler: a handler from ``aioproc.rendezvous.create_handler``
-            for a job over several hosts (each runs an agent); None: this
-            host alone.  ``master_addr``/``master_port`` are then ignored:
-            group rank 0 publishes its own through the rendezvous.
+        rdzv_handler: a ``RendezvousHandler`` (from
+            ``aioproc.rendezvous.create_handler``, or of a backend of one's
+            own) for a job over several hosts (each runs an agent); None:
+            this host alone.  Group rank 0 publishes its address through the
+            rendezvous; ``master_addr``/``master_port``, when given, win.
         virtual_local_rank: torch's virtual local rank mode: every worker
             gets ``LOCAL_RANK=0`` and ``CUDA_VISIBLE_DEVICES`` naming only
             its own GPU (see ``visible_device``).
@@ -155,13 +158,14 @@ class WorkerSpec:
             raise TypeError(
                 f"WorkerSpec.restart_policy must be a RestartPolicy, got {self.restart_policy!r}"
             )
-        if self.rdzv_handler is not None and not callable(
-            getattr(self.rdzv_handler, "next_rendezvous", None)
-        ):
-            raise TypeError(
-                f"WorkerSpec.rdzv_handler must come from aioproc.rendezvous.create_handler, "
-                f"got {self.rdzv_handler!r}"
-            )
+        if self.rdzv_handler is not None:
+            from ..rendezvous.api import RendezvousHandler
+
+            if not isinstance(self.rdzv_handler, RendezvousHandler):
+                raise TypeError(
+                    f"WorkerSpec.rdzv_handler must be an aioproc.rendezvous.RendezvousHandler "
+                    f"(from aioproc.rendezvous.create_handler), got {self.rdzv_handler!r}"
+                )
         if not isinstance(self.virtual_local_rank, bool):
             raise TypeError(
                 f"WorkerSpec.virtual_local_rank must be a bool, got {self.virtual_local_rank!r}"

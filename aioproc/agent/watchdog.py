@@ -1,4 +1,4 @@
-"""Parent side of watchdog timers: ``WatchdogServer``.
+"""Parent side of watchdog timers: ``WatchdogServer``, opened by ``open_watchdog``.
 
 Design.  One ``AF_UNIX``/``SOCK_DGRAM`` socketpair per agent run.  Workers
 inherit the child end (``pass_fds``; its number in ``AIOPROC_WATCHDOG_FD``)
@@ -42,9 +42,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeGuard
 
+from .._base.resource import OpenResource
 from ..timer import FD_ENV, INODE_ENV, MAX_SCOPE_LEN
 
-__all__ = ["WatchdogServer"]
+__all__ = ["WatchdogServer", "open_watchdog"]
 
 logger = logging.getLogger("aioproc")
 
@@ -97,19 +98,21 @@ class _Rejected(Exception):
 class WatchdogServer:
     """Enforces the ``aioproc.timer.expires`` timers of one agent's workers.
 
+    Opened with ``open_watchdog(on_expired)`` (awaited or with ``async
+    with``), closed with ``aclose()``; torch's timer-server face,
+    ``WatchdogServer(on_expired)`` then ``start()`` and ``stop()``, stays.
+
     Args:
         on_expired: called as ``on_expired(local_rank, pid, scope, after)``
             when a timer expires, before the stack dump and the kill.
 
     Usage (what ``LocalElasticAgent`` does)::
 
-        server = WatchdogServer(on_expired)
-        await server.start()
-        pc = await start_processes(..., envs={r: {**env, **server.env()}},
-                                   pass_fds=server.pass_fds())
-        server.set_workers(pc.pids())
-        ...
-        await server.aclose()
+        async with open_watchdog(on_expired) as server:
+            pc = await start_processes(..., envs={r: {**env, **server.env()}},
+                                       pass_fds=server.pass_fds())
+            server.set_workers(pc.pids())
+            ...
     """
 
     def __init__(self, on_expired: Callable[[int, int, str, float], None]) -> None:
@@ -128,6 +131,7 @@ class WatchdogServer:
         self._dump_waiters: dict[int, asyncio.Future[None]] = {}
         self._kills: set[asyncio.Task[None]] = set()
         self._closing = False
+        self._closed: asyncio.Event | None = None  # set once aclose() is done
         self._rejected = 0
 
     def __repr__(self) -> str:
@@ -204,17 +208,34 @@ class WatchdogServer:
         for request in held:
             self._dispatch(request, final=True)
 
+    async def stop(self) -> None:
+        """torch's name (its timer servers' ``stop()``) for ``aclose()``."""
+        await self.aclose()
+
     async def aclose(self) -> None:
         """Cancel every timer, finish kills under way, and close the channel.
 
         Requests still queued are read first, so every rejection is logged.
+        Idempotent and safe from any task: a call while another task closes
+        the server waits for that close; a call once closed (or on a server
+        never started) returns at once.
 
         Cancellation: the channel is closed all the same; a kill under way
-        still ends with its SIGKILL.
+        still ends with its SIGKILL.  A call waiting for another task's
+        close stops waiting; that close goes on.
         """
         if self._closing:
+            if self._closed is not None:
+                await self._closed.wait()
             return
         self._closing = True
+        self._closed = asyncio.Event()
+        try:
+            await self._close()
+        finally:
+            self._closed.set()
+
+    async def _close(self) -> None:
         for timer in self._timers.values():
             timer.handle.cancel()
         self._timers.clear()
@@ -448,6 +469,38 @@ class WatchdogServer:
                 os.killpg(worker, signal.SIGKILL)
             except OSError:
                 pass  # the group is gone already
+
+
+def open_watchdog(
+    on_expired: Callable[[int, int, str, float], None],
+) -> OpenResource[WatchdogServer]:
+    """A started ``WatchdogServer``: awaited, or with ``async with`` (whose end closes it).
+
+    Args:
+        on_expired: as for ``WatchdogServer``; checked at the call.
+
+    Returns:
+        An ``OpenResource``: ``await`` it (then ``await server.aclose()``),
+        or use it with ``async with``.
+
+    Raises:
+        TypeError: ``on_expired`` is not callable (at the call).
+        RuntimeError: the platform has no ``SO_PASSCRED`` (when opened).
+
+    Cancellation: the start is not interrupted (it does not wait); leaving
+    the ``async with`` block by a cancellation closes the server (see
+    ``WatchdogServer.aclose``).
+    """
+    server = WatchdogServer(on_expired)
+
+    async def start() -> WatchdogServer:
+        await server.start()
+        return server
+
+    async def close(server: WatchdogServer, exc: BaseException | None) -> None:
+        await server.aclose()
+
+    return OpenResource(start, close, "open_watchdog(...)")
 
 
 def _is_int(value: object) -> TypeGuard[int]:

@@ -1,22 +1,25 @@
 """Multi-host rendezvous: agents on several hosts agree on a world (torch's names).
 
 ``create_handler(RendezvousParameters(...))`` builds the handler a
-``WorkerSpec`` takes as ``rdzv_handler``: ``"c10d"`` (dynamic membership;
-the agent on the endpoint's host runs the store, an etcd server, as a child
-of its own), ``"etcd"`` (dynamic membership through an etcd v3 server of
-your own; both need ``pip install 'aioproc[etcd]'``) or ``"static"`` (fixed
-node ranks, no store).  Importing this package imports
-no etcd client: only building an etcd handler does.
+``WorkerSpec`` takes as ``rdzv_handler``, from the backend registered under
+``params.backend``: ``"c10d"`` (dynamic membership; the agent on the
+endpoint's host runs the store, an etcd server, as a child of its own),
+``"etcd"`` (dynamic membership through an etcd v3 server of your own; both
+need ``pip install 'aioproc[etcd]'``), ``"static"`` (fixed node ranks, no
+store), or a backend another package registers: a ``RendezvousHandler``
+subclass, registered with ``register_backend`` or declared as an entry
+point of the ``aioproc.rendezvous_backends`` group (``registry``).
+Importing this package imports no backend and no etcd client: only
+building a handler does.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from .api import RendezvousClosedError as RendezvousClosedError
 from .api import RendezvousConnectionError as RendezvousConnectionError
 from .api import RendezvousError as RendezvousError
 from .api import RendezvousGracefulExitError as RendezvousGracefulExitError
+from .api import RendezvousHandler as RendezvousHandler
 from .api import RendezvousInfo as RendezvousInfo
 from .api import RendezvousJobFailedError as RendezvousJobFailedError
 from .api import RendezvousLeaseLostError as RendezvousLeaseLostError
@@ -25,21 +28,21 @@ from .api import RendezvousParameters as RendezvousParameters
 from .api import RendezvousStateError as RendezvousStateError
 from .api import RendezvousTimeoutError as RendezvousTimeoutError
 from .api import WorldChange as WorldChange
-
-if TYPE_CHECKING:
-    from typing import TypeAlias
-
-    from .etcd import EtcdRendezvousHandler
-    from .static import StaticRendezvousHandler
-
-    # the c10d handler is an EtcdRendezvousHandler
-    RendezvousHandler: TypeAlias = EtcdRendezvousHandler | StaticRendezvousHandler
+from .registry import ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
+from .registry import RendezvousHandlerRegistry as RendezvousHandlerRegistry
+from .registry import create_handler as create_handler
+from .registry import get_rendezvous_handler as get_rendezvous_handler
+from .registry import register_backend as register_backend
+from .registry import rendezvous_handler_registry as rendezvous_handler_registry
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousError",
     "RendezvousGracefulExitError",
+    "RendezvousHandler",
+    "RendezvousHandlerRegistry",
     "RendezvousInfo",
     "RendezvousJobFailedError",
     "RendezvousLeaseLostError",
@@ -49,32 +52,7 @@ __all__ = [
     "RendezvousTimeoutError",
     "WorldChange",
     "create_handler",
+    "get_rendezvous_handler",
+    "register_backend",
+    "rendezvous_handler_registry",
 ]
-
-BACKENDS = ("c10d", "etcd", "etcd-v3", "static")
-
-
-def create_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """The handler for ``params.backend`` (torch's ``rendezvous.registry`` entry point).
-
-    Raises:
-        ValueError: an unknown backend, or a bad option (named in the message).
-        ImportError: the etcd backend without aetcd installed (says how to install it).
-    """
-    if not isinstance(params, RendezvousParameters):
-        raise TypeError(f"params must be RendezvousParameters, got {params!r}")
-    if params.backend == "c10d":
-        from .c10d import create_c10d_handler
-
-        return create_c10d_handler(params)
-    if params.backend in ("etcd", "etcd-v3"):
-        from .etcd import EtcdRendezvousHandler
-
-        return EtcdRendezvousHandler(params)
-    if params.backend == "static":
-        from .static import StaticRendezvousHandler
-
-        return StaticRendezvousHandler(params)
-    raise ValueError(
-        f"unknown rendezvous backend {params.backend!r}; aioproc has: {', '.join(BACKENDS)}"
-    )

@@ -10,8 +10,11 @@ This module decides what can be decided before anything starts, with the
 standard library alone: which options the etcd rendezvous gets and which
 are torch's (``c10d_options``), whether this agent hosts the store
 (``matches_machine_hostname``, torch's heuristic), and where its etcd
-binary is (``find_etcd``).  The server process is ``_etcd_server`` and the
-handler ``c10d``.
+binary is (``find_etcd``).  It also tells, while an agent waits for the
+store, whether what listens on the endpoint can be etcd at all
+(``not_etcd``): since the store is one of the job's own agents' etcd,
+anything else holding the port means that no agent can ever serve it.  The
+server process is ``_etcd_server`` and the handler ``c10d``.
 """
 
 from __future__ import annotations
@@ -19,23 +22,27 @@ from __future__ import annotations
 import importlib.util
 import ipaddress
 import logging
-import math
 import os
 import shutil
 import socket
 from dataclasses import dataclass
 
-from .api import RendezvousParameters, parse_endpoint
+import anyio
+
+from .api import RendezvousConnectionError, RendezvousParameters, parse_endpoint
 
 __all__ = [
     "DEFAULT_PORT",
     "ETCD_OPTIONS",
+    "SILENCE",
     "C10dOptions",
+    "StoreNotEtcdError",
     "c10d_options",
     "etcd_missing",
     "find_etcd",
     "format_hostport",
     "matches_machine_hostname",
+    "not_etcd",
 ]
 
 logger = logging.getLogger("aioproc.rendezvous")
@@ -46,8 +53,8 @@ DEFAULT_PORT = 29400
 ETCD_OPTIONS = ("join_timeout", "last_call_timeout", "close_timeout", "lease_ttl")
 """The options the etcd rendezvous takes; c10d passes them on as they are."""
 
-_TORCH_OPTIONS = ("timeout", "read_timeout", "is_host", "store_type")
-"""torch's c10d options that aioproc reads itself (see ``c10d_options``)."""
+_OWN_OPTIONS = ("read_timeout", "is_host", "store_type", "data_dir")
+"""The c10d options that aioproc reads itself: torch's, and ``data_dir`` (see ``c10d_options``)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,8 @@ class C10dOptions:
         is_host: ``is_host`` as given, or None to infer it from ``host``.
         read_timeout: torch's per-operation store timeout (checked, not
             used: every etcd call is bounded by the agent's lease instead).
+        data_dir: where a hosted store keeps its data directory (None:
+            the temp dir).
         unused: the options no part of aioproc reads, by name.
     """
 
@@ -70,6 +79,7 @@ class C10dOptions:
     port: int
     is_host: bool | None
     read_timeout: float
+    data_dir: str | None
     unused: tuple[str, ...]
 
     @property
@@ -87,14 +97,15 @@ def c10d_options(params: RendezvousParameters) -> C10dOptions:
 
     torch's options: ``is_host`` (a boolean: whether this agent hosts the
     store; inferred from the endpoint when absent), ``read_timeout``
-    (positive seconds; accepted, see ``C10dOptions``), ``timeout`` (the
-    rendezvous timeout of torchrun's launcher, which its older backends
-    take as the join timeout: it is ``join_timeout`` here unless that is
-    given too; torch's c10d backend never reads it, so a value that is no
-    number of seconds is left unused, as torch leaves it), ``store_type``
-    (``tcp`` only: aioproc's store is a server, never a file).  The etcd
-    rendezvous's options pass through; any other option is accepted and
-    unused, as torch's backends ignore what they do not read.
+    (positive seconds; accepted, see ``C10dOptions``), ``store_type``
+    (``tcp`` only: aioproc's store is a server, never a file).  aioproc's
+    own: ``data_dir`` (where a hosted store keeps its data; ``aioproc run``
+    passes its ``--log-dir``).  The etcd rendezvous's options pass through.
+    Any other option is accepted and unused, as torch's backends ignore what
+    they do not read: ``timeout`` among them, which torch's launcher always
+    passes (its rendezvous timeout) and torch's c10d backend never reads, so
+    a round completes by ``max_nodes`` or ``last_call_timeout`` however
+    small it is; the join timeout is ``join_timeout`` alone.
 
     Raises:
         ValueError: an endpoint without a usable host and port, or a bad
@@ -119,16 +130,10 @@ def c10d_options(params: RendezvousParameters) -> C10dOptions:
             f"rdzv option store_type={config['store_type']!r} is not supported: aioproc's c10d "
             "store is a server on the endpoint's host (store_type=tcp)"
         )
+    data_dir = config.get("data_dir")
+    if data_dir is not None and (not isinstance(data_dir, str) or not data_dir.strip()):
+        raise ValueError(f"rdzv option data_dir must be a directory, got {data_dir!r}")
     passed = {key: config[key] for key in ETCD_OPTIONS if key in config}
-    known = set(ETCD_OPTIONS) | set(_TORCH_OPTIONS)
-    if "timeout" in config and "join_timeout" not in passed:
-        # torch's c10d backend never reads ``timeout``, so torchrun runs whatever
-        # it says (even a value garbled by quotes that reached the argv); only a
-        # number of seconds stands in for the join timeout, the rest goes unused
-        if _is_seconds(config["timeout"]):
-            passed["join_timeout"] = config["timeout"]
-        else:
-            known.discard("timeout")
     etcd_params = RendezvousParameters(
         params.backend,
         format_hostport(host, port),
@@ -138,19 +143,9 @@ def c10d_options(params: RendezvousParameters) -> C10dOptions:
         local_addr=params.local_addr,
         **passed,
     )
+    known = set(ETCD_OPTIONS) | set(_OWN_OPTIONS)
     unused = tuple(sorted(key for key in config if key not in known))
-    return C10dOptions(etcd_params, host, port, is_host, read_timeout, unused)
-
-
-def _is_seconds(value: object) -> bool:
-    """Whether ``value`` is a finite number of seconds >= 0 (as an option's text or a number)."""
-    if isinstance(value, bool):
-        return False
-    try:
-        seconds = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return False
-    return math.isfinite(seconds) and seconds >= 0
+    return C10dOptions(etcd_params, host, port, is_host, read_timeout, data_dir, unused)
 
 
 def matches_machine_hostname(host: str) -> bool:
@@ -221,3 +216,80 @@ def etcd_missing(endpoint: str) -> str:
         "(Linux x86_64, aarch64, ppc64le) or install etcd (apt-get install etcd-server), "
         "or pass --rdzv-conf is_host=false if another agent hosts it"
     )
+
+
+SILENCE = 10.0
+"""Seconds a listener on the endpoint may answer nothing before it is taken for no etcd.
+
+etcd listens on its client port before it serves: connections made
+meanwhile wait in the kernel's backlog and are answered once it serves.
+The c10d store is a fresh single-member etcd, which serves a fraction of a
+second after it starts listening (0.2-0.3 s here); anything silent for far
+longer is something else."""
+
+_CONNECT_TIMEOUT = 5.0  # a connection not even accepted in that time: unreachable, not hostile
+
+# What a gRPC client says first: HTTP/2's connection preface and an empty
+# SETTINGS frame (RFC 9113, 3.4).  An HTTP/2 server answers with a SETTINGS
+# frame of its own before anything else.
+_HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_FRAME_HEADER = 9
+_SETTINGS = 0x4
+
+
+class StoreNotEtcdError(RendezvousConnectionError):
+    """Something that is not etcd holds the c10d endpoint: no agent can serve the store there."""
+
+
+async def not_etcd(host: str, port: int, wait: float) -> tuple[str, str] | None:
+    """Why what listens on ``host:port`` cannot be etcd, or None while it may be.
+
+    Speaks first, as a gRPC client does (``_HTTP2_HELLO``), and reads the
+    first frame's header.  None when nothing accepts the connection
+    (refused, unreachable, not resolving: the store may not be up yet),
+    when an HTTP/2 server answers (gRPC's own call tells whether it is
+    etcd), or when a listener stayed silent for less than ``SILENCE``
+    because ``wait`` (the seconds left to wait at all) was shorter.
+
+    Returns:
+        ``(kind, why)``: ``kind`` is ``"closed"`` (it closed the
+        connection without a word: an etcd being stopped does that too, to
+        connections it had not served, so the caller asks twice),
+        ``"garbage"`` (it answered what HTTP/2 never says) or ``"silent"``
+        (nothing for ``SILENCE`` seconds); ``why`` says it in a few words.
+
+    Cancellation: the connection is closed; nothing else is left.
+    """
+    try:
+        with anyio.fail_after(max(0.05, min(wait, _CONNECT_TIMEOUT))):
+            stream = await anyio.connect_tcp(host, port)
+    except (OSError, TimeoutError):
+        return None
+    head = b""
+    closed = False
+    async with stream:
+        with anyio.move_on_after(max(0.05, min(wait, SILENCE))) as scope:
+            try:
+                await stream.send(_HTTP2_HELLO)
+                while len(head) < _FRAME_HEADER:
+                    head += await stream.receive()
+            except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+                closed = True
+    if len(head) >= _FRAME_HEADER:
+        if head[3] == _SETTINGS and int.from_bytes(head[5:9], "big") & 0x7FFFFFFF == 0:
+            return None  # an HTTP/2 server: etcd, or gRPC's call says what it is
+        return "garbage", f"it answered {_first_words(head)}, which no HTTP/2 server says"
+    if head:
+        then = " and closed the connection" if closed else ""
+        return "garbage", f"it answered {_first_words(head)}{then}"
+    if closed:
+        return "closed", "it accepts connections and closes them without a word"
+    if scope.cancelled_caught and wait >= SILENCE:
+        return "silent", f"it accepts connections and answers nothing for {SILENCE:g} s"
+    return None
+
+
+def _first_words(data: bytes) -> str:
+    """The start of ``data`` as the user should see it: its first line, cut short."""
+    line = data.split(b"\n", 1)[0].rstrip(b"\r")[:60]
+    return repr(line)

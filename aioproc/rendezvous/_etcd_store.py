@@ -149,6 +149,9 @@ class EtcdSession:
         self._fence: anyio.CancelScope | None = None  # the keep-alive's; its deadline: the fence
         # while opening: the caller's (deadline, timeout); later the lease bounds calls
         self._opening: tuple[float, float] | None = None
+        # while opening, after a call that failed as if etcd were not up yet: called with
+        # the seconds left; it raises when the endpoint will never answer as etcd
+        self.vet: Callable[[float], Awaitable[None]] | None = None
         # a call must not hang on a partition longer than it takes to notice one
         self.call_timeout = max(1.0, ttl / 2)
 
@@ -206,14 +209,16 @@ class EtcdSession:
         """``await fn()``, retried with backoff while etcd is unreachable.
 
         While the session opens, the retries end at the caller's deadline,
-        with a progress line every few seconds; later the lease bounds
-        them (a lost lease ends them).
+        with a progress line every few seconds, or at once when ``vet``
+        says the endpoint is no etcd; later the lease bounds them (a lost
+        lease ends them).
 
         Raises:
             RendezvousLeaseLostError: the lease was lost meanwhile.
             RendezvousConnectionError: etcd was not reached before the
                 opening deadline, or it answered with an error no retry
-                cures (the endpoint is not etcd's client address, say).
+                cures (the endpoint is not etcd's client address, say), or
+                ``vet`` raised it.
         """
         aetcd = self._aetcd
         retried = (
@@ -248,6 +253,10 @@ class EtcdSession:
             else:
                 deadline, whole = self._opening
                 left = deadline - now
+                if left > 0 and self.vet is not None:
+                    await self.vet(left)
+                    now = time.monotonic()
+                    left = deadline - now
                 if left <= 0:
                     raise RendezvousConnectionError(
                         f"could not reach etcd at {self.endpoint} within {whole:g} s "

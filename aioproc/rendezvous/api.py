@@ -1,8 +1,10 @@
-"""The rendezvous vocabulary: parameters, errors, what a completed round returns.
+"""The rendezvous vocabulary: the handler's contract, parameters, errors, a round's result.
 
 Names follow torch's ``torch.distributed.elastic.rendezvous``:
-``RendezvousParameters`` describes where and how agents meet,
-``RendezvousInfo`` what a completed round gives each agent, and the errors::
+``RendezvousHandler`` is what every backend implements (the agent calls
+nothing else), ``RendezvousParameters`` describes where and how agents
+meet, ``RendezvousInfo`` what a completed round gives each agent, and the
+errors::
 
     RendezvousError (RuntimeError)
      +-- RendezvousTimeoutError       the round did not complete in join_timeout
@@ -21,13 +23,16 @@ Names follow torch's ``torch.distributed.elastic.rendezvous``:
 
 from __future__ import annotations
 
+import abc
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = [
     "DEFAULT_ROLE",
+    "RendezvousHandler",
     "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousError",
@@ -210,6 +215,170 @@ class WorldChange:
     lost: tuple[str, ...] = ()
 
 
+class RendezvousHandler(abc.ABC):
+    """What a rendezvous backend implements: torch's ``RendezvousHandler``, awaited.
+
+    A backend is a subclass registered by name
+    (``aioproc.rendezvous.register_backend``); ``create_handler`` builds it
+    as ``cls(params)`` from a ``RendezvousParameters`` whose ``backend`` is
+    that name, and the handler goes into ``WorkerSpec.rdzv_handler``.  The
+    agent calls only what is declared here, in this order: it enters
+    ``session()`` once per run, then, for each attempt, awaits
+    ``next_rendezvous()`` and races its workers with ``wait_for_change()``;
+    after the workers succeeded it awaits ``exit_barrier()``, after a final
+    failure ``report_failure()``, and when it is stopped ``shutdown()``.
+    Where torch's method blocks, this one is a coroutine; a coroutine that
+    waits on other hosts must be cancellable, since a stop cancels it.
+
+    The class attributes describe the backend before any handler is built;
+    ``aioproc run`` reads them to check its flags and to choose what it
+    passes as options, so no part of aioproc compares backend names.
+
+    Attributes:
+        elastic: True (the default): the rendezvous forms the world itself
+            (``min_nodes`` to ``max_nodes`` hosts, group ranks assigned in
+            the round) and may change it (``wait_for_change``).  False: a
+            fixed world whose node ranks the launcher gives: ``aioproc run``
+            then needs ``--nnodes N`` and passes ``node_rank``,
+            ``master_addr`` and ``master_port`` as options (torchrun's
+            ``--node-rank``, ``--master-addr``, ``--master-port``).
+        needs_endpoint: whether ``aioproc run`` refuses to start without
+            ``--rdzv-endpoint``; ``endpoint_help`` says what it names.
+        needs_run_id: whether ``aioproc run`` refuses to start without
+            ``--rdzv-id`` (a store that outlives jobs: a reused id meets an
+            old job).
+        hosts_store: whether an agent may serve the rendezvous's store
+            itself; ``aioproc run`` then passes its ``--log-dir`` as the
+            ``data_dir`` option (unless given), where the store keeps its data.
+        addr: the address this host is known by in the rendezvous (``""``
+            when the backend has none); failures name it.
+    """
+
+    elastic: ClassVar[bool] = True
+    needs_endpoint: ClassVar[bool] = True
+    endpoint_help: ClassVar[str] = "HOST:PORT"
+    needs_run_id: ClassVar[bool] = False
+    hosts_store: ClassVar[bool] = False
+    addr: str = ""
+
+    @property
+    def fence_grace(self) -> float:
+        """Seconds a fenced host's workers get between SIGTERM and SIGKILL.
+
+        A backend with leases (``session``'s ``lease_renewed``) fences a
+        host whose lease it cannot renew: its workers must be gone before
+        the others re-form the world without it.  0 (the default) for a
+        backend without leases, which never fences.
+        """
+        return 0.0
+
+    # ------------------------------------------------------------ torch's API
+
+    @abc.abstractmethod
+    def get_backend(self) -> str:
+        """The name the backend is registered by (``params.backend``)."""
+
+    @abc.abstractmethod
+    def get_run_id(self) -> str:
+        """The job's id: agents with the same id meet."""
+
+    @abc.abstractmethod
+    def is_closed(self) -> bool:
+        """Whether the job is over (closed by ``set_closed``/``shutdown`` on some host)."""
+
+    @abc.abstractmethod
+    async def set_closed(self) -> None:
+        """Close the job for every host: later rounds raise ``RendezvousClosedError``."""
+
+    @abc.abstractmethod
+    def num_nodes_waiting(self) -> int:
+        """Hosts waiting to join while this host's world runs (0 when none, or unknown)."""
+
+    @abc.abstractmethod
+    async def next_rendezvous(self) -> RendezvousInfo:
+        """Join the next round; return its world once it completed with this host.
+
+        Raises:
+            RendezvousTimeoutError: no round completed with this host in time.
+            RendezvousClosedError: the job is over, or was stopped.
+            RendezvousGracefulExitError: the job finished while this host
+                waited for a round: nothing is left to do (not a failure).
+            RendezvousConnectionError: the store could not be reached.
+            RendezvousError: any other reason the job cannot go on here.
+
+        Cancellation: a stop of the agent cancels it; a cancelled join must
+        leave nothing that makes other hosts wait for this one.
+        """
+
+    @abc.abstractmethod
+    async def shutdown(self) -> bool:
+        """End the job for every host after a stop (signal, ``stop()``, cancellation).
+
+        Returns:
+            Whether the job was closed; False when there was nothing to
+            close or the store could not be reached.  Never raises for that.
+
+        Cancellation: the agent shields it; it must end in bounded time.
+        """
+
+    # ---------------------------------------------------------- aioproc's own
+
+    @abc.abstractmethod
+    def session(
+        self,
+        local_world_size: int,
+        lease_renewed: Callable[[float], None] | None = None,
+        role: str = DEFAULT_ROLE,
+    ) -> AbstractAsyncContextManager[Any]:
+        """This host's membership for one run: an async context manager.
+
+        The agent enters it before the first round and leaves it when the
+        run ends (shielded).  Every round this host joins publishes
+        ``local_world_size`` and ``role``, so that every host assigns ranks
+        as torch does (``RendezvousInfo``).
+
+        Args:
+            local_world_size: this host's number of workers.
+            lease_renewed: called after each renewal of this host's lease
+                (if the backend has leases) with the ``time.monotonic()`` by
+                which it fences itself unless renewed again; the agent's
+                guardian then kills the workers, after ``fence_grace``.
+            role: the role of this host's workers.
+        """
+
+    @abc.abstractmethod
+    async def wait_for_change(self) -> WorldChange:
+        """Return when the running world must be re-formed (never, for a fixed world).
+
+        Raises:
+            RendezvousJobFailedError: the job failed on another host.
+            RendezvousClosedError: another host stopped the job.
+            RendezvousLeaseLostError: this host was fenced.
+
+        Cancellation: the agent cancels it when its workers end first.
+        """
+
+    @abc.abstractmethod
+    async def exit_barrier(self, timeout: float) -> WorldChange | None:
+        """After this host's workers succeeded: wait (at most ``timeout``) for the other hosts'.
+
+        Returns:
+            None once the job is done (or the wait timed out); or the
+            change that makes the world re-form meanwhile, in which these
+            workers run again.
+        """
+
+    @abc.abstractmethod
+    async def report_failure(self, failure: Mapping[str, Any]) -> None:
+        """Tell every host that the job failed here for good.
+
+        Args:
+            failure: the root cause as JSON-able fields (``rank``,
+                ``local_rank``, ``pid``, ``exitcode``, ``message``, ...); the
+                other hosts raise ``RendezvousJobFailedError`` carrying it.
+        """
+
+
 _BOOL = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
@@ -217,8 +386,9 @@ class RendezvousParameters:
     """Where and how the agents of a job meet (torch's ``RendezvousParameters``).
 
     Args:
-        backend: ``"etcd"`` (dynamic, through an etcd v3 server) or
-            ``"static"`` (fixed node ranks, no store).
+        backend: the name of a registered backend: ``"c10d"``, ``"etcd"``
+            (dynamic, through an etcd v3 server), ``"static"`` (fixed node
+            ranks, no store), or one registered by another package.
         endpoint: ``HOST:PORT`` of the store (etcd's client URL address).
         run_id: the job's id; agents with the same id meet.
         min_nodes, max_nodes: the round completes with ``max_nodes``

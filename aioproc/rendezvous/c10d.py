@@ -33,11 +33,12 @@ from typing import Any, TypeVar
 import anyio
 
 from ._c10d import (
-    C10dOptions,
+    StoreNotEtcdError,
     c10d_options,
     etcd_missing,
     find_etcd,
     matches_machine_hostname,
+    not_etcd,
 )
 from ._etcd_server import EmbeddedEtcd, EtcdStartError
 from .api import (
@@ -50,65 +51,63 @@ from .api import (
 )
 from .etcd import EtcdRendezvousHandler
 
-__all__ = ["C10dRendezvousHandler", "create_c10d_handler"]
+__all__ = ["C10dRendezvousHandler"]
 
 logger = logging.getLogger("aioproc.rendezvous")
 
 T = TypeVar("T")
 
 
-def create_c10d_handler(
-    params: RendezvousParameters, *, data_root: str | None = None
-) -> C10dRendezvousHandler:
-    """The handler of a c10d job (``params.backend`` is ``"c10d"``).
+class C10dRendezvousHandler(EtcdRendezvousHandler):
+    """The etcd rendezvous in a store that this agent hosts, or another agent hosts.
 
-    Decides now whether this agent hosts the store (resolving names, so
-    before the event loop runs), and finds the etcd binary if it does.
+    Build it with ``create_handler(RendezvousParameters("c10d", ...))``:
+    the endpoint is ``HOST[:PORT]`` of the hosting agent.  Building it
+    decides whether this agent hosts the store (resolving names, so before
+    the event loop runs), and finds the etcd binary if it does.  A hosting
+    agent starts its etcd server when its session opens and stops it when
+    the session ends, after the other agents have left it.  The hosting
+    agent is the job's single point of failure (as torch's c10d host is):
+    if it dies, every other agent fails, naming the endpoint.
 
-    Args:
-        params: the job; ``endpoint`` is ``HOST[:PORT]`` of the hosting agent.
-        data_root: where the hosted server keeps its data directory (the
-            run's log dir; None: the temp dir).
+    Options: those of ``_c10d.c10d_options``; ``data_dir`` is where a
+    hosted server keeps its data directory (the run's log dir with
+    ``aioproc run``; else the temp dir).
 
     Raises:
         ValueError: a bad option or endpoint, or this agent hosts the store
             and no etcd binary is installed (the message says how to get one).
         ImportError: aetcd is not installed (says how to install it).
-    """
-    options = c10d_options(params)
-    hosting = options.is_host
-    if hosting is None:
-        hosting = matches_machine_hostname(options.host)
-    binary = find_etcd() if hosting else None
-    # built first: a bad option or a missing client is told before a missing binary
-    handler = C10dRendezvousHandler(options, binary, data_root)
-    if hosting and binary is None:
-        raise ValueError(etcd_missing(options.endpoint))
-    return handler
-
-
-class C10dRendezvousHandler(EtcdRendezvousHandler):
-    """The etcd rendezvous in a store that this agent hosts, or another agent hosts.
-
-    Build it with ``create_c10d_handler``.  A hosting agent starts its etcd
-    server when its session opens and stops it when the session ends, after
-    the other agents have left it.  The hosting agent is the job's single
-    point of failure (as torch's c10d host is): if it dies, every other
-    agent fails, naming the endpoint.
 
     Attributes:
         endpoint: ``HOST:PORT`` of the store.
         hosting: whether this agent serves the store right now.
     """
 
-    def __init__(self, options: C10dOptions, binary: str | None, data_root: str | None) -> None:
+    endpoint_help = (
+        "HOST[:PORT] (the host whose agent serves the rendezvous; port 29400 by default)"
+    )
+    needs_run_id = False  # torchrun's default id, "none": the store is the job's own
+    hosts_store = True
+
+    def __init__(self, params: RendezvousParameters) -> None:
+        options = c10d_options(params)
+        hosting = options.is_host
+        if hosting is None:
+            hosting = matches_machine_hostname(options.host)
+        binary = find_etcd() if hosting else None
+        # built first: a bad option or a missing client is told before a missing binary
         super().__init__(options.etcd_params)
+        if hosting and binary is None:
+            raise ValueError(etcd_missing(options.endpoint))
         self._options = options
         self.endpoint = options.endpoint
         self._server = (
-            EmbeddedEtcd(binary, options.host, options.port, data_root) if binary else None
+            EmbeddedEtcd(binary, options.host, options.port, options.data_dir) if binary else None
         )
         self._hosted: EmbeddedEtcd | None = None
+        self._closed_once = False  # the endpoint closed a probe's connection the last time
+        self._vet = self._vet_endpoint
 
     def __repr__(self) -> str:
         state = f"round {self._info.round}" if self._info is not None else "not joined"
@@ -152,7 +151,7 @@ class C10dRendezvousHandler(EtcdRendezvousHandler):
         try:
             return await call
         except RendezvousConnectionError as e:
-            if self._hosted is not None:
+            if self._hosted is not None or isinstance(e, StoreNotEtcdError):
                 raise
             raise RendezvousConnectionError(
                 f"{e} (the c10d rendezvous store, served by the agent on "
@@ -174,6 +173,32 @@ class C10dRendezvousHandler(EtcdRendezvousHandler):
             ) from e
 
     # the store
+
+    async def _vet_endpoint(self, left: float) -> None:
+        """While this agent connects to a store it does not host: is the endpoint etcd at all?
+
+        Called by the session after a call that failed as if the store were
+        not up yet, with the seconds left before ``join_timeout``.  Whatever
+        else holds the endpoint's port keeps every agent from serving the
+        store there, so waiting for it would only wait out ``join_timeout``.
+
+        Raises:
+            StoreNotEtcdError: something that is not etcd holds the endpoint
+                (named, with what it did).
+        """
+        if self._hosted is not None:
+            return  # this agent's own etcd serves it
+        options = self._options
+        verdict = await not_etcd(options.host, options.port, left)
+        kind = verdict[0] if verdict is not None else None
+        closed_before, self._closed_once = self._closed_once, kind == "closed"
+        if verdict is None or (kind == "closed" and not closed_before):
+            return  # an etcd being stopped closes what it had not served: ask again
+        raise StoreNotEtcdError(
+            f"the c10d rendezvous endpoint {self.endpoint} is held by something that is not "
+            f"etcd: {verdict[1]}; no agent can serve the rendezvous store there (stop what "
+            f"listens on port {options.port}, or choose another port)"
+        )
 
     async def _host_store(self) -> None:
         """Start the store if this agent hosts it; return once it serves the endpoint.

@@ -66,7 +66,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio
@@ -78,6 +78,7 @@ from ._etcd_round import Joining
 from ._etcd_schema import World
 from .api import (
     DEFAULT_ROLE,
+    RendezvousHandler,
     RendezvousInfo,
     RendezvousJobFailedError,
     RendezvousNode,
@@ -97,7 +98,7 @@ _READ_OPTIONS = frozenset(
 )
 
 
-class EtcdRendezvousHandler:
+class EtcdRendezvousHandler(RendezvousHandler):
     """torch's ``DynamicRendezvousHandler`` semantics on an etcd v3 server.
 
     Build it with ``create_handler(RendezvousParameters("etcd", ...))``.
@@ -106,6 +107,10 @@ class EtcdRendezvousHandler:
     and the job's keys are watched; ``next_rendezvous()`` joins a round,
     ``wait_for_change()`` returns when the running world must be re-formed.
     """
+
+    endpoint_help = "HOST:PORT (the etcd server)"
+    # the etcd server outlives jobs: a job's keys stay, so each job needs an id of its own
+    needs_run_id = True
 
     def __init__(self, params: RendezvousParameters) -> None:
         import_aetcd()  # fail now, with the install hint, not when the agent runs
@@ -144,6 +149,9 @@ class EtcdRendezvousHandler:
         self._info: RendezvousInfo | None = None
         self._world_now: World | None = None  # the world of ``_info``
         self._lost_cache: tuple[tuple[int, int], list[RendezvousNode]] | None = None
+        # while the session opens: asked, after a call that failed as if etcd were not
+        # up yet, whether the endpoint can be etcd at all (c10d knows; None: wait for it)
+        self._vet: Callable[[float], Awaitable[None]] | None = None
 
     def __repr__(self) -> str:
         state = f"round {self._info.round}" if self._info is not None else "not joined"
@@ -451,6 +459,7 @@ class _Session:
             raise RuntimeError(f"{h!r} already has a session")
         session = keys.new_session(h._host, h._port, h.lease_ttl)
         session.renewed = self._lease_renewed
+        session.vet = h._vet
         # reaching etcd counts against join_timeout too: an endpoint that
         # never answers fails in time, naming itself and the last error
         self._open = session.open(h.join_timeout)

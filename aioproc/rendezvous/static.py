@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from .api import (
     DEFAULT_ROLE,
+    RendezvousHandler,
     RendezvousInfo,
     RendezvousNode,
     RendezvousParameters,
@@ -24,14 +25,16 @@ from .api import (
 __all__ = ["StaticRendezvousHandler"]
 
 
-class StaticRendezvousHandler:
+class StaticRendezvousHandler(RendezvousHandler):
     """A fixed world of ``min_nodes == max_nodes`` nodes, each with the same nproc.
 
-    Options: ``node_rank`` (required), ``master_addr`` (default: the
-    endpoint's host), ``master_port`` (default: the endpoint's port).
+    Options: ``node_rank`` (required; torch's launcher spells it ``rank``),
+    ``master_addr`` (default: the endpoint's host), ``master_port``
+    (default: the endpoint's port).
     """
 
-    fence_grace = 0.0
+    elastic = False  # the launcher gives each node its rank and the master's address
+    needs_endpoint = False  # the master's address stands for it
 
     def __init__(self, params: RendezvousParameters) -> None:
         from .api import parse_endpoint
@@ -41,11 +44,12 @@ class StaticRendezvousHandler:
                 f"the static rendezvous needs a fixed number of nodes, got "
                 f"{params.min_nodes}:{params.max_nodes}"
             )
-        rank = params.get_as_int("node_rank")
+        key = "node_rank" if "node_rank" in params.config else "rank"
+        rank = params.get_as_int(key)
         if rank is None or not 0 <= rank < params.max_nodes:
             raise ValueError(
                 f"node_rank must be in [0, {params.max_nodes}) for the static rendezvous, "
-                f"got {params.get('node_rank')!r}"
+                f"got {params.get(key)!r}"
             )
         host, port = parse_endpoint(params.endpoint or "127.0.0.1:29500", 29500)
         self._params = params
@@ -54,6 +58,7 @@ class StaticRendezvousHandler:
         self.master_port = int(params.get_as_int("master_port") or port)
         self._nproc = 1
         self._role = DEFAULT_ROLE
+        self._closed = False
 
     def __repr__(self) -> str:
         return (
@@ -76,7 +81,11 @@ class StaticRendezvousHandler:
         return self._params.max_nodes
 
     def is_closed(self) -> bool:
-        return False
+        return self._closed
+
+    async def set_closed(self) -> None:
+        """Only this node learns of it: there is no store to tell the others."""
+        self._closed = True
 
     def num_nodes_waiting(self) -> int:
         return 0

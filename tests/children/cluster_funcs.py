@@ -10,6 +10,7 @@ import ctypes
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -72,6 +73,12 @@ def blocked_in_known_function() -> None:
 
 def prints_then_blocks() -> None:
     print("something printed", flush=True)
+    blocked_in_known_function()
+
+
+def ignores_sigterm() -> None:
+    """Survives SIGTERM: only the SIGKILL after the grace period ends it."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     blocked_in_known_function()
 
 

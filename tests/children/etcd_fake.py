@@ -7,7 +7,11 @@ Listens on a free loopback port, prints it, and serves until killed:
 - ``http1``: an HTTP/1.1 server answering every request 404 (a web server
   at the wrong port);
 - ``h2-404``: an HTTP/2 server answering every stream ``:status 404`` (a
-  proxy or ingress with no route to etcd's gRPC service).
+  proxy or ingress with no route to etcd's gRPC service);
+- ``close``: accepts connections and closes them at once, unread (a
+  service that refuses clients it does not know);
+- ``garbage``: answers whatever it reads with bytes of no protocol, and
+  keeps the connection open.
 
 Standard library only.
 """
@@ -77,6 +81,11 @@ def handle(conn: socket.socket, mode: str) -> None:
             if mode == "silent":
                 while conn.recv(65536):
                     pass  # read and drop everything, answer nothing
+            elif mode == "close":
+                pass  # closed by the with block, unread
+            elif mode == "garbage":
+                while conn.recv(65536):
+                    conn.sendall(b"\x7f\x00garbage\xff\xfe of no protocol\n")
             elif mode == "http1":
                 serve_http1(conn)
             else:
@@ -87,7 +96,7 @@ def handle(conn: socket.socket, mode: str) -> None:
 
 def main() -> None:
     mode = sys.argv[1]
-    if mode not in ("silent", "http1", "h2-404"):
+    if mode not in ("silent", "http1", "h2-404", "close", "garbage"):
         raise SystemExit(f"unknown mode {mode!r}")
     server = socket.create_server(("127.0.0.1", 0))
     print(server.getsockname()[1], flush=True)

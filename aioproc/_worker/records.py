@@ -10,7 +10,7 @@ from typing import Any
 
 import anyio
 
-from ..worker import WorkerProcess
+from .process import WorkerProcess
 
 __all__ = ["PoolCall", "PoolStart", "PoolStats"]
 
