@@ -31,7 +31,6 @@ from ..results import DEFAULT_GRACE_PERIOD, WorkerEvent
 __all__ = ["DEFAULT_GRACE_PERIOD", "GroupSpec"]
 
 
-
 @dataclass(frozen=True)
 class GroupSpec:
     """One worker group's options (see ``start_processes`` for each one's meaning).
