@@ -43,6 +43,7 @@ from ._base.checks import check_signal as _validate_signal
 from ._base.loops import check_loop
 from ._base.offloop import Batched, helper, run_blocking
 from ._base.owner import Owner
+from ._base.resource import handle_closed, handle_opened
 from ._base.shield import shielded
 from ._child import channel as _wire
 from ._errors.failure import ErrorFileContent, ProcessFailure, read_error_file, read_error_files
@@ -312,6 +313,7 @@ class PContext:
             done = "was closed" if self._state is _State.CLOSED else "was already started"
             raise _AlreadyStartedError(f"{self!r} {done}; a PContext can be started once")
         self._state = _State.STARTING
+        handle_opened(self)  # until close(): a leak check names a group left open
         self._starting = asyncio.get_running_loop().create_future()
         try:
             # building the group (the constructor's checks), the checks below
@@ -337,6 +339,8 @@ class PContext:
                 self._state = _State.NEW  # failed before the launch: nothing was started
             if self._state is _State.NEW:
                 self._resources.close()  # no worker exists: slots and cgroups go back
+            if self._state is not _State.RUNNING:
+                handle_closed(self)  # a failed start leaves nothing to close
             if not self._starting.done():
                 self._starting.set_result(None)
 
@@ -920,6 +924,7 @@ class PContext:
         check_loop(self._owner.loop, self)
         sig = _validate_signal(signal.SIGTERM if death_sig is None else death_sig)
         timeout = check_duration("close(timeout=...)", timeout)
+        handle_closed(self)
         if self._state is _State.STARTING and self._early_close is None:
             # start() waits for process slots or makes the log tree: the
             # launch it begins next stops before its first worker

@@ -729,14 +729,108 @@ def test_leak_check_names_what_leaked_and_removes_it(pytester: pytest.Pytester) 
             "*test_it.py::test_leaks_a_thread leaked:",
             "- threads left running: <Thread(forgotten, started daemon *)>",
             "*test_it.py::test_leaves_a_group_open leaked:",
-            f"- aioproc groups never closed (close them, or leave their `async with`): "
-            f"process group {group} led by pid {group}: {sys.executable} -c "
-            "open('group_ready', 'w').close(); import time; time.sleep(60)",
+            "- aioproc handles never closed (close each with aclose(), or leave its "
+            "`async with`): <PContext left nprocs=1 binary running>",
+            f"- worker processes still running, killed: process group {group} led by pid "
+            f"{group}: {sys.executable} -c open('group_ready', 'w').close(); import time; "
+            "time.sleep(60)",
             "ERROR test_it.py::test_leaks_a_process - Failed: *",
         ]
     )
     assert "test_clean leaked" not in result.stdout.str()
+    # the group's guardian is aioproc's: never blamed on the test
+    assert result.stdout.str().count("child processes left behind") == 1
     assert_all_gone([leaked, group])
+
+
+UNCLOSED = """
+import asyncio, os, sys
+import pytest
+import aioproc
+from aioproc.agent import LocalElasticAgent, WorkerSpec
+
+SLEEP = ("-c", "import time; time.sleep(60)")
+
+def pid(what, value):
+    open(f"pid_{what}", "w").write(str(value))
+
+async def test_a_group():
+    pc = await aioproc.start_processes("trainer", sys.executable, {0: SLEEP}, {0: {}})
+    pid("group", pc.pids()[0])
+
+async def test_a_finished_group():
+    pc = await aioproc.start_processes("quick", sys.executable, {0: ("-c", "pass")}, {0: {}})
+    while pc.poll() is None:  # finished, never waited for nor closed
+        await asyncio.sleep(0.01)
+
+async def test_a_pool():
+    pool = await aioproc.open_pool(1, name="squares")
+    pid("pool", pool.pids()[0])
+
+async def test_a_worker():
+    w = await aioproc.open_worker(name="cache")
+    pid("worker", w.pid)
+
+async def test_an_agent():
+    spec = WorkerSpec(role="ranker", local_world_size=1, entrypoint=sys.executable, args=SLEEP)
+    agent = LocalElasticAgent(spec)
+    run = asyncio.ensure_future(agent.run())  # never awaited, and the agent never stopped
+    while not agent.pids():
+        await asyncio.sleep(0.01)
+    pid("agent", agent.pids()[0])
+
+async def test_each_closed_its_own_way():
+    pc = await aioproc.start_processes("waited", sys.executable, {0: ("-c", "pass")}, {0: {}})
+    await pc.wait()  # a final result closes the group, as in torch
+    pc = await aioproc.start_processes("closed", sys.executable, {0: SLEEP}, {0: {}})
+    await pc.close()
+    async with aioproc.start_processes("with", sys.executable, {0: ("-c", "pass")}, {0: {}}):
+        pass
+    pool = await aioproc.open_pool(1)
+    await pool.aclose()
+    async with aioproc.open_worker():
+        pass
+    spec = WorkerSpec(role="ran", local_world_size=1, entrypoint=sys.executable, args=("-c", ""))
+    await LocalElasticAgent(spec).run()
+    agent = LocalElasticAgent(
+        WorkerSpec(role="stopped", local_world_size=1, entrypoint=sys.executable, args=SLEEP)
+    )
+    run = asyncio.ensure_future(agent.run())
+    while not agent.pids():
+        await asyncio.sleep(0.01)
+    await agent.stop()
+    await run
+"""
+
+
+@pytest.mark.parametrize("mode", ["-n0", "-n2"], ids=["one-process", "xdist"])
+def test_unclosed_handles_fail_the_test_naming_each(pytester: pytest.Pytester, mode: str) -> None:
+    """A group, pool, worker or agent a test opened and never closed fails it,
+    named (its repr, or its type and name once collected), however the loop's
+    shutdown stopped its processes; each is killed, and the next test starts clean."""
+    pytester.makepyfile(test_it=UNCLOSED)
+    result = pytester.runpytest_subprocess(
+        *PLUGIN, "-o", "asyncio_mode=auto", "--aioproc-leakcheck", mode
+    )
+    result.assert_outcomes(passed=6, errors=5)
+    never = "- aioproc handles never closed (close each with aclose(), or leave its `async with`): "
+    result.stdout.fnmatch_lines_random(
+        [
+            "*test_it.py::test_a_group leaked:",
+            never + "*PContext*trainer*",
+            "*test_it.py::test_a_finished_group leaked:",
+            never + "*PContext*quick*",
+            "*test_it.py::test_a_pool leaked:",
+            never + "<WorkerPool *>",
+            "*test_it.py::test_a_worker leaked:",
+            never + "<WorkerProcess cache pid=*>",
+            "*test_it.py::test_an_agent leaked:",
+            never + "<LocalElasticAgent ranker x1 *>",
+        ]
+    )
+    assert "test_each_closed_its_own_way leaked" not in result.stdout.str()
+    assert_all_gone(pids_written(pytester))
+    assert len(pids_written(pytester)) == 4
 
 
 def test_leak_checks_child_list_keeps_a_child_whose_thread_exits_mid_scan(
