@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import signal
+import subprocess
 import sys
 import textwrap
 
@@ -640,7 +642,10 @@ def test_ranks_run_async_bodies_on_the_loop_pytest_asyncio_chose(
     assert found == ["asyncio.unix_events"] * 2 + ["uvloop"] * 2
 
 
-def test_under_xdist(pytester: pytest.Pytester) -> None:
+def test_under_xdist(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp = pytester.path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
     write_test(
         pytester,
         """
@@ -672,6 +677,91 @@ def test_under_xdist(pytester: pytest.Pytester) -> None:
     )
     assert_all_gone(pids_written(pytester))
     assert len(pids_written(pytester)) == 6
+    # each worker's private temp dir, and the controller's, went before the run ended
+    assert [p.name for p in tmp.iterdir() if not p.name.startswith("pytest-of-")] == []
+
+
+WAITING = """
+import os, threading
+
+def test_waits_1():
+    wait()
+
+def test_waits_2():
+    wait()
+
+def wait():
+    with open(os.environ["READY"], "w") as ready:
+        ready.write("waiting\\n")
+    threading.Event().wait(60)
+"""
+
+
+def test_an_interrupted_xdist_run_leaves_no_temp_dir(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C (SIGINT to the whole process group) while every xdist worker is
+    in a test: the controller's and the workers' temp dirs all go."""
+    tmp = pytester.path / "tmp"
+    tmp.mkdir()
+    ready = pytester.path / "ready"
+    os.mkfifo(ready)
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setenv("READY", str(ready))
+    pytester.makepyfile(test_it=WAITING)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "pytest", *PLUGIN, "-n", "2", "--aioproc-leakcheck"],
+        cwd=pytester.path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # a process group of its own, as a terminal's job
+    )
+    try:
+        # read and write: the first test's line and close is no EOF for the second's
+        with open(os.open(ready, os.O_RDWR)) as lines:
+            assert [lines.readline(), lines.readline()] == ["waiting\n"] * 2
+        made = sorted(p.name for p in tmp.iterdir() if p.name.startswith("aioproc-leakcheck-"))
+        assert len(made) == 1, made  # the controller's, holding the workers'
+        assert len(list((tmp / made[0]).iterdir())) == 2
+        os.killpg(run.pid, signal.SIGINT)
+        out, _ = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.communicate()
+    assert run.returncode == 2, out.decode(errors="replace")  # interrupted
+    assert [p.name for p in tmp.iterdir() if not p.name.startswith("pytest-of-")] == []
+
+
+SHARED_TMP = """
+import os, tempfile
+
+def test_another_programs_dir():
+    # another pytest run, or any program, making an aioproc dir in $TMPDIR meanwhile
+    os.mkdir(os.path.join(os.environ["TMPDIR"], "aioproc_theirs"))
+
+def test_its_own_dir():
+    open(os.path.join(tempfile.mkdtemp(prefix="aioproc_"), "log"), "w").close()
+"""
+
+
+@pytest.mark.parametrize("mode", ["-n0", "-n2"], ids=["one-process", "xdist"])
+def test_the_leak_check_counts_only_its_own_aioproc_temp_dirs(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """$TMPDIR is shared: an aioproc dir another program makes there is neither
+    blamed on a test nor removed; one the test made is both."""
+    tmp = pytester.path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    pytester.makepyfile(test_it=SHARED_TMP)
+    result = pytester.runpytest_subprocess(*PLUGIN, "--aioproc-leakcheck", mode)
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(
+        ["*test_it.py::test_its_own_dir leaked:", "- left in the temp dir *: ['aioproc_*']"]
+    )
+    assert "test_another_programs_dir leaked" not in result.stdout.str()
+    assert [p.name for p in tmp.iterdir()] == ["aioproc_theirs"]
 
 
 LEAKY = """
