@@ -23,6 +23,7 @@ nothing for a test that uses none of the following.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import sys
 import tempfile
@@ -85,6 +86,11 @@ def pytest_configure(config: pytest.Config) -> None:
     if mode not in ("aioproc", "all"):
         raise pytest.UsageError(
             f"aioproc_leakcheck_tmpdir must be 'aioproc' or 'all', got {mode!r}"
+        )
+    if mode == "all" and _leakcheck_on(config) and not os.environ.get("TMPDIR"):
+        raise pytest.UsageError(
+            "aioproc_leakcheck_tmpdir = 'all' counts every new entry of $TMPDIR, a temp "
+            "dir of the suite's own, and TMPDIR is not set"
         )
     if mode == "aioproc" and _leakcheck_on(config):
         # aioproc's temp dirs are told apart by name, and $TMPDIR is shared

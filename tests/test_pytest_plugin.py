@@ -8,6 +8,7 @@ outcome, the report's lines, and that the ranks' processes are gone.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -758,7 +759,7 @@ def test_the_leak_check_counts_only_its_own_aioproc_temp_dirs(
     result = pytester.runpytest_subprocess(*PLUGIN, "--aioproc-leakcheck", mode)
     result.assert_outcomes(passed=2, errors=1)
     result.stdout.fnmatch_lines(
-        ["*test_it.py::test_its_own_dir leaked:", "- left in the temp dir *: ['aioproc_*']"]
+        ["*test_it.py::test_its_own_dir leaked:", "- left in the temp dir *: [[]'aioproc_*']"]
     )
     assert "test_another_programs_dir leaked" not in result.stdout.str()
     assert [p.name for p in tmp.iterdir()] == ["aioproc_theirs"]
@@ -993,6 +994,66 @@ def test_leak_check_is_opt_in_per_test_by_marker_or_fixture(pytester: pytest.Pyt
             "ERROR test_it.py::test_marked - Failed: test_it.py::test_marked leaked:",
             "ERROR test_it.py::test_fixture - Failed: test_it.py::test_fixture leaked:",
         ]
+    )
+
+
+GONE_TMPDIR = """
+import os, shutil, tempfile
+
+def test_removes_its_tmpdir():
+    shutil.rmtree(os.environ["TMPDIR"])  # as another program might
+    tempfile.tempdir = None  # tempfile now falls back to the system's temp dir
+    open("fallback", "w").write(tempfile.gettempdir())
+    open(os.path.join(tempfile.gettempdir(), os.environ["CANARY"] + "-1"), "w").close()
+
+def test_after_it():  # another program's file, in the system's temp dir meanwhile
+    open(os.path.join(tempfile.gettempdir(), os.environ["CANARY"] + "-2"), "w").close()
+"""
+
+
+def test_all_mode_never_counts_another_dir_than_tmpdir(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``aioproc_leakcheck_tmpdir = all`` and $TMPDIR gone, the check says
+    so, and never turns to the system's temp dir, where it would take (and
+    remove) every other program's new files for the test's."""
+    tmp = pytester.path / "tmp"
+    tmp.mkdir()
+    canary = f"aioproc-test-canary-{os.getpid()}-{id(tmp)}"
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setenv("CANARY", canary)
+    pytester.makepyfile(test_it=GONE_TMPDIR)
+    system_tmp: list[str] = []
+    try:
+        result = pytester.runpytest_subprocess(
+            *PLUGIN, "--aioproc-leakcheck", "-o", "aioproc_leakcheck_tmpdir=all"
+        )
+        fallback = (pytester.path / "fallback").read_text()
+        assert fallback != str(tmp)
+        system_tmp = [os.path.join(fallback, f"{canary}-{i}") for i in (1, 2)]
+        result.assert_outcomes(passed=2, errors=2)
+        result.stdout.fnmatch_lines(
+            [f"- the temp dir {tmp} ($TMPDIR) is gone: removed by another program? *"] * 2
+        )
+        assert "left in the temp dir" not in result.stdout.str()
+        assert all(os.path.exists(p) for p in system_tmp)
+    finally:
+        for path in system_tmp:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def test_all_mode_needs_a_tmpdir(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TMPDIR")
+    write_test(pytester, "def test_nothing():\n    pass\n")
+    result = pytester.runpytest_subprocess(
+        *PLUGIN, "--aioproc-leakcheck", "-o", "aioproc_leakcheck_tmpdir=all"
+    )
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["ERROR: aioproc_leakcheck_tmpdir = 'all' counts every new entry of $TMPDIR, *"]
     )
 
 

@@ -148,10 +148,21 @@ class Snapshot:
         """Record the current state.
 
         Args:
-            all_temps: count every new entry of the temp dir, not only
-                aioproc's (for a suite whose ``TMPDIR`` is its own).
+            all_temps: count every new entry of ``$TMPDIR``, not only
+                aioproc's in this process's temp dir (for a suite whose
+                ``TMPDIR`` is its own).  Never any other dir: should
+                ``$TMPDIR`` vanish, ``tempfile`` would fall back to the
+                system's temp dir, full of other programs' files.
+
+        Raises:
+            ValueError: ``all_temps`` without a ``TMPDIR``.
         """
-        tmpdir = tempfile.gettempdir()
+        if all_temps:
+            tmpdir = os.environ.get("TMPDIR", "")
+            if not tmpdir:
+                raise ValueError("counting every new entry of the temp dir needs a TMPDIR")
+        else:
+            tmpdir = tempfile.gettempdir()
         return cls(
             children=child_pids(),
             fds=open_fds(),
@@ -184,6 +195,11 @@ class Snapshot:
                 + "; ".join(
                     f"process group {g} led by {describe_process(g)}" for g in sorted(groups)
                 )
+            )
+        if self.all_temps and not os.path.isdir(self.tmpdir):
+            problems.append(
+                f"the temp dir {self.tmpdir} ($TMPDIR) is gone: removed by another program? "
+                "Nothing in it could be checked"
             )
         temps = _temp_entries(self.tmpdir, self.all_temps) - self.temps
         for name in temps:
