@@ -39,16 +39,18 @@ except ImportError:  # pragma: no cover - uvloop is declared in the test extra
 # check (aioproc_leakcheck_tmpdir = "all") can tell what a test left in it
 # from other programs' files.  Under xdist every worker process imports this
 # module with the controller's environment: it takes a sibling of the
-# controller's dir named after it (not a child, which would lengthen every
-# path the tests print), so the controller can remove whatever a worker
-# stopped before its cleanup left.
+# controller's dir named after it, ``<controller's>-gw0`` (not a child, nor a
+# longer name: the paths the tests print must fit a terminal's line), so the
+# controller can remove whatever a worker stopped before its cleanup left.
 _BASE_TMP = os.environ.setdefault("AIOPROC_SUITE_BASE_TMP", tempfile.gettempdir())
 _CONTROLLER_TMP = os.environ.get("AIOPROC_SUITE_TMP")
 _XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+_SUITE_TMP = ""
 if _CONTROLLER_TMP and _XDIST_WORKER:
-    _PREFIX = f"{os.path.basename(_CONTROLLER_TMP)}-{_XDIST_WORKER}-"
-    _SUITE_TMP = tempfile.mkdtemp(prefix=_PREFIX, dir=_BASE_TMP)
-else:
+    with contextlib.suppress(FileExistsError):  # taken: a run nested in a worker's test
+        os.mkdir(f"{_CONTROLLER_TMP}-{_XDIST_WORKER}", 0o700)
+        _SUITE_TMP = f"{_CONTROLLER_TMP}-{_XDIST_WORKER}"
+if not _SUITE_TMP:
     _SUITE_TMP = tempfile.mkdtemp(prefix="aioproc-suite-", dir=_BASE_TMP)
     os.environ["AIOPROC_SUITE_TMP"] = _SUITE_TMP
 os.environ["TMPDIR"] = _SUITE_TMP
