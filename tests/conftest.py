@@ -109,6 +109,11 @@ if not _XDIST_WORKER and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
 def pytest_configure(config: pytest.Config) -> None:
     global _XDIST_CONTROLLER
     _XDIST_CONTROLLER = config.pluginmanager.has_plugin("dsession")
+    config.addinivalue_line(
+        "markers",
+        "loops(*names, reason): run this async test on these loops only (of those "
+        "AIOPROC_TEST_LOOPS allows); for a test whose subject the loop plays no part in",
+    )
 
 
 @pytest.hookimpl(trylast=True)
@@ -151,4 +156,13 @@ _LOOP_FACTORIES = _loop_factories()
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
-    return _LOOP_FACTORIES
+    marker = item.get_closest_marker("loops")
+    if marker is None:
+        return _LOOP_FACTORIES
+    if not marker.args or not marker.kwargs.get("reason"):
+        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.loops needs loop names and a reason")
+    unknown = [name for name in marker.args if name not in ("asyncio", "uvloop")]
+    if unknown:
+        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.loops: unknown loop {unknown[0]!r}")
+    chosen = {name: f for name, f in _LOOP_FACTORIES.items() if name in marker.args}
+    return chosen or _LOOP_FACTORIES  # none allowed here: whatever runs, rather than nothing
