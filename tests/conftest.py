@@ -131,6 +131,20 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """How many xdist workers ``-n auto`` (pyproject.toml's default) starts.
+
+    One more than the CPUs: a test spends most of its time waiting for its
+    workers to start, answer or exit, which leaves a CPU per xdist worker
+    idle part of the time.  ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides it, as
+    it does xdist's own count.
+    """
+    named = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if named:
+        return int(named)
+    return len(os.sched_getaffinity(0)) + 1
+
+
 def _loop_factories() -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
     factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
         "asyncio": asyncio.new_event_loop
