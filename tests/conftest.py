@@ -99,8 +99,10 @@ def _stop_on_sigterm(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-# Only where tests do not run (the xdist controller; without xdist, the one
-# process): a handler in an xdist worker would be every test's SIGTERM.
+# In the run's top process only: the xdist controller, or the one process of
+# a run without xdist (where a test sees it as the host's handler, which
+# translate_signals keeps and restores).  In an xdist worker it would be
+# every test's SIGTERM handler.
 _XDIST_CONTROLLER = False
 if not _XDIST_WORKER and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
