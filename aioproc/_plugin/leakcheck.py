@@ -68,6 +68,13 @@ def registered_groups() -> frozenset[int]:
     return groups
 
 
+def _named(handle: object) -> str:
+    """A handle's repr, with its name when the repr leaves it out (a pool's)."""
+    text = repr(handle)
+    name = getattr(handle, "name", None)
+    return f"{text} {name!r}" if isinstance(name, str) and name not in text else text
+
+
 def _kill_groups(groups: frozenset[int]) -> int | None:
     """SIGKILL the process groups of leaked workers, and have the guardian forget them.
 
@@ -182,7 +189,7 @@ class Snapshot:
         """
         problems: list[str] = []
         alive, collected = open_handles().since(self.handles)
-        named = [repr(h) for h in alive] + [f"{d} (garbage-collected)" for d in collected]
+        named = [_named(h) for h in alive] + [f"{d} (garbage-collected)" for d in collected]
         if named:
             problems.append(
                 "aioproc handles never closed (close each with aclose(), or leave its "
