@@ -26,6 +26,7 @@ from typing import Any
 
 from ._base import public_module
 from ._base.checks import check_duration, check_signal
+from ._base.resource import handle_closed, handle_opened
 from ._base.loops import check_loop
 from ._group.preimport import preimport as preimport
 from ._supervisor.spec import GroupSpec
@@ -199,7 +200,12 @@ class PContext:
         if state != "new":
             done = "was closed" if state == "closed" else "was already started"
             raise _AlreadyStartedError(f"{self!r} {done}; a PContext can be started once")
-        await self._sup.start()
+        handle_opened(self)  # until close(): a leak check names a group left open
+        try:
+            await self._sup.start()
+        finally:
+            if self._sup.state == "new":
+                handle_closed(self)  # a failed start leaves nothing to close
 
     def pids(self) -> dict[int, int]:
         """``{local_rank: pid}`` of the started workers."""
@@ -300,6 +306,7 @@ class PContext:
             grace = check_duration("close(grace_period=...)", grace_period)
         else:
             grace = self.grace_period
+        handle_closed(self)
         await self._sup.close(sig, float(grace))
 
     async def aclose(self, *, grace_period: float | None = None) -> None:

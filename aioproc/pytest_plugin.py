@@ -16,12 +16,14 @@ nothing for a test that uses none of the following.
   on the test's loop (pytest-asyncio or anyio).
 - ``--aioproc-leakcheck`` (ini ``aioproc_leakcheck = true``), the
   ``aioproc_leakcheck`` fixture or marker: fail a test that leaves child
-  processes, fds, threads, aioproc temp dirs or unclosed groups behind.
+  processes, fds, threads, aioproc temp dirs or unclosed groups, pools,
+  workers or agents behind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import sys
 import tempfile
@@ -36,7 +38,12 @@ _RANKS_MODULE = f"{__package__}._plugin.ranks"
 _FACTORIES = ("aioproc_group", "aioproc_pool", "aioproc_cluster")
 _DEFAULT_TIMEOUT = pytest.StashKey[float | None]()
 """pytest-timeout's timeout for a multi-rank test, read before the plugin extends it."""
+_WORKERS_TMP = "aioproc_leakcheck_tmp"
+"""The ``workerinput`` key of the dir under which each xdist worker makes its own temp dir."""
 _private_tmp: str | None = None
+"""This process's temp dir while the leak check counts aioproc's temp dirs (see below)."""
+_private_owned = False
+"""Whether this process made ``_private_tmp`` (else: an xdist worker's, in the controller's)."""
 _TIMEOUT_BACKSTOP = 30.0
 """Seconds pytest-timeout waits beyond a multi-rank test's own timeout."""
 
@@ -48,7 +55,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         default=None,
         help="fail every test that leaves child processes, fds, threads, aioproc temp "
-        "dirs or unclosed aioproc groups behind",
+        "dirs or unclosed aioproc groups, pools, workers or agents behind",
     )
     parser.addini(
         LEAKCHECK, type="bool", default=False, help="as --aioproc-leakcheck, for every test"
@@ -56,11 +63,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini(
         "aioproc_leakcheck_tmpdir",
         default="aioproc",
-        help="which new entries of the temp dir count as leaks: 'aioproc' (aioproc's own "
-        "temp dirs, default) or 'all' (any but pytest's, for a suite with a TMPDIR of its own)",
+        help="which new entries of the temp dir count as leaks: 'aioproc' (aioproc's temp "
+        "dirs the tests' process makes, in a private temp dir the run removes; default) or "
+        "'all' (any but pytest's, for a suite with a TMPDIR of its own)",
     )
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's tmp_path factory is made
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
@@ -71,30 +80,70 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         f"{LEAKCHECK}: fail the test if it leaves child processes, fds, threads, aioproc "
-        "temp dirs or unclosed aioproc groups behind",
+        "temp dirs or unclosed aioproc groups, pools, workers or agents behind",
     )
     mode = config.getini("aioproc_leakcheck_tmpdir")
     if mode not in ("aioproc", "all"):
         raise pytest.UsageError(
             f"aioproc_leakcheck_tmpdir must be 'aioproc' or 'all', got {mode!r}"
         )
-    workerinput = getattr(config, "workerinput", None)  # set by xdist in its workers
-    if workerinput is not None and mode == "aioproc" and _leakcheck_on(config):
-        worker = workerinput.get("workerid", "worker")
-        # xdist's workers share $TMPDIR: each would take the others' aioproc
-        # temp dirs for its own leaks.  Give this worker's own temp dirs a
-        # private parent (its children still inherit $TMPDIR unchanged).
-        global _private_tmp
-        _private_tmp = tempfile.mkdtemp(prefix=f"aioproc-leakcheck-{worker}-")
+    if mode == "all" and _leakcheck_on(config) and not os.environ.get("TMPDIR"):
+        raise pytest.UsageError(
+            "aioproc_leakcheck_tmpdir = 'all' counts every new entry of $TMPDIR, a temp "
+            "dir of the suite's own, and TMPDIR is not set"
+        )
+    if mode == "aioproc" and _leakcheck_on(config):
+        # aioproc's temp dirs are told apart by name, and $TMPDIR is shared
+        # with every other program, other pytest runs and xdist's other
+        # workers included: the check would take their dirs for this
+        # process's leaks, and remove them.  This process makes its temp
+        # files in a private dir instead (its children still inherit $TMPDIR
+        # unchanged), and the check looks there.  An xdist worker's is made
+        # inside the controller's: a worker stopped before its cleanup leaves
+        # nothing that the controller does not remove.
+        global _private_tmp, _private_owned
+        workerinput: dict[str, Any] = getattr(config, "workerinput", None) or {}  # xdist's
+        parent = workerinput.get(_WORKERS_TMP)
+        if parent is not None:
+            _private_tmp = tempfile.mkdtemp(prefix=f"{workerinput['workerid']}-", dir=parent)
+        else:  # this run's top process (or a worker whose controller lacks this plugin)
+            factory = getattr(config, "_tmp_path_factory", None)  # pytest's, for plugins
+            if factory is not None and not workerinput:
+                # tmp_path's root stays where pytest keeps it (and its last runs)
+                factory.getbasetemp()
+            _private_tmp = tempfile.mkdtemp(prefix="aioproc-leakcheck-")
+            _private_owned = True
         tempfile.tempdir = _private_tmp
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """xdist's controller, before it starts each worker: the dir its temp dir goes in."""
+    if _private_tmp is not None:
+        node.workerinput[_WORKERS_TMP] = _private_tmp
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # An xdist worker tells the controller it has finished right after this
+    # hook: the controller may end (and its caller look at $TMPDIR) before
+    # this worker reaches pytest_unconfigure.  Its temp dir goes now.
+    if not _private_owned:
+        _remove_private_tmp()
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
-    global _private_tmp
+    # the top process: once xdist's workers have ended, their dirs with it
+    _remove_private_tmp()
+
+
+def _remove_private_tmp() -> None:
+    global _private_tmp, _private_owned
     if _private_tmp is not None:
         tempfile.tempdir = None
         shutil.rmtree(_private_tmp, ignore_errors=True)
         _private_tmp = None
+        _private_owned = False
 
 
 def _plugin_active(config: pytest.Config, module: str) -> bool:
@@ -308,7 +357,8 @@ def _warm_uvloop() -> None:
 @pytest.fixture
 def aioproc_leakcheck(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fail the test if it leaves child processes, fds, threads, aioproc temp dirs
-    or unclosed aioproc groups behind (Linux; elsewhere it checks nothing).
+    or unclosed aioproc groups, pools, workers or agents behind (Linux; elsewhere
+    it checks nothing).
 
     What leaked is listed (processes with their command lines, fds with what
     they point at); leaked processes are killed and temp entries removed, so

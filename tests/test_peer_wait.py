@@ -116,19 +116,20 @@ async def test_a_group_stopped_with_a_hung_rank_lets_its_held_ranks_go(
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
-@pytest.mark.timeout(300)
-async def test_gloo_without_destroy_process_group_never_aborts(pw: ModuleType) -> None:
+@pytest.mark.loops("asyncio", reason="the supervisor's loop plays no part in gloo's teardown")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("run", range(8))  # 8 runs, each its own test: xdist spreads them
+async def test_gloo_without_destroy_process_group_never_aborts(pw: ModuleType, run: int) -> None:
     # Without the wait, a rank exiting while the others still tore down their
     # gloo pairs made one of them abort ("terminate called without an active
     # exception", SIGABRT): 5 of 10 such runs on a 2-core machine.  8 runs
     # miss that with a chance of 1 in 256.
-    runs, world = 8, 4
-    for _ in range(runs):
-        port = free_port()
-        result = await aioproc.run(
-            pw.gloo_all_reduce,
-            world,
-            args={r: (r, world, port) for r in range(world)},
-            logs_specs=aioproc.DefaultLogsSpecs(log_dir=os.devnull),
-        )
-        assert result.return_values == {r: world * (world + 1) // 2 for r in range(world)}
+    world = 4
+    port = free_port()
+    result = await aioproc.run(
+        pw.gloo_all_reduce,
+        world,
+        args={r: (r, world, port) for r in range(world)},
+        logs_specs=aioproc.DefaultLogsSpecs(log_dir=os.devnull),
+    )
+    assert result.return_values == {r: world * (world + 1) // 2 for r in range(world)}

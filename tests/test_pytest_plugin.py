@@ -8,9 +8,12 @@ outcome, the report's lines, and that the ranks' processes are gone.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
+import signal
+import subprocess
 import sys
 import textwrap
 
@@ -640,7 +643,10 @@ def test_ranks_run_async_bodies_on_the_loop_pytest_asyncio_chose(
     assert found == ["asyncio.unix_events"] * 2 + ["uvloop"] * 2
 
 
-def test_under_xdist(pytester: pytest.Pytester) -> None:
+def test_under_xdist(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp = pytester.path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
     write_test(
         pytester,
         """
@@ -672,6 +678,91 @@ def test_under_xdist(pytester: pytest.Pytester) -> None:
     )
     assert_all_gone(pids_written(pytester))
     assert len(pids_written(pytester)) == 6
+    # each worker's private temp dir, and the controller's, went before the run ended
+    assert [p.name for p in tmp.iterdir() if not p.name.startswith("pytest-of-")] == []
+
+
+WAITING = """
+import os, threading
+
+def test_waits_1():
+    wait()
+
+def test_waits_2():
+    wait()
+
+def wait():
+    with open(os.environ["READY"], "w") as ready:
+        ready.write("waiting\\n")
+    threading.Event().wait(60)
+"""
+
+
+def test_an_interrupted_xdist_run_leaves_no_temp_dir(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C (SIGINT to the whole process group) while every xdist worker is
+    in a test: the controller's and the workers' temp dirs all go."""
+    tmp = pytester.path / "tmp"
+    tmp.mkdir()
+    ready = pytester.path / "ready"
+    os.mkfifo(ready)
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setenv("READY", str(ready))
+    pytester.makepyfile(test_it=WAITING)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "pytest", *PLUGIN, "-n", "2", "--aioproc-leakcheck"],
+        cwd=pytester.path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # a process group of its own, as a terminal's job
+    )
+    try:
+        # read and write: the first test's line and close is no EOF for the second's
+        with open(os.open(ready, os.O_RDWR)) as lines:
+            assert [lines.readline(), lines.readline()] == ["waiting\n"] * 2
+        made = sorted(p.name for p in tmp.iterdir() if p.name.startswith("aioproc-leakcheck-"))
+        assert len(made) == 1, made  # the controller's, holding the workers'
+        assert len(list((tmp / made[0]).iterdir())) == 2
+        os.killpg(run.pid, signal.SIGINT)
+        out, _ = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.communicate()
+    assert run.returncode == 2, out.decode(errors="replace")  # interrupted
+    assert [p.name for p in tmp.iterdir() if not p.name.startswith("pytest-of-")] == []
+
+
+SHARED_TMP = """
+import os, tempfile
+
+def test_another_programs_dir():
+    # another pytest run, or any program, making an aioproc dir in $TMPDIR meanwhile
+    os.mkdir(os.path.join(os.environ["TMPDIR"], "aioproc_theirs"))
+
+def test_its_own_dir():
+    open(os.path.join(tempfile.mkdtemp(prefix="aioproc_"), "log"), "w").close()
+"""
+
+
+@pytest.mark.parametrize("mode", ["-n0", "-n2"], ids=["one-process", "xdist"])
+def test_the_leak_check_counts_only_its_own_aioproc_temp_dirs(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """$TMPDIR is shared: an aioproc dir another program makes there is neither
+    blamed on a test nor removed; one the test made is both."""
+    tmp = pytester.path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    pytester.makepyfile(test_it=SHARED_TMP)
+    result = pytester.runpytest_subprocess(*PLUGIN, "--aioproc-leakcheck", mode)
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(
+        ["*test_it.py::test_its_own_dir leaked:", "- left in the temp dir *: [[]'aioproc_*']"]
+    )
+    assert "test_another_programs_dir leaked" not in result.stdout.str()
+    assert [p.name for p in tmp.iterdir()] == ["aioproc_theirs"]
 
 
 LEAKY = """
@@ -729,14 +820,112 @@ def test_leak_check_names_what_leaked_and_removes_it(pytester: pytest.Pytester) 
             "*test_it.py::test_leaks_a_thread leaked:",
             "- threads left running: <Thread(forgotten, started daemon *)>",
             "*test_it.py::test_leaves_a_group_open leaked:",
-            f"- aioproc groups never closed (close them, or leave their `async with`): "
-            f"process group {group} led by pid {group}: {sys.executable} -c "
-            "open('group_ready', 'w').close(); import time; time.sleep(60)",
+            "- aioproc handles never closed (close each with aclose(), or leave its "
+            "`async with`): <PContext left nprocs=1 binary running>",
+            f"- worker processes still running, killed: process group {group} led by pid "
+            f"{group}: {sys.executable} -c open('group_ready', 'w').close(); import time; "
+            "time.sleep(60)",
             "ERROR test_it.py::test_leaks_a_process - Failed: *",
         ]
     )
     assert "test_clean leaked" not in result.stdout.str()
+    # the group's guardian is aioproc's: never blamed on the test
+    children = {line for line in result.stdout.lines if "child processes left behind" in line}
+    assert children == {
+        f"- child processes left behind: pid {leaked}: {sys.executable} -c import time; "
+        "print('ready', flush=True); time.sleep(60)"
+    }
     assert_all_gone([leaked, group])
+
+
+UNCLOSED = """
+import asyncio, os, sys
+import pytest
+import aioproc
+from aioproc.agent import LocalElasticAgent, WorkerSpec
+
+SLEEP = ("-c", "import time; time.sleep(60)")
+
+def pid(what, value):
+    open(f"pid_{what}", "w").write(str(value))
+
+async def test_a_group():
+    pc = await aioproc.start_processes("trainer", sys.executable, {0: SLEEP}, {0: {}})
+    pid("group", pc.pids()[0])
+
+async def test_a_finished_group():
+    pc = await aioproc.start_processes("quick", sys.executable, {0: ("-c", "pass")}, {0: {}})
+    while pc.poll() is None:  # finished, never waited for nor closed
+        await asyncio.sleep(0.01)
+
+async def test_a_pool():
+    pool = await aioproc.open_pool(1, name="squares")
+    pid("pool", pool.pids()[0])
+
+async def test_a_worker():
+    w = await aioproc.open_worker(name="cache")
+    pid("worker", w.pid)
+
+async def test_an_agent():
+    spec = WorkerSpec(role="ranker", local_world_size=1, entrypoint=sys.executable, args=SLEEP)
+    agent = LocalElasticAgent(spec)
+    run = asyncio.ensure_future(agent.run())  # never awaited, and the agent never stopped
+    while not agent.pids():
+        await asyncio.sleep(0.01)
+    pid("agent", agent.pids()[0])
+
+async def test_each_closed_its_own_way():
+    pc = await aioproc.start_processes("waited", sys.executable, {0: ("-c", "pass")}, {0: {}})
+    await pc.wait()  # a final result closes the group, as in torch
+    pc = await aioproc.start_processes("closed", sys.executable, {0: SLEEP}, {0: {}})
+    await pc.close()
+    async with aioproc.start_processes("with", sys.executable, {0: ("-c", "pass")}, {0: {}}):
+        pass
+    pool = await aioproc.open_pool(1)
+    await pool.aclose()
+    async with aioproc.open_worker():
+        pass
+    spec = WorkerSpec(role="ran", local_world_size=1, entrypoint=sys.executable, args=("-c", ""))
+    await LocalElasticAgent(spec).run()
+    agent = LocalElasticAgent(
+        WorkerSpec(role="stopped", local_world_size=1, entrypoint=sys.executable, args=SLEEP)
+    )
+    run = asyncio.ensure_future(agent.run())
+    while not agent.pids():
+        await asyncio.sleep(0.01)
+    await agent.stop()
+    await run
+"""
+
+
+@pytest.mark.parametrize("mode", ["-n0", "-n2"], ids=["one-process", "xdist"])
+def test_unclosed_handles_fail_the_test_naming_each(pytester: pytest.Pytester, mode: str) -> None:
+    """A group, pool, worker or agent a test opened and never closed fails it,
+    named (its repr, or its type and name once collected), however the loop's
+    shutdown stopped its processes; each is killed, and the next test starts clean."""
+    pytester.makepyfile(test_it=UNCLOSED)
+    result = pytester.runpytest_subprocess(
+        *PLUGIN, "-o", "asyncio_mode=auto", "--aioproc-leakcheck", mode
+    )
+    result.assert_outcomes(passed=6, errors=5)
+    never = "- aioproc handles never closed (close each with aclose(), or leave its `async with`): "
+    result.stdout.fnmatch_lines_random(
+        [
+            "*test_it.py::test_a_group leaked:",
+            never + "*PContext*trainer*",
+            "*test_it.py::test_a_finished_group leaked:",
+            never + "*PContext*quick*",
+            "*test_it.py::test_a_pool leaked:",
+            never + "*WorkerPool*'squares'*",
+            "*test_it.py::test_a_worker leaked:",
+            never + "*WorkerProcess*cache*",
+            "*test_it.py::test_an_agent leaked:",
+            never + "*LocalElasticAgent ranker x1*",
+        ]
+    )
+    assert "test_each_closed_its_own_way leaked" not in result.stdout.str()
+    assert_all_gone(pids_written(pytester))
+    assert len(pids_written(pytester)) == 4
 
 
 def test_leak_checks_child_list_keeps_a_child_whose_thread_exits_mid_scan(
@@ -809,6 +998,66 @@ def test_leak_check_is_opt_in_per_test_by_marker_or_fixture(pytester: pytest.Pyt
             "ERROR test_it.py::test_marked - Failed: test_it.py::test_marked leaked:",
             "ERROR test_it.py::test_fixture - Failed: test_it.py::test_fixture leaked:",
         ]
+    )
+
+
+GONE_TMPDIR = """
+import os, shutil, tempfile
+
+def test_removes_its_tmpdir():
+    shutil.rmtree(os.environ["TMPDIR"])  # as another program might
+    tempfile.tempdir = None  # tempfile now falls back to the system's temp dir
+    open("fallback", "w").write(tempfile.gettempdir())
+    open(os.path.join(tempfile.gettempdir(), os.environ["CANARY"] + "-1"), "w").close()
+
+def test_after_it():  # another program's file, in the system's temp dir meanwhile
+    open(os.path.join(tempfile.gettempdir(), os.environ["CANARY"] + "-2"), "w").close()
+"""
+
+
+def test_all_mode_never_counts_another_dir_than_tmpdir(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``aioproc_leakcheck_tmpdir = all`` and $TMPDIR gone, the check says
+    so, and never turns to the system's temp dir, where it would take (and
+    remove) every other program's new files for the test's."""
+    tmp = pytester.path / "tmp"
+    tmp.mkdir()
+    canary = f"aioproc-test-canary-{os.getpid()}-{id(tmp)}"
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setenv("CANARY", canary)
+    pytester.makepyfile(test_it=GONE_TMPDIR)
+    system_tmp: list[str] = []
+    try:
+        result = pytester.runpytest_subprocess(
+            *PLUGIN, "--aioproc-leakcheck", "-o", "aioproc_leakcheck_tmpdir=all"
+        )
+        fallback = (pytester.path / "fallback").read_text()
+        assert fallback != str(tmp)
+        system_tmp = [os.path.join(fallback, f"{canary}-{i}") for i in (1, 2)]
+        result.assert_outcomes(passed=2, errors=2)
+        result.stdout.fnmatch_lines(
+            [f"- the temp dir {tmp} ($TMPDIR) is gone: removed by another program? *"] * 2
+        )
+        assert "left in the temp dir" not in result.stdout.str()
+        assert all(os.path.exists(p) for p in system_tmp)
+    finally:
+        for path in system_tmp:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def test_all_mode_needs_a_tmpdir(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TMPDIR")
+    write_test(pytester, "def test_nothing():\n    pass\n")
+    result = pytester.runpytest_subprocess(
+        *PLUGIN, "--aioproc-leakcheck", "-o", "aioproc_leakcheck_tmpdir=all"
+    )
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["ERROR: aioproc_leakcheck_tmpdir = 'all' counts every new entry of $TMPDIR, *"]
     )
 
 

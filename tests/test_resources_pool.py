@@ -342,6 +342,38 @@ async def test_pool_calls_are_counted_by_outcome(monkeypatch: pytest.MonkeyPatch
     assert spy.calls[6][2] >= 0.2  # the timeout's latency
 
 
+async def test_a_timed_out_calls_latency_is_never_shorter_than_its_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The latency is read on the timeout's own clock (uvloop's lags the
+    monotonic clock by up to a millisecond: read there, a timeout that fired
+    in a busy loop's turn could read shorter than itself)."""
+
+    async def busy_loop() -> None:
+        while True:  # a loop that never sleeps in epoll: timers fire on its clock alone
+            await asyncio.sleep(0)
+
+    spy = PoolCalls()
+    monkeypatch.setattr(hooks, "current", spy)
+    async with aioproc.open_pool(1, name="late") as pool:
+        busy = asyncio.create_task(pool.submit(time.sleep, 30))  # holds the one worker
+        await asyncio.sleep(0)  # a loop turn: the call has taken it
+        assert pool.stats().busy == 1
+        spinner = asyncio.create_task(busy_loop())
+        try:
+            for _ in range(40):  # calls that time out waiting for it
+                with pytest.raises(TimeoutError, match=r"timed out after timeout=0\.013 s"):
+                    await pool.submit(os.getpid, timeout=0.013)
+        finally:
+            spinner.cancel()
+            busy.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await busy
+    latencies = [seconds for _, outcome, seconds in spy.calls if outcome == "timeout"]
+    assert len(latencies) == 40, spy.calls
+    assert min(latencies) >= 0.013, sorted(latencies)[:5]
+
+
 async def test_pool_metrics_render_and_cost_nothing_when_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -421,10 +421,132 @@ def fake_torch(cuda: int = 0, xpu: int = 0, other: int = 0) -> SimpleNamespace:
     ],
 )
 def test_with_torch_devices_are_counted_by_torch(
-    monkeypatch: pytest.MonkeyPatch, torch: SimpleNamespace, value: str, count: int
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    torch: SimpleNamespace,
+    value: str,
+    count: int,
 ) -> None:
     monkeypatch.setattr(devices, "_torch", lambda: torch)
+    device_extension(tmp_path, monkeypatch)  # what gives torch a custom device's name
     assert parse_nproc(value) == count
+
+
+def device_extension(where: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An installed torch device extension, as ``import torch`` finds one: an
+    entry point of the ``torch.backends`` group (torch_npu's, say)."""
+    info = where / "fake_npu-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-npu\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[torch.backends]\nnpu = fake_npu:_autoload\n")
+    monkeypatch.syspath_prepend(str(where))
+
+
+def test_a_custom_device_name_needs_a_device_extension(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """torch renames its custom device only through an extension: without one
+    installed, ``npu`` is an unknown word, told without asking torch."""
+    asked: list[str] = []
+
+    def torch() -> SimpleNamespace:
+        asked.append("torch")
+        return fake_torch(other=3)
+
+    monkeypatch.setattr(devices, "_torch", torch)
+    with pytest.raises(Exception, match="or auto, cpu, gpu or xpu, got 'npu'"):
+        parse_nproc("npu")
+    assert asked == []
+    monkeypatch.setenv("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # torch would not load it
+    device_extension(tmp_path, monkeypatch)
+    with pytest.raises(Exception, match="got 'npu'"):
+        parse_nproc("npu")
+    assert asked == []
+    monkeypatch.delenv("TORCH_DEVICE_BACKEND_AUTOLOAD")
+    assert parse_nproc("npu") == 3
+    assert asked == ["torch"]
+
+
+FAKE_TORCH = """\
+import os, sys
+with open(os.environ["TORCH_IMPORTED"], "a") as f:
+    f.write("imported\\n")
+class _Device:
+    def is_available(self): return False
+    def device_count(self): return 0
+cuda = xpu = accelerator = _Device()
+"""
+# Whether torch was imported, whatever ended the command: a hook that notes
+# every import of it, then the command as ``python -m aioproc`` runs it.
+TORCH_WATCH = """\
+import runpy, sys
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            print("TORCH IMPORTED", file=sys.stderr)
+        return None
+sys.meta_path.insert(0, Watch())
+sys.argv = ["aioproc", *sys.argv[1:]]
+runpy.run_module("aioproc", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--nproc-per-node", "two"], {}, "or auto, cpu, gpu or xpu, got 'two'"),
+        (["--nproc-per-node", "tpu"], {}, "got 'tpu'"),
+        (["--nproc-per-node", "0"], {}, "expected a positive number of workers, got '0'"),
+        ([], {"PET_NPROC_PER_NODE": "two"}, "PET_NPROC_PER_NODE='two' (the default of this flag)"),
+        (["--nproc-per-node", "2", "--max-restarts", "x"], {}, "--max-restarts"),
+    ],
+    ids=["a-word", "an-unknown-device", "zero", "pet-variable", "another-flag"],
+)
+@pytest.mark.parametrize("torch", ["fake", pytest.param("real", marks=needs_torch)])
+def test_usage_errors_never_import_torch(
+    tmp_path: Path, args: list[str], env: dict[str, str], message: str, torch: str
+) -> None:
+    """Importing torch takes seconds: a usage error is told without it, with a
+    torch installed (a stand-in that notes its import, or the real one)."""
+    imported = tmp_path / "imported"
+    extra = dict(env, TORCH_IMPORTED=str(imported))
+    if torch == "fake":
+        (tmp_path / "torch").mkdir()
+        (tmp_path / "torch" / "__init__.py").write_text(FAKE_TORCH)
+        extra["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *sys.path])
+    python = sys.executable if torch == "fake" else TORCH_PYTHON
+    assert python is not None
+    proc = subprocess.run(
+        [python, "-c", TORCH_WATCH, "run", *args, ENV_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        env=cli_env(**extra),
+    )
+    assert message in usage_error(proc)
+    assert "TORCH IMPORTED" not in proc.stderr
+    assert not imported.exists()
+
+
+def test_nproc_gpu_asks_torch_when_it_is_installed(tmp_path: Path) -> None:
+    """The control of the test above: ``gpu`` does ask torch (the stand-in),
+    whose answer is the error."""
+    imported = tmp_path / "imported"
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(FAKE_TORCH)
+    proc = subprocess.run(
+        [sys.executable, "-c", TORCH_WATCH, "run", "--nproc-per-node", "gpu", ENV_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        env=cli_env(
+            TORCH_IMPORTED=str(imported),
+            PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]),
+        ),
+    )
+    assert "'gpu': CUDA is not available" in usage_error(proc)
+    assert "TORCH IMPORTED" in proc.stderr
+    assert imported.read_text() == "imported\n"
 
 
 @pytest.mark.parametrize(

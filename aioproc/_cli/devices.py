@@ -13,7 +13,9 @@ torch's); otherwise the NVIDIA driver is asked without torch:
 numbered in PCI order (``nvidia-smi``'s), which is CUDA's order for
 identical GPUs or with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; XPUs can only be
 counted through torch.  Nothing here runs for ``--help`` or for a numeric
-``--nproc-per-node``.
+``--nproc-per-node``, and torch is imported for ``gpu``, ``xpu`` and
+``auto`` only (or a custom device's name, where a torch device extension is
+installed): a word torch would reject is rejected without it.
 
 The NUMA modes are torch's (``torch/numa/binding.py``), computed from
 ``/sys`` the same way; torch wraps each worker in ``numactl``, aioproc sets
@@ -63,6 +65,11 @@ def count_workers(kind: str) -> int:
     """
     if kind == "cpu":
         return cpu_count()
+    if kind not in _TORCH_KINDS and not _custom_device_possible(kind):
+        # A usage error (``two``, ``tpu``) is told without importing torch,
+        # which takes seconds: only torch's own kinds, or a device extension's
+        # name, are worth asking it about.
+        raise ValueError(_unknown(kind))
     torch = _torch()
     if torch is not None:
         count = _torch_count(torch, kind)
@@ -86,6 +93,32 @@ def count_workers(kind: str) -> int:
     if count <= 0:  # pragma: no cover - torch says available, yet counts none
         raise ValueError(f"{kind!r}: torch counts {count} devices")
     return count
+
+
+_TORCH_KINDS = frozenset({"gpu", "xpu", "auto"})
+"""The kinds torch is asked to count when it can be imported."""
+_PRIVATEUSE1_DEFAULT = "privateuseone"
+"""torch's name for its custom device until an extension renames it."""
+_BACKENDS_GROUP = "torch.backends"
+"""The entry points through which ``import torch`` loads device extensions."""
+
+
+def _custom_device_possible(kind: str) -> bool:
+    """Whether ``kind`` could be torch's custom (privateuse1) device name here.
+
+    torch renames that device only when a device extension does it, and in
+    torchrun's process an extension comes in through the ``torch.backends``
+    entry points ``import torch`` loads (unless
+    ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``).  Without one, the only custom
+    name is torch's default, so any other word is an error torch would give.
+    """
+    if kind == _PRIVATEUSE1_DEFAULT:
+        return True
+    if os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") != "1":
+        return False
+    from importlib.metadata import entry_points
+
+    return bool(entry_points(group=_BACKENDS_GROUP))
 
 
 def _unknown(kind: str) -> str:

@@ -175,6 +175,9 @@ class Launch:
             if event_log is not None:  # torch's agent SUCCEEDED: its run returned
                 event_log.finished(agent.get_worker_group(), agent.run_id, self._attempt, result)
         finally:
+            # the agent is this launch's own: closed however its run ended
+            # (at once, the run being over; a leak check names one left open)
+            await agent.aclose()
             if event_log is not None:
                 event_log.close()
         return self._outcome(result)

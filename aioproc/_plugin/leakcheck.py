@@ -1,13 +1,20 @@
-"""What a test left behind: child processes, fds, threads, temp dirs, open groups.
+"""What a test left behind: open handles, child processes, fds, threads, temp dirs.
 
 A :class:`Snapshot` is taken before the test and compared after it.  What
-leaked is described for a person (each process with its command line, each
-fd with what it points at) and then removed, so that one leak does not make
-every later test fail too: leaked children are SIGKILLed and reaped, the
-process groups of unclosed aioproc groups killed, leaked temp entries
+leaked is described for a person (each handle never closed by its repr,
+each process with its command line, each fd with what it points at) and
+then removed, so that one leak does not make every later test fail too:
+unclosed handles are forgotten and the process groups of their workers
+killed, leaked children are SIGKILLed and reaped, leaked temp entries
 deleted.  Fds and threads are only reported: closing an fd a test still
 refers to, or a thread's resources, could break what runs next in ways
 harder to read than the report.
+
+A handle (a group, pool, persistent worker or agent) counts as closed when
+the test closed it (``aclose()``, torch's ``close()``/``stop()``, the end of
+its ``async with``, a group's final ``wait()``, an agent's ``run()`` that
+returned), not when the event loop's shutdown cancelled what it owned: that
+stops its processes, but a test that relied on it left the handle open.
 
 Linux only (``/proc``); elsewhere the check reports nothing.
 """
@@ -24,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 from .._base.children import child_pids as child_pids
+from .._base.resource import open_handles
 
 SUPPORTED = sys.platform.startswith("linux")
 
@@ -52,12 +60,44 @@ def _is_open(fd: int) -> bool:
 
 
 def registered_groups() -> frozenset[int]:
-    """Process groups of aioproc groups, workers and pools not yet closed."""
+    """Process groups of aioproc's workers not yet reaped (the guardian's list)."""
     lifeline = sys.modules.get("aioproc._proc.lifeline")
     if lifeline is None:  # aioproc never started a worker here
         return frozenset()
     groups: frozenset[int] = lifeline.registered_groups()
     return groups
+
+
+def _named(handle: object) -> str:
+    """A handle's repr, with its name when the repr leaves it out (a pool's)."""
+    text = repr(handle)
+    name = getattr(handle, "name", None)
+    return f"{text} {name!r}" if isinstance(name, str) and name not in text else text
+
+
+def _kill_groups(groups: frozenset[int]) -> int | None:
+    """SIGKILL the process groups of leaked workers, and have the guardian forget them.
+
+    Forgotten before anything reaps their leaders (the guardian must never
+    signal an id that may be reused); the guardian, guarding nothing more,
+    is dismissed, so the next test starts a new one instead of finding a
+    dead one.
+
+    Returns:
+        The pid of the guardian that guarded them, which exits by itself on
+        its dismissal (aioproc reaps it), or None.
+    """
+    lifeline = sys.modules.get("aioproc._proc.lifeline")
+    if lifeline is None or not groups:
+        return None
+    guardian: int | None = lifeline.current_pid()
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except OSError:
+            pass
+    lifeline.forget(*groups)
+    return guardian
 
 
 def describe_process(pid: int) -> str:
@@ -107,16 +147,29 @@ class Snapshot:
     temps: set[str]
     all_temps: bool
     groups: frozenset[int]
+    handles: int
+    """The mark of the open handles: those opened after it are the test's."""
 
     @classmethod
     def take(cls, all_temps: bool = False) -> Snapshot:
         """Record the current state.
 
         Args:
-            all_temps: count every new entry of the temp dir, not only
-                aioproc's (for a suite whose ``TMPDIR`` is its own).
+            all_temps: count every new entry of ``$TMPDIR``, not only
+                aioproc's in this process's temp dir (for a suite whose
+                ``TMPDIR`` is its own).  Never any other dir: should
+                ``$TMPDIR`` vanish, ``tempfile`` would fall back to the
+                system's temp dir, full of other programs' files.
+
+        Raises:
+            ValueError: ``all_temps`` without a ``TMPDIR``.
         """
-        tmpdir = tempfile.gettempdir()
+        if all_temps:
+            tmpdir = os.environ.get("TMPDIR", "")
+            if not tmpdir:
+                raise ValueError("counting every new entry of the temp dir needs a TMPDIR")
+        else:
+            tmpdir = tempfile.gettempdir()
         return cls(
             children=child_pids(),
             fds=open_fds(),
@@ -125,6 +178,7 @@ class Snapshot:
             temps=_temp_entries(tmpdir, all_temps),
             all_temps=all_temps,
             groups=registered_groups(),
+            handles=open_handles().mark(),
         )
 
     def leaks(self) -> list[str]:
@@ -134,13 +188,25 @@ class Snapshot:
             One line per kind of leak; empty when nothing leaked.
         """
         problems: list[str] = []
+        alive, collected = open_handles().since(self.handles)
+        named = [_named(h) for h in alive] + [f"{d} (garbage-collected)" for d in collected]
+        if named:
+            problems.append(
+                "aioproc handles never closed (close each with aclose(), or leave its "
+                "`async with`): " + "; ".join(named)
+            )
         groups = registered_groups() - self.groups
         if groups:
             problems.append(
-                "aioproc groups never closed (close them, or leave their `async with`): "
+                "worker processes still running, killed: "
                 + "; ".join(
                     f"process group {g} led by {describe_process(g)}" for g in sorted(groups)
                 )
+            )
+        if self.all_temps and not os.path.isdir(self.tmpdir):
+            problems.append(
+                f"the temp dir {self.tmpdir} ($TMPDIR) is gone: removed by another program? "
+                "Nothing in it could be checked"
             )
         temps = _temp_entries(self.tmpdir, self.all_temps) - self.temps
         for name in temps:
@@ -148,18 +214,15 @@ class Snapshot:
             shutil.rmtree(path, ignore_errors=True)
             if os.path.lexists(path):
                 os.unlink(path)
-        children = child_pids() - self.children
+        guardian = _kill_groups(groups)
+        # the workers were named with their groups, and the guardian is aioproc's to reap
+        children = child_pids() - self.children - groups - {guardian or 0}
         if children:
             problems.append(
                 "child processes left behind: "
                 + "; ".join(describe_process(p) for p in sorted(children))
             )
-        for pgid in groups:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except OSError:
-                pass
-        for pid in children:
+        for pid in children | (child_pids() & groups):
             try:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -46,7 +47,7 @@ import anyio.abc
 from .._base.checks import check_duration
 from .._base.loops import check_loop
 from .._base.owner import Owner
-from .._base.resource import OpenResource
+from .._base.resource import OpenResource, handle_closed, handle_opened
 from .._base.shield import shielded
 from .._errors.failure import BrokenWorkerError
 from .._group.resources import CpusArg
@@ -160,6 +161,7 @@ class WorkerPool:
             await shielded(self._close())
             raise
         self._dispatch.free(range(self.size))
+        handle_opened(self)  # until aclose(): a leak check names a pool left open
         return self
 
     async def _own(self, tg: anyio.abc.TaskGroup) -> None:
@@ -333,13 +335,16 @@ class WorkerPool:
             raise RuntimeError(f"{self!r} is closed")
         call = PoolCall(fn, args, kwargs)
         rec = self._rec
-        began = time.monotonic() if rec.enabled else 0.0
+        # The call's latency is read on the clock its timeout runs on, the
+        # loop's: uvloop's lags time.monotonic() by up to a millisecond, so a
+        # timeout measured on the latter could read shorter than itself.
+        began = anyio.current_time()
         timed_out = False
         try:
             if limit is None:
                 value = await self._submit(call)
             else:
-                with anyio.move_on_after(limit) as scope:
+                with anyio.CancelScope(deadline=_deadline(began, limit)) as scope:
                     value = await self._submit(call)
                 if scope.cancelled_caught:
                     timed_out = True  # the pool's timeout, not a TimeoutError fn raised
@@ -348,15 +353,15 @@ class WorkerPool:
             self._failed += 1
             if rec.enabled:
                 outcome = "timeout" if timed_out else _outcome(e)
-                rec.pool_call(self.name, outcome, time.monotonic() - began)
+                rec.pool_call(self.name, outcome, anyio.current_time() - began)
             raise
         except asyncio.CancelledError:
             if rec.enabled:
-                rec.pool_call(self.name, "cancelled", time.monotonic() - began)
+                rec.pool_call(self.name, "cancelled", anyio.current_time() - began)
             raise
         self._completed += 1
         if rec.enabled:
-            rec.pool_call(self.name, "succeeded", time.monotonic() - began)
+            rec.pool_call(self.name, "succeeded", anyio.current_time() - began)
         return value
 
     async def _submit(self, call: PoolCall) -> Any:
@@ -453,6 +458,7 @@ class WorkerPool:
         Cancellation: shielded and bounded.
         """
         check_loop(self._owner.loop, self)
+        handle_closed(self)
         await shielded(self._close())
         errors, self._errors = self._errors, []
         for e in errors[1:]:
@@ -513,6 +519,18 @@ async def _started(pool: WorkerPool) -> WorkerPool:
 
 async def _closed(pool: WorkerPool, exc: BaseException | None) -> None:
     await pool.aclose()
+
+
+def _deadline(began: float, seconds: float) -> float:
+    """The first time on the loop's clock at which ``seconds`` have passed since ``began``.
+
+    ``began + seconds`` may round to a float a hair below that instant, and a
+    latency read as ``now - began`` at it would then be shorter than ``seconds``.
+    """
+    deadline = began + seconds
+    while deadline - began < seconds:
+        deadline = math.nextafter(deadline, math.inf)
+    return deadline
 
 
 def _outcome(error: Exception) -> str:

@@ -29,6 +29,7 @@ from typing import Any
 
 from .._base.loops import check_loop
 from .._base.offloop import run_detached
+from .._base.resource import handle_closed
 from .._base.shield import shielded
 from .._child import channel as _wire
 from .._child import shm as _shm
@@ -379,6 +380,7 @@ class WorkerProcess:
         to the first).
         """
         check_loop(self._child.watcher.loop, self)
+        handle_closed(self)
         if self._closing is not None:
             await asyncio.wait({self._closing})
             return

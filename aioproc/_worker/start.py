@@ -16,7 +16,7 @@ import subprocess
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .._base.resource import OpenResource
+from .._base.resource import OpenResource, opening
 from .._base.shield import shielded
 from .._child import channel as _wire
 from .._child import shm as _shm
@@ -58,7 +58,7 @@ def open_one(name: str, options: WorkerOptions, cpus: CpusArg) -> OpenResource[W
     async def close(worker: WorkerProcess, exc: BaseException | None) -> None:
         await worker.aclose()
 
-    return OpenResource(start, close, "open_worker(...)")
+    return OpenResource(opening(start), close, "open_worker(...)")  # a leak check names it
 
 
 async def start_worker(

@@ -50,7 +50,7 @@ import anyio
 import anyio.abc
 
 from .._base.owner import Owner
-from .._base.resource import OpenResource
+from .._base.resource import OpenResource, handle_closed, handle_opened
 from .._base.shield import shielded
 from .._errors.summary import ChildFailedError
 from .._func import template as _template
@@ -356,6 +356,8 @@ class LocalElasticAgent:
                 if ended is not None:
                     return ended
         except BaseException as e:
+            if not isinstance(e, asyncio.CancelledError) or pending_signal() is not None:
+                handle_closed(self)  # the run is over; one cancelled is closed by a stop
             if not isinstance(e, Exception) or _is_signal(e):
                 self._state = WorkerState.STOPPED
                 sigval = getattr(e, "sigval", None) or pending_signal()
@@ -373,6 +375,7 @@ class LocalElasticAgent:
         if self._running:
             raise RuntimeError(f"{self!r} is already running")
         self._running = True
+        handle_opened(self)  # until the run ends, or a stop: a leak check names it
         self._run_task = asyncio.current_task()
         self._workers.signalled = False
         self._stop_request = None
@@ -553,6 +556,7 @@ class LocalElasticAgent:
         message: str = "",
     ) -> RunResult:
         self._state = state
+        handle_closed(self)  # the run is over
         kind = {
             WorkerState.SUCCEEDED: ev.GROUP_SUCCEEDED,
             WorkerState.STOPPED: ev.GROUP_STOPPED,
@@ -664,6 +668,7 @@ class LocalElasticAgent:
 
     async def _stop(self, sig: signal.Signals, grace: float, verb: str) -> None:
         """Ask the run (if one is going on) to stop with ``sig``; wait for its end."""
+        handle_closed(self)
         if not self._running or self._run_ended is None:
             return
         stopping = self._stop_request is not None or self._workers.signalled
