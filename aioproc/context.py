@@ -26,8 +26,8 @@ from typing import Any
 
 from ._base import public_module
 from ._base.checks import check_duration, check_signal
-from ._base.resource import handle_closed, handle_opened
 from ._base.loops import check_loop
+from ._base.resource import handle_closed, handle_opened
 from ._group.preimport import preimport as preimport
 from ._supervisor.spec import GroupSpec
 from ._supervisor.supervisor import Supervisor
