@@ -204,7 +204,7 @@ class PContext:
         try:
             await self._sup.start()
         finally:
-            if self._sup.state == "new":
+            if self._sup.state in ("new", "closed"):
                 handle_closed(self)  # a failed start leaves nothing to close
 
     def pids(self) -> dict[int, int]:
