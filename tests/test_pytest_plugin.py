@@ -820,8 +820,9 @@ def test_leak_check_names_what_leaked_and_removes_it(pytester: pytest.Pytester) 
             "*test_it.py::test_leaks_a_thread leaked:",
             "- threads left running: <Thread(forgotten, started daemon *)>",
             "*test_it.py::test_leaves_a_group_open leaked:",
+            # a face held only by the test's frame may be collected by then: named either way
             "- aioproc handles never closed (close each with aclose(), or leave its "
-            "`async with`): <PContext left nprocs=1 binary running>",
+            "`async with`): *PContext*left*",
             f"- worker processes still running, killed: process group {group} led by pid "
             f"{group}: {sys.executable} -c open('group_ready', 'w').close(); import time; "
             "time.sleep(60)",
