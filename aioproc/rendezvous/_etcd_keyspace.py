@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import anyio
 
 from ._etcd_client import KeyValue, prefix_end
-from ._etcd_schema import World, malformed
+from ._etcd_schema import Seat, World, malformed
 from ._etcd_store import EtcdSession
 from .api import (
     RendezvousClosedError,
@@ -66,8 +67,9 @@ class EtcdKeyspace:
     def new_session(self, host: str, port: int, ttl: int) -> EtcdSession:
         """A session (not open yet) with etcd at ``host:port`` following the job's keys.
 
-        Its lease lives ``ttl`` seconds; every key enters its copy through
-        ``check``.  This node's part in the job starts afresh with it: it
+        Its lease lives ``ttl`` seconds; opening it writes this node's
+        liveness key (``nodes/<id>``: its address and pid); every key
+        enters its copy through ``check``.  This node's part in the job starts afresh with it: it
         has joined no round, and seen no corrupt key.
         """
         prefix = self.prefix.encode()
@@ -77,6 +79,8 @@ class EtcdKeyspace:
             port,
             prefix,
             prefix + b"nodes/",
+            self.key(f"nodes/{self.node_id}"),
+            json.dumps({"addr": self.addr, "pid": os.getpid()}).encode(),
             ttl,
             self.addr,
             check=self.check,
@@ -105,7 +109,7 @@ class EtcdKeyspace:
         return (int(kv.value), kv.mod_revision) if kv is not None else (-1, 0)
 
     def world(self, r: int) -> World | None:
-        """Round ``r``'s world from the copy (parsed once per version of its key)."""
+        """Round ``r``'s world (its few fields) from the copy, parsed once per version."""
         key = self.key(f"completed/{r}")
         kv = self.store().keys.get(key)
         if kv is None:
@@ -118,11 +122,23 @@ class EtcdKeyspace:
         return cached[1]
 
     async def count(self, directory: str) -> int:
-        """How many keys are in ``directory`` now (one read)."""
+        """How many keys are in ``directory`` now (one read that returns none of them)."""
+        return await self.store().count(*self.key_range(directory))
+
+    async def seat(self, world: World) -> Seat | None:
+        """This node's seat in ``world``, or None if the world has no place for it.
+
+        Read from the copy of this node's key, which the round's leader
+        wrote before it completed the round; one read of it when the copy
+        does not show that seat (yet): what etcd holds then is the answer.
+        """
         store = self.store()
-        key = self.key(directory)
-        result = await store.call(lambda: store.client.get_prefix(key, keys_only=True))
-        return len(result.kvs)
+        for fresh in (False, True):
+            kv = await store.own_now() if fresh else store.keys.get(store.own)
+            seat = Seat.parse(self.node_id, kv.value) if kv is not None else None
+            if seat is not None and (seat.round, seat.token) == (world.round, world.token):
+                return seat
+        return None
 
     # ---------------------------------------------------------- the job's end
 
@@ -332,6 +348,52 @@ class EtcdKeyspace:
             )
         )
         return bool(ok), responses[0].response_txn if ok else None
+
+    async def seat_all(
+        self, r: int, entries: list[tuple[bytes, int, int, Seat, bytes]], current_rev: int
+    ) -> list[str] | None:
+        """Write the seats of one batch of round ``r``'s nodes, unless ``current`` moved.
+
+        ``entries``: for each node, its join key (``rounds/<r>/join/<id>``,
+        the whole key), the join's create revision and lease,
+        its seat, and its record for ``rounds/<r>/assign/<token>/<id>``.
+        Each node's seat goes into its liveness key and its record into the
+        assign directory, both on the node's own lease, but only while its
+        join key is the one the leader saw: a node whose lease expired
+        meanwhile gets nothing (its lease would not take a key).
+
+        Returns:
+            None when ``current`` moved (another leader completed the round);
+            else the ids of the nodes that were gone (empty: all seated).
+        """
+        store = self.store()
+        tx = store.client.transactions
+        ops = []
+        for join, create_revision, lease, seat, record in entries:
+            assigned = self.key(f"rounds/{r}/assign/{seat.token}/{seat.node_id}")
+            ops.append(
+                tx.txn(
+                    compare=[tx.create(join) == create_revision],
+                    success=[
+                        tx.put(self.key(f"nodes/{seat.node_id}"), seat.value(), lease=lease),
+                        tx.put(assigned, record, lease=lease),
+                    ],
+                    failure=[],
+                )
+            )
+        current = self.key("current")
+        ok, responses = await store.call(
+            lambda: store.client.transaction(
+                compare=[tx.mod(current) == current_rev], success=ops, failure=[]
+            )
+        )
+        if not ok:
+            return None
+        return [
+            seat.node_id
+            for (_, _, _, seat, _), response in zip(entries, responses, strict=True)
+            if not response.response_txn.succeeded
+        ]
 
     async def complete(self, r: int, world: bytes, current_rev: int) -> bool:
         """Write round ``r``'s ``world`` and make it current (True), unless a write came first.

@@ -19,7 +19,7 @@ The hosting agent is the job's single point of failure, as in torch: the
 store dies with it.  When it ends normally it keeps the store up until the
 other agents have left it (at most ``close_timeout``), so they all see how
 the job ended; when it is killed, the other agents lose their leases within
-two thirds of ``lease_ttl``, stop their workers and fail, naming the
+five sixths of ``lease_ttl``, stop their workers and fail, naming the
 endpoint.  The guardian kills the server with a SIGKILLed agent, and a
 janitor removes the server's data.
 """

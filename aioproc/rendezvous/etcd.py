@@ -5,18 +5,23 @@ protocol is aioproc's own.  Keys under ``/aioproc/rdzv/<run_id>/``, the
 control keys first (every agent copies them: a few writes per round):
 
 ``change/<r>``            a join that makes the running world (round r - 1) re-form
+                          (and the members its writer knows were lost)
 ``closed``                the job is over (finished, or stopped by a signal)
-``completed/<r>``         round r's world: its nodes in group-rank order, each with
-                          its address, port, nproc and role (torch's rank assignment)
+``completed/<r>``         round r's world in a few fields: its size, group rank 0's
+                          address and port, and the token of its seats
 ``current``               the number of the last completed round
 ``failed``                the job failed for good: the root cause
 ``lead/<r>``              (leased) the joiner that completes round r
 
-then the keys written by every agent, which no agent copies in full:
+then the keys of every agent, which no agent copies in full:
 
-``nodes/<id>``            (leased) one per live agent: its lease is its liveness
+``nodes/<id>``            (leased) one per live agent: its lease is its liveness;
+                          the leader of a round writes the agent's seat into it
+                          (its group rank and torch's rank figures)
 ``rounds/<r>/join/<id>``  (leased) an agent waiting for round r: its address, port,
                           nproc and role
+``rounds/<r>/assign/<token>/<id>``  (on the agent's lease) round r's node: its rank,
+                          address, port, nproc and role (``world()`` lists them)
 ``rounds/<r>/done/<id>``  (leased) an agent whose workers finished (exit barrier)
 
 A round ``r`` is open while ``current`` is ``r - 1``.  An agent joins by
@@ -26,11 +31,16 @@ and, in the same transaction, claims ``lead/<r>`` if it is free and writes
 member of that world: its workers failed; or that world has room).  The
 leader alone follows the round's joins: it completes the round when
 ``max_nodes`` joined, or when ``min_nodes`` joined, every live member of the
-running world joined too, and ``last_call_timeout`` passed, by writing the
-world and ``current`` and dropping the previous round's keys in one
-transaction.  A leader that dies takes ``lead/<r>`` with its lease; the
-other joiners see it go and one of them claims the round (the world keeps
-the join order either way).  So a node arriving while a full world runs
+running world joined too, and ``last_call_timeout`` passed.  It computes
+every node's seat (torch's rank assignment), writes each into the node's
+liveness key and assign record on the node's own lease (in batches: a node
+whose lease is gone gets none, and the round is frozen again without it),
+then writes the world's few fields and ``current`` and drops the previous
+round's keys in one transaction.  Each agent reads its own seat from its
+liveness key, which it watches: no agent reads a record of every agent.
+A leader that dies takes ``lead/<r>`` with its lease; the other joiners
+see it go and one of them claims the round (the world keeps the join order
+either way).  So a node arriving while a full world runs
 waits; a node arriving while a world below ``max_nodes`` runs makes its
 members re-join (a re-rendezvous that costs no restart); a member lost
 makes the others re-join, or fail if fewer than ``min_nodes`` are left.
@@ -45,10 +55,12 @@ a node that had joined and was waiting when the job finished gets
 ``RendezvousGracefulExitError`` instead (torch's standby nodes).
 
 Every agent learns of losses from a watch that delivers only deletions of
-``nodes/`` keys, and of everything else from the control keys; the exit
-barrier counts the done keys with one read per agent.  A round costs O(1)
-requests and O(1) watch events per agent (the leader: O(N) events, one per
-join): O(N) in total, where following every agent's keys costs O(N^2).
+``nodes/`` keys, each with the lost agent's last seat (so it knows whether
+the agent was in its own world), and of everything else from the control
+keys; the exit barrier counts the done keys with one read that returns
+none of them.  A round costs each agent one transaction (its join), a few
+watch events and its own seat: O(1) requests and O(1) bytes per agent (the
+leader: O(N), one join event and one seat per node), O(N) in total.
 
 This module is the handler (torch's API, the running world, the exit
 barrier); ``_etcd_round`` joins a round and, on its leader, completes it;
@@ -75,7 +87,8 @@ from ._etcd_client import import_aetcd, ttl_seconds
 from ._etcd_keyspace import KEY_ROOT as KEY_ROOT
 from ._etcd_keyspace import EtcdKeyspace
 from ._etcd_round import Joining
-from ._etcd_schema import World
+from ._etcd_schema import Seat, World, lost_in, parse_node_record
+from ._etcd_store import FENCE_AT
 from .api import (
     DEFAULT_ROLE,
     RendezvousHandler,
@@ -148,7 +161,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._role = DEFAULT_ROLE
         self._info: RendezvousInfo | None = None
         self._world_now: World | None = None  # the world of ``_info``
-        self._lost_cache: tuple[tuple[int, int], list[RendezvousNode]] | None = None
+        # the lost members of ``_world_now`` (node id, addr), as of (round, liveness
+        # version, change key's revision)
+        self._lost_cache: tuple[tuple[int, int, int], list[tuple[str, str]]] | None = None
+        self._seats: dict[bytes, Seat | None] = {}  # the seats of gone agents, parsed once
+        self._known_lost: list[tuple[str, str]] = []  # the losses that ended the last world
+        self._spent = (0, 0, 0)  # requests, events and bytes of the sessions that ended
         # while the session opens: asked, after a call that failed as if etcd were not
         # up yet, whether the endpoint can be etcd at all (c10d knows; None: wait for it)
         self._vet: Callable[[float], Awaitable[None]] | None = None
@@ -178,20 +196,37 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     @property
     def fence_grace(self) -> float:
-        """Grace period for workers stopped by fencing: they must be gone within the TTL."""
-        return self.lease_ttl / 6
+        """Grace period for workers stopped by fencing: they must be gone within the TTL.
+
+        The fence comes ``FENCE_AT`` (five sixths) of the TTL after the last
+        renewal sent, and etcd expires the lease a TTL after it at the
+        earliest: the workers get half of what is left.
+        """
+        return self.lease_ttl * (1 - FENCE_AT) / 2
 
     @property
     def requests(self) -> int:
-        """Calls this agent made to etcd so far (the scale benchmark counts them)."""
+        """Calls this agent made to etcd so far, in every session (the scale benchmark's count)."""
         session = self._keys.session
-        return session.requests if session is not None else 0
+        return self._spent[0] + (session.requests if session is not None else 0)
 
     @property
     def events(self) -> int:
-        """Watch events this agent received so far (the scale benchmark counts them)."""
+        """Watch events this agent received so far, in every session (as ``requests``)."""
         session = self._keys.session
-        return session.events if session is not None else 0
+        return self._spent[1] + (session.events if session is not None else 0)
+
+    @property
+    def renewals(self) -> int:
+        """Keep-alives of this session's lease that etcd answered so far (0 without a session)."""
+        session = self._keys.session
+        return session.renewals if session is not None else 0
+
+    @property
+    def received(self) -> int:
+        """Bytes of keys and values this agent received so far (events, reads; as ``requests``)."""
+        session = self._keys.session
+        return self._spent[2] + (session.received if session is not None else 0)
 
     def is_closed(self) -> bool:
         return self._keys.get("closed") is not None
@@ -262,8 +297,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
             min_nodes=self.min_nodes,
             max_nodes=self.max_nodes,
             last_call_timeout=self.last_call_timeout,
+            lost=self._known_lost,
         )
         self._info = self._world_now = None
+        self._known_lost = []
         deadline = time.monotonic() + self.join_timeout
         joined = -1  # the round this node's join key is in
         with anyio.move_on_at(deadline):
@@ -280,10 +317,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     keys.joined = True
                 world = await joining.wait(r, current_rev, deadline)
                 if world is not None:
-                    info = world.info_for(self.node_id)
-                    if info is not None:
-                        self._info, self._world_now = info, world
-                        return info
+                    seat = joining.seat or await keys.seat(world)
+                    if seat is not None:
+                        self._info, self._world_now = seat.info(), world
+                        return self._info
                 # the round completed without this node: wait for the next one
         joins = await joining.leave(keys.current()[0] + 1, joined)
         raise RendezvousTimeoutError(
@@ -325,9 +362,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         then run again in the new world, as everyone's do.
 
         Each member writes its done key, then counts the round's done keys
-        with one read; the member whose key came last counts them all and
-        closes the job, which every member sees.  A member lost meanwhile
-        makes every member count again.
+        with one read (which returns none of them); the member whose key
+        came last counts them all and closes the job, which every member
+        sees.  A member lost meanwhile makes every member count again.  Once
+        the job is closed, this node stops hearing of the others leaving.
 
         Raises:
             RendezvousJobFailedError: the job failed on another host.
@@ -344,13 +382,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 seen = store.version
                 closed = keys.get("closed")
                 if closed is not None and json.loads(closed.value).get("reason") == "succeeded":
+                    store.quiet()
                     return None  # the member that counted them all closed it
                 keys.raise_if_over()
-                lost = self._lost(world)
+                lost = await self._lost(world)
                 if len(lost) != counted:
                     counted = len(lost)
                     # only members write done keys, and a lost member's go with its lease
-                    if await keys.count(done_dir) >= len(world.nodes) - counted:
+                    if await keys.count(done_dir) >= world.size - counted:
                         break
                     continue
                 change = await self._change(world)
@@ -360,7 +399,30 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if scope.cancelled_caught:
             logger.warning("exit barrier: timed out after %g s waiting for other hosts", timeout)
         await keys.close("succeeded")
+        store.quiet()
         return None
+
+    async def world(self) -> tuple[RendezvousNode, ...]:
+        """The nodes of this node's running world, in group-rank order (one read).
+
+        Read when wanted: a round gives each node its own seat only (its
+        ``RendezvousInfo`` has no ``nodes``).  A node lost since the round
+        completed is missing (its record went with its lease).
+
+        Raises:
+            RuntimeError: no round completed with this node.
+        """
+        world = self._running()
+        keys = self._keys
+        store = keys.store()
+        start, end = keys.key_range(f"rounds/{world.round}/assign/{world.token}/")
+        result = await store.call(lambda: store.client.get_range(start, end))
+        found = []
+        for kv in result.kvs:
+            node = parse_node_record(kv.key.rsplit(b"/", 1)[1].decode(), kv.value)
+            if node is not None:
+                found.append(node)
+        return tuple(node for _, node in sorted(found, key=lambda x: x[0]))
 
     def _running(self) -> World:
         if self._info is None or self._world_now is None:
@@ -370,8 +432,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
     async def _change(self, world: World) -> WorldChange | None:
         """Why ``world`` must be re-formed now, if it must.
 
-        Decided on a fresh list of the live nodes (one read), so a loss that
-        caused the change is reported as one even before its watch event.
+        A loss is known from the liveness watch (a deletion carries the
+        lost agent's seat), or from the change a member wrote as it
+        re-joined after hearing of the loss first: either way it is
+        reported as one, whichever this node hears of first.
 
         Raises:
             RendezvousJobFailedError: a member was lost and fewer than
@@ -380,21 +444,24 @@ class EtcdRendezvousHandler(RendezvousHandler):
         keys = self._keys
         moved = keys.current()[0] != world.round
         change = keys.get(f"change/{world.round + 1}")
-        if not (moved or change is not None or self._lost(world)):
+        lost = await self._lost(world)
+        if not (moved or change is not None or lost):
             return None
-        alive = await keys.store().refresh_liveness()
-        lost = self._lost(world)
         if lost:
             # a stop or a failure elsewhere ends agents too: if one came
             # first, it is the news (its watch event may trail the loss's)
             await keys.raise_if_over_now()
-            hosts = ", ".join(f"{n.addr} ({n.node_id})" for n in lost)
-            if alive < self.min_nodes:
-                raise RendezvousJobFailedError(
-                    f"lost host {hosts}: {alive} node(s) left, fewer than "
-                    f"min_nodes={self.min_nodes}"
-                )
-            return WorldChange(f"lost host {hosts}", lost=tuple(n.addr for n in lost))
+            hosts = ", ".join(f"{addr} ({node_id})" for node_id, addr in lost)
+            if world.size - len(lost) < self.min_nodes:
+                # nodes waiting for a place count too: one read counts every live agent
+                alive = await keys.count("nodes/")
+                if alive < self.min_nodes:
+                    raise RendezvousJobFailedError(
+                        f"lost host {hosts}: {alive} node(s) left, fewer than "
+                        f"min_nodes={self.min_nodes}"
+                    )
+            self._known_lost = [x for x in lost if x[0] != "?"]  # named by this node's next join
+            return WorldChange(f"lost host {hosts}", lost=tuple(addr for _, addr in lost))
         if moved:
             return WorldChange("the job re-formed its world without this node")
         assert change is not None
@@ -430,17 +497,38 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     # ---------------------------------------------------------- protocol
 
-    def _lost(self, world: World) -> list[RendezvousNode]:
-        """Members of ``world`` whose lease is gone; cached until liveness news arrive."""
+    async def _lost(self, world: World) -> list[tuple[str, str]]:
+        """Members of ``world`` known lost (``(node id, addr)``), from the watch or a change.
+
+        Costs no read, but where etcd compacted the liveness watch's
+        history (deletions may have been missed): then one count of the
+        world's records tells how many members are gone, unnamed.
+        """
+        lost = self._lost_now(world)
         store = self._keys.store()
-        key = (world.round, store.liveness_version)
+        if store.gone_unsure:
+            records = f"rounds/{world.round}/assign/{world.token}/"
+            missing = world.size - await self._keys.count(records) - len(lost)
+            lost = lost + [("?", "an unknown host")] * max(0, missing)
+        return lost
+
+    def _lost_now(self, world: World) -> list[tuple[str, str]]:
+        """``_lost`` as the copy and the liveness watch tell it (no read)."""
+        store = self._keys.store()
+        change = self._keys.get(f"change/{world.round + 1}")
+        key = (world.round, store.liveness_version, change.mod_revision if change else 0)
         if self._lost_cache is None or self._lost_cache[0] != key:
-            lost = [
-                n
-                for n in world.nodes
-                if store.gone_since(n.node_id.encode(), world.revs[n.node_id])
-            ]
-            self._lost_cache = (key, lost)
+            lost: dict[str, str] = {}
+            for name, value in store.gone.items():
+                if name not in self._seats:
+                    self._seats[name] = Seat.parse(name.decode(errors="replace"), value)
+                seat = self._seats[name]
+                if seat is not None and (seat.round, seat.token) == (world.round, world.token):
+                    lost[seat.node_id] = seat.addr
+            if change is not None:
+                # a member that heard of a loss first re-joined naming it
+                lost.update(lost_in(json.loads(change.value)))
+            self._lost_cache = (key, sorted(lost.items()))
         return self._lost_cache[1]
 
 
@@ -463,19 +551,18 @@ class _Session:
         # reaching etcd counts against join_timeout too: an endpoint that
         # never answers fails in time, naming itself and the last error
         self._open = session.open(h.join_timeout)
-        await self._open.__aenter__()
+        await self._open.__aenter__()  # writes this node's liveness key too
         keys.session = session
-        try:
-            value = json.dumps({"addr": h.addr, "pid": os.getpid()}).encode()
-            await keys.put(f"nodes/{h.node_id}", value, leased=True)
-        except BaseException as e:
-            keys.session = None
-            await self._open.__aexit__(type(e), e, e.__traceback__)
-            raise
         return h
 
     async def __aexit__(self, *exc: Any) -> None:
         h = self._handler
+        session = h._keys.session
         h._keys.session = None
         h._info = h._world_now = None
-        await self._open.__aexit__(*exc)
+        try:
+            await self._open.__aexit__(*exc)
+        finally:
+            if session is not None:
+                r, e, b = h._spent
+                h._spent = (r + session.requests, e + session.events, b + session.received)
