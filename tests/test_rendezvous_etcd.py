@@ -534,7 +534,7 @@ def _agents_report(proc: Any) -> list[dict[str, Any]]:
 
 def _assert_one_world(recs: list[dict[str, Any]], members: list[str]) -> None:
     """Every agent holds the same world of ``members``, at its own group rank."""
-    assert sorted(r["node"] for r in recs) == sorted(members)
+    assert sorted(r["node"] for r in recs) == sorted(members), (recs, members)
     worlds = {tuple(r["world"]) for r in recs}
     assert len(worlds) == 1, worlds
     assert sorted(worlds.pop()) == sorted(members)
@@ -577,8 +577,9 @@ def test_what_each_agent_reads_of_a_round_does_not_grow_with_the_world(
         # and writes its join in one transaction (the leader also reads, seats, completes)
         assert sorted(r["requests"] for r in recs)[-2] <= 2, recs
         assert_only_closed(etcd, job)
-    # a world 8 times larger costs each agent a few more digits, not 28 more records
-    assert max(received[32]) <= max(received[4]) + 64, received
+    # a world 8 times larger costs each agent a few more digits (and at most a
+    # second read of its own seat, ~270 bytes), not 28 more records
+    assert max(received[32]) <= max(received[4]) + 400, received
     assert max(received[32]) < 1500, received
 
 
@@ -599,31 +600,30 @@ def test_an_idle_world_renews_each_lease_every_third_of_its_ttl(etcd: Etcd, tmp_
     assert_only_closed(etcd, job)
 
 
-def test_a_loss_named_by_a_rejoining_member_is_a_loss_for_whoever_hears_of_it_first(
-    etcd: Etcd, tmp_path: Any
+@pytest.mark.parametrize("who", ["the lookout", "another member"])
+def test_a_member_leaving_is_a_loss_for_every_other_member_naming_it(
+    etcd: Etcd, tmp_path: Any, who: str
 ) -> None:
-    """A member that re-joins after a loss names it in the change it writes.
+    """Only the world's lookout (group rank 0) watches departures; every member hears of each.
 
-    Another member may hear of that change before the lost agent's lease
-    is gone from its own watch: the loss still counts as one (it costs a
-    restart), naming the lost host.
+    A member other than the lookout: the lookout tells the others; the
+    lookout itself: its leased lookout key goes with it.
     """
-    job = "lossnamed"
-    with _many_agents(etcd, job, 2, "2:3", then="change") as proc:
+    job = f"loss-{who.split()[-1]}"
+    with _many_agents(etcd, job, 4, "2:4", then="change") as proc:
         _opened(proc)
-        rounds = [json.loads(proc.stdout.readline()) for _ in range(2)]
-        assert [r["round"] for r in rounds] == [0, 0], rounds
-        change = {
-            "host": "127.0.0.9",
-            "member": True,
-            "lost": [["127.0.0.9_77_abcdef", "127.0.0.9"]],
-        }
-        put(etcd, f"/aioproc/rdzv/{job}/change/1", json.dumps(change).encode())
+        rounds = [json.loads(proc.stdout.readline()) for _ in range(4)]
+        assert sorted(r["rank"] for r in rounds) == [0, 1, 2, 3], rounds
+        leaving = next(r for r in rounds if (r["rank"] == 0) == (who == "the lookout"))
+        proc.stdin.write(f"leave {leaving['node']}\n")
+        proc.stdin.flush()
         changes = _agents_report(proc)
-    assert len(changes) == 2, changes
+    assert sorted(c["node"] for c in changes) == sorted(
+        r["node"] for r in rounds if r is not leaving
+    ), changes
     for c in changes:
-        assert c["change"] == "lost host 127.0.0.9 (127.0.0.9_77_abcdef)", changes
-        assert c["lost"] == ["127.0.0.9"], changes
+        assert c["change"] == f"lost host 127.0.0.1 ({leaving['node']})", changes
+        assert c["lost"] == ["127.0.0.1"], changes
 
 
 def _wait_for(etcd: Etcd, job: str, proc: Any, what: str, ready: Any) -> dict[str, Any]:

@@ -29,6 +29,7 @@ __all__ = [
     "import_aetcd",
     "prefix_end",
     "put_and_range",
+    "ranges",
     "ttl_seconds",
 ]
 
@@ -138,6 +139,7 @@ class KeyRange:
         self.kind = kind
         self.prev_kv = prev_kv
         self.revision = 0
+        self.listed = 0  # the revision of its first list, where it has one
         self.task: asyncio.Task[None] | None = None
         self.scope: anyio.CancelScope | None = None  # while its watch runs in the session's tasks
 
@@ -202,6 +204,34 @@ async def put_and_range(
         aetcd.exceptions._handle_exception(e)  # raises aetcd's error for it
         raise
     return list(response.responses[1].response_range.kvs), int(response.header.revision)
+
+
+async def ranges(
+    client: Any, spans: list[tuple[bytes, bytes, bool]], timeout: float | None = None
+) -> tuple[list[list[Any]], int]:
+    """Read each ``(start, end, keys_only)`` span in one transaction, at one revision.
+
+    Returns:
+        Each span's keys (etcd's KeyValue messages), and the revision read.
+    """
+    aetcd = import_aetcd()
+    rpc = aetcd.rpc
+    await client.connect()
+    request = rpc.TxnRequest(
+        success=[
+            rpc.RequestOp(
+                request_range=rpc.RangeRequest(key=start, range_end=end, keys_only=keys_only)
+            )
+            for start, end, keys_only in spans
+        ]
+    )
+    try:
+        response = await client.kvstub.Txn(request, timeout=timeout, metadata=client.metadata)
+    except rpc.AioRpcError as e:
+        aetcd.exceptions._handle_exception(e)  # raises aetcd's error for it
+        raise
+    found = [list(r.response_range.kvs) for r in response.responses]
+    return found, int(response.header.revision)
 
 
 def prefix_end(prefix: bytes) -> bytes:

@@ -5,7 +5,7 @@ writes this node's join (claiming the round's lead and signalling the
 running world in the same transaction), and waits for the round's world;
 while this node leads the round, it follows the round's joins and completes
 the round: it assigns every node its seat (torch's ranks), writes each
-into that node's liveness key in batches of ``SEATS_PER_TXN``, then the
+into that node's seat key in batches of ``SEATS_PER_TXN``, then the
 round's few-field world and ``current`` in one transaction.  The key layout
 and the protocol are described in ``etcd.py``.
 It reads and writes the job's keys through the handler's ``EtcdKeyspace``
@@ -25,12 +25,12 @@ import logging
 import secrets
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ._etcd_schema import Seat, World, assign, node_record
+from ._etcd_schema import Seat, World, assign
 from .api import DEFAULT_ROLE, RendezvousNode
 
 if TYPE_CHECKING:
@@ -42,8 +42,8 @@ __all__ = ["SEATS_PER_TXN", "Joining"]
 
 logger = logging.getLogger("aioproc.rendezvous")
 
-SEATS_PER_TXN = 50
-"""Seats a leader writes per transaction: each takes 3 of etcd's ``--max-txn-ops`` (128)."""
+SEATS_PER_TXN = 60
+"""Seats a leader writes per transaction: each takes 2 of etcd's ``--max-txn-ops`` (128)."""
 _BATCHES_IN_FLIGHT = 4  # seat transactions a leader has in flight at once
 
 
@@ -59,9 +59,6 @@ class Joining:
         min_nodes, max_nodes: how many nodes a round's world may have.
         last_call_timeout: how long a leader waits for more joins once
             the round could complete with fewer than ``max_nodes``.
-        lost: the members of the running world this node knows were lost
-            (``(node id, addr)``): a change this join writes names them, so
-            that every member counts the loss, whichever it hears of first.
 
     ``seat`` is this node's seat once it completed the round as its leader.
     """
@@ -76,11 +73,9 @@ class Joining:
         min_nodes: int,
         max_nodes: int,
         last_call_timeout: float,
-        lost: Sequence[tuple[str, str]] = (),
     ) -> None:
         self._keys = keys
         self._prev = prev
-        self._lost = [list(x) for x in lost]
         self.seat: Seat | None = None
         self._nproc = nproc
         self._role = role
@@ -99,6 +94,8 @@ class Joining:
         self._parsed: dict[bytes, tuple[int, bool]] = {}
         self._members: tuple[int, int] | None = None
         self._gone: set[bytes] = set()
+        self._departures = False  # whether this leader watches departures
+        self._since = 0  # the revision of the leader's list of the joins
 
     async def join(self, r: int, current_rev: int) -> bool:
         """Write this node's join key of round ``r`` (False: ``current`` moved).
@@ -140,7 +137,7 @@ class Joining:
         prev = self._prev
         if prev is not None and prev.round == r - 1:
             # a member: a host was lost, or its workers failed: all re-join
-            return {"host": keys.addr, "member": True, "lost": self._lost}
+            return {"host": keys.addr, "member": True}
         if world.size < self._max_nodes:
             return {"host": keys.addr, "member": False}  # room for it: grow the world
         return None  # a full world: wait for a place
@@ -185,6 +182,7 @@ class Joining:
         joins_dir, joins_end = keys.key_range(f"rounds/{r}/join/")
         ready_since: float | None = None
         frozen = False
+        self._departures = False
         try:
             while True:
                 seen = store.version
@@ -197,7 +195,7 @@ class Joining:
                 if not leading:
                     ready_since = None
                 else:
-                    await store.follow(joins_dir, joins_end)
+                    self._since = await store.follow(joins_dir, joins_end)
                     joins = store.children(joins_dir)
                     if len(joins) >= self._max_nodes:
                         frozen = await self._freeze(r, current_rev, joins)
@@ -218,14 +216,16 @@ class Joining:
                     await store.changed(seen)
         finally:
             await store.unfollow(joins_dir, joins_end)
+            if self._departures:
+                await store.unwatch_departures()
 
     async def _members_pending(self, r: int, joins: Mapping[bytes, KeyValue]) -> bool:
         """Whether live members of the running world (round r - 1) have not joined round r.
 
-        A member's join names its previous group rank; the live members are
-        counted in the running world's assign directory, where each one's
-        record goes with its lease.  The count is read again only after
-        some agent's liveness key went (a member may be among them).
+        A member's join names its previous group rank.  The live members
+        are counted by one read of every agent's liveness key and seat,
+        again whenever an agent leaves meanwhile (the leader watches the
+        departures while it waits for members).
         """
         keys = self._keys
         world = keys.world(r - 1)
@@ -239,17 +239,23 @@ class Joining:
                 member = json.loads(kv.value).get("prev_rank") is not None
                 parsed = self._parsed[name] = (kv.mod_revision, member)
             joined += parsed[1]
+        if self._members is not None and joined >= self._members[0]:
+            return False
+        if not self._departures:
+            # from before the count: a member that leaves after it is heard of
+            store.watch_departures(store.control.revision + 1)
+            self._departures = True
         if self._members is None or self._members[1] != store.liveness_version:
             version = store.liveness_version
-            live = await keys.count(f"rounds/{r - 1}/assign/{world.token}/")
+            live, _ = await keys.live_members(world)
             self._members = (live, version)
         return joined < self._members[0]
 
     async def _freeze(self, r: int, current_rev: int, joins: Mapping[bytes, KeyValue]) -> bool:
         """Complete round ``r`` with ``joins`` (True), unless another write came first.
 
-        Seats every chosen node (its liveness key and its assign record, in
-        batches), then writes the world and ``current``.  A chosen node whose
+        Seats every chosen node (its seat key, in batches), then writes the
+        world and ``current``.  A chosen node whose
         lease expired meanwhile gets no seat: the round is frozen again
         without it (False, after noting it).
         """
@@ -281,21 +287,15 @@ class Joining:
         seats = assign(r, secrets.token_hex(4), nodes)
         joins_dir = keys.key(f"rounds/{r}/join/")
         entries = [
-            (
-                joins_dir + name,
-                kv.create_revision,
-                kv.lease,
-                seat,
-                node_record(node, seat.group_rank),
-            )
-            for (name, kv), node, seat in zip(chosen, nodes, seats, strict=True)
+            (joins_dir + name, kv.create_revision, seat)
+            for (name, kv), seat in zip(chosen, seats, strict=True)
         ]
         seen = store.version
         gone: list[str] = []
         moved = False
         limiter = anyio.CapacityLimiter(_BATCHES_IN_FLIGHT)
 
-        async def seat_batch(batch: list[tuple[bytes, int, int, Seat, bytes]]) -> None:
+        async def seat_batch(batch: list[tuple[bytes, int, Seat]]) -> None:
             nonlocal moved
             async with limiter:
                 if moved:
@@ -316,10 +316,14 @@ class Joining:
             logger.info("rendezvous round %d: %d joined node(s) gone while seated", r, len(gone))
             self._gone.update(g.encode() for g in gone)
             return False
-        seat = seats[0]
-        world = World(r, seat.token, len(seats), seat.assignment.master_addr,
-                      seat.assignment.master_port)  # fmt: skip
-        ok = await keys.complete(r, world.value(), current_rev)
+        # group rank 0 keeps watch over the world's liveness, on its lease
+        lookout, (name, kv) = seats[0], chosen[0]
+        a = lookout.assignment
+        world = World(r, lookout.token, len(seats), a.master_addr, a.master_port,
+                      (lookout.node_id, lookout.addr), self._since)  # fmt: skip
+        ok = await keys.complete(
+            r, world, current_rev, (joins_dir + name, kv.create_revision, kv.lease)
+        )
         if ok:
             logger.info("rendezvous round %d completed with %d node(s)", r, len(nodes))
             self.seat = next((x for x in seats if x.node_id == keys.node_id), None)

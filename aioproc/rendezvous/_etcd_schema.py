@@ -5,8 +5,9 @@ protocol can use: every key enters the copy through it (``EtcdKeyspace``
 checks each one), so the protocol never parses what another program wrote
 there.  ``World`` is a completed round as its ``completed/<r>`` key holds
 it (the same few fields however many nodes it has), ``Seat`` one node's
-place in it as the round's leader writes it into the node's liveness key,
-and ``assign`` computes every node's seat the way torch assigns ranks.
+place in it as the round's leader writes it into the node's seat key
+(``seats/<id>``), and ``assign`` computes every node's seat the way torch
+assigns ranks.
 The key layout and the protocol are described in ``etcd.py``.
 """
 
@@ -15,13 +16,13 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .api import DEFAULT_ROLE, RendezvousAssignment, RendezvousInfo, RendezvousNode
 
-__all__ = ["Seat", "World", "assign", "lost_in", "malformed", "node_record", "parse_node_record"]
+__all__ = ["Seat", "World", "assign", "malformed"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,10 @@ class World:
             (a leader that died mid-way left seats with another token).
         size: how many nodes it has (group world size).
         master_addr, master_port: group rank 0's address and reserved port.
+        lookout: the member that watches the others' liveness for the
+            world (group rank 0), and its address.
+        since: the revision from which the lookout hears of departures:
+            every member still had its join then.
     """
 
     round: int
@@ -41,6 +46,8 @@ class World:
     size: int
     master_addr: str
     master_port: int
+    lookout: tuple[str, str]
+    since: int
 
     def value(self) -> bytes:
         return json.dumps(
@@ -49,6 +56,8 @@ class World:
                 "token": self.token,
                 "size": self.size,
                 "master": [self.master_addr, self.master_port],
+                "lookout": list(self.lookout),
+                "since": self.since,
             }
         ).encode()
 
@@ -61,44 +70,57 @@ class World:
         """
         parsed = json.loads(value)
         token, size, master = parsed["token"], parsed["size"], parsed["master"]
-        if not (isinstance(token, str) and token and _is_int(size, 1)):
-            raise TypeError(f"not a world's token and size: {parsed!r}")
+        lookout, since = parsed["lookout"], parsed["since"]
+        if not (isinstance(token, str) and token and _is_int(size, 1) and _is_int(since, 0)):
+            raise TypeError(f"not a world's token, size and revision: {parsed!r}")
         if not (isinstance(master, list) and len(master) == 2 and isinstance(master[0], str)):
             raise TypeError(f"not a master address and port: {master!r}")
         if not _is_int(master[1], 1, 65535):
             raise TypeError(f"not a port: {master[1]!r}")
-        return cls(r, token, size, master[0], master[1])
+        if not (isinstance(lookout, list) and len(lookout) == 2):
+            raise TypeError(f"not a node id and address: {lookout!r}")
+        if not all(isinstance(x, str) and x for x in lookout):
+            raise TypeError(f"not a node id and address: {lookout!r}")
+        return cls(r, token, size, master[0], master[1], (lookout[0], lookout[1]), since)
 
 
 @dataclass(frozen=True)
 class Seat:
     """One node's place in a round's world: what the round's leader writes for it.
 
-    It goes into the node's liveness key (``nodes/<id>``), which the node
-    watches: each node reads its own seat, never the others'.  A node whose
-    liveness key vanishes is lost to the world its last seat names (the
-    deletion's event carries the seat).
+    It goes into the node's seat key (``seats/<id>``), which the node
+    watches: each node reads its own seat, never the others'.  The key
+    outlives the node's lease, so that a node whose liveness key vanished
+    is known lost to the world its last seat names (one read).
 
     Attributes:
-        node_id: the node's id.
-        addr: its address.
+        node: the node as it joined (id, address, port, nproc, role).
         round, token: the completion that seated it.
         group_rank: its rank among the nodes.
         assignment: its workers' figures (torch's rank assignment).
     """
 
-    node_id: str
-    addr: str
+    node: RendezvousNode
     round: int
     token: str
     group_rank: int
     assignment: RendezvousAssignment
 
+    @property
+    def node_id(self) -> str:
+        return self.node.node_id
+
+    @property
+    def addr(self) -> str:
+        return self.node.addr
+
     def value(self) -> bytes:
         a = self.assignment
         return json.dumps(
             {
-                "addr": self.addr,
+                "addr": self.node.addr,
+                "port": self.node.port,
+                "nproc": self.node.nproc,
                 "round": self.round,
                 "token": self.token,
                 "rank": self.group_rank,
@@ -114,16 +136,18 @@ class Seat:
 
     @classmethod
     def parse(cls, node_id: str, value: bytes) -> Seat | None:
-        """The seat a liveness key's ``value`` holds; None if it holds none (or garbage)."""
+        """The seat a seat key's ``value`` holds; None for what no leader writes."""
         try:
             v = json.loads(value)
-            if not isinstance(v, dict) or "round" not in v:
+            if not isinstance(v, dict):
                 return None
             master = v["master"]
             ints = [v[k] for k in ("round", "rank", "size", "world", "base", "role_base")]
             ok = (
                 all(_is_int(i, 0) for i in ints)
                 and _is_int(v["role_world"], 1)
+                and _is_int(v["port"], 1, 65535)
+                and _is_int(v["nproc"], 1)
                 and isinstance(v["token"], str)
                 and isinstance(v["addr"], str)
                 and _is_role(v["role"])
@@ -139,7 +163,8 @@ class Seat:
                 v["size"], v["world"], v["base"], v["role"], v["role_base"], v["role_world"],
                 master[0], master[1],
             )  # fmt: skip
-            return cls(node_id, v["addr"], v["round"], v["token"], v["rank"], assignment)
+            node = RendezvousNode(node_id, v["addr"], v["port"], v["nproc"], v["role"])
+            return cls(node, v["round"], v["token"], v["rank"], assignment)
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -168,41 +193,19 @@ def assign(r: int, token: str, nodes: Sequence[RendezvousNode]) -> list[Seat]:
             len(nodes), world_size, base, n.role, role_bases[n.role], role_sizes[n.role],
             master.addr, master.port,
         )  # fmt: skip
-        seats.append(Seat(n.node_id, n.addr, r, token, rank, a))
+        seats.append(Seat(n, r, token, rank, a))
         base += n.nproc
         role_bases[n.role] += n.nproc
     return seats
 
 
-def node_record(node: RendezvousNode, rank: int) -> bytes:
-    """What ``rounds/<r>/assign/<token>/<id>`` holds: the node as ``world()`` lists it."""
-    return json.dumps(
-        {"rank": rank, "addr": node.addr, "port": node.port, "nproc": node.nproc, "role": node.role}
-    ).encode()
-
-
-def parse_node_record(node_id: str, value: bytes) -> tuple[int, RendezvousNode] | None:
-    """``(rank, node)`` from an assign key's value, or None for garbage."""
-    try:
-        v = json.loads(value)
-        if not (
-            isinstance(v, dict)
-            and _is_int(v["rank"], 0)
-            and isinstance(v["addr"], str)
-            and _is_int(v["port"], 1, 65535)
-            and _is_int(v["nproc"], 1)
-            and _is_role(v["role"])
-        ):
-            return None
-        return v["rank"], RendezvousNode(node_id, v["addr"], v["port"], v["nproc"], v["role"])
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
 # the key names under a job's prefix (see etcd.py); a number is a round
-_CONTROL_KEY = re.compile(rb"(change|completed|lead)/(0|[1-9][0-9]{0,17})|closed|current|failed")
-_ROUND_KEY = re.compile(rb"rounds/(0|[1-9][0-9]{0,17})/(?:(join|done)|assign/[0-9a-f]+)/[^/]+")
-_NODE_KEY = re.compile(rb"nodes/[^/]+")
+_CONTROL_KEY = re.compile(
+    rb"(change|completed|lead|lookout)/(0|[1-9][0-9]{0,17})|(lost)/(0|[1-9][0-9]{0,17})/[^/]+"
+    rb"|closed|current|failed"
+)
+_ROUND_KEY = re.compile(rb"rounds/(0|[1-9][0-9]{0,17})/(join|done)/[^/]+")
+_NODE_KEY = re.compile(rb"(nodes|seats)/([^/]+)")
 _FAILURE_INTS = ("rank", "local_rank", "pid", "exitcode", "timestamp")
 
 
@@ -218,19 +221,20 @@ def malformed(name: bytes, value: bytes) -> tuple[bool, str] | None:
     """
     control = _CONTROL_KEY.fullmatch(name)
     if control is not None:
-        kind = (control.group(1) or name).decode()
-        why = _control_value(kind, int(control.group(2) or 0), value)
+        kind = (control.group(1) or control.group(3) or name).decode()
+        why = _control_value(kind, int(control.group(2) or control.group(4) or 0), value)
         return None if why is None else (True, why)
-    if _NODE_KEY.fullmatch(name) is not None:
-        return None if _is_node(name[6:], value) else (False, "not a node (JSON with addr)")
+    node = _NODE_KEY.fullmatch(name)
+    if node is not None:
+        if node.group(1) == b"nodes":
+            return None if _is_node(value) else (False, "not a node (JSON with addr)")
+        if Seat.parse(node.group(2).decode(errors="replace"), value) is None:
+            return False, "not a seat (JSON with addr, port, nproc, round, token, rank...)"
+        return None
     found = _ROUND_KEY.fullmatch(name)
     if found is None:
         return False, "not a key aioproc's rendezvous writes"
     if found.group(2) == b"done":
-        return None
-    if found.group(2) is None:
-        if parse_node_record(name.rsplit(b"/", 1)[1].decode(errors="replace"), value) is None:
-            return False, "not a node record (JSON with rank, addr, port, nproc, role)"
         return None
     if _is_join(value):
         return None
@@ -239,8 +243,10 @@ def malformed(name: bytes, value: bytes) -> tuple[bool, str] | None:
 
 def _control_value(kind: str, r: int, value: bytes) -> str | None:
     """Why ``value`` is no value of the control key ``kind`` (of round ``r``), or None."""
-    if kind == "lead":
+    if kind in ("lead", "lookout"):
         return None if value else "not a node id"
+    if kind == "lost":
+        return None if value else "not an address"
     if kind == "current":
         ok = value.isdigit() and value.isascii() and len(value) < 19
         return None if ok else "not a round number"
@@ -254,15 +260,9 @@ def _control_value(kind: str, r: int, value: bytes) -> str | None:
         try:
             World.parse(r, value)
         except (KeyError, TypeError, ValueError):
-            return "not a round's world (JSON with token, size, master)"
+            return "not a round's world (JSON with token, size, master, lookout, since)"
     elif kind == "change":
-        lost = parsed.get("lost", [])
-        if not (
-            isinstance(parsed.get("host"), str)
-            and isinstance(parsed.get("member"), bool)
-            and isinstance(lost, list)
-            and all(_is_lost(x) for x in lost)
-        ):
+        if not (isinstance(parsed.get("host"), str) and isinstance(parsed.get("member"), bool)):
             return "not a reason to re-form (JSON with host, member)"
     elif kind == "closed":
         if parsed.get("reason") not in ("succeeded", "stopped"):
@@ -274,24 +274,13 @@ def _control_value(kind: str, r: int, value: bytes) -> str | None:
     return None
 
 
-def lost_in(change: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """The lost members ``(node id, addr)`` a checked ``change/<r>`` value names."""
-    return [(str(i), str(a)) for i, a in change.get("lost", [])]
-
-
-def _is_lost(x: Any) -> bool:
-    return isinstance(x, list) and len(x) == 2 and all(isinstance(s, str) for s in x)
-
-
-def _is_node(node_id: bytes, value: bytes) -> bool:
-    """Whether ``value`` is what an agent (or a round's leader) writes into its liveness key."""
+def _is_node(value: bytes) -> bool:
+    """Whether ``value`` is what an agent writes into its liveness key."""
     try:
         v = json.loads(value)
     except ValueError:
         return False
-    if not (isinstance(v, dict) and isinstance(v.get("addr"), str)):
-        return False
-    return "round" not in v or Seat.parse(node_id.decode(errors="replace"), value) is not None
+    return isinstance(v, dict) and isinstance(v.get("addr"), str)
 
 
 def _is_join(value: bytes) -> bool:

@@ -22,14 +22,19 @@ and O(1) bytes per rendezvous round, not one record per agent of the job:
 - the control range ``[prefix, liveness)``, a handful of small keys
   written once per round, copied in full from ``open()`` on (one read of
   those keys alone: opening a session costs O(1) however many agents run);
-- the liveness directory (one leased key per agent) through a watch that
-  only delivers deletions, each with the key's last value: an agent learns
-  of every loss and of the world the lost agent was in (``gone``), never
-  of an arrival;
-- its own liveness key (``own``), into which a round's leader writes the
-  node's seat: each agent reads its own place in the world, not the world;
+- its own seat key (``own``), into which a round's leader writes the
+  node's place in the world: each agent reads its own, not the world;
 - other ranges only while a caller needs them (``follow``/``unfollow``):
-  the round's leader follows the round's joins.
+  the round's leader follows the round's joins; the departures from the
+  liveness directory (one leased key per agent) only while a caller
+  watches them (``watch_departures``): the world's lookout, a leader
+  waiting for members, a c10d host waiting for the others to leave.
+
+No range that every agent watches holds keys written or deleted at every
+round or by every agent: etcd matches each write against every watch whose
+range holds the key, and etcd 3.4 does so for a lease's keys while it holds
+the lock that every keep-alive needs, so N agents watching every agent's
+liveness key would stall renewals for O(N^2) when the N leases go.
 
 Keep-alive and fencing: the lease is renewed every third of its TTL (as
 etcd's own clients do: one small message on one keep-alive stream, so an
@@ -101,8 +106,9 @@ class EtcdSession:
         prefix: the job's key prefix, where the control range starts.
         liveness: the directory of the agents' leased keys, right after
             the control range (which is ``[prefix, liveness)``).
-        own: this node's key in ``liveness``, watched for puts.
-        own_value: what this node writes into ``own`` as the session opens.
+        alive: this node's key in ``liveness``, and what it writes there
+            (on its lease) as the session opens.
+        own: this node's seat key, watched for puts (outside the control range).
         ttl: the lease's time to live, in whole seconds.
         name: how this node is named in messages (its address).
         check: called with each key and value before it enters the copy;
@@ -120,16 +126,18 @@ class EtcdSession:
         port: int,
         prefix: bytes,
         liveness: bytes,
+        alive: tuple[bytes, bytes],
         own: bytes,
-        own_value: bytes,
         ttl: int,
         name: str,
         check: Callable[[bytes, KeyValue], bool] | None = None,
     ) -> None:
         if not (prefix < liveness and liveness.endswith(b"/")):
             raise ValueError(f"liveness directory {liveness!r} must follow prefix {prefix!r}")
-        if not (own.startswith(liveness) and len(own) > len(liveness)):
-            raise ValueError(f"own key {own!r} must be in the liveness directory {liveness!r}")
+        if not (alive[0].startswith(liveness) and len(alive[0]) > len(liveness)):
+            raise ValueError(f"key {alive[0]!r} must be in the liveness directory {liveness!r}")
+        if prefix <= own < liveness:
+            raise ValueError(f"own key {own!r} must not be in the control range")
         self._aetcd = import_aetcd()
         self.endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._check = check
@@ -145,8 +153,8 @@ class EtcdSession:
         # the round's joins at every join without going over all of them
         self.dirs: dict[bytes, dict[bytes, KeyValue]] = {}
         # liveness: the names of the keys deleted since the session opened,
-        # each with its last value (b"" where etcd had none to give)
-        self.gone: dict[bytes, bytes] = {}
+        # each with the revision of its deletion
+        self.gone: dict[bytes, int] = {}
         # set when deletions may have been missed (etcd compacted the watch's history)
         self.gone_unsure = False
         self.liveness_version = 0  # moves whenever ``gone`` (or ``gone_unsure``) does
@@ -160,9 +168,10 @@ class EtcdSession:
         self.received = 0
         self.version = 0  # moves at every change of the copy (see ``changed``)
         self.control = KeyRange(prefix, liveness)
-        self._liveness = KeyRange(liveness, prefix_end(liveness), kind="deletes", prev_kv=True)
+        self._liveness = KeyRange(liveness, prefix_end(liveness), kind="deletes")
+        self._departures_wanted = 0  # callers of ``watch_departures`` not yet done
+        self._alive = alive
         self.own = own
-        self._own_value = own_value
         self._own = KeyRange(own, own + b"\0", kind="puts")
         self._followed: dict[tuple[bytes, bytes], KeyRange] = {}
         self._change = asyncio.Event()
@@ -208,8 +217,7 @@ class EtcdSession:
         kvs, revision = await self.call(
             lambda: put_and_range(
                 self.client,
-                self.own,
-                self._own_value,
+                *self._alive,
                 self.lease_id,
                 self.prefix,
                 self.liveness,
@@ -217,10 +225,10 @@ class EtcdSession:
             )
         )
         self._replace(self.control, kvs, revision)
-        self._liveness.revision = self._own.revision = revision
+        self._own.revision = revision
 
     async def _stop(self) -> None:
-        for followed in list(self._followed.values()):
+        for followed in [*self._followed.values(), self._liveness]:
             await followed.stop()
         self._followed.clear()
         with anyio.move_on_after(max(1.0, self.ttl / 2), shield=True):
@@ -370,22 +378,51 @@ class EtcdSession:
         """Whether ``[start, end)`` is followed (``follow``) right now."""
         return (start, end) in self._followed
 
-    async def follow(self, start: bytes, end: bytes) -> None:
+    async def follow(self, start: bytes, end: bytes) -> int:
         """Copy the keys in ``[start, end)`` too, until ``unfollow``: list them, then watch.
 
         Idempotent: a range already followed costs nothing.
+
+        Returns:
+            The revision the range was listed at (the copy holds it from then on).
         """
         if (start, end) in self._followed:
-            return
+            return self._followed[(start, end)].listed
         followed = KeyRange(start, end)
         result = await self.call(lambda: self.client.get_range(start, end))
         if (start, end) in self._followed:  # followed meanwhile, by another caller
-            return
+            return self._followed[(start, end)].listed
         self._followed[(start, end)] = followed
-        self._replace(followed, result.kvs, int(result.header.revision))
+        followed.listed = int(result.header.revision)
+        self._replace(followed, result.kvs, followed.listed)
         followed.task = asyncio.get_running_loop().create_task(
             self._watch(followed), name="aioproc-etcd-watch"
         )
+        return followed.listed
+
+    def watch_departures(self, since: int) -> None:
+        """Hear of the agents that leave (``gone``) from revision ``since`` on, until ``unwatch``.
+
+        Callers count: the watch runs while one wants it, from the earliest
+        revision one asked for (a running watch is not moved back: its
+        callers asked for it before).
+        """
+        self._departures_wanted += 1
+        watched = self._liveness
+        if watched.task is None or watched.task.done():
+            watched.revision = max(watched.revision, since - 1)
+            watched.task = asyncio.get_running_loop().create_task(
+                self._watch(watched), name="aioproc-etcd-watch-departures"
+            )
+
+    async def unwatch_departures(self) -> None:
+        """One caller of ``watch_departures`` is done; the watch stops with the last.
+
+        Cancellation: shielded; the watch is cancelled with a bounded wait.
+        """
+        self._departures_wanted = max(0, self._departures_wanted - 1)
+        if not self._departures_wanted:
+            await self._liveness.stop()
 
     async def unfollow(self, start: bytes, end: bytes) -> None:
         """Stop following ``[start, end)`` and drop its keys from the copy.
@@ -421,12 +458,12 @@ class EtcdSession:
         return self.keys.get(own)
 
     def quiet(self) -> None:
-        """Stop hearing of other agents' departures and of this node's seat (the job is over).
+        """Stop hearing of this node's seats and of departures (the job is over).
 
-        Every agent revokes its lease as it leaves: an agent still watching
-        would hear of each, so each stops watching as soon as it knows the
-        job ended, before it leaves itself.
+        Every agent revokes its lease as it leaves: a watch of the others'
+        departures would hear of each, so it stops as soon as the job ended.
         """
+        self._departures_wanted = 0
         for watched in (self._liveness, self._own):
             if watched.scope is not None:
                 watched.scope.cancel()
@@ -456,8 +493,7 @@ class EtcdSession:
             self.received += len(event.prev_kv.key) + len(event.prev_kv.value)
         if watched is self._liveness:
             # only deletions are delivered: a liveness key is never re-created
-            prev = event.prev_kv
-            self.gone[kv.key[len(self.liveness) :]] = prev.value if prev is not None else b""
+            self.gone[kv.key[len(self.liveness) :]] = int(kv.mod_revision)
             self.liveness_version += 1
         elif event.kind == "DELETE":
             self._pop(kv.key)
@@ -556,60 +592,62 @@ class EtcdSession:
         renewals: each answer moves the fence from the time its renewal
         was sent.  A stream is opened with gRPC's wait-for-ready: while
         etcd is down its first renewal waits for the connection, and goes
-        out the moment etcd is back; a stream whose oldest renewal goes
-        unanswered for two periods is replaced.
+        out the moment etcd is back.
         """
-        aetcd = self._aetcd
-        period = self.ttl / _RENEWALS_PER_TTL
-        request = aetcd.rpc.LeaseKeepAliveRequest(ID=self.lease_id)
-        answer = aetcd.rpc.LeaseKeepAliveResponse
         while True:
             stream = None
-            read: asyncio.Future[Any] | None = None
+            tasks: list[asyncio.Task[Any]] = []
             sent: collections.deque[float] = collections.deque()  # renewals not answered yet
             try:
                 await self.client.connect()
                 stream = self.client.leasestub.LeaseKeepAlive(
                     metadata=self.client.metadata, wait_for_ready=True
                 )
-                # the first renewal waits for the connection (the fence bounds the wait)
-                sent.append(time.monotonic())
-                await bounded(stream.write(request), None)
-                due = sent[-1] + period
-                while True:
-                    if read is None:
-                        # one read outstanding, never cancelled but with the stream
-                        # (grpc.aio cancels the call with a cancelled read)
-                        read = asyncio.ensure_future(stream.read())
-                    now = time.monotonic()
-                    await asyncio.wait({read}, timeout=max(0.0, due - now))
-                    if read.done():
-                        reply, read = read.result(), None
-                        if not isinstance(reply, answer):
-                            raise EOFError("etcd ended the keep-alive stream")
-                        if reply.TTL <= 0:
-                            return True
-                        self.renewals += 1
-                        self._renewed(sent.popleft())
-                        continue
-                    now = time.monotonic()
-                    if sent and now - sent[0] > 2 * period:
-                        raise TimeoutError(f"no keep-alive answer in {now - sent[0]:.3g} s")
-                    # the keep-alive period of the lease protocol
-                    sent.append(now)
-                    await bounded(stream.write(request), period)
-                    due = now + period
+                # Two plain tasks per stream, one writing, one reading: grpc.aio
+                # cancels the call with a cancelled read, so neither is cancelled
+                # but with the stream, and a renewal costs no task of its own.
+                loop = asyncio.get_running_loop()
+                tasks = [
+                    loop.create_task(self._send_renewals(stream, sent)),
+                    loop.create_task(self._read_renewals(stream, sent)),
+                ]
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.result():
+                        return True  # etcd says the lease expired
             except Exception as e:  # gRPC's errors vary (an RPC error, a finished call...)
                 logger.debug("etcd keep-alive stream broke, re-opening it: %s", describe(e))
             finally:
-                if read is not None:
-                    read.cancel()
-                    read.add_done_callback(_retrieve)
+                for task in tasks:
+                    task.cancel()
+                    task.add_done_callback(_retrieve)
                 if stream is not None:
                     stream.cancel()
             # etcd answered and ended the stream: a short pause before re-opening it
             # (the new stream's first renewal then waits for etcd, however long)
             await anyio.sleep(_RETRY_FIRST)
+
+    async def _send_renewals(self, stream: Any, sent: collections.deque[float]) -> bool:
+        """Write a renewal every period, the first as soon as the stream connects."""
+        request = self._aetcd.rpc.LeaseKeepAliveRequest(ID=self.lease_id)
+        period = self.ttl / _RENEWALS_PER_TTL
+        while True:
+            now = time.monotonic()
+            sent.append(now)
+            await stream.write(request)
+            await asyncio.sleep(max(0.0, now + period - time.monotonic()))
+
+    async def _read_renewals(self, stream: Any, sent: collections.deque[float]) -> bool:
+        """Move the fence with each answer; True once etcd says the lease expired."""
+        answer = self._aetcd.rpc.LeaseKeepAliveResponse
+        while True:
+            reply = await stream.read()
+            if not isinstance(reply, answer):
+                raise EOFError("etcd ended the keep-alive stream")
+            if reply.TTL <= 0:
+                return True
+            self.renewals += 1
+            self._renewed(sent.popleft())
 
     def _lose(self, why: str) -> None:
         self.lost = f"this node ({self.name}) was fenced: {why}; its workers are stopped"
@@ -619,7 +657,7 @@ class EtcdSession:
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
-        future.exception()  # a read cancelled with its stream: its error is of no interest
+        future.exception()  # a task cancelled with its stream: its error is of no interest
 
 
 class _Open:
@@ -651,7 +689,6 @@ class _Open:
         finally:
             s._opening = None
         self._start(functools.partial(s._watch, s.control), "aioproc-etcd-watch")
-        self._start(functools.partial(s._watch, s._liveness), "aioproc-etcd-watch-liveness")
         self._start(functools.partial(s._watch, s._own), "aioproc-etcd-watch-own")
         return s
 

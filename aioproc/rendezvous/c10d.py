@@ -248,6 +248,7 @@ class C10dRendezvousHandler(EtcdRendezvousHandler):
             return
         store = keys.store()
         others = 0
+        store.watch_departures(store.control.revision + 1)  # from before the first count
         try:
             with anyio.move_on_after(self.close_timeout):
                 while True:
@@ -259,6 +260,8 @@ class C10dRendezvousHandler(EtcdRendezvousHandler):
         except RendezvousError as e:  # this agent's lease is gone: nobody to wait for
             logger.debug("c10d rendezvous: not waiting for the other agents: %s", e)
             return
+        finally:
+            await store.unwatch_departures()
         logger.warning(
             "c10d rendezvous: %d other agent(s) still use the store at %s after %g s "
             "(close_timeout): stopping it",

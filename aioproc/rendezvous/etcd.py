@@ -12,17 +12,23 @@ control keys first (every agent copies them: a few writes per round):
 ``current``               the number of the last completed round
 ``failed``                the job failed for good: the root cause
 ``lead/<r>``              (leased) the joiner that completes round r
+``lookout/<r>``           (on the lookout's lease) the member of round r's world
+                          that watches the others' liveness: group rank 0
+``lost/<r>/<id>``         a member of round r's world that left (its address), as
+                          the lookout tells the others
 
 then the keys of every agent, which no agent copies in full:
 
-``nodes/<id>``            (leased) one per live agent: its lease is its liveness;
-                          the leader of a round writes the agent's seat into it
-                          (its group rank and torch's rank figures)
+``nodes/<id>``            (leased) one per live agent, written once: its lease is
+                          its liveness
 ``rounds/<r>/join/<id>``  (leased) an agent waiting for round r: its address, port,
                           nproc and role
-``rounds/<r>/assign/<token>/<id>``  (on the agent's lease) round r's node: its rank,
-                          address, port, nproc and role (``world()`` lists them)
 ``rounds/<r>/done/<id>``  (leased) an agent whose workers finished (exit barrier)
+``seats/<id>``            an agent's place in the last world it was seated in, as
+                          that round's leader wrote it: round, token, group rank,
+                          torch's rank figures, address, port, nproc, role; it
+                          outlives the agent's lease, to tell whether a lost agent
+                          was a member (``world()`` lists a world's seats)
 
 A round ``r`` is open while ``current`` is ``r - 1``.  An agent joins by
 writing its join key in a transaction that checks ``current`` did not move
@@ -32,16 +38,16 @@ member of that world: its workers failed; or that world has room).  The
 leader alone follows the round's joins: it completes the round when
 ``max_nodes`` joined, or when ``min_nodes`` joined, every live member of the
 running world joined too, and ``last_call_timeout`` passed.  It computes
-every node's seat (torch's rank assignment), writes each into the node's
-liveness key and assign record on the node's own lease (in batches: a node
-whose lease is gone gets none, and the round is frozen again without it),
-then writes the world's few fields and ``current`` and drops the previous
-round's keys in one transaction.  Each agent reads its own seat from its
-liveness key, which it watches: no agent reads a record of every agent.
-A leader that dies takes ``lead/<r>`` with its lease; the other joiners
-see it go and one of them claims the round (the world keeps the join order
-either way).  So a node arriving while a full world runs
-waits; a node arriving while a world below ``max_nodes`` runs makes its
+every node's seat (torch's rank assignment) and writes them in batches,
+each seat only while the node's join is still there (a node whose lease is
+gone gets none, and the round is frozen again without it), then writes the
+world's few fields and ``current`` and drops the previous round's keys in
+one transaction.  Each agent reads its own seat from its seat key, which it
+watches: no agent reads a record of every agent.  A leader that dies takes
+``lead/<r>`` with its lease; the other joiners see it go and one of them
+claims the round (the world keeps the join order either way).  So a node
+arriving while a full world runs waits; a node arriving while a world
+below ``max_nodes`` runs makes its
 members re-join (a re-rendezvous that costs no restart); a member lost
 makes the others re-join, or fail if fewer than ``min_nodes`` are left.
 
@@ -54,13 +60,22 @@ even when it finished, so a run that ran nothing never passes for a success;
 a node that had joined and was waiting when the job finished gets
 ``RendezvousGracefulExitError`` instead (torch's standby nodes).
 
-Every agent learns of losses from a watch that delivers only deletions of
-``nodes/`` keys, each with the lost agent's last seat (so it knows whether
-the agent was in its own world), and of everything else from the control
-keys; the exit barrier counts the done keys with one read that returns
-none of them.  A round costs each agent one transaction (its join), a few
-watch events and its own seat: O(1) requests and O(1) bytes per agent (the
-leader: O(N), one join event and one seat per node), O(N) in total.
+One agent per world watches the agents' departures (deletions of
+``nodes/`` keys): its lookout, group rank 0.  One read of a departed
+agent's seat tells whether it was a member; if so the lookout writes
+``lost/<r>/<id>``, which every member hears of with the other control
+keys (in the order etcd wrote them).  The lookout's own loss takes its
+leased ``lookout/<r>`` along.  A leader waiting for the running world's
+members, or a c10d host waiting for the others to leave, watches the
+departures while it waits.  No range that every agent watches holds keys
+written or deleted by every agent: etcd matches each write against every
+watch whose range holds the key (and etcd 3.4 does so for a lease's keys
+holding the lock that every keep-alive needs), so N agents watching every
+agent's liveness would cost O(N^2) when N leases go.  The exit barrier
+counts the done keys with one read that returns none of them.  A round
+costs each agent one transaction (its join), a few watch events and its
+own seat: O(1) requests and O(1) bytes per agent (the leader: O(N), one
+join event and one seat per node), O(N) in total.
 
 This module is the handler (torch's API, the running world, the exit
 barrier); ``_etcd_round`` joins a round and, on its leader, completes it;
@@ -87,7 +102,7 @@ from ._etcd_client import import_aetcd, ttl_seconds
 from ._etcd_keyspace import KEY_ROOT as KEY_ROOT
 from ._etcd_keyspace import EtcdKeyspace
 from ._etcd_round import Joining
-from ._etcd_schema import Seat, World, lost_in, parse_node_record
+from ._etcd_schema import Seat, World
 from ._etcd_store import FENCE_AT
 from .api import (
     DEFAULT_ROLE,
@@ -161,11 +176,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._role = DEFAULT_ROLE
         self._info: RendezvousInfo | None = None
         self._world_now: World | None = None  # the world of ``_info``
-        # the lost members of ``_world_now`` (node id, addr), as of (round, liveness
-        # version, change key's revision)
-        self._lost_cache: tuple[tuple[int, int, int], list[tuple[str, str]]] | None = None
-        self._seats: dict[bytes, Seat | None] = {}  # the seats of gone agents, parsed once
-        self._known_lost: list[tuple[str, str]] = []  # the losses that ended the last world
+        self._lookout = False  # whether this node watches its world's liveness
+        self._reported: set[str] = set()  # the members lost it told its world of
         self._spent = (0, 0, 0)  # requests, events and bytes of the sessions that ended
         # while the session opens: asked, after a call that failed as if etcd were not
         # up yet, whether the endpoint can be etcd at all (c10d knows; None: wait for it)
@@ -297,10 +309,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
             min_nodes=self.min_nodes,
             max_nodes=self.max_nodes,
             last_call_timeout=self.last_call_timeout,
-            lost=self._known_lost,
         )
         self._info = self._world_now = None
-        self._known_lost = []
+        await self._stand_down()
         deadline = time.monotonic() + self.join_timeout
         joined = -1  # the round this node's join key is in
         with anyio.move_on_at(deadline):
@@ -320,6 +331,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     seat = joining.seat or await keys.seat(world)
                     if seat is not None:
                         self._info, self._world_now = seat.info(), world
+                        if world.lookout[0] == self.node_id:
+                            # group rank 0 keeps watch over the world's liveness
+                            store.watch_departures(world.since)
+                            self._lookout = True
                         return self._info
                 # the round completed without this node: wait for the next one
         joins = await joining.leave(keys.current()[0] + 1, joined)
@@ -382,6 +397,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 seen = store.version
                 closed = keys.get("closed")
                 if closed is not None and json.loads(closed.value).get("reason") == "succeeded":
+                    self._lookout = False
                     store.quiet()
                     return None  # the member that counted them all closed it
                 keys.raise_if_over()
@@ -399,15 +415,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if scope.cancelled_caught:
             logger.warning("exit barrier: timed out after %g s waiting for other hosts", timeout)
         await keys.close("succeeded")
+        self._lookout = False
         store.quiet()
         return None
 
     async def world(self) -> tuple[RendezvousNode, ...]:
-        """The nodes of this node's running world, in group-rank order (one read).
+        """The nodes of this node's running world, in group-rank order (one read of N seats).
 
         Read when wanted: a round gives each node its own seat only (its
-        ``RendezvousInfo`` has no ``nodes``).  A node lost since the round
-        completed is missing (its record went with its lease).
+        ``RendezvousInfo`` has no ``nodes``).
 
         Raises:
             RuntimeError: no round completed with this node.
@@ -415,14 +431,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
         world = self._running()
         keys = self._keys
         store = keys.store()
-        start, end = keys.key_range(f"rounds/{world.round}/assign/{world.token}/")
+        start, end = keys.key_range("seats/")
         result = await store.call(lambda: store.client.get_range(start, end))
-        found = []
+        seats = []
         for kv in result.kvs:
-            node = parse_node_record(kv.key.rsplit(b"/", 1)[1].decode(), kv.value)
-            if node is not None:
-                found.append(node)
-        return tuple(node for _, node in sorted(found, key=lambda x: x[0]))
+            seat = Seat.parse(kv.key[len(start) :].decode(errors="replace"), kv.value)
+            if seat is not None and (seat.round, seat.token) == (world.round, world.token):
+                seats.append(seat)
+        return tuple(seat.node for seat in sorted(seats, key=lambda seat: seat.group_rank))
 
     def _running(self) -> World:
         if self._info is None or self._world_now is None:
@@ -432,10 +448,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
     async def _change(self, world: World) -> WorldChange | None:
         """Why ``world`` must be re-formed now, if it must.
 
-        A loss is known from the liveness watch (a deletion carries the
-        lost agent's seat), or from the change a member wrote as it
-        re-joined after hearing of the loss first: either way it is
-        reported as one, whichever this node hears of first.
+        A loss is known from the control keys, in the order etcd wrote
+        them: a stop or a failure written before it is seen first.
 
         Raises:
             RendezvousJobFailedError: a member was lost and fewer than
@@ -448,9 +462,6 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if not (moved or change is not None or lost):
             return None
         if lost:
-            # a stop or a failure elsewhere ends agents too: if one came
-            # first, it is the news (its watch event may trail the loss's)
-            await keys.raise_if_over_now()
             hosts = ", ".join(f"{addr} ({node_id})" for node_id, addr in lost)
             if world.size - len(lost) < self.min_nodes:
                 # nodes waiting for a place count too: one read counts every live agent
@@ -460,7 +471,6 @@ class EtcdRendezvousHandler(RendezvousHandler):
                         f"lost host {hosts}: {alive} node(s) left, fewer than "
                         f"min_nodes={self.min_nodes}"
                     )
-            self._known_lost = [x for x in lost if x[0] != "?"]  # named by this node's next join
             return WorldChange(f"lost host {hosts}", lost=tuple(addr for _, addr in lost))
         if moved:
             return WorldChange("the job re-formed its world without this node")
@@ -498,38 +508,48 @@ class EtcdRendezvousHandler(RendezvousHandler):
     # ---------------------------------------------------------- protocol
 
     async def _lost(self, world: World) -> list[tuple[str, str]]:
-        """Members of ``world`` known lost (``(node id, addr)``), from the watch or a change.
+        """Members of ``world`` known lost: ``(node id, addr)``, in node id order.
 
-        Costs no read, but where etcd compacted the liveness watch's
-        history (deletions may have been missed): then one count of the
-        world's records tells how many members are gone, unnamed.
+        The world's lookout (group rank 0) watches the agents' departures,
+        and tells the others of each member that left with a control key
+        (``lost/<r>/<id>``); the lookout's own loss shows as its leased
+        ``lookout/<r>`` gone.  Where etcd compacted the lookout's watch's
+        history (departures may have been missed), one read of every
+        agent's keys tells which members are gone.
         """
-        lost = self._lost_now(world)
-        store = self._keys.store()
-        if store.gone_unsure:
-            records = f"rounds/{world.round}/assign/{world.token}/"
-            missing = world.size - await self._keys.count(records) - len(lost)
-            lost = lost + [("?", "an unknown host")] * max(0, missing)
-        return lost
+        keys = self._keys
+        r = world.round
+        if self._lookout:
+            await self._keep_watch(world)
+        start, _ = keys.key_range(f"lost/{r}/")
+        lost = {name.decode(errors="replace"): kv.value.decode(errors="replace")
+                for name, kv in keys.store().children(start).items()}  # fmt: skip
+        if keys.get(f"lookout/{r}") is None and keys.current()[0] == r:
+            lost[world.lookout[0]] = world.lookout[1]
+        return sorted(lost.items())
 
-    def _lost_now(self, world: World) -> list[tuple[str, str]]:
-        """``_lost`` as the copy and the liveness watch tell it (no read)."""
-        store = self._keys.store()
-        change = self._keys.get(f"change/{world.round + 1}")
-        key = (world.round, store.liveness_version, change.mod_revision if change else 0)
-        if self._lost_cache is None or self._lost_cache[0] != key:
-            lost: dict[str, str] = {}
-            for name, value in store.gone.items():
-                if name not in self._seats:
-                    self._seats[name] = Seat.parse(name.decode(errors="replace"), value)
-                seat = self._seats[name]
-                if seat is not None and (seat.round, seat.token) == (world.round, world.token):
-                    lost[seat.node_id] = seat.addr
-            if change is not None:
-                # a member that heard of a loss first re-joined naming it
-                lost.update(lost_in(json.loads(change.value)))
-            self._lost_cache = (key, sorted(lost.items()))
-        return self._lost_cache[1]
+    async def _keep_watch(self, world: World) -> None:
+        """As the world's lookout: tell the others of the members that left, once each."""
+        keys = self._keys
+        store = keys.store()
+        if store.gone_unsure:
+            _, seats = await keys.live_members(world)
+            store.gone_unsure = False
+        else:
+            seats = await keys.lost_members(world)
+        new = [seat for seat in seats if seat.node_id not in self._reported]
+        if new:
+            await keys.report_lost(world, new)
+            self._reported.update(seat.node_id for seat in new)
+
+    async def _stand_down(self) -> None:
+        """This node leaves its world: as its lookout, it stops watching departures."""
+        if self._lookout:
+            self._lookout = False
+            self._reported = set()
+            session = self._keys.session
+            if session is not None:
+                await session.unwatch_departures()
 
 
 class _Session:
@@ -560,6 +580,7 @@ class _Session:
         session = h._keys.session
         h._keys.session = None
         h._info = h._world_now = None
+        h._lookout, h._reported = False, set()
         try:
             await self._open.__aexit__(*exc)
         finally:
