@@ -335,10 +335,13 @@ class PContext:
         finally:
             if self._state is _State.STARTING:
                 self._state = _State.NEW  # failed before the launch: nothing was started
-            if self._state is _State.NEW:
+            unstarted = self._state is _State.NEW
+            if unstarted:
                 self._resources.close()  # no worker exists: slots and cgroups go back
             if not self._starting.done():
                 self._starting.set_result(None)
+            if unstarted:
+                await shielded(_lifeline.settle())  # the guardian its cgroups held, let go
 
     async def _take_resources(self) -> None:
         """Wait for the group's process slots, then open its placements.
@@ -487,7 +490,7 @@ class PContext:
         """After the supervisor, however it ended."""
         assert self._launched is not None
         self._unhold_guardian()
-        self._resources.close()  # every worker is reaped: cgroups and slots go back
+        await self._resources.aclose()  # every worker is reaped: cgroups and slots go back
         self._state = _State.CLOSED
         if not self._launched.done():
             if self._launch_error is not None:
