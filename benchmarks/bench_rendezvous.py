@@ -1,7 +1,7 @@
 """Rendezvous at scale: N simulated agents meet through one real etcd, and through torch's c10d.
 
     python benchmarks/bench_rendezvous.py [--sizes 16,64,256,1024] [--procs 8]
-        [--loop asyncio|uvloop] [--torch-limit 60] [--no-torch] [--idle 6]
+        [--loop asyncio|uvloop] [--torch-limit 60] [--no-torch] [--no-aioproc] [--idle 6]
         [--last-call 1] [--json FILE] [--quick]
 
 Each aioproc agent is the real ``EtcdRendezvousHandler`` (its own gRPC
@@ -790,6 +790,7 @@ def main() -> None:
     p.add_argument("--last-call", type=float, default=1.0, help="scale-up/loss jobs' last call")
     p.add_argument("--torch-limit", type=float, default=60.0, help="seconds a torch phase gets")
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--no-aioproc", action="store_true", help="torch's c10d only")
     p.add_argument("--json", default="", help="also write every figure to this file")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     p.add_argument("--torch-store", type=int, default=0, help=argparse.SUPPRESS)
@@ -813,14 +814,14 @@ def main() -> None:
     sizes = [16, 64] if args.quick else [int(x) for x in args.sizes.split(",")]
     idle = 3.0 if args.quick else args.idle
     torch_ok = not args.no_torch and importlib.util.find_spec("torch") is not None
-    results: dict[str, dict[int, list[Phase]]] = {"aioproc": {}}
+    results: dict[str, dict[int, list[Phase]]] = {} if args.no_aioproc else {"aioproc": {}}
     if torch_ok:
         results["torch c10d"] = {}
     loads: dict[str, dict[int, str]] = {impl: {} for impl in results}
     tag = f"{os.getpid()}x"
     etcd = _Etcd()
     try:
-        for n in sizes:
+        for n in [] if args.no_aioproc else sizes:
             start = _load()
             results["aioproc"][n] = measure_aioproc(
                 etcd, n, procs=args.procs, loop=args.loop, idle=idle,
