@@ -5,8 +5,9 @@ torch's ``DynamicRendezvousHandler`` in threads (one ``TCPStore`` client
 each), ``torch_store`` serves torch's store.  Commands: ``round`` (join the
 next round), ``follow`` (from now on re-join at every world change),
 ``arrive`` (say when, then ``round``), ``mark`` (say the counts so far),
-``close`` (answer ``closed FENCED SLACK``: leases fenced meanwhile, the
-closest a renewal came to its fence, seconds); ``rejoin`` (torch: re-join
+``close`` (answer ``closed FENCED SLACK LATE``: leases fenced meanwhile,
+the closest a renewal came to its fence in seconds, fences in the exit
+barrier and the sessions' ends); ``rejoin`` (torch: re-join
 now).  Answers: ``open`` once every session is open, ``held T ROUND
 REQUESTS EVENTS`` whenever every agent here holds a newer round (T: the
 last one's wall clock), ``timeout``, ``mark ...``, ``closed ...``.
@@ -15,6 +16,7 @@ last one's wall clock), ``timeout``, ``mark ...``, ``closed ...``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import sys
@@ -36,7 +38,7 @@ async def aioproc_agents(args: list[str]) -> None:
     Commands: ``round`` (join the next round; answer ``held T ROUND REQ EVENTS``
     with the last agent's time), ``follow`` (from now on re-join at every world
     change; answer ``held ...`` whenever all agents here hold a newer round),
-    ``close`` (exit barrier, then leave; answer ``closed FENCED SLACK``).
+    ``close`` (exit barrier, then leave; answer ``closed FENCED SLACK LATE``).
     """
     port, job, count, low, high, last_call = (
         int(args[0]),
@@ -89,6 +91,18 @@ async def aioproc_agents(args: list[str]) -> None:
             fences[i] = fence
 
         return moved
+
+    class _Fences(logging.Handler):
+        """Counts the fences the handlers log, teardown's included (after ``fenced``)."""
+
+        count = 0
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if "no etcd keep-alive succeeded" in record.getMessage():
+                self.count += 1
+
+    logged = _Fences(logging.WARNING)
+    logging.getLogger("aioproc.rendezvous").addHandler(logged)
 
     def fenced() -> int:
         now = time.monotonic()
@@ -170,7 +184,7 @@ async def aioproc_agents(args: list[str]) -> None:
             if line == "close":
                 lost = fenced()  # before the sessions end
                 await asyncio.gather(*tasks)
-                say("closed", lost, repr(slack[0]))
+                say("closed", lost, repr(slack[0]), logged.count - lost)
                 return
     finally:
         report.cancel()

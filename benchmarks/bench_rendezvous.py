@@ -234,6 +234,7 @@ class Phase:
     window: float = 0.0  # the phase's duration (for rates: idle)
     fenced: int = 0  # leases fenced in the job this phase ends (aioproc: idle, loss)
     slack: float = math.inf  # the closest a renewal came to its fence in that job (s)
+    late: int = 0  # fences after the phases: in the exit barrier, the sessions' ends
 
 
 # ----------------------------------------------------------------- the agents
@@ -318,6 +319,7 @@ class _Run:
         self.extra: _Child | None = None
         self.fenced = 0  # leases whose fence passed (aioproc's, told at ``close``)
         self.slack = math.inf  # the closest a renewal's answer came to its fence (s)
+        self.late = 0  # fences in the exit barrier and the sessions' ends
         for child in self.children:
             self._expect(child, "open")
 
@@ -400,12 +402,16 @@ class _Run:
                     pass
         for child in [*self.children, *([self.extra] if self.extra else [])]:
             if self.kind == "aioproc" and child.proc.poll() is None:
-                got = child.read(120)
-                while got[0] == "held":  # a report that was on its way
+                try:
                     got = child.read(120)
+                    while got[0] == "held":  # a report that was on its way
+                        got = child.read(120)
+                except RuntimeError:  # it failed meanwhile (its error is on stderr)
+                    got = ["failed"]
                 if got[0] == "closed":
                     self.fenced += int(got[1])
                     self.slack = min(self.slack, float(got[2]))
+                    self.late += int(got[3]) if len(got) > 3 else 0
             try:
                 child.proc.wait(120)
             except subprocess.TimeoutExpired:
@@ -475,7 +481,7 @@ def measure_aioproc(
 def _fence_figures(phases: list[Phase], run: _Run) -> None:
     """Give the last phase of ``run``'s job the leases fenced in it and the closest call."""
     if phases:
-        phases[-1].fenced, phases[-1].slack = run.fenced, run.slack
+        phases[-1].fenced, phases[-1].slack, phases[-1].late = run.fenced, run.slack, run.late
 
 
 def measure_torch(
@@ -701,7 +707,7 @@ def report(results: dict[str, dict[int, list[Phase]]], loads: dict[str, dict[int
                     f"{col(lambda g: g.client_cpu / g.n)}; server CPU {col(lambda g: g.server_cpu)}"
                 )
     fence = [
-        f"{n}: {p.fenced} fenced, closest {p.slack:.2f} s ({p.name} job)"
+        f"{n}: {p.fenced} fenced, closest {p.slack:.2f} s, {p.late} at the end ({p.name} job)"
         for n in sizes
         for p in results.get("aioproc", {}).get(n, [])
         if p.name in ("idle", "loss") and p.slack != math.inf
@@ -710,7 +716,8 @@ def report(results: dict[str, dict[int, list[Phase]]], loads: dict[str, dict[int
         lines.append(
             f"\n**leases** (aioproc; the fence is {FENCE_AT * TTL:g} s after a renewal is sent, "
             f"renewals every {TTL / 3:g} s): leases fenced, and the closest a renewal's answer "
-            "came to its fence, per N and job: " + "; ".join(fence)
+            "came to its fence, per N and job (and fences after the phases: in the exit barrier "
+            "or as the sessions end): " + "; ".join(fence)
         )
     return "\n".join(lines)
 
@@ -823,10 +830,14 @@ def main() -> None:
     try:
         for n in [] if args.no_aioproc else sizes:
             start = _load()
-            results["aioproc"][n] = measure_aioproc(
-                etcd, n, procs=args.procs, loop=args.loop, idle=idle,
-                last_call=args.last_call, tag=tag,
-            )  # fmt: skip
+            try:
+                results["aioproc"][n] = measure_aioproc(
+                    etcd, n, procs=args.procs, loop=args.loop, idle=idle,
+                    last_call=args.last_call, tag=tag,
+                )  # fmt: skip
+            except RuntimeError as e:  # an agent failed (fenced, mostly: its error is above)
+                note = f"failed at load {_load()}: {e}"
+                results["aioproc"][n] = [Phase("round", n, None, note=note)]
             loads["aioproc"][n] = f"{start} -> {_load()}"
             print(f"aioproc N={n} done (load {loads['aioproc'][n]})", file=sys.stderr, flush=True)
     finally:
