@@ -19,6 +19,7 @@ import pytest
 from helpers import CHILDREN_DIR, REPO_ROOT, pid_gone
 
 from aioproc.rendezvous import (
+    RendezvousAssignment,
     RendezvousInfo,
     RendezvousNode,
     RendezvousParameters,
@@ -155,6 +156,35 @@ def test_info_assigns_global_ranks_as_torch_does() -> None:
     info = RendezvousInfo(round=2, group_rank=2, nodes=nodes)
     assert (info.world_size, info.group_world_size, info.base_global_rank) == (6, 3, 4)
     assert (info.master_addr, info.master_port) == ("10.0.0.1", 4000)
+
+
+def test_info_takes_one_nodes_assignment_instead_of_every_node() -> None:
+    """A backend may give a node its own figures alone (the etcd rendezvous does)."""
+    assignment = RendezvousAssignment(
+        group_world_size=1024,
+        world_size=8192,
+        base_global_rank=40,
+        role="trainer",
+        base_role_rank=24,
+        role_world_size=4096,
+        master_addr="10.0.0.1",
+        master_port=29500,
+    )
+    info = RendezvousInfo(round=3, group_rank=5, assignment=assignment)
+    assert info.nodes == ()
+    assert (info.group_world_size, info.world_size, info.base_global_rank) == (1024, 8192, 40)
+    assert (info.role, info.base_role_rank, info.role_world_size) == ("trainer", 24, 4096)
+    assert (info.master_addr, info.master_port) == ("10.0.0.1", 29500)
+    with pytest.raises(ValueError, match="needs the world's nodes or this node's assignment"):
+        RendezvousInfo(round=0, group_rank=0)
+    with pytest.raises(ValueError, match="group_rank 1024 is not a rank of 1024 node"):
+        RendezvousInfo(round=0, group_rank=1024, assignment=assignment)
+    with pytest.raises(ValueError, match="group_rank 3 is not a rank of 3 node"):
+        RendezvousInfo(
+            round=0,
+            group_rank=3,
+            nodes=tuple(RendezvousNode(f"n{i}", "h", 1, 1) for i in range(3)),
+        )
 
 
 def test_static_takes_torchs_rank_option_for_the_node_rank() -> None:

@@ -178,6 +178,13 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
+def put(etcd: Etcd, key: str, value: bytes) -> None:
+    """Write ``key`` through etcd's JSON gateway (this process never loads gRPC)."""
+    body = json.dumps({"key": _b64(key.encode()), "value": _b64(value)}).encode()
+    with urllib.request.urlopen(f"http://{etcd.endpoint}/v3/kv/put", body, timeout=5) as reply:
+        reply.read()
+
+
 @pytest.fixture(scope="module")
 def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
     server = Etcd(str(tmp_path_factory.mktemp("etcd") / "data"))
@@ -490,10 +497,12 @@ def test_first_joiner_lost_mid_round_the_next_completes_it(etcd: Etcd, tmp_path:
 
 
 @contextlib.contextmanager
-def _many_agents(etcd: Etcd, job: str, count: int, nnodes: str, held: int = 0) -> Iterator[Any]:
+def _many_agents(
+    etcd: Etcd, job: str, count: int, nnodes: str, held: int = 0, then: str = "barrier"
+) -> Iterator[Any]:
     """``children/rdzv_agents.py``: ``count`` agents as coroutines of one process."""
     proc = subprocess.Popen(
-        [sys.executable, AGENTS, etcd.endpoint, job, str(count), nnodes, str(held)],
+        [sys.executable, AGENTS, etcd.endpoint, job, str(count), nnodes, str(held), then],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -525,7 +534,7 @@ def _agents_report(proc: Any) -> list[dict[str, Any]]:
 
 def _assert_one_world(recs: list[dict[str, Any]], members: list[str]) -> None:
     """Every agent holds the same world of ``members``, at its own group rank."""
-    assert sorted(r["node"] for r in recs) == sorted(members)
+    assert sorted(r["node"] for r in recs) == sorted(members), (recs, members)
     worlds = {tuple(r["world"]) for r in recs}
     assert len(worlds) == 1, worlds
     assert sorted(worlds.pop()) == sorted(members)
@@ -550,6 +559,71 @@ def test_many_agents_meet_each_hearing_of_the_round_through_a_few_keys(
     requests = sorted(r["requests"] for r in recs)
     assert requests[-2] <= 2 and requests[-1] <= 6, requests
     assert_only_closed(etcd, job)
+
+
+def test_what_each_agent_reads_of_a_round_does_not_grow_with_the_world(
+    etcd: Etcd, tmp_path: Any
+) -> None:
+    """Each agent reads its own seat and a few small keys, not a record of every agent."""
+    received = {}
+    for n in (4, 32):
+        job = f"reads{n}"
+        with _many_agents(etcd, job, n, f"{n}:{n}") as proc:
+            ids = _opened(proc)
+            recs = _agents_report(proc)
+        _assert_one_world(recs, ids)
+        # the leader reads every join (O(n)); every other agent, the same few keys
+        received[n] = sorted(r["received"] for r in recs)[:-1]
+        # and writes its join in one transaction (the leader also reads, seats, completes)
+        assert sorted(r["requests"] for r in recs)[-2] <= 2, recs
+        assert_only_closed(etcd, job)
+    # a world 8 times larger costs each agent a few more digits (and at most a
+    # second read of its own seat, ~270 bytes), not 28 more records
+    assert max(received[32]) <= max(received[4]) + 400, received
+    assert max(received[32]) < 1500, received
+
+
+def test_an_idle_world_renews_each_lease_every_third_of_its_ttl(etcd: Etcd, tmp_path: Any) -> None:
+    """Keep-alives as etcd's own clients send them: about 3 per TTL, nothing else while idle."""
+    job, n, idle = "idle", 6, 7.0  # the agents' lease_ttl is 10 s (children/rdzv_agents.py)
+    with _many_agents(etcd, job, n, f"{n}:{n}", then=f"idle:{idle}") as proc:
+        ids = _opened(proc)
+        lines = _agents_report(proc)
+    rounds = [r for r in lines if "round" in r]
+    _assert_one_world(rounds, ids)
+    idles = [r for r in lines if "idle_renewals" in r]
+    assert len(idles) == n
+    for r in idles:
+        # 7 s at one renewal per 3.3 s: 2 (3 at most, the first may come early)
+        assert 1 <= r["idle_renewals"] <= 3, idles
+        assert r["idle_requests"] == 0, idles
+    assert_only_closed(etcd, job)
+
+
+@pytest.mark.parametrize("who", ["the lookout", "another member"])
+def test_a_member_leaving_is_a_loss_for_every_other_member_naming_it(
+    etcd: Etcd, tmp_path: Any, who: str
+) -> None:
+    """Only the world's lookout (group rank 0) watches departures; every member hears of each.
+
+    A member other than the lookout: the lookout tells the others; the
+    lookout itself: its leased lookout key goes with it.
+    """
+    job = f"loss-{who.split()[-1]}"
+    with _many_agents(etcd, job, 4, "2:4", then="change") as proc:
+        _opened(proc)
+        rounds = [json.loads(proc.stdout.readline()) for _ in range(4)]
+        assert sorted(r["rank"] for r in rounds) == [0, 1, 2, 3], rounds
+        leaving = next(r for r in rounds if (r["rank"] == 0) == (who == "the lookout"))
+        proc.stdin.write(f"leave {leaving['node']}\n")
+        proc.stdin.flush()
+        changes = _agents_report(proc)
+    assert sorted(c["node"] for c in changes) == sorted(
+        r["node"] for r in rounds if r is not leaving
+    ), changes
+    for c in changes:
+        assert c["change"] == f"lost host 127.0.0.1 ({leaving['node']})", changes
+        assert c["lost"] == ["127.0.0.1"], changes
 
 
 def _wait_for(etcd: Etcd, job: str, proc: Any, what: str, ready: Any) -> dict[str, Any]:

@@ -130,3 +130,27 @@ async def test_static_rendezvous_takes_every_node_to_run_this_nodes_role() -> No
     for local_rank in range(2):
         env = worker_env(spec_for("trainer", 2), "job", local_rank, 0, "h", 1, info)
         assert rank_vars(env) == expected_env(nodes, 1, local_rank)
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_the_etcd_leaders_seats_give_every_node_torchs_ranks(seed: int) -> None:
+    # each node reads its own seat only: the leader's figures must be the ones
+    # torch computes from every node, and survive the trip through etcd
+    from aioproc.rendezvous._etcd_schema import Seat, assign
+
+    rng = random.Random(seed)
+    roles = ["master", "trainer", "ps", "default"][: rng.randint(1, 4)]
+    nodes = [(rng.choice(roles), rng.randint(1, 4)) for _ in range(rng.randint(1, 9))]
+    full = info_for(nodes, 0).nodes
+    seats = assign(7, "beef", full)
+    assert [s.group_rank for s in seats] == list(range(len(nodes)))
+    for group_rank, seat in enumerate(seats):
+        again = Seat.parse(seat.node_id, seat.value())
+        assert again == seat
+        info = again.info()
+        assert (info.round, info.group_rank, info.nodes) == (7, group_rank, ())
+        assert (info.master_addr, info.master_port) == ("10.0.0.0", 29500)
+        role, nproc = nodes[group_rank]
+        for local_rank in range(nproc):
+            env = worker_env(spec_for(role, nproc), "job", local_rank, 0, "h", 1, info)
+            assert rank_vars(env) == expected_env(nodes, group_rank, local_rank)

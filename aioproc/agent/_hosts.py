@@ -125,8 +125,9 @@ class Hosts:
         # workers die by the end of the fence's grace period even while this
         # process is stopped, starved or wedged, before etcd can expire the
         # lease and the other hosts re-form without this one.  The guardian
-        # hears of renewals once per grace period: it never fences before the
-        # loop would (at the deadline itself).
+        # hears of a renewal once it moved the deadline by a grace period (every
+        # renewal, when renewals are further apart): it never fences before
+        # the loop would (at the deadline itself).
         self._fence = _lifeline.Fence()
 
     def __repr__(self) -> str:

@@ -15,6 +15,7 @@ building a handler does.
 
 from __future__ import annotations
 
+from .api import RendezvousAssignment as RendezvousAssignment
 from .api import RendezvousClosedError as RendezvousClosedError
 from .api import RendezvousConnectionError as RendezvousConnectionError
 from .api import RendezvousError as RendezvousError
@@ -37,6 +38,7 @@ from .registry import rendezvous_handler_registry as rendezvous_handler_registry
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "RendezvousAssignment",
     "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousError",

@@ -3,7 +3,7 @@
 The lowest layer of the etcd rendezvous: the import of the client
 (``aetcd``, an optional dependency) and its channel's options; a gRPC call
 bounded in time without letting grpc.aio's own cancellations escape, and
-its error told in a few words; one renewal on a keep-alive stream; a key
+its error told in a few words; a count of keys that returns none; a key
 as read (``KeyValue``) and a key range as copied and watched
 (``KeyRange``); the arithmetic of key ranges and lease TTLs.
 """
@@ -24,10 +24,12 @@ __all__ = [
     "KeyRange",
     "KeyValue",
     "bounded",
+    "count",
     "describe",
-    "exchange",
     "import_aetcd",
     "prefix_end",
+    "put_and_range",
+    "ranges",
     "ttl_seconds",
 ]
 
@@ -39,15 +41,20 @@ T = TypeVar("T")
 # agent must find a restarted etcd within a small part of its lease TTL,
 # and an attempt on a closed port costs next to nothing.  (gRPC takes the
 # "min" option as the least time a connection attempt is given.)
+# A session's connection is its own (gRPC would share one between channels
+# of a process with the same target): several agents in one process (tests,
+# benchmarks, an embedding service) each keep their lease on a connection of
+# their own, as agents on separate hosts do.
 CHANNEL_OPTIONS = {
     "grpc.initial_reconnect_backoff_ms": 50,
     "grpc.min_reconnect_backoff_ms": 1000,
     "grpc.max_reconnect_backoff_ms": 100,
+    "grpc.use_local_subchannel_pool": 1,
 }
 
 
-async def bounded(coro: Awaitable[T], timeout: float) -> T:
-    """``await coro`` (a gRPC call), at most ``timeout`` seconds.
+async def bounded(coro: Awaitable[T], timeout: float | None) -> T:
+    """``await coro`` (a gRPC call), at most ``timeout`` seconds (None: no bound).
 
     The call runs in a task of its own: grpc.aio answers a cancellation with
     a CancelledError of its own making, which an anyio cancel scope would
@@ -116,16 +123,30 @@ class KeyValue:
 
 
 class KeyRange:
-    """A copied key range: where its watch resumes, and (if followed) the task applying it."""
+    """A copied key range: where its watch resumes, and (if followed) the task applying it.
 
-    def __init__(self, start: bytes, end: bytes, *, deletions_only: bool) -> None:
+    ``kind`` is what its watch delivers: ``"all"`` events, ``"deletes"``
+    only (with each deleted key's last value when ``prev_kv``), or
+    ``"puts"`` only.
+    """
+
+    def __init__(
+        self, start: bytes, end: bytes, *, kind: str = "all", prev_kv: bool = False
+    ) -> None:
+        if kind not in ("all", "deletes", "puts"):
+            raise ValueError(f"kind must be 'all', 'deletes' or 'puts', got {kind!r}")
         self.start, self.end = start, end
-        self.deletions_only = deletions_only
+        self.kind = kind
+        self.prev_kv = prev_kv
         self.revision = 0
+        self.listed = 0  # the revision of its first list, where it has one
         self.task: asyncio.Task[None] | None = None
+        self.scope: anyio.CancelScope | None = None  # while its watch runs in the session's tasks
 
     async def stop(self) -> None:
         """Cancel the watch task and wait for it (shielded)."""
+        if self.scope is not None:
+            self.scope.cancel()
         task, self.task = self.task, None
         if task is None:
             return
@@ -139,17 +160,78 @@ class KeyRange:
                 logger.warning("etcd watch task failed: %r", e)
 
 
-async def exchange(stream: Any, request: Any, answer: type) -> Any:
-    """One renewal on a keep-alive stream: etcd's ``answer``.
+async def count(
+    client: Any, start: bytes, end: bytes, timeout: float | None = None
+) -> tuple[int, int]:
+    """How many keys are in ``[start, end)``, and etcd's revision (one read returning no key)."""
+    aetcd = import_aetcd()
+    await client.connect()
+    request = aetcd.rpc.RangeRequest(key=start, range_end=end, count_only=True)
+    try:
+        response = await client.kvstub.Range(request, timeout=timeout, metadata=client.metadata)
+    except aetcd.rpc.AioRpcError as e:
+        aetcd.exceptions._handle_exception(e)  # raises aetcd's error for it
+        raise
+    return int(response.count), int(response.header.revision)
 
-    Raises:
-        EOFError: etcd ended the stream (gRPC's end-of-stream marker came instead).
+
+async def put_and_range(
+    client: Any,
+    key: bytes,
+    value: bytes,
+    lease: int,
+    start: bytes,
+    end: bytes,
+    timeout: float | None = None,
+) -> tuple[list[Any], int]:
+    """Put ``key`` on ``lease`` and read ``[start, end)`` in one transaction.
+
+    Returns:
+        The keys read (etcd's KeyValue messages) and the transaction's revision.
     """
-    await stream.write(request)
-    reply = await stream.read()
-    if not isinstance(reply, answer):
-        raise EOFError("etcd ended the keep-alive stream")
-    return reply
+    aetcd = import_aetcd()
+    rpc = aetcd.rpc
+    await client.connect()
+    request = rpc.TxnRequest(
+        success=[
+            rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value, lease=lease)),
+            rpc.RequestOp(request_range=rpc.RangeRequest(key=start, range_end=end)),
+        ]
+    )
+    try:
+        response = await client.kvstub.Txn(request, timeout=timeout, metadata=client.metadata)
+    except rpc.AioRpcError as e:
+        aetcd.exceptions._handle_exception(e)  # raises aetcd's error for it
+        raise
+    return list(response.responses[1].response_range.kvs), int(response.header.revision)
+
+
+async def ranges(
+    client: Any, spans: list[tuple[bytes, bytes, bool]], timeout: float | None = None
+) -> tuple[list[list[Any]], int]:
+    """Read each ``(start, end, keys_only)`` span in one transaction, at one revision.
+
+    Returns:
+        Each span's keys (etcd's KeyValue messages), and the revision read.
+    """
+    aetcd = import_aetcd()
+    rpc = aetcd.rpc
+    await client.connect()
+    request = rpc.TxnRequest(
+        success=[
+            rpc.RequestOp(
+                request_range=rpc.RangeRequest(key=start, range_end=end, keys_only=keys_only)
+            )
+            for start, end, keys_only in spans
+        ]
+    )
+    try:
+        response = await client.kvstub.Txn(request, timeout=timeout, metadata=client.metadata)
+    except rpc.AioRpcError as e:
+        aetcd.exceptions._handle_exception(e)  # raises aetcd's error for it
+        raise
+    found = [list(r.response_range.kvs) for r in response.responses]
+    return found, int(response.header.revision)
 
 
 def prefix_end(prefix: bytes) -> bytes:

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import anyio
 
-from ._etcd_client import KeyValue, prefix_end
-from ._etcd_schema import World, malformed
+from ._etcd_client import KeyValue, prefix_end, ranges
+from ._etcd_schema import Seat, World, malformed
 from ._etcd_store import EtcdSession
 from .api import (
     RendezvousClosedError,
@@ -36,6 +37,10 @@ __all__ = ["KEY_ROOT", "EtcdKeyspace"]
 logger = logging.getLogger("aioproc.rendezvous")
 
 KEY_ROOT = "/aioproc/rdzv/"
+
+# How long a node waits for its seat's event once it saw the round complete,
+# before it reads the seat: the event is on its way on the same watch stream.
+_SEAT_WAIT = 0.2
 
 
 class EtcdKeyspace:
@@ -62,21 +67,31 @@ class EtcdKeyspace:
         self._worlds: dict[bytes, tuple[int, World]] = {}  # parsed, by key and revision
         self._corrupt: str | None = None  # the first corrupt control key seen, described
         self._warned: set[tuple[bytes, int]] = set()  # ignored keys (and revisions) told of
+        # the last seats of the agents whose liveness keys went (None: had none)
+        self._gone_seats: dict[bytes, Seat | None] = {}
 
     def new_session(self, host: str, port: int, ttl: int) -> EtcdSession:
         """A session (not open yet) with etcd at ``host:port`` following the job's keys.
 
-        Its lease lives ``ttl`` seconds; every key enters its copy through
-        ``check``.  This node's part in the job starts afresh with it: it
+        Its lease lives ``ttl`` seconds; opening it writes this node's
+        liveness key (``nodes/<id>``: its address and pid), and it watches
+        this node's seat (``seats/<id>``); every key enters its copy
+        through ``check``.  This node's part in the job starts afresh with it: it
         has joined no round, and seen no corrupt key.
         """
         prefix = self.prefix.encode()
         self.joined, self._corrupt = False, None
+        self._gone_seats = {}
         return EtcdSession(
             host,
             port,
             prefix,
             prefix + b"nodes/",
+            (
+                self.key(f"nodes/{self.node_id}"),
+                json.dumps({"addr": self.addr, "pid": os.getpid()}).encode(),
+            ),
+            self.key(f"seats/{self.node_id}"),
             ttl,
             self.addr,
             check=self.check,
@@ -105,7 +120,7 @@ class EtcdKeyspace:
         return (int(kv.value), kv.mod_revision) if kv is not None else (-1, 0)
 
     def world(self, r: int) -> World | None:
-        """Round ``r``'s world from the copy (parsed once per version of its key)."""
+        """Round ``r``'s world (its few fields) from the copy, parsed once per version."""
         key = self.key(f"completed/{r}")
         kv = self.store().keys.get(key)
         if kv is None:
@@ -118,11 +133,113 @@ class EtcdKeyspace:
         return cached[1]
 
     async def count(self, directory: str) -> int:
-        """How many keys are in ``directory`` now (one read)."""
+        """How many keys are in ``directory`` now (one read that returns none of them)."""
+        return await self.store().count(*self.key_range(directory))
+
+    async def seat(self, world: World) -> Seat | None:
+        """This node's seat in ``world``, or None if the world has no place for it.
+
+        Read from the copy of this node's seat key, which the round's leader
+        wrote before it completed the round: its event comes before the
+        world's on the session's one watch stream, so it is applied at once
+        or in a moment (each watch applies its events in a task of its own).
+        One read of the key when the copy does not show that seat by then
+        (a watch catching up, a node that was not seated): what etcd holds
+        then is the answer.
+        """
         store = self.store()
-        key = self.key(directory)
-        result = await store.call(lambda: store.client.get_prefix(key, keys_only=True))
-        return len(result.kvs)
+        with anyio.move_on_after(_SEAT_WAIT):
+            while True:
+                seen = store.version
+                seat = self._seat_in(store.keys.get(store.own), world)
+                if seat is not None:
+                    return seat
+                await store.changed(seen)
+        return self._seat_in(await store.own_now(), world)
+
+    def _seat_in(self, kv: KeyValue | None, world: World) -> Seat | None:
+        seat = Seat.parse(self.node_id, kv.value) if kv is not None else None
+        if seat is not None and (seat.round, seat.token) == (world.round, world.token):
+            return seat
+        return None
+
+    async def lost_members(self, world: World) -> list[Seat]:
+        """The members of ``world`` whose liveness keys went while departures were watched.
+
+        The agents that left since the last call are looked up in one read
+        (``departures``, which also raises if the job ended meanwhile); the
+        others are known already.
+        """
+        store = self.store()
+        new = [name for name in store.gone if name not in self._gone_seats]
+        if new:
+            found = await self.departures([name.decode(errors="replace") for name in new])
+            for name in new:
+                self._gone_seats[name] = found[name.decode(errors="replace")]
+        return [
+            seat
+            for seat in self._gone_seats.values()
+            if seat is not None and (seat.round, seat.token) == (world.round, world.token)
+        ]
+
+    async def live_members(self, world: World) -> tuple[int, list[Seat]]:
+        """How many members of ``world`` are alive now, and the lost ones' seats.
+
+        One read of every agent's liveness key and seat: for a leader
+        waiting for the running world's members, or a lookout whose watch
+        may have missed departures.
+        """
+        store = self.store()
+        (nodes, seats), _ = await store.call(
+            lambda: ranges(
+                store.client,
+                [(*self.key_range("nodes/"), True), (*self.key_range("seats/"), False)],
+                store.call_timeout,
+            )
+        )
+        cut = len(self.key("nodes/"))
+        alive = {kv.key[cut:] for kv in nodes}
+        cut = len(self.key("seats/"))
+        live, lost = 0, []
+        for kv in seats:
+            name = kv.key[cut:]
+            store.received += len(kv.key) + len(kv.value)
+            seat = Seat.parse(name.decode(errors="replace"), kv.value)
+            if seat is None or (seat.round, seat.token) != (world.round, world.token):
+                continue
+            if name in alive:
+                live += 1
+            else:
+                lost.append(seat)
+        return live, lost
+
+    async def departures(self, names: list[str]) -> dict[str, Seat | None]:
+        """The last seats of the agents ``names`` (gone), and the job's end if it ended.
+
+        One transaction reads ``failed`` and ``closed`` (a stop or a failure
+        elsewhere ends agents too: if one came first, it is the news, and
+        ``raise_if_over_now``'s error is raised) and each agent's seat key,
+        which outlives its lease.
+
+        Raises:
+            RendezvousJobFailedError, RendezvousClosedError,
+            RendezvousStateError: as ``raise_if_over_now``.
+        """
+        store = self.store()
+        tx = store.client.transactions
+        ops = [tx.get(self.key("failed")), tx.get(self.key("closed"))]
+        ops += [tx.get(self.key(f"seats/{name}")) for name in names]
+        _, responses = await store.call(
+            lambda: store.client.transaction(compare=[], success=ops, failure=[])
+        )
+        failed, closed = (r[0][0] if r else None for r in responses[:2])
+        self._check_ended(failed, closed)
+        seats: dict[str, Seat | None] = {}
+        for name, found in zip(names, responses[2:], strict=True):
+            seats[name] = Seat.parse(name, found[0][0]) if found else None
+            if found:
+                store.received += len(found[0][0])
+        return seats
 
     # ---------------------------------------------------------- the job's end
 
@@ -175,6 +292,10 @@ class EtcdKeyspace:
             )
         )
         failed, closed = (r[0][0] if r else None for r in responses)
+        self._check_ended(failed, closed)
+
+    def _check_ended(self, failed: bytes | None, closed: bytes | None) -> None:
+        """``raise_if_over`` on the values of ``failed`` and ``closed`` just read."""
         for name, value in (("failed", failed), ("closed", closed)):
             if value is not None:
                 self.check(self.key(name), KeyValue(value, 0, 0, 0))
@@ -253,7 +374,10 @@ class EtcdKeyspace:
         closed = self.key("closed")
         value = json.dumps({"reason": reason, "host": self.addr, "node": self.node_id}).encode()
         # everything but the liveness keys (they go with their leases) and ``failed``
-        dirs = [self.key(d) for d in ("change/", "completed/", "lead/", "rounds/")]
+        dirs = [
+            self.key(d)
+            for d in ("change/", "completed/", "lead/", "lookout/", "lost/", "rounds/", "seats/")
+        ]
         await store.call(
             lambda: store.client.transaction(
                 compare=[tx.create(closed) == 0],
@@ -333,9 +457,54 @@ class EtcdKeyspace:
         )
         return bool(ok), responses[0].response_txn if ok else None
 
-    async def complete(self, r: int, world: bytes, current_rev: int) -> bool:
+    async def seat_all(
+        self, r: int, entries: list[tuple[bytes, int, Seat]], current_rev: int
+    ) -> list[str] | None:
+        """Write the seats of one batch of round ``r``'s nodes, unless ``current`` moved.
+
+        ``entries``: for each node, its join key (``rounds/<r>/join/<id>``,
+        the whole key), the join's create revision, and its seat.  Each
+        node's seat goes into its seat key, but only while its join key is
+        the one the leader saw: a node whose lease expired meanwhile (its
+        join went with it) gets none.
+
+        Returns:
+            None when ``current`` moved (another leader completed the round);
+            else the ids of the nodes that were gone (empty: all seated).
+        """
+        store = self.store()
+        tx = store.client.transactions
+        ops = []
+        for join, create_revision, seat in entries:
+            ops.append(
+                tx.txn(
+                    compare=[tx.create(join) == create_revision],
+                    success=[tx.put(self.key(f"seats/{seat.node_id}"), seat.value())],
+                    failure=[],
+                )
+            )
+        current = self.key("current")
+        ok, responses = await store.call(
+            lambda: store.client.transaction(
+                compare=[tx.mod(current) == current_rev], success=ops, failure=[]
+            )
+        )
+        if not ok:
+            return None
+        return [
+            seat.node_id
+            for (_, _, seat), response in zip(entries, responses, strict=True)
+            if not response.response_txn.succeeded
+        ]
+
+    async def complete(
+        self, r: int, world: World, current_rev: int, lookout: tuple[bytes, int, int]
+    ) -> bool:
         """Write round ``r``'s ``world`` and make it current (True), unless a write came first.
 
+        ``lookout``: the lookout's join key, its create revision and its
+        lease: ``lookout/<r>`` goes on that lease, so that the world hears
+        of the lookout's own loss; the lookout's join must still be there.
         In the same transaction: drop the round's lead and change keys, and
         round r - 1's keys.  Another agent's write came first if round ``r``
         has a world already or ``current`` moved from ``current_rev``.
@@ -343,24 +512,50 @@ class EtcdKeyspace:
         store = self.store()
         tx = store.client.transactions
         world_key = self.key(f"completed/{r}")
+        join, create_revision, lease = lookout
         success = [
-            tx.put(world_key, world),
+            tx.put(world_key, world.value()),
+            # before ``current``: an agent that sees the world current sees its lookout
+            tx.put(self.key(f"lookout/{r}"), world.lookout[0].encode(), lease=lease),
             tx.put(self.key("current"), str(r).encode()),
             tx.delete(self.key(f"lead/{r}")),
             tx.delete(self.key(f"change/{r}")),
         ]
         if r > 0:
-            old = self.key(f"rounds/{r - 1}/")
-            success.append(tx.delete(old, range_end=prefix_end(old)))
+            for old in (self.key(f"rounds/{r - 1}/"), self.key(f"lost/{r - 1}/")):
+                success.append(tx.delete(old, range_end=prefix_end(old)))
             success.append(tx.delete(self.key(f"completed/{r - 1}")))
+            success.append(tx.delete(self.key(f"lookout/{r - 1}")))
         ok, _ = await store.call(
             lambda: store.client.transaction(
-                compare=[tx.create(world_key) == 0, tx.mod(self.key("current")) == current_rev],
+                compare=[
+                    tx.create(world_key) == 0,
+                    tx.mod(self.key("current")) == current_rev,
+                    tx.create(join) == create_revision,
+                ],
                 success=success,
                 failure=[],
             )
         )
         return bool(ok)
+
+    async def report_lost(self, world: World, seats: list[Seat]) -> None:
+        """Tell the members of ``world`` that the agents of ``seats`` were lost (its lookout).
+
+        Writes ``lost/<r>/<id>`` (the address) for each, unless the world
+        was re-formed meanwhile.
+        """
+        store = self.store()
+        tx = store.client.transactions
+        r = world.round
+        ops = [tx.put(self.key(f"lost/{r}/{seat.node_id}"), seat.addr.encode()) for seat in seats]
+        await store.call(
+            lambda: store.client.transaction(
+                compare=[tx.value(self.key("current")) == str(r).encode()],
+                success=ops,
+                failure=[],
+            )
+        )
 
     async def leave(self, r: int, joined: int) -> str:
         """Drop this node's join and lead of round ``joined``; how many nodes joined round ``r``.

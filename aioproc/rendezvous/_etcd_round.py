@@ -4,7 +4,10 @@ One ``Joining`` per ``EtcdRendezvousHandler.next_rendezvous()`` call: it
 writes this node's join (claiming the round's lead and signalling the
 running world in the same transaction), and waits for the round's world;
 while this node leads the round, it follows the round's joins and completes
-the round.  The key layout and the protocol are described in ``etcd.py``.
+the round: it assigns every node its seat (torch's ranks), writes each
+into that node's seat key in batches of ``SEATS_PER_TXN``, then the
+round's few-field world and ``current`` in one transaction.  The key layout
+and the protocol are described in ``etcd.py``.
 It reads and writes the job's keys through the handler's ``EtcdKeyspace``
 (``_etcd_keyspace``), and is told the round's limits: it knows nothing of
 the handler.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import socket
 import time
 from collections.abc import Mapping
@@ -26,17 +30,21 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from .api import DEFAULT_ROLE
+from ._etcd_schema import Seat, World, assign
+from .api import DEFAULT_ROLE, RendezvousNode
 
 if TYPE_CHECKING:
     from ._etcd_client import KeyValue
     from ._etcd_keyspace import EtcdKeyspace
-    from ._etcd_schema import World
     from .api import RendezvousInfo
 
-__all__ = ["Joining"]
+__all__ = ["SEATS_PER_TXN", "Joining"]
 
 logger = logging.getLogger("aioproc.rendezvous")
+
+SEATS_PER_TXN = 60
+"""Seats a leader writes per transaction: each takes 2 of etcd's ``--max-txn-ops`` (128)."""
+_BATCHES_IN_FLIGHT = 4  # seat transactions a leader has in flight at once
 
 
 class Joining:
@@ -51,6 +59,8 @@ class Joining:
         min_nodes, max_nodes: how many nodes a round's world may have.
         last_call_timeout: how long a leader waits for more joins once
             the round could complete with fewer than ``max_nodes``.
+
+    ``seat`` is this node's seat once it completed the round as its leader.
     """
 
     def __init__(
@@ -66,6 +76,7 @@ class Joining:
     ) -> None:
         self._keys = keys
         self._prev = prev
+        self.seat: Seat | None = None
         self._nproc = nproc
         self._role = role
         self._min_nodes = min_nodes
@@ -76,6 +87,15 @@ class Joining:
         # (round, revision) of a lead this node was told of: until the copy
         # caught up with it, its absence there is no reason to claim
         self._lead_seen = (-1, 0)
+        # while leading: each join parsed once (by key: its mod revision and
+        # whether it is a running member's), the live members of the running
+        # world as last counted (and the liveness version then), and the
+        # joins found gone while seating
+        self._parsed: dict[bytes, tuple[int, bool]] = {}
+        self._members: tuple[int, int] | None = None
+        self._gone: set[bytes] = set()
+        self._departures = False  # whether this leader watches departures
+        self._since = 0  # the revision of the leader's list of the joins
 
     async def join(self, r: int, current_rev: int) -> bool:
         """Write this node's join key of round ``r`` (False: ``current`` moved).
@@ -114,9 +134,11 @@ class Joining:
         world = keys.world(r - 1)
         if world is None:
             return None  # no world runs
-        if keys.node_id in world.revs:
-            return {"host": keys.addr, "member": True}  # its workers failed: all re-join
-        if len(world.nodes) < self._max_nodes:
+        prev = self._prev
+        if prev is not None and prev.round == r - 1:
+            # a member: a host was lost, or its workers failed: all re-join
+            return {"host": keys.addr, "member": True}
+        if world.size < self._max_nodes:
             return {"host": keys.addr, "member": False}  # room for it: grow the world
         return None  # a full world: wait for a place
 
@@ -160,6 +182,7 @@ class Joining:
         joins_dir, joins_end = keys.key_range(f"rounds/{r}/join/")
         ready_since: float | None = None
         frozen = False
+        self._departures = False
         try:
             while True:
                 seen = store.version
@@ -172,11 +195,13 @@ class Joining:
                 if not leading:
                     ready_since = None
                 else:
-                    await store.follow(joins_dir, joins_end)
+                    self._since = await store.follow(joins_dir, joins_end)
                     joins = store.children(joins_dir)
                     if len(joins) >= self._max_nodes:
                         frozen = await self._freeze(r, current_rev, joins)
-                    elif len(joins) >= self._min_nodes and not self._members_pending(r, joins):
+                    elif len(joins) >= self._min_nodes and not await self._members_pending(
+                        r, joins
+                    ):
                         now = time.monotonic()
                         ready_since = now if ready_since is None else ready_since
                         if now >= ready_since + self._last_call_timeout:
@@ -191,24 +216,51 @@ class Joining:
                     await store.changed(seen)
         finally:
             await store.unfollow(joins_dir, joins_end)
+            if self._departures:
+                await store.unwatch_departures()
 
-    def _members_pending(self, r: int, joins: Mapping[bytes, KeyValue]) -> list[str]:
-        """Live members of the running world (round r - 1) that have not joined round r."""
+    async def _members_pending(self, r: int, joins: Mapping[bytes, KeyValue]) -> bool:
+        """Whether live members of the running world (round r - 1) have not joined round r.
+
+        A member's join names its previous group rank.  The live members
+        are counted by one read of every agent's liveness key and seat,
+        again whenever an agent leaves meanwhile (the leader watches the
+        departures while it waits for members).
+        """
         keys = self._keys
         world = keys.world(r - 1)
         if world is None:
-            return []
+            return False
         store = keys.store()
-        return [
-            n.node_id
-            for n in world.nodes
-            if n.node_id.encode() not in joins
-            and not store.gone_since(n.node_id.encode(), world.revs[n.node_id])
-        ]
+        joined = 0
+        for name, kv in joins.items():
+            parsed = self._parsed.get(name)
+            if parsed is None or parsed[0] != kv.mod_revision:
+                member = json.loads(kv.value).get("prev_rank") is not None
+                parsed = self._parsed[name] = (kv.mod_revision, member)
+            joined += parsed[1]
+        if self._members is not None and joined >= self._members[0]:
+            return False
+        if not self._departures:
+            # from before the count: a member that leaves after it is heard of
+            store.watch_departures(store.control.revision + 1)
+            self._departures = True
+        if self._members is None or self._members[1] != store.liveness_version:
+            version = store.liveness_version
+            live, _ = await keys.live_members(world)
+            self._members = (live, version)
+        return joined < self._members[0]
 
     async def _freeze(self, r: int, current_rev: int, joins: Mapping[bytes, KeyValue]) -> bool:
-        """Complete round ``r`` with ``joins`` (True), unless another write came first."""
-        store = self._keys.store()
+        """Complete round ``r`` with ``joins`` (True), unless another write came first.
+
+        Seats every chosen node (its seat key, in batches), then writes the
+        world and ``current``.  A chosen node whose
+        lease expired meanwhile gets no seat: the round is frozen again
+        without it (False, after noting it).
+        """
+        keys = self._keys
+        store = keys.store()
 
         def order(item: tuple[bytes, KeyValue]) -> tuple[int, int]:
             value = json.loads(item[1].value)
@@ -216,25 +268,65 @@ class Joining:
                 return (0, int(value["prev_rank"]))  # stable group ranks
             return (1, item[1].create_revision)
 
-        chosen = sorted(joins.items(), key=order)[: self._max_nodes]
+        live = [item for item in joins.items() if item[0] not in self._gone]
+        chosen = sorted(live, key=order)[: self._max_nodes]
+        if len(chosen) < min(len(joins), self._max_nodes):
+            return False  # a join found gone while seating: the copy shows the rest soon
         nodes = []
         for name, kv in chosen:
             value = json.loads(kv.value)
             nodes.append(
-                {
-                    "id": name.decode(),
-                    "addr": value["addr"],
-                    "port": value["port"],
-                    "nproc": value["nproc"],
-                    "role": value.get("role", DEFAULT_ROLE),
-                    "rev": kv.create_revision,
-                }
+                RendezvousNode(
+                    name.decode(),
+                    value["addr"],
+                    value["port"],
+                    value["nproc"],
+                    value.get("role", DEFAULT_ROLE),
+                )
             )
-        world = json.dumps({"round": r, "nodes": nodes}).encode()
+        seats = assign(r, secrets.token_hex(4), nodes)
+        joins_dir = keys.key(f"rounds/{r}/join/")
+        entries = [
+            (joins_dir + name, kv.create_revision, seat)
+            for (name, kv), seat in zip(chosen, seats, strict=True)
+        ]
         seen = store.version
-        ok = await self._keys.complete(r, world, current_rev)
+        gone: list[str] = []
+        moved = False
+        limiter = anyio.CapacityLimiter(_BATCHES_IN_FLIGHT)
+
+        async def seat_batch(batch: list[tuple[bytes, int, Seat]]) -> None:
+            nonlocal moved
+            async with limiter:
+                if moved:
+                    return
+                found = await keys.seat_all(r, batch, current_rev)
+                if found is None:
+                    moved = True
+                else:
+                    gone.extend(found)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(0, len(entries), SEATS_PER_TXN):
+                tg.start_soon(seat_batch, entries[i : i + SEATS_PER_TXN])
+        if moved:
+            await store.changed(seen)  # another agent completed the round: see it
+            return False
+        if gone:
+            logger.info("rendezvous round %d: %d joined node(s) gone while seated", r, len(gone))
+            self._gone.update(g.encode() for g in gone)
+            return False
+        # group rank 0 keeps watch over the world's liveness, on its lease
+        lookout, (name, kv) = seats[0], chosen[0]
+        a = lookout.assignment
+        world = World(r, lookout.token, len(seats), a.master_addr, a.master_port,
+                      (lookout.node_id, lookout.addr), self._since)  # fmt: skip
+        ok = await keys.complete(
+            r, world, current_rev, (joins_dir + name, kv.create_revision, kv.lease)
+        )
         if ok:
             logger.info("rendezvous round %d completed with %d node(s)", r, len(nodes))
+            self.seat = next((x for x in seats if x.node_id == keys.node_id), None)
         else:
             await store.changed(seen)  # another agent's write came first: see it
         return ok

@@ -16,32 +16,46 @@ one line naming it and the last error; one that answers as etcd never does
 (an HTTP/2 server without etcd's API) fails at once.  Every call after
 that is bounded by the lease (see Fencing).
 
-What a session follows is chosen so that an agent receives O(1) events per
-rendezvous round, not one per agent of the job:
+What a session follows is chosen so that an agent receives O(1) events
+and O(1) bytes per rendezvous round, not one record per agent of the job:
 
-- the control range ``[prefix, liveness)``, a handful of keys written once
-  per round, copied in full from ``open()`` on;
-- the liveness directory (one leased key per agent) through a snapshot of
-  its names and a watch that only delivers deletions: an agent learns of
-  every loss, never of every arrival (see ``gone_since``);
+- the control range ``[prefix, liveness)``, a handful of small keys
+  written once per round, copied in full from ``open()`` on (one read of
+  those keys alone: opening a session costs O(1) however many agents run);
+- its own seat key (``own``), into which a round's leader writes the
+  node's place in the world: each agent reads its own, not the world;
 - other ranges only while a caller needs them (``follow``/``unfollow``):
-  the round's leader follows the round's joins.
+  the round's leader follows the round's joins; the departures from the
+  liveness directory (one leased key per agent) only while a caller
+  watches them (``watch_departures``): the world's lookout, a leader
+  waiting for members, a c10d host waiting for the others to leave.
 
-Fencing: if no keep-alive has succeeded for two thirds of the TTL, the
-session declares its lease lost at once, before etcd can expire it and the
-other agents can form a world without this one, so the agent stops its
-workers in time.  That deadline counts from the last renewal *sent* before
-etcd became unreachable, so the lease is renewed often (``_RENEWALS_PER_TTL``
-times per TTL, one small message each on one keep-alive stream) and a
-broken stream is re-opened at once to wait for etcd's return (gRPC's
-wait-for-ready, with a short reconnect backoff): etcd restarted on its
-data dir keeps the lease, and an outage up to two thirds of the TTL less
-one renewal period (1.9 s at ``lease_ttl=3``) passes without fencing.
+No range that every agent watches holds keys written or deleted at every
+round or by every agent: etcd matches each write against every watch whose
+range holds the key, and etcd 3.4 does so for a lease's keys while it holds
+the lock that every keep-alive needs, so N agents watching every agent's
+liveness key would stall renewals for O(N^2) when the N leases go.
+
+Keep-alive and fencing: the lease is renewed every third of its TTL (as
+etcd's own clients do: one small message on one keep-alive stream, so an
+idle agent costs etcd ``3 / TTL`` requests a second), and a broken stream
+is re-opened at once to wait for etcd's return (gRPC's wait-for-ready, with
+a short reconnect backoff).  etcd can expire the lease no sooner than a
+TTL after the last renewal it received, hence after the last renewal this
+node *sent*: so when no renewal has succeeded for ``FENCE_AT`` of the TTL
+(five sixths) after the last one sent, the session declares its lease lost
+at once and the agent stops its workers, which get the rest of the TTL but
+a twelfth to go (the guardian kills them at eleven twelfths), before the
+other agents can form a world without this one.  etcd restarted on its data
+dir keeps the lease (and restarts its clock), so an outage up to the fence
+less the time since the last renewal, between 1.5 s and 2.5 s at
+``lease_ttl=3``, passes without fencing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import math
@@ -58,27 +72,29 @@ from ._etcd_client import (
     KeyRange,
     KeyValue,
     bounded,
+    count,
     describe,
-    exchange,
     import_aetcd,
     prefix_end,
+    put_and_range,
 )
 from .api import RendezvousConnectionError, RendezvousLeaseLostError
 
 if TYPE_CHECKING:
     import aetcd
 
-__all__ = ["EtcdSession"]
+__all__ = ["FENCE_AT", "EtcdSession"]
 
 logger = logging.getLogger("aioproc.rendezvous")
 
 T = TypeVar("T")
 
 _RETRY_FIRST, _RETRY_MAX = 0.05, 0.5  # backoff between calls to an unreachable etcd
-# The fence counts from the last renewal sent before an outage: the more
-# often the lease is renewed, the longer an outage it survives (two thirds
-# of the TTL less one period).
-_RENEWALS_PER_TTL = 30
+# etcd's own clients renew a lease every third of its TTL: fewer renewals
+# would leave an outage less time before the fence, more would load etcd.
+_RENEWALS_PER_TTL = 3
+FENCE_AT = 5 / 6
+"""The fence, in TTLs after the last renewal sent (see the module's docstring)."""
 _PROGRESS_EVERY = 5.0  # seconds between "waiting for etcd" lines while opening
 
 
@@ -90,6 +106,9 @@ class EtcdSession:
         prefix: the job's key prefix, where the control range starts.
         liveness: the directory of the agents' leased keys, right after
             the control range (which is ``[prefix, liveness)``).
+        alive: this node's key in ``liveness``, and what it writes there
+            (on its lease) as the session opens.
+        own: this node's seat key, watched for puts (outside the control range).
         ttl: the lease's time to live, in whole seconds.
         name: how this node is named in messages (its address).
         check: called with each key and value before it enters the copy;
@@ -107,12 +126,18 @@ class EtcdSession:
         port: int,
         prefix: bytes,
         liveness: bytes,
+        alive: tuple[bytes, bytes],
+        own: bytes,
         ttl: int,
         name: str,
         check: Callable[[bytes, KeyValue], bool] | None = None,
     ) -> None:
         if not (prefix < liveness and liveness.endswith(b"/")):
             raise ValueError(f"liveness directory {liveness!r} must follow prefix {prefix!r}")
+        if not (alive[0].startswith(liveness) and len(alive[0]) > len(liveness)):
+            raise ValueError(f"key {alive[0]!r} must be in the liveness directory {liveness!r}")
+        if prefix <= own < liveness:
+            raise ValueError(f"own key {own!r} must not be in the control range")
         self._aetcd = import_aetcd()
         self.endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._check = check
@@ -127,19 +152,27 @@ class EtcdSession:
         # the same keys by directory (up to the last "/"): the leader counts
         # the round's joins at every join without going over all of them
         self.dirs: dict[bytes, dict[bytes, KeyValue]] = {}
-        # liveness: the names listed at ``alive_at``, and those deleted since
-        self.alive: frozenset[bytes] = frozenset()
-        self.alive_at = 0
-        self.gone: set[bytes] = set()
-        self.liveness_version = 0  # moves whenever ``gone_since`` may answer differently
+        # liveness: the names of the keys deleted since the session opened,
+        # each with the revision of its deletion
+        self.gone: dict[bytes, int] = {}
+        # set when deletions may have been missed (etcd compacted the watch's history)
+        self.gone_unsure = False
+        self.liveness_version = 0  # moves whenever ``gone`` (or ``gone_unsure``) does
         self.lease_id = 0
         self.lost: str | None = None  # why the lease was lost, once it is
         self.requests = 0  # calls made to etcd, for the scale benchmark
         self.renewals = 0  # keep-alives answered (not calls: one stream carries them)
         self.events = 0  # watch events received, for the scale benchmark
+        # bytes of the keys and values received in watch events and reads into the
+        # copy (the scale benchmark's and tests' measure of what an agent reads)
+        self.received = 0
         self.version = 0  # moves at every change of the copy (see ``changed``)
-        self.control = KeyRange(prefix, liveness, deletions_only=False)
-        self._liveness = KeyRange(liveness, prefix_end(liveness), deletions_only=True)
+        self.control = KeyRange(prefix, liveness)
+        self._liveness = KeyRange(liveness, prefix_end(liveness), kind="deletes")
+        self._departures_wanted = 0  # callers of ``watch_departures`` not yet done
+        self._alive = alive
+        self.own = own
+        self._own = KeyRange(own, own + b"\0", kind="puts")
         self._followed: dict[tuple[bytes, bytes], KeyRange] = {}
         self._change = asyncio.Event()
         self._last_ok = 0.0
@@ -177,17 +210,25 @@ class EtcdSession:
         return lease
 
     async def _list(self) -> None:
-        """The first copy of the control range and of the liveness directory."""
-        # one read for both, at the same revision, from which both watches start
-        start, end = self.prefix, self._liveness.end
-        result = await self.call(lambda: self.client.get_range(start, end))
-        revision = int(result.header.revision)
-        self._replace(self.control, [kv for kv in result.kvs if kv.key < self.liveness], revision)
-        self._snapshot([kv.key for kv in result.kvs if kv.key >= self.liveness], revision)
-        self._liveness.revision = revision
+        """Write this node's key, and copy the control range, in one transaction.
+
+        Every watch starts after its revision.
+        """
+        kvs, revision = await self.call(
+            lambda: put_and_range(
+                self.client,
+                *self._alive,
+                self.lease_id,
+                self.prefix,
+                self.liveness,
+                self.call_timeout,
+            )
+        )
+        self._replace(self.control, kvs, revision)
+        self._own.revision = revision
 
     async def _stop(self) -> None:
-        for followed in list(self._followed.values()):
+        for followed in [*self._followed.values(), self._liveness]:
             await followed.stop()
         self._followed.clear()
         with anyio.move_on_after(max(1.0, self.ttl / 2), shield=True):
@@ -328,6 +369,7 @@ class EtcdSession:
         for key in [k for k in self.keys if copied.start <= k < copied.end]:
             self._pop(key)
         for kv in kvs:
+            self.received += len(kv.key) + len(kv.value)
             self._set(kv.key, KeyValue(kv.value, kv.create_revision, kv.mod_revision, kv.lease))
         copied.revision = revision
         self._notify()
@@ -336,22 +378,51 @@ class EtcdSession:
         """Whether ``[start, end)`` is followed (``follow``) right now."""
         return (start, end) in self._followed
 
-    async def follow(self, start: bytes, end: bytes) -> None:
+    async def follow(self, start: bytes, end: bytes) -> int:
         """Copy the keys in ``[start, end)`` too, until ``unfollow``: list them, then watch.
 
         Idempotent: a range already followed costs nothing.
+
+        Returns:
+            The revision the range was listed at (the copy holds it from then on).
         """
         if (start, end) in self._followed:
-            return
-        followed = KeyRange(start, end, deletions_only=False)
+            return self._followed[(start, end)].listed
+        followed = KeyRange(start, end)
         result = await self.call(lambda: self.client.get_range(start, end))
         if (start, end) in self._followed:  # followed meanwhile, by another caller
-            return
+            return self._followed[(start, end)].listed
         self._followed[(start, end)] = followed
-        self._replace(followed, result.kvs, int(result.header.revision))
+        followed.listed = int(result.header.revision)
+        self._replace(followed, result.kvs, followed.listed)
         followed.task = asyncio.get_running_loop().create_task(
             self._watch(followed), name="aioproc-etcd-watch"
         )
+        return followed.listed
+
+    def watch_departures(self, since: int) -> None:
+        """Hear of the agents that leave (``gone``) from revision ``since`` on, until ``unwatch``.
+
+        Callers count: the watch runs while one wants it, from the earliest
+        revision one asked for (a running watch is not moved back: its
+        callers asked for it before).
+        """
+        self._departures_wanted += 1
+        watched = self._liveness
+        if watched.task is None or watched.task.done():
+            watched.revision = max(watched.revision, since - 1)
+            watched.task = asyncio.get_running_loop().create_task(
+                self._watch(watched), name="aioproc-etcd-watch-departures"
+            )
+
+    async def unwatch_departures(self) -> None:
+        """One caller of ``watch_departures`` is done; the watch stops with the last.
+
+        Cancellation: shielded; the watch is cancelled with a bounded wait.
+        """
+        self._departures_wanted = max(0, self._departures_wanted - 1)
+        if not self._departures_wanted:
+            await self._liveness.stop()
 
     async def unfollow(self, start: bytes, end: bytes) -> None:
         """Stop following ``[start, end)`` and drop its keys from the copy.
@@ -366,48 +437,50 @@ class EtcdSession:
             self._pop(key)
         self._notify()
 
-    # ------------------------------------------------------------ liveness
+    # ------------------------------------------------------------ reads
 
-    def gone_since(self, name: bytes, revision: int) -> bool:
-        """Whether the liveness key ``name`` that existed at ``revision`` is gone now.
+    async def count(self, start: bytes, end: bytes) -> int:
+        """How many keys are in ``[start, end)`` now (one read, O(1) bytes whatever the count)."""
+        found, _ = await self.call(lambda: count(self.client, start, end, self.call_timeout))
+        return found
 
-        The premise holds for an agent that wrote a leased key at
-        ``revision`` (a join): its liveness key, on the same lease, existed
-        then.  Gone if its deletion was watched, or if the snapshot was
-        listed after ``revision`` without it (deletions before the watch
-        started show as absence from the snapshot).
-        """
-        if name in self.gone:
-            return True
-        return revision <= self.alive_at and name not in self.alive
-
-    async def refresh_liveness(self) -> int:
-        """List the liveness directory anew (names only); the number of live agents.
-
-        Makes ``gone_since`` exact as of now, whatever the deletion watch
-        has delivered so far.
-        """
-        directory = self.liveness
-        result = await self.call(lambda: self.client.get_prefix(directory, keys_only=True))
-        self._snapshot([kv.key for kv in result.kvs], int(result.header.revision))
-        return len(result.kvs)
-
-    def _snapshot(self, keys: list[bytes], revision: int) -> None:
-        if revision < self.alive_at:
-            return  # an older list than the one held: it tells nothing new
-        cut = len(self.liveness)
-        self.alive = frozenset(k[cut:] for k in keys)
-        self.alive_at = revision
-        self.liveness_version += 1
+    async def own_now(self) -> KeyValue | None:
+        """This node's key as etcd holds it now (one read), also put into the copy."""
+        own = self.own
+        result = await self.call(lambda: self.client.get(own))
+        if result is None:
+            return None
+        self.received += len(own) + len(result.value)
+        self._set(
+            own, KeyValue(result.value, result.create_revision, result.mod_revision, result.lease)
+        )
         self._notify()
+        return self.keys.get(own)
+
+    def quiet(self) -> None:
+        """Stop hearing of this node's seats and of departures (the job is over).
+
+        Every agent revokes its lease as it leaves: a watch of the others'
+        departures would hear of each, so it stops as soon as the job ended.
+        """
+        self._departures_wanted = 0
+        for watched in (self._liveness, self._own):
+            if watched.scope is not None:
+                watched.scope.cancel()
 
     # ---------------------------------------------------------------- watch
 
     async def _relist(self, watched: KeyRange) -> None:
         """A fresh list of ``watched``'s range, after its watch's history was compacted."""
         if watched is self._liveness:
-            await self.refresh_liveness()
-            self._liveness.revision = self.alive_at
+            # deletions may have been missed, and a list cannot show them:
+            # whoever needs to know of losses must count instead
+            start, end = watched.start, watched.end
+            _, revision = await self.call(lambda: count(self.client, start, end, self.call_timeout))
+            self.gone_unsure = True
+            self.liveness_version += 1
+            watched.revision = revision
+            self._notify()
             return
         result = await self.call(lambda: self.client.get_range(watched.start, watched.end))
         self._replace(watched, result.kvs, int(result.header.revision))
@@ -415,9 +488,12 @@ class EtcdSession:
     def _apply(self, watched: KeyRange, event: Any) -> None:
         kv = event.kv
         self.events += 1
-        if watched.deletions_only:
+        self.received += len(kv.key) + len(kv.value)
+        if event.prev_kv is not None:
+            self.received += len(event.prev_kv.key) + len(event.prev_kv.value)
+        if watched is self._liveness:
             # only deletions are delivered: a liveness key is never re-created
-            self.gone.add(kv.key[len(self.liveness) :])
+            self.gone[kv.key[len(self.liveness) :]] = int(kv.mod_revision)
             self.liveness_version += 1
         elif event.kind == "DELETE":
             self._pop(kv.key)
@@ -427,9 +503,18 @@ class EtcdSession:
         self._notify()
 
     async def _watch(self, watched: KeyRange) -> None:
-        """Apply the watch's events to the copy; resume it when it breaks."""
+        """Apply the watch's events to the copy; resume it when it breaks.
+
+        Runs until cancelled, or until ``quiet()`` cancels ``watched.scope``.
+        """
+        with anyio.CancelScope() as watched.scope:
+            await self._follow_events(watched)
+        watched.scope = None
+
+    async def _follow_events(self, watched: KeyRange) -> None:
         aetcd = self._aetcd
-        kind = aetcd.rtypes.EventKind.DELETE if watched.deletions_only else None
+        kinds = {"deletes": aetcd.rtypes.EventKind.DELETE, "puts": aetcd.rtypes.EventKind.PUT}
+        kind = kinds.get(watched.kind)
         delay = _RETRY_FIRST
         while self.lost is None:
             try:
@@ -439,6 +524,7 @@ class EtcdSession:
                         range_end=watched.end,
                         start_revision=watched.revision + 1,
                         kind=kind,
+                        prev_kv=watched.prev_kv,
                     )
                 )
                 try:
@@ -467,14 +553,14 @@ class EtcdSession:
     @property
     def fence_deadline(self) -> float:
         """When this node fences itself unless a keep-alive succeeds first (monotonic)."""
-        return self._last_ok + self.ttl * 2 / 3
+        return self._last_ok + self.ttl * FENCE_AT
 
     def _renewed(self, sent: float) -> None:
         """A renewal (or the grant) sent at ``sent`` succeeded.
 
         etcd expires the lease ``ttl`` seconds after it received the
-        renewal at the earliest, so the fence moves to ``sent`` plus two
-        thirds of the TTL, here and in ``renewed`` (the agent's guardian).
+        renewal at the earliest, so the fence moves to ``sent`` plus
+        ``FENCE_AT`` of the TTL, here and in ``renewed`` (the agent's guardian).
         """
         self._last_ok = sent
         if self._fence is not None:
@@ -492,7 +578,7 @@ class EtcdSession:
             self._lose(f"its etcd lease {self.lease_id:x} expired")
         else:
             self._lose(
-                f"no etcd keep-alive succeeded for {self.ttl * 2 / 3:.3g} s "
+                f"no etcd keep-alive succeeded for {self.ttl * FENCE_AT:.3g} s "
                 f"(lease TTL {self.ttl} s): etcd is unreachable from this host"
             )
 
@@ -500,46 +586,78 @@ class EtcdSession:
         """Renew the lease on a keep-alive stream, re-opened when it breaks.
 
         Returns True once etcd says the lease expired; runs until the
-        fence cancels it otherwise.  A stream is opened with gRPC's
-        wait-for-ready: while etcd is down its first renewal waits for the
-        connection, and goes out the moment etcd is back.
+        fence cancels it otherwise.  A renewal goes out every period
+        whether or not the previous one was answered yet (etcd answers
+        each in order), so a slow etcd delays the answers but not the
+        renewals: each answer moves the fence from the time its renewal
+        was sent.  A stream is opened with gRPC's wait-for-ready: while
+        etcd is down its first renewal waits for the connection, and goes
+        out the moment etcd is back.
         """
-        aetcd = self._aetcd
-        period = self.ttl / _RENEWALS_PER_TTL
-        request = aetcd.rpc.LeaseKeepAliveRequest(ID=self.lease_id)
-        answer = aetcd.rpc.LeaseKeepAliveResponse
-        delay = _RETRY_FIRST
         while True:
             stream = None
+            tasks: list[asyncio.Task[Any]] = []
+            sent: collections.deque[float] = collections.deque()  # renewals not answered yet
             try:
                 await self.client.connect()
                 stream = self.client.leasestub.LeaseKeepAlive(
                     metadata=self.client.metadata, wait_for_ready=True
                 )
-                while True:
-                    sent = time.monotonic()
-                    # an answer slower than this is a stream to replace, well before the fence
-                    reply = await bounded(exchange(stream, request, answer), self.ttl / 3)
-                    if reply.TTL <= 0:
-                        return True
-                    self.renewals += 1
-                    self._renewed(sent)
-                    delay = _RETRY_FIRST
-                    # the keep-alive period of the lease protocol
-                    await anyio.sleep_until(sent + period)
+                # Two plain tasks per stream, one writing, one reading: grpc.aio
+                # cancels the call with a cancelled read, so neither is cancelled
+                # but with the stream, and a renewal costs no task of its own.
+                loop = asyncio.get_running_loop()
+                tasks = [
+                    loop.create_task(self._send_renewals(stream, sent)),
+                    loop.create_task(self._read_renewals(stream, sent)),
+                ]
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.result():
+                        return True  # etcd says the lease expired
             except Exception as e:  # gRPC's errors vary (an RPC error, a finished call...)
                 logger.debug("etcd keep-alive stream broke, re-opening it: %s", describe(e))
             finally:
+                for task in tasks:
+                    task.cancel()
+                    task.add_done_callback(_retrieve)
                 if stream is not None:
                     stream.cancel()
-            # etcd answered and ended the stream: back off before re-opening it
-            await anyio.sleep(delay)
-            delay = min(period, delay * 2)
+            # etcd answered and ended the stream: a short pause before re-opening it
+            # (the new stream's first renewal then waits for etcd, however long)
+            await anyio.sleep(_RETRY_FIRST)
+
+    async def _send_renewals(self, stream: Any, sent: collections.deque[float]) -> bool:
+        """Write a renewal every period, the first as soon as the stream connects."""
+        request = self._aetcd.rpc.LeaseKeepAliveRequest(ID=self.lease_id)
+        period = self.ttl / _RENEWALS_PER_TTL
+        while True:
+            now = time.monotonic()
+            sent.append(now)
+            await stream.write(request)
+            await asyncio.sleep(max(0.0, now + period - time.monotonic()))
+
+    async def _read_renewals(self, stream: Any, sent: collections.deque[float]) -> bool:
+        """Move the fence with each answer; True once etcd says the lease expired."""
+        answer = self._aetcd.rpc.LeaseKeepAliveResponse
+        while True:
+            reply = await stream.read()
+            if not isinstance(reply, answer):
+                raise EOFError("etcd ended the keep-alive stream")
+            if reply.TTL <= 0:
+                return True
+            self.renewals += 1
+            self._renewed(sent.popleft())
 
     def _lose(self, why: str) -> None:
         self.lost = f"this node ({self.name}) was fenced: {why}; its workers are stopped"
         logger.warning("rendezvous: %s", why)
         self._notify()
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()  # a task cancelled with its stream: its error is of no interest
 
 
 class _Open:
@@ -571,7 +689,7 @@ class _Open:
         finally:
             s._opening = None
         self._start(functools.partial(s._watch, s.control), "aioproc-etcd-watch")
-        self._start(functools.partial(s._watch, s._liveness), "aioproc-etcd-watch-liveness")
+        self._start(functools.partial(s._watch, s._own), "aioproc-etcd-watch-own")
         return s
 
     def _start(self, task: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:

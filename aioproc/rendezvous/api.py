@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 
 __all__ = [
     "DEFAULT_ROLE",
+    "RendezvousAssignment",
     "RendezvousHandler",
     "RendezvousClosedError",
     "RendezvousConnectionError",
@@ -143,6 +144,37 @@ class RendezvousNode:
 
 
 @dataclass(frozen=True)
+class RendezvousAssignment:
+    """What one node's workers need of a completed round, without the other nodes.
+
+    torch's ``SimpleElasticAgent._assign_worker_ranks`` walks the nodes in
+    group-rank order: global ranks count every node's workers, role ranks
+    only the workers of the nodes with this node's role.  A backend that
+    assigns the ranks once for everyone (the etcd rendezvous: the round's
+    leader) gives each node these figures instead of every node's record,
+    so that a node reads O(1) data per round, however large the world.
+
+    Attributes:
+        group_world_size: how many nodes the world has.
+        world_size: how many workers the world has, on every node.
+        base_global_rank: the global rank of this node's local rank 0.
+        role: this node's role.
+        base_role_rank: the role rank of this node's local rank 0.
+        role_world_size: how many workers of this node's role the world has.
+        master_addr, master_port: group rank 0's address and reserved port.
+    """
+
+    group_world_size: int
+    world_size: int
+    base_global_rank: int
+    role: str
+    base_role_rank: int
+    role_world_size: int
+    master_addr: str
+    master_port: int
+
+
+@dataclass(frozen=True)
 class RendezvousInfo:
     """What a completed round gives this agent.
 
@@ -152,52 +184,88 @@ class RendezvousInfo:
     (``base_global_rank``, ``world_size``), role ranks only the workers of
     nodes with this node's role (``base_role_rank``, ``role_world_size``).
 
+    A backend gives either every node (``nodes``: the figures are computed
+    from them) or this node's ``assignment`` alone (the figures are read
+    from it, and ``nodes`` may be empty): the etcd rendezvous does the
+    latter, so that no host reads a record of every host at each round
+    (its handler's ``world()`` reads the nodes when they are wanted).
+
     Attributes:
         round: the round's number (0 first).
         group_rank: this node's rank among the nodes.
-        nodes: every node, in group-rank order, each with its nproc and role.
+        nodes: every node, in group-rank order, each with its nproc and
+            role; empty when the backend gives ``assignment``.
+        assignment: this node's figures, when the backend assigned them.
+
+    Raises:
+        ValueError: neither ``nodes`` nor ``assignment`` is given, or
+            ``group_rank`` is not a rank of the world.
     """
 
     round: int
     group_rank: int
-    nodes: tuple[RendezvousNode, ...]
+    nodes: tuple[RendezvousNode, ...] = ()
+    assignment: RendezvousAssignment | None = None
+
+    def __post_init__(self) -> None:
+        size = self.assignment.group_world_size if self.assignment is not None else len(self.nodes)
+        if size == 0:
+            raise ValueError("a RendezvousInfo needs the world's nodes or this node's assignment")
+        if not 0 <= self.group_rank < size:
+            raise ValueError(f"group_rank {self.group_rank} is not a rank of {size} node(s)")
 
     @property
     def group_world_size(self) -> int:
+        if self.assignment is not None:
+            return self.assignment.group_world_size
         return len(self.nodes)
 
     @property
     def world_size(self) -> int:
+        if self.assignment is not None:
+            return self.assignment.world_size
         return sum(n.nproc for n in self.nodes)
 
     @property
     def base_global_rank(self) -> int:
         """Global rank of this node's local rank 0 (torch's assignment)."""
+        if self.assignment is not None:
+            return self.assignment.base_global_rank
         return sum(n.nproc for n in self.nodes[: self.group_rank])
 
     @property
     def role(self) -> str:
         """This node's role."""
+        if self.assignment is not None:
+            return self.assignment.role
         return self.nodes[self.group_rank].role
 
     @property
     def base_role_rank(self) -> int:
         """Role rank of this node's local rank 0: the workers of its role on the nodes before it."""
+        if self.assignment is not None:
+            return self.assignment.base_role_rank
         role = self.role
         return sum(n.nproc for n in self.nodes[: self.group_rank] if n.role == role)
 
     @property
     def role_world_size(self) -> int:
         """How many workers of this node's role the world has, on every node."""
+        if self.assignment is not None:
+            return self.assignment.role_world_size
         role = self.role
         return sum(n.nproc for n in self.nodes if n.role == role)
 
     @property
     def master_addr(self) -> str:
+        if self.assignment is not None:
+            return self.assignment.master_addr
         return self.nodes[0].addr
 
     @property
     def master_port(self) -> int:
+        if self.assignment is not None:
+            return self.assignment.master_port
         return self.nodes[0].port
 
 

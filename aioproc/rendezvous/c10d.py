@@ -19,7 +19,7 @@ The hosting agent is the job's single point of failure, as in torch: the
 store dies with it.  When it ends normally it keeps the store up until the
 other agents have left it (at most ``close_timeout``), so they all see how
 the job ended; when it is killed, the other agents lose their leases within
-two thirds of ``lease_ttl``, stop their workers and fail, naming the
+five sixths of ``lease_ttl``, stop their workers and fail, naming the
 endpoint.  The guardian kills the server with a SIGKILLed agent, and a
 janitor removes the server's data.
 """
@@ -248,6 +248,7 @@ class C10dRendezvousHandler(EtcdRendezvousHandler):
             return
         store = keys.store()
         others = 0
+        store.watch_departures(store.control.revision + 1)  # from before the first count
         try:
             with anyio.move_on_after(self.close_timeout):
                 while True:
@@ -259,6 +260,8 @@ class C10dRendezvousHandler(EtcdRendezvousHandler):
         except RendezvousError as e:  # this agent's lease is gone: nobody to wait for
             logger.debug("c10d rendezvous: not waiting for the other agents: %s", e)
             return
+        finally:
+            await store.unwatch_departures()
         logger.warning(
             "c10d rendezvous: %d other agent(s) still use the store at %s after %g s "
             "(close_timeout): stopping it",

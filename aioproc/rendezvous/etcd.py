@@ -5,19 +5,30 @@ protocol is aioproc's own.  Keys under ``/aioproc/rdzv/<run_id>/``, the
 control keys first (every agent copies them: a few writes per round):
 
 ``change/<r>``            a join that makes the running world (round r - 1) re-form
+                          (and the members its writer knows were lost)
 ``closed``                the job is over (finished, or stopped by a signal)
-``completed/<r>``         round r's world: its nodes in group-rank order, each with
-                          its address, port, nproc and role (torch's rank assignment)
+``completed/<r>``         round r's world in a few fields: its size, group rank 0's
+                          address and port, and the token of its seats
 ``current``               the number of the last completed round
 ``failed``                the job failed for good: the root cause
 ``lead/<r>``              (leased) the joiner that completes round r
+``lookout/<r>``           (on the lookout's lease) the member of round r's world
+                          that watches the others' liveness: group rank 0
+``lost/<r>/<id>``         a member of round r's world that left (its address), as
+                          the lookout tells the others
 
-then the keys written by every agent, which no agent copies in full:
+then the keys of every agent, which no agent copies in full:
 
-``nodes/<id>``            (leased) one per live agent: its lease is its liveness
+``nodes/<id>``            (leased) one per live agent, written once: its lease is
+                          its liveness
 ``rounds/<r>/join/<id>``  (leased) an agent waiting for round r: its address, port,
                           nproc and role
 ``rounds/<r>/done/<id>``  (leased) an agent whose workers finished (exit barrier)
+``seats/<id>``            an agent's place in the last world it was seated in, as
+                          that round's leader wrote it: round, token, group rank,
+                          torch's rank figures, address, port, nproc, role; it
+                          outlives the agent's lease, to tell whether a lost agent
+                          was a member (``world()`` lists a world's seats)
 
 A round ``r`` is open while ``current`` is ``r - 1``.  An agent joins by
 writing its join key in a transaction that checks ``current`` did not move
@@ -26,12 +37,17 @@ and, in the same transaction, claims ``lead/<r>`` if it is free and writes
 member of that world: its workers failed; or that world has room).  The
 leader alone follows the round's joins: it completes the round when
 ``max_nodes`` joined, or when ``min_nodes`` joined, every live member of the
-running world joined too, and ``last_call_timeout`` passed, by writing the
-world and ``current`` and dropping the previous round's keys in one
-transaction.  A leader that dies takes ``lead/<r>`` with its lease; the
-other joiners see it go and one of them claims the round (the world keeps
-the join order either way).  So a node arriving while a full world runs
-waits; a node arriving while a world below ``max_nodes`` runs makes its
+running world joined too, and ``last_call_timeout`` passed.  It computes
+every node's seat (torch's rank assignment) and writes them in batches,
+each seat only while the node's join is still there (a node whose lease is
+gone gets none, and the round is frozen again without it), then writes the
+world's few fields and ``current`` and drops the previous round's keys in
+one transaction.  Each agent reads its own seat from its seat key, which it
+watches: no agent reads a record of every agent.  A leader that dies takes
+``lead/<r>`` with its lease; the other joiners see it go and one of them
+claims the round (the world keeps the join order either way).  So a node
+arriving while a full world runs waits; a node arriving while a world
+below ``max_nodes`` runs makes its
 members re-join (a re-rendezvous that costs no restart); a member lost
 makes the others re-join, or fail if fewer than ``min_nodes`` are left.
 
@@ -44,11 +60,22 @@ even when it finished, so a run that ran nothing never passes for a success;
 a node that had joined and was waiting when the job finished gets
 ``RendezvousGracefulExitError`` instead (torch's standby nodes).
 
-Every agent learns of losses from a watch that delivers only deletions of
-``nodes/`` keys, and of everything else from the control keys; the exit
-barrier counts the done keys with one read per agent.  A round costs O(1)
-requests and O(1) watch events per agent (the leader: O(N) events, one per
-join): O(N) in total, where following every agent's keys costs O(N^2).
+One agent per world watches the agents' departures (deletions of
+``nodes/`` keys): its lookout, group rank 0.  One read of a departed
+agent's seat tells whether it was a member; if so the lookout writes
+``lost/<r>/<id>``, which every member hears of with the other control
+keys (in the order etcd wrote them).  The lookout's own loss takes its
+leased ``lookout/<r>`` along.  A leader waiting for the running world's
+members, or a c10d host waiting for the others to leave, watches the
+departures while it waits.  No range that every agent watches holds keys
+written or deleted by every agent: etcd matches each write against every
+watch whose range holds the key (and etcd 3.4 does so for a lease's keys
+holding the lock that every keep-alive needs), so N agents watching every
+agent's liveness would cost O(N^2) when N leases go.  The exit barrier
+counts the done keys with one read that returns none of them.  A round
+costs each agent one transaction (its join), a few watch events and its
+own seat: O(1) requests and O(1) bytes per agent (the leader: O(N), one
+join event and one seat per node), O(N) in total.
 
 This module is the handler (torch's API, the running world, the exit
 barrier); ``_etcd_round`` joins a round and, on its leader, completes it;
@@ -75,7 +102,8 @@ from ._etcd_client import import_aetcd, ttl_seconds
 from ._etcd_keyspace import KEY_ROOT as KEY_ROOT
 from ._etcd_keyspace import EtcdKeyspace
 from ._etcd_round import Joining
-from ._etcd_schema import World
+from ._etcd_schema import Seat, World
+from ._etcd_store import FENCE_AT
 from .api import (
     DEFAULT_ROLE,
     RendezvousHandler,
@@ -148,7 +176,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._role = DEFAULT_ROLE
         self._info: RendezvousInfo | None = None
         self._world_now: World | None = None  # the world of ``_info``
-        self._lost_cache: tuple[tuple[int, int], list[RendezvousNode]] | None = None
+        self._lookout = False  # whether this node watches its world's liveness
+        self._reported: set[str] = set()  # the members lost it told its world of
+        self._spent = (0, 0, 0)  # requests, events and bytes of the sessions that ended
         # while the session opens: asked, after a call that failed as if etcd were not
         # up yet, whether the endpoint can be etcd at all (c10d knows; None: wait for it)
         self._vet: Callable[[float], Awaitable[None]] | None = None
@@ -178,20 +208,37 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     @property
     def fence_grace(self) -> float:
-        """Grace period for workers stopped by fencing: they must be gone within the TTL."""
-        return self.lease_ttl / 6
+        """Grace period for workers stopped by fencing: they must be gone within the TTL.
+
+        The fence comes ``FENCE_AT`` (five sixths) of the TTL after the last
+        renewal sent, and etcd expires the lease a TTL after it at the
+        earliest: the workers get half of what is left.
+        """
+        return self.lease_ttl * (1 - FENCE_AT) / 2
 
     @property
     def requests(self) -> int:
-        """Calls this agent made to etcd so far (the scale benchmark counts them)."""
+        """Calls this agent made to etcd so far, in every session (the scale benchmark's count)."""
         session = self._keys.session
-        return session.requests if session is not None else 0
+        return self._spent[0] + (session.requests if session is not None else 0)
 
     @property
     def events(self) -> int:
-        """Watch events this agent received so far (the scale benchmark counts them)."""
+        """Watch events this agent received so far, in every session (as ``requests``)."""
         session = self._keys.session
-        return session.events if session is not None else 0
+        return self._spent[1] + (session.events if session is not None else 0)
+
+    @property
+    def renewals(self) -> int:
+        """Keep-alives of this session's lease that etcd answered so far (0 without a session)."""
+        session = self._keys.session
+        return session.renewals if session is not None else 0
+
+    @property
+    def received(self) -> int:
+        """Bytes of keys and values this agent received so far (events, reads; as ``requests``)."""
+        session = self._keys.session
+        return self._spent[2] + (session.received if session is not None else 0)
 
     def is_closed(self) -> bool:
         return self._keys.get("closed") is not None
@@ -264,6 +311,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             last_call_timeout=self.last_call_timeout,
         )
         self._info = self._world_now = None
+        await self._stand_down()
         deadline = time.monotonic() + self.join_timeout
         joined = -1  # the round this node's join key is in
         with anyio.move_on_at(deadline):
@@ -280,10 +328,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     keys.joined = True
                 world = await joining.wait(r, current_rev, deadline)
                 if world is not None:
-                    info = world.info_for(self.node_id)
-                    if info is not None:
-                        self._info, self._world_now = info, world
-                        return info
+                    seat = joining.seat or await keys.seat(world)
+                    if seat is not None:
+                        self._info, self._world_now = seat.info(), world
+                        if world.lookout[0] == self.node_id:
+                            # group rank 0 keeps watch over the world's liveness
+                            store.watch_departures(world.since)
+                            self._lookout = True
+                        return self._info
                 # the round completed without this node: wait for the next one
         joins = await joining.leave(keys.current()[0] + 1, joined)
         raise RendezvousTimeoutError(
@@ -325,9 +377,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         then run again in the new world, as everyone's do.
 
         Each member writes its done key, then counts the round's done keys
-        with one read; the member whose key came last counts them all and
-        closes the job, which every member sees.  A member lost meanwhile
-        makes every member count again.
+        with one read (which returns none of them); the member whose key
+        came last counts them all and closes the job, which every member
+        sees.  A member lost meanwhile makes every member count again.  Once
+        the job is closed, this node stops hearing of the others leaving.
 
         Raises:
             RendezvousJobFailedError: the job failed on another host.
@@ -344,13 +397,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 seen = store.version
                 closed = keys.get("closed")
                 if closed is not None and json.loads(closed.value).get("reason") == "succeeded":
+                    self._lookout = False
+                    store.quiet()
                     return None  # the member that counted them all closed it
                 keys.raise_if_over()
-                lost = self._lost(world)
+                lost = await self._lost(world)
                 if len(lost) != counted:
                     counted = len(lost)
                     # only members write done keys, and a lost member's go with its lease
-                    if await keys.count(done_dir) >= len(world.nodes) - counted:
+                    if await keys.count(done_dir) >= world.size - counted:
                         break
                     continue
                 change = await self._change(world)
@@ -360,7 +415,30 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if scope.cancelled_caught:
             logger.warning("exit barrier: timed out after %g s waiting for other hosts", timeout)
         await keys.close("succeeded")
+        self._lookout = False
+        store.quiet()
         return None
+
+    async def world(self) -> tuple[RendezvousNode, ...]:
+        """The nodes of this node's running world, in group-rank order (one read of N seats).
+
+        Read when wanted: a round gives each node its own seat only (its
+        ``RendezvousInfo`` has no ``nodes``).
+
+        Raises:
+            RuntimeError: no round completed with this node.
+        """
+        world = self._running()
+        keys = self._keys
+        store = keys.store()
+        start, end = keys.key_range("seats/")
+        result = await store.call(lambda: store.client.get_range(start, end))
+        seats = []
+        for kv in result.kvs:
+            seat = Seat.parse(kv.key[len(start) :].decode(errors="replace"), kv.value)
+            if seat is not None and (seat.round, seat.token) == (world.round, world.token):
+                seats.append(seat)
+        return tuple(seat.node for seat in sorted(seats, key=lambda seat: seat.group_rank))
 
     def _running(self) -> World:
         if self._info is None or self._world_now is None:
@@ -370,8 +448,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
     async def _change(self, world: World) -> WorldChange | None:
         """Why ``world`` must be re-formed now, if it must.
 
-        Decided on a fresh list of the live nodes (one read), so a loss that
-        caused the change is reported as one even before its watch event.
+        A loss is known from the control keys, in the order etcd wrote
+        them: a stop or a failure written before it is seen first.
 
         Raises:
             RendezvousJobFailedError: a member was lost and fewer than
@@ -380,21 +458,20 @@ class EtcdRendezvousHandler(RendezvousHandler):
         keys = self._keys
         moved = keys.current()[0] != world.round
         change = keys.get(f"change/{world.round + 1}")
-        if not (moved or change is not None or self._lost(world)):
+        lost = await self._lost(world)
+        if not (moved or change is not None or lost):
             return None
-        alive = await keys.store().refresh_liveness()
-        lost = self._lost(world)
         if lost:
-            # a stop or a failure elsewhere ends agents too: if one came
-            # first, it is the news (its watch event may trail the loss's)
-            await keys.raise_if_over_now()
-            hosts = ", ".join(f"{n.addr} ({n.node_id})" for n in lost)
-            if alive < self.min_nodes:
-                raise RendezvousJobFailedError(
-                    f"lost host {hosts}: {alive} node(s) left, fewer than "
-                    f"min_nodes={self.min_nodes}"
-                )
-            return WorldChange(f"lost host {hosts}", lost=tuple(n.addr for n in lost))
+            hosts = ", ".join(f"{addr} ({node_id})" for node_id, addr in lost)
+            if world.size - len(lost) < self.min_nodes:
+                # nodes waiting for a place count too: one read counts every live agent
+                alive = await keys.count("nodes/")
+                if alive < self.min_nodes:
+                    raise RendezvousJobFailedError(
+                        f"lost host {hosts}: {alive} node(s) left, fewer than "
+                        f"min_nodes={self.min_nodes}"
+                    )
+            return WorldChange(f"lost host {hosts}", lost=tuple(addr for _, addr in lost))
         if moved:
             return WorldChange("the job re-formed its world without this node")
         assert change is not None
@@ -430,18 +507,49 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     # ---------------------------------------------------------- protocol
 
-    def _lost(self, world: World) -> list[RendezvousNode]:
-        """Members of ``world`` whose lease is gone; cached until liveness news arrive."""
-        store = self._keys.store()
-        key = (world.round, store.liveness_version)
-        if self._lost_cache is None or self._lost_cache[0] != key:
-            lost = [
-                n
-                for n in world.nodes
-                if store.gone_since(n.node_id.encode(), world.revs[n.node_id])
-            ]
-            self._lost_cache = (key, lost)
-        return self._lost_cache[1]
+    async def _lost(self, world: World) -> list[tuple[str, str]]:
+        """Members of ``world`` known lost: ``(node id, addr)``, in node id order.
+
+        The world's lookout (group rank 0) watches the agents' departures,
+        and tells the others of each member that left with a control key
+        (``lost/<r>/<id>``); the lookout's own loss shows as its leased
+        ``lookout/<r>`` gone.  Where etcd compacted the lookout's watch's
+        history (departures may have been missed), one read of every
+        agent's keys tells which members are gone.
+        """
+        keys = self._keys
+        r = world.round
+        if self._lookout:
+            await self._keep_watch(world)
+        start, _ = keys.key_range(f"lost/{r}/")
+        lost = {name.decode(errors="replace"): kv.value.decode(errors="replace")
+                for name, kv in keys.store().children(start).items()}  # fmt: skip
+        if keys.get(f"lookout/{r}") is None and keys.current()[0] == r:
+            lost[world.lookout[0]] = world.lookout[1]
+        return sorted(lost.items())
+
+    async def _keep_watch(self, world: World) -> None:
+        """As the world's lookout: tell the others of the members that left, once each."""
+        keys = self._keys
+        store = keys.store()
+        if store.gone_unsure:
+            _, seats = await keys.live_members(world)
+            store.gone_unsure = False
+        else:
+            seats = await keys.lost_members(world)
+        new = [seat for seat in seats if seat.node_id not in self._reported]
+        if new:
+            await keys.report_lost(world, new)
+            self._reported.update(seat.node_id for seat in new)
+
+    async def _stand_down(self) -> None:
+        """This node leaves its world: as its lookout, it stops watching departures."""
+        if self._lookout:
+            self._lookout = False
+            self._reported = set()
+            session = self._keys.session
+            if session is not None:
+                await session.unwatch_departures()
 
 
 class _Session:
@@ -463,19 +571,19 @@ class _Session:
         # reaching etcd counts against join_timeout too: an endpoint that
         # never answers fails in time, naming itself and the last error
         self._open = session.open(h.join_timeout)
-        await self._open.__aenter__()
+        await self._open.__aenter__()  # writes this node's liveness key too
         keys.session = session
-        try:
-            value = json.dumps({"addr": h.addr, "pid": os.getpid()}).encode()
-            await keys.put(f"nodes/{h.node_id}", value, leased=True)
-        except BaseException as e:
-            keys.session = None
-            await self._open.__aexit__(type(e), e, e.__traceback__)
-            raise
         return h
 
     async def __aexit__(self, *exc: Any) -> None:
         h = self._handler
+        session = h._keys.session
         h._keys.session = None
         h._info = h._world_now = None
-        await self._open.__aexit__(*exc)
+        h._lookout, h._reported = False, set()
+        try:
+            await self._open.__aexit__(*exc)
+        finally:
+            if session is not None:
+                r, e, b = h._spent
+                h._spent = (r + session.requests, e + session.events, b + session.received)

@@ -1,15 +1,20 @@
 """Many rendezvous agents as coroutines of one process (the real etcd handler, no workers).
 
-    rdzv_agents.py ENDPOINT JOB COUNT MIN:MAX [HELD]
+    rdzv_agents.py ENDPOINT JOB COUNT MIN:MAX [HELD] [THEN]
 
 Opens COUNT sessions, prints ``{"open": [node ids]}``, and lets every agent
 join the round at once, but for the last HELD (0) agents, which wait for a
 ``join`` line on stdin.  A ``leave NODE_ID`` line on stdin ends that agent
 (its session closes: its lease is revoked, its keys vanish).  Each agent
 that completes the round prints ``{"node", "round", "rank", "world",
-"events", "requests"}`` (watch events received and etcd calls made during
-the round), then waits in the exit barrier; the process exits 0 once every
-agent that stayed is through it.
+"events", "requests", "received"}`` (watch events received, etcd calls
+made and bytes of keys and values received during the round; the world is
+read after them, with ``world()``).  THEN says what each agent does next:
+``barrier`` (the default) waits in the exit barrier, and the process exits
+0 once every agent that stayed is through it; ``idle:SECONDS`` first stays
+idle that long and prints ``{"node", "idle_requests", "idle_renewals"}``;
+``change`` waits for the world to change and prints ``{"node", "change",
+"lost"}`` (then leaves, without the barrier).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ async def main() -> None:
     endpoint, job, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
     low, high = (int(x) for x in sys.argv[4].split(":"))
     held = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+    then = sys.argv[6] if len(sys.argv) > 6 else "barrier"
     handlers = []
     for _ in range(count):
         params = RendezvousParameters(
@@ -57,16 +63,31 @@ async def main() -> None:
             async with h.session(1):
                 opened.release()
                 await go[i].wait()
-                requests, events = h.requests, h.events
+                requests, events, received = h.requests, h.events, h.received
                 info = await h.next_rendezvous()
+                events, requests = h.events - events, h.requests - requests
+                received = h.received - received
                 say(
                     node=h.node_id,
                     round=info.round,
                     rank=info.group_rank,
-                    world=[n.node_id for n in info.nodes],
-                    events=h.events - events,
-                    requests=h.requests - requests,
+                    world=[n.node_id for n in await h.world()],  # read after the round's counts
+                    events=events,
+                    requests=requests,
+                    received=received,
                 )
+                if then.startswith("idle:"):
+                    requests, renewals = h.requests, h.renewals
+                    await asyncio.sleep(float(then[5:]))  # a formed world doing nothing
+                    say(
+                        node=h.node_id,
+                        idle_requests=h.requests - requests,
+                        idle_renewals=h.renewals - renewals,
+                    )
+                if then == "change":
+                    change = await h.wait_for_change()
+                    say(node=h.node_id, change=change.reason, lost=list(change.lost))
+                    return
                 assert await h.exit_barrier(30) is None
         except asyncio.CancelledError:
             if h.node_id not in left:
