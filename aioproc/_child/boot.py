@@ -64,6 +64,7 @@ if "_wire" not in globals():
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any, NoReturn
 
 # argv[1]: directory holding the aioproc package; argv[2]: channel fd
@@ -182,36 +183,77 @@ def barrier() -> None:
     side: ARRIVE on its control channel, then a wait for RELEASE
     (``barrier_wait``); the supervisor's side is ``aioproc._func.barrier``.
 
+    It blocks the calling thread: a coroutine awaits :func:`abarrier`
+    instead, and ``barrier()`` called where an asyncio loop runs (the
+    worker's own, when its function is ``async def``) is an error.
+
     Raises:
         ValueError: called outside a function worker started by aioproc
             (in the supervisor, or in a persistent/pool worker), as TF's
             ``multi_process_runner`` raises there, with TF's words.
+        RuntimeError: called on a running event loop's thread.
         threading.BrokenBarrierError: a worker of the group ended without
             reaching the barrier; the message names it.
     """
-    if _ONE_SHOT_FD is None:
+    _check_barrier(ValueError)
+    barrier_wait()
+
+
+async def abarrier() -> None:
+    """``barrier()`` for a coroutine: await every worker of the group at the barrier.
+
+    The worker's loop keeps running meanwhile (its other tasks, and its
+    stop: a stop signal cancels the wait with the rest of the main task).
+    It is the same barrier as ``barrier()``: the n-th call of a worker,
+    sync or async, meets the n-th call of the others.  A cancelled wait
+    does not take the arrival back: the worker counts as arrived.
+
+    Raises:
+        ValueError: awaited outside a function worker started by aioproc.
+        threading.BrokenBarrierError: a worker of the group ended without
+            reaching the barrier; the message names it.
+    """
+    _check_barrier(ValueError)
+    await abarrier_wait()
+
+
+def _check_barrier(error: type[Exception]) -> None:
+    """Raise ``error`` (TF's words) or RuntimeError outside a one-shot function worker."""
+    if _ONE_SHOT_FD is not None:
+        return
+    if error is ValueError:
         raise ValueError(
             "barrier is not defined. It is likely because you are calling barrier() in the "
             "main process. barrier() can only be called in the subprocesses: the function "
             "workers aioproc starts (cluster.run, ClusterRunner, run or start_processes)."
         )
-    barrier_wait()
+    raise RuntimeError(
+        "barrier() works only inside a function worker started by aioproc "
+        "(cluster.run, ClusterRunner, run or start_processes)"
+    )
 
 
 def barrier_wait() -> None:
     """Block until every worker of the group reached its barrier.
 
     Raises:
-        RuntimeError: not inside a one-shot function worker started by aioproc.
+        RuntimeError: not inside a one-shot function worker started by
+            aioproc, or called on a running event loop's thread (it would
+            block that loop: ``abarrier_wait`` is the way there).
         threading.BrokenBarrierError: a worker of the group ended without
             reaching the barrier (or the supervisor broke it).
     """
-    fd = _ONE_SHOT_FD
-    if fd is None:
+    _check_barrier(RuntimeError)
+    asyncio = sys.modules.get("asyncio")  # no loop can run where asyncio is not loaded
+    if asyncio is not None and asyncio._get_running_loop() is not None:
         raise RuntimeError(
-            "barrier() works only inside a function worker started by aioproc "
-            "(cluster.run, ClusterRunner, run or start_processes)"
+            "barrier() was called on a running event loop, which it would block (with the "
+            "worker's stop signal and every other task) until every worker arrives: in a "
+            "coroutine, use `await aioproc.cluster.abarrier()` (or "
+            "`await aioproc.testing.abarrier()` in a test rank)"
         )
+    fd = _ONE_SHOT_FD
+    assert fd is not None
     with _BARRIER_CALL:  # one waiter per worker: the supervisor counts workers
         try:
             _write(fd, _wire.ARRIVE)
@@ -229,6 +271,47 @@ def barrier_wait() -> None:
 
 
 _BARRIER_CALL = _thread.allocate_lock()
+
+
+async def abarrier_wait() -> None:
+    """``barrier_wait`` awaited: it blocks a thread of its own, not the loop.
+
+    The thread does what ``barrier_wait`` does (one waiter per worker, the
+    channel read by it or by the lifeline) and hands the outcome to the
+    loop; it ends with the wait, also when the awaiting task was cancelled
+    (nobody takes the outcome then).
+
+    Raises:
+        RuntimeError: not inside a one-shot function worker started by aioproc.
+        threading.BrokenBarrierError: see ``barrier_wait``.
+    """
+    _check_barrier(RuntimeError)
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if done.done():
+            return  # the wait was cancelled
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+
+    def wait() -> None:
+        error: BaseException | None = None
+        try:
+            barrier_wait()
+        except BaseException as e:
+            error = e
+        try:
+            loop.call_soon_threadsafe(settle, error)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits any more
+
+    _thread.start_new_thread(wait, ())
+    await done
 
 
 def error_report(exc: BaseException) -> dict[str, Any]:
@@ -588,6 +671,82 @@ def _serve(fd: int, has_init: bool) -> None:
             _wire.write_frame(fd, _wire.RESULT, *parts)
 
 
+def _call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], loop: Any) -> Any:
+    """Call the one-shot worker's function; a coroutine function runs on a loop of its own.
+
+    ``loop``: the loop a coroutine runs on (``_child.aio.run``'s ``loop``).
+    A plain function that is no coroutine function costs one flag test:
+    ``_child.aio`` (and asyncio) is imported only for a coroutine function,
+    or for a callable whose kind it takes more to tell (a partial, a
+    method), or when a function returns a coroutine (``lambda: main(x)``),
+    which then runs the same way.
+    """
+    if type(fn) is not _FUNCTION or fn.__code__.co_flags & _CO_COROUTINE:
+        aio = _aio()
+        if aio.is_coroutine_function(fn):
+            return aio.run(fn(*args, **kwargs), loop=loop)
+    value = fn(*args, **kwargs)
+    if type(value).__name__ == "coroutine":
+        aio = _aio()
+        if aio.is_coroutine(value):
+            return aio.run(value, loop=loop)
+    return value
+
+
+def _f() -> None: ...
+
+
+_FUNCTION = type(_f)
+_CO_COROUTINE = 0x80  # inspect.CO_COROUTINE
+
+
+def _aio() -> Any:
+    """``_child.aio``, imported on first use (only coroutine workers pay for it)."""
+    module = sys.modules.get("aioproc._child.aio")
+    if module is None:
+        module = __import__("aioproc._child.aio", None, None, _FROMLIST)
+    return module
+
+
+def _stopped(aio: Any, stopped: Any) -> NoReturn:
+    """The worker's coroutine was cancelled by a stop signal: die of that signal.
+
+    As a sync worker dies of it: no error file, no traceback, and the
+    supervisor reports the worker stopped.  An exception the coroutine
+    raised while it unwound is printed first (it is not the worker's
+    failure: the stop is).
+    """
+    cause = stopped.__cause__
+    if cause is not None:
+        import traceback
+
+        try:
+            print(
+                f"aioproc: the worker's coroutine raised while it was stopped by signal "
+                f"{stopped.signum}:",
+                file=sys.stderr,
+            )
+            cause = cause.with_traceback(aio.user_traceback(cause.__traceback__))
+            traceback.print_exception(type(cause), cause, cause.__traceback__)
+        except (OSError, ValueError):
+            pass  # no stderr: the stop is still what the worker reports
+    die_by: Callable[[int], NoReturn] = aio.die_by
+    die_by(stopped.signum)
+
+
+def _user_traceback(tb: Any) -> Any:
+    """``tb`` without the frames of this module (and of a coroutine runner) at its head."""
+    aio = sys.modules.get("aioproc._child.aio")
+    if aio is not None:
+        return aio.user_traceback(tb)
+    while tb is not None and tb.tb_frame.f_globals is _GLOBALS:
+        tb = tb.tb_next
+    return tb
+
+
+_GLOBALS = globals()
+
+
 _SCALARS = frozenset({type(None), bool, int, float})
 """Return types a persistent worker frames itself (marshal, a few bytes)."""
 _RESULT_KIND = _wire.RESULT.to_bytes(1, "big")
@@ -639,7 +798,7 @@ def main(fd: int) -> None:
         _fail(fd, RuntimeError(f"could not unpickle the worker function or its arguments: {e!r}"))
 
     try:
-        value = fn(*args, **kwargs)
+        value = _call(fn, args, kwargs, init.get("loop", "asyncio"))
     except SystemExit:
         raise  # the interpreter turns SystemExit.code into the exit status
     except KeyboardInterrupt:
@@ -652,8 +811,12 @@ def main(fd: int) -> None:
         os.kill(os.getpid(), _signal.SIGINT)
         os._exit(130)  # not reached unless SIGINT is blocked
     except BaseException as e:
-        # drop this module's frame: the traceback starts in the user's function
-        _fail(fd, e.with_traceback(e.__traceback__.tb_next if e.__traceback__ else None))
+        aio = sys.modules.get("aioproc._child.aio")
+        if aio is not None and isinstance(e, aio.Stopped):
+            _stopped(aio, e)
+        # the traceback starts in the user's function: this module's frames
+        # (and a coroutine runner's) are dropped
+        _fail(fd, e.with_traceback(_user_traceback(e.__traceback__)))
 
     try:
         payload, segments = _encode(value)

@@ -176,12 +176,38 @@ def _unsafe() -> str:
             f"started {threads - 1} thread(s){names}{native}; the template must stay "
             "single-threaded (a forked worker would inherit locks those threads hold)"
         )
+    events = sys.modules.get("asyncio.events")
+    if events is not None and events._get_running_loop() is not None:
+        return "left an event loop running; a forked worker cannot use its parent's loop"
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     is_initialized = getattr(cuda, "is_initialized", None)
     if is_initialized is not None and is_initialized():
         return "initialised CUDA; a forked worker cannot use CUDA initialised in its parent"
     return ""
+
+
+def _forget_event_loop() -> None:
+    """Close the event loop a preloaded module left set in asyncio, and forget it.
+
+    ``asyncio.set_event_loop(...)`` or ``get_event_loop()`` at import leaves
+    the policy holding a loop.  A fork would inherit that object without
+    its fds (``_become_worker`` closes them): once a worker's own loop took
+    its place (``asyncio.run``, a coroutine worker's loop), the inherited
+    object's finalizer would close those fd numbers, by then the worker's
+    own.  The template never runs a loop itself, so it closes the one it
+    holds and resets the policy's per-thread state, as a fresh interpreter
+    has it; the policy itself (uvloop's, say) stays.
+    """
+    events = sys.modules.get("asyncio.events")
+    policy = getattr(events, "_event_loop_policy", None)
+    local = getattr(policy, "_local", None)
+    if local is None:
+        return
+    loop = getattr(local, "_loop", None)
+    if loop is not None and not loop.is_running() and not loop.is_closed():
+        loop.close()
+    policy._local = type(local)()  # type: ignore[union-attr]
 
 
 def _preload(names: list[str]) -> tuple[Any, ...]:
@@ -546,6 +572,7 @@ def serve(fd: int) -> NoReturn:
     exec(marshal.loads(init["script"]), runner.__dict__)
     _OURS.append(runner.__dict__)  # its frames are cut from a script's traceback
     answer = _preload(init["preload"])
+    _forget_event_loop()
     sys.stdout.flush()  # what a preloaded module printed must not reach a worker
     sys.stderr.flush()
     if answer[0] == "ready":
