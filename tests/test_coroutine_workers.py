@@ -270,12 +270,12 @@ def test_a_coroutine_that_swallows_the_cancellation_is_still_stopped() -> None:
 @pytest.fixture
 def cf(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """The coroutine worker functions, importable here and in the workers."""
-    return import_child(monkeypatch, "coro_funcs")
+    return import_child(monkeypatch, "group_coros")
 
 
 @pytest.fixture
 def sync_funcs(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    return import_child(monkeypatch, "coro_sync")
+    return import_child(monkeypatch, "group_sync")
 
 
 START_METHODS = ["spawn", "forkserver"]
@@ -497,6 +497,25 @@ async def test_forked_workers_get_no_event_loop_a_preloaded_module_left(cf: Modu
     assert _template._templates == {}
 
 
+async def test_a_template_imports_asyncio_once_at_its_first_coroutine_worker(
+    cf: ModuleType, sync_funcs: ModuleType
+) -> None:
+    """Forks find asyncio imported (their start pays nothing for it) once the
+    template forked a coroutine worker; a template that forks only sync
+    workers never imports it."""
+
+    async def sync_modules() -> list[str]:
+        result = await aioproc.run(sync_funcs.loaded_modules, 1, start_method="forkserver")
+        modules: list[str] = result.return_values[0]
+        return modules
+
+    async with aioproc.open_forkserver():
+        assert await sync_modules() == []
+        await aioproc.run(cf.describe, 1, args=(1,), start_method="forkserver")
+        assert {"asyncio", "aioproc._child.aio"} <= set(await sync_modules())
+    assert _template._templates == {}
+
+
 # ------------------------------------------------------------------ the barrier
 
 
@@ -539,12 +558,12 @@ SUPERVISOR = textwrap.dedent(
     """
     import asyncio, sys
     sys.path.insert(0, sys.argv[1])
-    import aioproc, coro_funcs
+    import aioproc, group_coros
 
     async def main(fifo, start_method):
         async with aioproc.start_processes(
             "doomed",
-            coro_funcs.ignore_cancellation,
+            group_coros.ignore_cancellation,
             {r: (fifo,) for r in range(3)},
             {r: {} for r in range(3)},
             start_method=start_method,

@@ -210,6 +210,34 @@ def _forget_event_loop() -> None:
     policy._local = type(local)()  # type: ignore[union-attr]
 
 
+IMPORT_AHEAD = ("asyncio", "aioproc._child.aio")
+"""What a coroutine worker imports first, imported by the template itself.
+
+Every worker whose function is a coroutine function imports asyncio (some
+30 modules, most of such a worker's start) and the runner; the supervisor
+names them with such a worker's fork request, and the template imports them
+once, the first time, so its forks find them imported.  Importing them
+starts no thread and makes no event loop (nor an event loop policy); other
+modules a worker names are only read here (``_Modules``), never run."""
+
+
+def _import_ahead(names: set[str]) -> bool:
+    """Import those of ``names`` in ``IMPORT_AHEAD`` not imported yet; whether any was.
+
+    One that fails to import is left to the worker, which imports it itself
+    and reports what goes wrong.
+    """
+    new = False
+    for name in IMPORT_AHEAD:
+        if name in names and name not in sys.modules:
+            try:
+                __import__(name)
+            except Exception:
+                continue
+            new = True
+    return new
+
+
 def _preload(names: list[str]) -> tuple[Any, ...]:
     """Import ``names``; on the first failure, ``("error", kind, name, detail)``."""
     for name in names:
@@ -640,7 +668,9 @@ def serve(fd: int) -> NoReturn:
             batch.reverse()
             # the modules the workers' functions live in, and the scripts
             # they run, read and compiled before they fork
-            learned = modules.learn({name for (*_, named), _ in batch for name in named})
+            named = {name for (*_, named), _ in batch for name in named}
+            learned = _import_ahead(named)
+            learned = modules.learn(named) or learned
             for (_, _, _, cwd, script, _), _ in batch:
                 if script is not None and scripts.learn(script, cwd):
                     learned = True
