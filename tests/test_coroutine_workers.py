@@ -37,6 +37,7 @@ import aioproc.testing
 from aioproc import ChildFailedError, DefaultLogsSpecs, ForcedKillWarning, SignalException, Std
 from aioproc._child import aio
 from aioproc._func import template as _template
+from aioproc.agent import LocalElasticAgent, WorkerSpec
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
 import soak_cancel
@@ -722,3 +723,36 @@ def test_a_ranks_async_body_is_stopped_by_cancellation_as_group_workers_are(
     )
     assert (tmp / "finally_0").read_text() == "ran"
     assert pid_gone(int(pid0))
+
+
+# ------------------------------------------------------------------ the agent, the cluster runner
+
+
+async def test_the_agent_runs_coroutine_entrypoints(cf: ModuleType, tmp_path: Path) -> None:
+    spec = WorkerSpec(role="coro", local_world_size=3, entrypoint=cf.rank_sum, args=(1, 2))
+    result = await LocalElasticAgent(spec).run()
+    assert result.return_values == {0: (3, "asyncio"), 1: (4, "asyncio"), 2: (5, "asyncio")}
+    spec = WorkerSpec(
+        role="coro", local_world_size=1, entrypoint=cf.fail, args=("agent",), max_restarts=0
+    )
+    result = await LocalElasticAgent(spec, log_dir=str(tmp_path)).run()
+    assert result.is_failed()
+    failure = result.failures[0]
+    assert failure.exitcode == 1 and not failure.stopped
+    assert frames(failure.message["extraInfo"]["py_callstack"]) == ["fail", "_inner"]
+
+
+async def test_the_cluster_runner_runs_coroutine_tasks(cf: ModuleType) -> None:
+    spec = aioproc.cluster.create_cluster_spec(has_chief=True, num_workers=2)
+    result = await aioproc.cluster.run(cf.task_and_loop, spec, stream_output=False)
+    assert result.return_value == [
+        ("chief", 0, "asyncio"),
+        ("worker", 0, "asyncio"),
+        ("worker", 1, "asyncio"),
+    ]
+    with pytest.raises(ValueError, match="cluster task failed") as info:
+        await aioproc.cluster.run(
+            cf.fail, {"worker": 1}, args=("cluster task failed",), stream_output=False
+        )
+    cause = str(info.value.__cause__)
+    assert frames(cause) == ["fail", "_inner"], cause

@@ -153,3 +153,19 @@ def legacy_loop() -> dict[str, Any]:
         return loop.run_until_complete(describe(1))
     finally:
         loop.close()
+
+
+async def task_and_loop() -> tuple[str, int, str]:
+    """A cluster task's ``(type, index)`` from ``TF_CONFIG``, and its loop's kind."""
+    import json
+
+    await asyncio.sleep(0)
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    return task["type"], task["index"], type(asyncio.get_running_loop()).__module__.split(".")[0]
+
+
+async def rank_sum(a: int, b: int) -> tuple[int, str]:
+    """An agent worker's value (from its ``LOCAL_RANK``), and its loop's kind."""
+    await asyncio.sleep(0)
+    loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
+    return a + b + int(os.environ["LOCAL_RANK"]), loop
