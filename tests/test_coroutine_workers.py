@@ -315,6 +315,14 @@ async def test_partials_methods_and_functions_returning_a_coroutine_run_too(
 
 
 @pytest.mark.parametrize("start_method", START_METHODS)
+async def test_a_coroutine_worker_runs_subprocesses_on_its_loop(
+    cf: ModuleType, start_method: str
+) -> None:
+    result = await aioproc.run(cf.subprocess_output, 2, args=("hi",), start_method=start_method)
+    assert result.return_values == {0: "hi 0", 1: "hi 0"}
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
 async def test_an_exception_travels_with_the_coroutines_own_traceback(
     cf: ModuleType, start_method: str, tmp_path: Path
 ) -> None:

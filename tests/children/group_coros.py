@@ -169,3 +169,10 @@ async def rank_sum(a: int, b: int) -> tuple[int, str]:
     await asyncio.sleep(0)
     loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
     return a + b + int(os.environ["LOCAL_RANK"]), loop
+
+
+async def subprocess_output(text: str) -> str:
+    """Run ``echo text`` with asyncio's subprocess API on the worker's loop."""
+    proc = await asyncio.create_subprocess_exec("echo", text, stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    return f"{out.decode().strip()} {proc.returncode}"
