@@ -2,16 +2,19 @@
 
     python benchmarks/bench_coro_groups.py [--quick] [--rounds N] [--loop asyncio|uvloop|both]
 
-Each row starts ``n`` function workers that return their rank at once, start
--> all results -> closed; the candidate's function is ``async def`` (its
-worker imports asyncio, makes a loop, runs the coroutine and closes the
-loop), the baseline's the same function written ``def``, measured
-interleaved in the same run.  Spawned: every coroutine worker imports
-asyncio itself (no target; the figure says what that costs here).
-Forked (``start_method="forkserver"``, template kept up by
-``open_forkserver`` and warmed by one group of the same kind): the template
-imports asyncio once, at its first coroutine worker, for all that follow,
-so they start about as fast as sync ones (target 1.3x).
+Each figure starts ``n`` function workers that return their rank at once,
+start -> all results -> closed, medians of rounds measured interleaved in
+the same run.  The ``async def`` worker imports asyncio, makes a loop, runs
+the coroutine and closes the loop; the ``def`` one calls its function.
+
+- spawned ``async def`` vs spawned ``def``: what every spawned coroutine
+  worker pays for asyncio (info);
+- forked ``async def`` (``start_method="forkserver"``, a warm template that
+  has forked coroutine workers before) vs spawned ``async def``: the
+  template imports asyncio once, at its first coroutine worker, so its
+  forks do not (target 0.3x);
+- forked ``async def`` vs forked ``def`` (each on a warm template of its
+  own): what is left, the loop and a template that holds asyncio (info).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -28,7 +31,15 @@ if HERE not in sys.path:
 
 import _coro_groups_workers  # noqa: E402
 import _workers  # noqa: E402
-from _util import Config, Row, Target, interleaved, rows_from, standalone_main  # noqa: E402
+from _util import (  # noqa: E402
+    Config,
+    Row,
+    Series,
+    Target,
+    interleaved_all,
+    rows_from,
+    standalone_main,
+)
 
 import aioproc  # noqa: E402
 
@@ -45,32 +56,52 @@ async def group(fn: Callable[[int], Any], n: int, start_method: str) -> float:
 
 def bench(cfg: Config) -> list[Row]:
     n = 4 if cfg.quick else 8
-    rows: list[Row] = []
-    for start_method, target in (("spawn", None), ("forkserver", Target("ratio", 1.3))):
+    sync_fn, coro_fn = _workers.ret_rank, _coro_groups_workers.aret_rank
 
-        async def sync(start_method: str = start_method) -> float:
-            if start_method == "forkserver":
-                async with aioproc.open_forkserver():
-                    await group(_workers.ret_rank, n, start_method)  # the template is up
-                    return await group(_workers.ret_rank, n, start_method)
-            return await group(_workers.ret_rank, n, start_method)
+    def spawned(fn: Callable[[int], Any]) -> Callable[[], Awaitable[float]]:
+        async def measure() -> float:
+            return await group(fn, n, "spawn")
 
-        async def coro(start_method: str = start_method) -> float:
-            if start_method == "forkserver":
-                async with aioproc.open_forkserver():
-                    # the template is up, and has imported asyncio (once)
-                    await group(_coro_groups_workers.aret_rank, n, start_method)
-                    return await group(_coro_groups_workers.aret_rank, n, start_method)
-            return await group(_coro_groups_workers.aret_rank, n, start_method)
+        return measure
 
-        rows += rows_from(
-            f"{n} async def workers ({start_method}): start -> results -> closed",
-            interleaved(cfg, sync, coro),
-            target,
-            note=f"baseline: the same {n} workers running a def",
+    def forked(fn: Callable[[int], Any]) -> Callable[[], Awaitable[float]]:
+        async def measure() -> float:
+            async with aioproc.open_forkserver():
+                await group(fn, n, "forkserver")  # warm: the template is up (and holds asyncio)
+                return await group(fn, n, "forkserver")
+
+        return measure
+
+    series = interleaved_all(
+        cfg, [spawned(sync_fn), spawned(coro_fn), forked(sync_fn), forked(coro_fn)]
+    )
+    sync_spawned, coro_spawned, sync_forked, coro_forked = 0, 1, 2, 3
+
+    def pair(base: int, cand: int) -> dict[str, tuple[Series, Series]]:
+        return {loop: (s[base], s[cand]) for loop, s in series.items()}
+
+    what = f"{n} async def workers: start -> results -> closed"
+    return [
+        *rows_from(
+            f"{what}, spawned",
+            pair(sync_spawned, coro_spawned),
+            None,
+            note=f"baseline: {n} def workers, spawned",
             cpu_note=True,
-        )
-    return rows
+        ),
+        *rows_from(
+            f"{what}, forked",
+            pair(coro_spawned, coro_forked),
+            Target("ratio", 0.3),
+            note=f"baseline: the same {n} async def workers, spawned",
+        ),
+        *rows_from(
+            f"{what}, forked",
+            pair(sync_forked, coro_forked),
+            None,
+            note=f"baseline: {n} def workers, forked from a template of their own",
+        ),
+    ]
 
 
 def _child(argv: list[str]) -> None:
