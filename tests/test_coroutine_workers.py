@@ -758,6 +758,8 @@ async def test_the_cluster_runner_runs_coroutine_tasks(cf: ModuleType) -> None:
         ("worker", 0, "asyncio"),
         ("worker", 1, "asyncio"),
     ]
+    result = await aioproc.cluster.run(cf.cluster_meet, {"worker": 3}, stream_output=False)
+    assert result.return_value == ["met", "met", "met"]
     with pytest.raises(ValueError, match="cluster task failed") as info:
         await aioproc.cluster.run(
             cf.fail, {"worker": 1}, args=("cluster task failed",), stream_output=False

@@ -176,3 +176,11 @@ async def subprocess_output(text: str) -> str:
     proc = await asyncio.create_subprocess_exec("echo", text, stdout=asyncio.subprocess.PIPE)
     out, _ = await proc.communicate()
     return f"{out.decode().strip()} {proc.returncode}"
+
+
+async def cluster_meet() -> str:
+    """A cluster task awaiting the runner's barrier twice (its lifeline thread reads
+    the channel meanwhile)."""
+    await cluster.abarrier()
+    await cluster.abarrier()
+    return "met"
