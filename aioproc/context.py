@@ -48,6 +48,7 @@ from ._child import channel as _wire
 from ._errors.failure import ErrorFileContent, ProcessFailure, read_error_file, read_error_files
 from ._func import template as _template
 from ._func.barrier import ControlHub
+from ._func.boot import check_worker_loop
 from ._func.script import script_dirs
 from ._group.checks import check_executable as _check_executable
 from ._group.checks import check_interval, check_start
@@ -137,7 +138,8 @@ class PContext:
     tasks' one-rank groups, keyed by task.  ``limits``/``capacity``/``cpus``:
     as ``start_processes`` takes them (``_group.resources``).  ``role``: the
     role the group's metrics carry (the agent gives its spec's role; torch's
-    default role otherwise).  ``sample_interval``: as ``start_processes``.
+    default role otherwise).  ``sample_interval``, ``worker_loop``: as
+    ``start_processes``.
     """
 
     def __init__(
@@ -166,8 +168,10 @@ class PContext:
         cpus: CpusArg = None,
         role: str = ROLE,
         sample_interval: float | None = None,
+        worker_loop: str = "asyncio",
     ) -> None:
         grace_period = check_duration("grace_period", grace_period)
+        self.worker_loop = check_worker_loop(worker_loop)
         self._sample_interval = check_interval(sample_interval)
         _validate(name, entrypoint, args, envs, logs_specs, log_line_prefixes, start_method)
         self._resources = GroupResources(name, len(args), limits, capacity, cpus)
@@ -206,6 +210,7 @@ class PContext:
             sinks=own_sinks,
             prefixes=log_line_prefixes,
             pass_fds=tuple(pass_fds),
+            loop=self.worker_loop,
         )
         self._ranks.role = self._role = role
         self._outcomes = Outcomes(self.nprocs)

@@ -49,6 +49,7 @@ def start_processes(
     capacity: Capacity | None = None,
     cpus: CpusArg = None,
     sample_interval: float | None = None,
+    worker_loop: str = "asyncio",
 ) -> OpenResource[PContext]:
     """Start ``len(args)`` workers running ``entrypoint``.
 
@@ -131,6 +132,13 @@ def start_processes(
             loop and delivered to ``on_event`` as "sampled" events (Linux; a
             documented periodic read, off by default).  A positive number
             or None, else ValueError.
+        worker_loop: the event loop a coroutine-function ``entrypoint``
+            (``async def``) runs on in each worker, a fresh one closed after,
+            as ``asyncio.run`` does: ``"asyncio"`` (default) or ``"uvloop"``.
+            The stop (SIGTERM, SIGINT, SIGHUP) cancels the coroutine, so its
+            ``finally:`` blocks run within ``grace_period``.  Ignored by a
+            sync function.  Another value, or ``"uvloop"`` where uvloop is
+            not installed, raises ValueError before anything starts.
 
     Raises:
         TypeError, ValueError, RuntimeError, FileNotFoundError,
@@ -167,6 +175,7 @@ def start_processes(
         capacity=capacity,
         cpus=cpus,
         sample_interval=sample_interval,
+        worker_loop=worker_loop,
     )
     return OpenResource(lambda: _start(pc), close_on_exit, "start_processes(...)")
 
@@ -189,6 +198,7 @@ async def run(
     limits: Limits | Mapping[int, Limits] | None = None,
     capacity: Capacity | None = None,
     cpus: CpusArg = None,
+    worker_loop: str = "asyncio",
 ) -> RunProcsResult:
     """Run ``nprocs`` workers to completion: start, wait, close.
 
@@ -203,7 +213,8 @@ async def run(
         name: group name (default: the function's or executable's name).
         timeout: seconds before the group is stopped and ``TimeoutError``
             raised (its ``result`` attribute holds the partial result).
-        start_method, preload, limits, capacity, cpus: as for ``start_processes``.
+        start_method, preload, limits, capacity, cpus, worker_loop: as for
+            ``start_processes``.
 
     Returns:
         The ``RunProcsResult`` when every worker succeeded; its ``usage``
@@ -265,6 +276,7 @@ async def run(
         limits=limits,
         capacity=capacity,
         cpus=cpus,
+        worker_loop=worker_loop,
     ) as pc:
         result = await pc.wait(-1 if timeout is None else timeout)
         if result is None:

@@ -69,8 +69,11 @@ class RankLauncher:
         sinks: list[Sink],
         prefixes: Mapping[int, str] | str | None,
         pass_fds: tuple[int, ...],
+        loop: str = "asyncio",
     ) -> None:
         self.name = name
+        self.loop = loop
+        """The event loop a coroutine function runs on in each worker (``init_frame``)."""
         self.entrypoint = entrypoint
         self.args = args
         self.envs = envs
@@ -117,7 +120,7 @@ class RankLauncher:
         """
         if isinstance(self.entrypoint, str):
             return {}
-        init = init_frame(lifeline=lifeline)
+        init = init_frame(lifeline=lifeline, loop=self.loop)
         encoder = CallEncoder(self.entrypoint, self._ref)
         out: dict[int, list[bytes]] = {}
         try:
