@@ -31,8 +31,9 @@ import anyio.abc
 from .._base.checks import check_duration, check_env, check_signal
 from .._base.owner import Owner
 from .._base.shield import shielded
+from .._child import aio as _aio
 from .._func.barrier import ControlHub
-from .._func.boot import CallEncoder
+from .._func.boot import CallEncoder, check_worker_loop
 from .._group.rank_launcher import SinkLike, make_sinks
 from .._group.restart import RestartPolicy
 from ..context import PContext
@@ -91,6 +92,9 @@ class ClusterRunner:
         on_exit: called on the loop with ``((task_type, task_id), exit code)``
             each time an attempt of a task has ended and its outcome is
             recorded (values and errors are then visible to ``join``).
+        worker_loop: the event loop an ``async def`` ``fn`` runs on in each
+            task, ``"asyncio"`` (default) or ``"uvloop"``, as
+            ``start_processes(worker_loop=...)`` takes it; a stop cancels it.
     """
 
     def __init__(
@@ -115,6 +119,7 @@ class ClusterRunner:
         max_restarts: int = 10,
         gpus: Sequence[str] | None = None,
         on_exit: Callable[[TaskKey, int], None] | None = None,
+        worker_loop: str = "asyncio",
     ) -> None:
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {fn!r}")
@@ -132,6 +137,7 @@ class ClusterRunner:
             raise TypeError(f"rpc_layer must be a str, got {rpc_layer!r}")
         if on_exit is not None and not callable(on_exit):
             raise TypeError(f"on_exit must be callable, got {on_exit!r}")
+        self.worker_loop = check_worker_loop(worker_loop)
         self._on_exit = on_exit
         self._env = dict(env or {})
         check_env("env", self._env)
@@ -227,7 +233,8 @@ class ClusterRunner:
     async def start_in_process_as(self, as_task_type: str, as_task_id: int) -> Any:
         """Start every other task, then run ``fn`` here as ``(as_task_type, as_task_id)``.
 
-        ``fn`` runs in a worker thread with this process's ``TF_CONFIG`` set
+        ``fn`` runs in a worker thread (an ``async def`` on a fresh loop of
+        ``worker_loop``'s kind there) with this process's ``TF_CONFIG`` set
         to that task's (``os.environ`` is changed for the call and restored
         after, because the caller asked for it); its return value is returned.
         This task takes no part in ``barrier()``: the others meet without it.
@@ -253,7 +260,16 @@ class ClusterRunner:
             old = os.environ.get("TF_CONFIG")
             os.environ["TF_CONFIG"] = config
             try:
-                return self._fn(*self._args, **self._kwargs)
+                value = self._fn(*self._args, **self._kwargs)
+                if _aio.is_coroutine(value):
+                    # a loop of this thread's own, of the kind the tasks run on
+                    loop = _aio.new_event_loop(self.worker_loop)
+                    try:
+                        return loop.run_until_complete(value)
+                    finally:
+                        loop.run_until_complete(loop.shutdown_asyncgens())
+                        loop.close()
+                return value
             finally:
                 if old is None:
                     os.environ.pop("TF_CONFIG", None)
@@ -343,7 +359,9 @@ class ClusterRunner:
             gpu = self._gpus[len(self._tasks) % len(self._gpus)]  # a task not in the spec
         env = {**self._env, "CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else self._env
         config = tf_config(self.cluster_spec, *task.key, self.rpc_layer)
-        return task_group(task, config, env, self.grace_period, self._sinks, self._hub)
+        return task_group(
+            task, config, env, self.grace_period, self._sinks, self._hub, self.worker_loop
+        )
 
     async def _run_task(self, task: Task, launched: asyncio.Future[None]) -> None:
         """Every attempt of one task: start, wait (bounded by max_run_time), record, restart."""

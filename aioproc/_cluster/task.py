@@ -85,8 +85,12 @@ def task_group(
     grace_period: float,
     sinks: list[Sink],
     hub: ControlHub,
+    worker_loop: str = "asyncio",
 ) -> PContext:
-    """A one-rank group running ``task``'s current attempt (not started)."""
+    """A one-rank group running ``task``'s current attempt (not started).
+
+    ``worker_loop``: the loop a coroutine ``task.fn`` runs on (checked by the runner).
+    """
     from ..context import PContext
 
     return PContext(
@@ -104,6 +108,7 @@ def task_group(
         on_event=functools.partial(on_exited, task.exited),  # this attempt's event
         hub=hub,
         hub_keys={0: task.label},
+        worker_loop=worker_loop,
     )
 
 

@@ -194,6 +194,7 @@ class Workers:
             capacity=self._capacity,
             cpus=spec.cpus,
             role=spec.role,
+            worker_loop=spec.worker_loop,
         )
         # known to stop() from here: start() has begun by its first await
         self.pc = pc
