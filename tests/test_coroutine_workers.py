@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import inspect
 import json
@@ -296,6 +297,76 @@ async def test_run_returns_each_workers_value_from_a_loop_of_its_own(
         assert value["current"] is True
     assert len({v["pid"] for v in result.return_values.values()}) == 2
     assert _template._templates == {}
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+async def test_worker_loop_uvloop_gives_each_coroutine_worker_a_uvloop_loop(
+    cf: ModuleType, start_method: str, tmp_path: Path
+) -> None:
+    specs = DefaultLogsSpecs(str(tmp_path / "logs"))
+    result = await aioproc.run(
+        cf.describe,
+        2,
+        args=(1,),
+        worker_loop="uvloop",
+        start_method=start_method,
+        logs_specs=specs,
+    )
+    assert [v["loop"] for v in result.return_values.values()] == ["uvloop", "uvloop"]
+    assert all(v["current"] for v in result.return_values.values())
+    assert not list(tmp_path.rglob("error.json"))
+    async with aioproc.start_processes(
+        "uv", cf.describe, {0: (1,)}, {0: {}}, start_method=start_method, worker_loop="uvloop"
+    ) as pc:
+        assert pc.worker_loop == "uvloop"
+        result = await pc.wait()
+    assert result is not None and result.return_values[0]["loop"] == "uvloop"
+    # a sync worker ignores the option
+    result = await aioproc.run(os.getpid, 1, worker_loop="uvloop", start_method=start_method)
+    assert isinstance(result.return_values[0], int)
+
+
+async def test_an_invalid_worker_loop_is_a_value_error_before_anything_starts(
+    cf: ModuleType,
+) -> None:
+    before = set(os.listdir("/proc"))
+    with pytest.raises(ValueError, match="worker_loop must be 'asyncio' or 'uvloop', got 'tokio'"):
+        await aioproc.run(cf.describe, 1, args=(1,), worker_loop="tokio")
+    with pytest.raises(ValueError, match="got None"):
+        aioproc.start_processes("x", cf.describe, {0: (1,)}, {0: {}}, worker_loop=None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"WorkerSpec.worker_loop must be .*got 'trio'"):
+        WorkerSpec(role="r", local_world_size=1, entrypoint=cf.describe, worker_loop="trio")
+    with pytest.raises(ValueError, match=r"worker_loop must be .*got 'tokio'"):
+        aioproc.cluster.ClusterRunner(cf.describe, {"worker": 1}, worker_loop="tokio")
+    assert not {p for p in set(os.listdir("/proc")) - before if p.isdigit() and pid_alive(p)}
+
+
+def pid_alive(pid: str) -> bool:
+    """Whether ``pid`` is a child of this process still running."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid()
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+def test_worker_loop_uvloop_where_uvloop_is_missing_says_so_before_anything_starts() -> None:
+    proc = run_child(
+        """
+        import sys
+        sys.modules["uvloop"] = None  # not importable
+        import importlib.util
+        real = importlib.util.find_spec
+        importlib.util.find_spec = lambda name, *a: None if name == "uvloop" else real(name, *a)
+        import aioproc
+        try:
+            aioproc.start_processes("x", print, {0: ()}, {0: {}}, worker_loop="uvloop")
+        except ValueError as e:
+            print("ValueError:", e)
+        """
+    )
+    assert "ValueError: worker_loop='uvloop' but uvloop is not installed" in proc.stdout, proc
+    assert "pass worker_loop='asyncio'" in proc.stdout
 
 
 @pytest.mark.parametrize("start_method", START_METHODS)
@@ -740,6 +811,9 @@ async def test_the_agent_runs_coroutine_entrypoints(cf: ModuleType, tmp_path: Pa
     spec = WorkerSpec(role="coro", local_world_size=3, entrypoint=cf.rank_sum, args=(1, 2))
     result = await LocalElasticAgent(spec).run()
     assert result.return_values == {0: (3, "asyncio"), 1: (4, "asyncio"), 2: (5, "asyncio")}
+    spec = dataclasses.replace(spec, local_world_size=2, worker_loop="uvloop")
+    result = await LocalElasticAgent(spec).run()
+    assert result.return_values == {0: (3, "uvloop"), 1: (4, "uvloop")}
     spec = WorkerSpec(
         role="coro", local_world_size=1, entrypoint=cf.fail, args=("agent",), max_restarts=0
     )
@@ -758,6 +832,21 @@ async def test_the_cluster_runner_runs_coroutine_tasks(cf: ModuleType) -> None:
         ("worker", 0, "asyncio"),
         ("worker", 1, "asyncio"),
     ]
+    result = await aioproc.cluster.run(
+        cf.task_and_loop, {"worker": 2}, stream_output=False, worker_loop="uvloop"
+    )
+    assert result.return_value == [("worker", 0, "uvloop"), ("worker", 1, "uvloop")]
+    # the task run in this process: on a loop of its own in the runner's thread
+    runner = aioproc.cluster.ClusterRunner(
+        cf.task_and_loop, {"chief": 1, "worker": 1}, stream_output=False, worker_loop="uvloop"
+    )
+    try:
+        assert await runner.start_in_process_as("chief", 0) == ("chief", 0, "uvloop")
+        assert "TF_CONFIG" not in os.environ  # restored
+        result = await runner.join()
+        assert result.return_value == [("worker", 0, "uvloop")]
+    finally:
+        await runner.aclose()
     result = await aioproc.cluster.run(cf.cluster_meet, {"worker": 3}, stream_output=False)
     assert result.return_value == ["met", "met", "met"]
     with pytest.raises(ValueError, match="cluster task failed") as info:
