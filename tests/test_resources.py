@@ -337,13 +337,14 @@ async def test_a_rank_aioproc_killed_names_the_oom_kill_of_its_child_not_its_own
 
 async def test_one_limits_is_each_ranks_own() -> None:
     """``Limits(memory="64M")`` is every rank's, as ``--memory-limit`` is: two ranks
-    of 40 MiB both fit, each in a cgroup of its own; a rank past it is OOM-killed
-    and named, and the rank beside it is not blamed."""
+    of 24 MiB both fit, each in a cgroup of its own; a rank past it is OOM-killed
+    and named, and the rank beside it is not blamed.  (An interpreter with aioproc
+    loaded peaks near 22 MiB, page cache included, so 24 MiB more leaves a margin.)"""
     need_cgroup("memory")
-    result = await aioproc.run(allocate, 2, (40,), limits=Limits(memory="64M"), sinks=[])
-    assert result.return_values == {0: 40, 1: 40}
+    result = await aioproc.run(allocate, 2, (24,), limits=Limits(memory="64M"), sinks=[])
+    assert result.return_values == {0: 24, 1: 24}
     trees = {r: u.tree_max_memory for r, u in result.usage.items()}
-    assert all(t is not None and 40 * MiB <= t <= 64 * MiB for t in trees.values()), trees
+    assert all(t is not None and 24 * MiB <= t <= 64 * MiB for t in trees.values()), trees
     async with aioproc.start_processes(
         "over",
         allocate,
