@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._child.barrier import barrier as barrier
+from ._child.boot import barrier as barrier
 from ._cluster.result import DEFAULT_TIMEOUT
 from ._cluster.result import MultiProcessRunnerResult as MultiProcessRunnerResult
 from ._cluster.result import SubprocessTimeoutError as SubprocessTimeoutError

@@ -173,6 +173,31 @@ def _dump_stacks(fd: int) -> None:
     _write(fd, _wire.STACKS, text)
 
 
+def barrier() -> None:
+    """Wait inside a worker until every worker of its group called ``barrier()``.
+
+    The group is the cluster run (all the tasks of its cluster spec) or the
+    ``run``/``start_processes`` group (all its ranks).  Reusable: the n-th
+    call of every worker meets the n-th call of the others.  The worker's
+    side: ARRIVE on its control channel, then a wait for RELEASE
+    (``barrier_wait``); the supervisor's side is ``aioproc._func.barrier``.
+
+    Raises:
+        ValueError: called outside a function worker started by aioproc
+            (in the supervisor, or in a persistent/pool worker), as TF's
+            ``multi_process_runner`` raises there, with TF's words.
+        threading.BrokenBarrierError: a worker of the group ended without
+            reaching the barrier; the message names it.
+    """
+    if _ONE_SHOT_FD is None:
+        raise ValueError(
+            "barrier is not defined. It is likely because you are calling barrier() in the "
+            "main process. barrier() can only be called in the subprocesses: the function "
+            "workers aioproc starts (cluster.run, ClusterRunner, run or start_processes)."
+        )
+    barrier_wait()
+
+
 def barrier_wait() -> None:
     """Block until every worker of the group reached its barrier.
 
