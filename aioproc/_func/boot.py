@@ -90,6 +90,7 @@ def init_frame(
     max_frame_size: int | None = None,
     lifeline: bool = True,
     hold: bool = True,
+    loop: str = "asyncio",
 ) -> bytes:
     """Body of the INIT frame: what a worker needs before it runs user code.
 
@@ -104,6 +105,8 @@ def init_frame(
     function returned waits for TERMINATE before it exits, which its group
     sends once it has every rank's result (torch's ``start_processes``; see
     "Holding" in ``_child.boot``).  A persistent worker (``serve``) ignores it.
+    ``loop``: the event loop a persistent worker runs coroutine calls on,
+    ``"asyncio"`` or ``"uvloop"`` (checked by the caller).
     """
     # imported here, once per supervisor: ~7 ms that `import aioproc` need not pay
     from multiprocessing import process
@@ -116,6 +119,7 @@ def init_frame(
             "has_init": has_init,
             "lifeline": lifeline,
             "hold": hold,
+            "loop": loop,
             "max_frame": _wire.MAX_FRAME_SIZE if max_frame_size is None else max_frame_size,
             "authkey": bytes(process.current_process().authkey),
         }
