@@ -80,10 +80,9 @@ class WorkerPool:
         self._slots = slots  # (name, env) of each worker position
         self._options = options
         self._supply = Supply([name for name, _ in slots], options, cpus)
-        self._dispatch = Dispatch(idle_timeout)
+        self._dispatch = Dispatch(idle_timeout, options.max_concurrency, max_calls_per_worker)
         # read once: metrics enabled later count from the next pool on
         self._rec = _hooks.current
-        self._max_calls = max_calls_per_worker
         self._workers: list[WorkerProcess | None] = [None] * len(slots)
         self._starts: dict[int, PoolStart] = {}  # position -> its start in flight
         self._restarts = 0
@@ -265,23 +264,28 @@ class WorkerPool:
             self._owner.group.start_soon(self._stop_worker, w)
 
     def _recycle_if_spent(self, i: int) -> None:
+        """After ``run``: retire the worker at ``i`` if it died, or is spent and idle."""
         w = self._workers[i]
         if w is None or self._closed:
             return
-        if not w.alive or (self._max_calls is not None and w.calls >= self._max_calls):
+        if not w.alive or self._dispatch.spent(i):
             self._retire(i)  # crashed, killed or recycled: replaced on next use
 
     # ---------------------------------------------------------- scheduling
 
-    async def _acquire(self) -> int:
+    async def _acquire(self, coroutine: bool) -> int:
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
-        return await self._dispatch.take()
+        return await self._dispatch.take(coroutine)
 
-    def _release(self, i: int) -> None:
-        if not self._closed:
-            self._recycle_if_spent(i)
-        self._dispatch.give_back(i)
+    def _release(self, i: int, coroutine: bool) -> None:
+        w = self._workers[i]
+        if not self._closed and w is not None and not w.alive:
+            self._retire(i)  # crashed or killed: replaced on next use
+        # before a waiter handed the position can look at its worker (a later
+        # loop iteration), a spent one is retired: the next call starts a fresh one
+        if self._dispatch.give_back(i, coroutine) and not self._closed:
+            self._retire(i)
 
     async def submit(
         self, fn: Callable[..., Any], /, *args: Any, timeout: float | None = None, **kwargs: Any
@@ -360,12 +364,12 @@ class WorkerPool:
         return value
 
     async def _submit(self, call: PoolCall) -> Any:
-        i = await self._acquire()
+        i = await self._acquire(call.coroutine)
         call.position = i
         try:
             return await self._call_at(i, call)
         finally:
-            self._release(i)
+            self._release(i, call.coroutine)
 
     async def _call_at(self, i: int, call: PoolCall) -> Any:
         """Make ``call`` on the worker at ``i``; again on a fresh one if it never ran there.
@@ -379,8 +383,9 @@ class WorkerPool:
         """
         for attempt in (1, 2):
             call.worker = w = await self._ensure(i)
+            call.progress.sent = False
             try:
-                return await w._call(call.fn, call.args, call.kwargs)
+                return await w._call(call.fn, call.args, call.kwargs, call.progress)
             except Undelivered:
                 if attempt == 2 or self._closed:
                     raise
@@ -411,6 +416,7 @@ class WorkerPool:
         began = time.monotonic() if rec.enabled else 0.0
 
         async def one(i: int) -> Any:
+            self._dispatch.count(i)
             try:
                 value = await self._call_at(i, PoolCall(fn, call_args, call_kwargs))
             except Exception as e:
