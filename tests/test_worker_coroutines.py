@@ -120,6 +120,15 @@ async def test_asyncio_is_imported_at_the_first_coroutine_call_only(
         assert await w.call(pw.add, 4, 5) == 9
 
 
+async def test_a_sync_call_runs_inside_the_running_loop(cf: ModuleType, worker_loop: str) -> None:
+    async with open_worker(worker_loop=worker_loop) as w:
+        loop = await w.call(cf.loop_type)
+        assert await w.call(cf.sync_inside_the_loop) == (
+            loop,
+            "asyncio.run() cannot be called from a running event loop",
+        )
+
+
 async def test_a_sync_function_returning_a_coroutine_has_it_run(cf: ModuleType) -> None:
     async with open_worker() as w:
         began, ended, pid = await w.call(cf.returns_coroutine, 0.01)

@@ -601,9 +601,12 @@ def _serve_calls(fd: int, first: bool) -> tuple[bytes, Any, bool]:
             else:
                 raise RuntimeError(f"aioproc worker: unexpected frame kind {kind}")
             continue
-        cid = bytes(body[-_ID_SIZE:])
+        cid = bytes(body[-_ID_SIZE:])  # no copy of a bytes slice
         try:
-            fn, args, kwargs = _load_call(memoryview(body)[:-_ID_SIZE])
+            # the id after the call is left to the decoders, which ignore what
+            # follows a value (marshal's and pickle's loads say so; the
+            # out-of-band layouts give their own sizes)
+            fn, args, kwargs = _load_call(body)
             del body
             value = fn(*args, **kwargs)
             if type(value) is _COROUTINE:
@@ -650,6 +653,12 @@ _RESULT_KIND = _wire.RESULT.to_bytes(1, "big")
 
 def _answer(fd: int, cid: bytes, value: Any) -> None:
     """Send a call's RESULT, or the ERROR saying why its value cannot travel."""
+    if type(value) in _SCALARS:  # the common answer, framed here (as in _serve_calls)
+        data = marshal.dumps(value)
+        size = len(data) + 1 + _ID_SIZE
+        frame = b"".join((_RESULT_KIND, size.to_bytes(8, "big"), _wire.MARSHAL, data, cid))
+        _wire._write_all(fd, memoryview(frame))
+        return
     try:
         parts, segments = _encode(value)
         _check_size(parts, "return value of type {}", value)
@@ -760,7 +769,7 @@ class _LoopServer:
     def call(self, body: bytes | bytearray) -> None:
         cid = bytes(body[-_ID_SIZE:])
         try:
-            fn, args, kwargs = _load_call(memoryview(body)[:-_ID_SIZE])
+            fn, args, kwargs = _load_call(body)  # the id is ignored (see _serve_calls)
             del body
             value = fn(*args, **kwargs)
         except (SystemExit, KeyboardInterrupt):
@@ -771,14 +780,8 @@ class _LoopServer:
             return
         if type(value) is _COROUTINE:
             self.start(cid, value, False)
-            return
-        if type(value) in _SCALARS:
-            data = marshal.dumps(value)
-            size = len(data) + 1 + _ID_SIZE
-            frame = b"".join((_RESULT_KIND, size.to_bytes(8, "big"), _wire.MARSHAL, data, cid))
-            _wire._write_all(self.fd, memoryview(frame))
-            return
-        _answer(self.fd, cid, value)
+        else:
+            _answer(self.fd, cid, value)
 
     def start(self, cid: bytes, coro: Any, first: bool) -> None:
         """Run the coroutine of call ``cid`` as a task; ``done`` answers it."""

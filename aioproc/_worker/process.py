@@ -26,6 +26,7 @@ import functools
 import marshal
 import signal
 import struct
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -120,6 +121,13 @@ def coroutine_call(fn: Callable[..., Any]) -> bool:
     return _aio.is_coroutine_function(fn)
 
 
+_FunctionType = type(coroutine_call)
+_CO_COROUTINE = 0x80  # inspect.CO_COROUTINE
+_NEVER_COROUTINES = frozenset({type, type(len), type(str.join), type(str.__add__)})
+"""Classes, builtins and slot methods: never coroutine functions, unless marked so."""
+_MARKED = sys.version_info >= (3, 12)  # inspect.markcoroutinefunction can mark any callable
+
+
 class WorkerProcess:
     """A persistent worker; built by ``open_worker`` (or a pool).
 
@@ -210,10 +218,12 @@ class WorkerProcess:
 
     def _on_frame(self, kind: int, body: bytearray) -> None:
         # every answer ends with the id of its request
-        if len(body) < _ID_SIZE:
+        try:
+            cid = _ID.unpack_from(body, -_ID_SIZE)[0]
+        except struct.error:
             self._broke(f"worker sent a {_wire.kind_name(kind)} frame without a call id")
             return
-        reply = self._replies.pop(_ID.unpack_from(body, len(body) - _ID_SIZE)[0], None)
+        reply = self._replies.pop(cid, None)
         if reply is not None and not reply.done():
             reply.set_result((kind, body))
 
@@ -427,7 +437,14 @@ class WorkerProcess:
         sent: Sent | None,
     ) -> Any:
         """``call`` with its arguments as the pool keeps them; ``sent`` learns if it went out."""
-        is_async = coroutine_call(fn)
+        # coroutine_call, its usual cases inlined
+        fn_type = type(fn)
+        if fn_type is _FunctionType:
+            is_async = fn.__code__.co_flags & _CO_COROUTINE or (_MARKED and coroutine_call(fn))
+        elif fn_type in _NEVER_COROUTINES:
+            is_async = _MARKED and coroutine_call(fn)
+        else:
+            is_async = coroutine_call(fn)
         # Encoded at each attempt: a pool may send a call twice, and the
         # shared-memory segments of large arguments are closed however it ends.
         segments: list[_shm.Segment] | None = (

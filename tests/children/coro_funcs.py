@@ -205,3 +205,18 @@ async def ticks_announced(fifo: str, n: int, period: float) -> list[float]:
         await asyncio.sleep(period)
         out.append(time.monotonic())
     return out
+
+
+def sync_inside_the_loop() -> tuple[str, str]:
+    """A sync call once the worker's loop runs: the loop it finds, what ``asyncio.run`` says."""
+    loop = asyncio.get_running_loop()
+    coro = asyncio.sleep(0)
+    try:
+        asyncio.run(coro)
+    except RuntimeError as e:
+        said = str(e)
+    else:
+        said = "asyncio.run() ran"
+    finally:
+        coro.close()
+    return f"{type(loop).__module__}.{type(loop).__qualname__}", said
