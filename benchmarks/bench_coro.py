@@ -19,8 +19,9 @@ Two figures, per supervisor loop (the workers run asyncio's loop):
 
 Every pool is started and has run a batch of calls before any clock starts.
 aiomultiprocess starts its children with ``multiprocessing``'s spawn, which
-leaves a resource-tracker process behind: ``run_all`` runs this after the
-leak benchmark.
+leaves a resource-tracker process behind (``run_all`` runs this after the
+leak benchmark), and a Manager server it keeps for good (stopped after each
+round here).
 
 For ``run_all``: ``coro_rows(cfg) -> list[Row]``.
 """
@@ -93,16 +94,25 @@ async def aioproc_fanout() -> float:
 
 async def aiomultiprocess_fanout() -> float:
     import aiomultiprocess
+    import aiomultiprocess.core
 
-    async with aiomultiprocess.Pool(
-        processes=FANOUT_WORKERS, childconcurrency=FANOUT_CONCURRENCY
-    ) as pool:
+    try:
+        async with aiomultiprocess.Pool(
+            processes=FANOUT_WORKERS, childconcurrency=FANOUT_CONCURRENCY
+        ) as pool:
 
-        def submit(fn: Any, *args: Any) -> Any:
-            return pool.apply(fn, args)
+            def submit(fn: Any, *args: Any) -> Any:
+                return pool.apply(fn, args)
 
-        await fanout(submit)
-        return await fanout(submit)
+            await fanout(submit)
+            return await fanout(submit)
+    finally:
+        # its workers share a multiprocessing Manager server that it keeps for
+        # the life of the interpreter: stopped here, so no round leaves a process
+        manager = aiomultiprocess.core._manager
+        if manager is not None:
+            aiomultiprocess.core._manager = None
+            manager.shutdown()
 
 
 async def one_round(n: int, with_amp: bool) -> dict[str, Sample]:

@@ -516,6 +516,11 @@ _COROUTINE = type(_probe_coroutine := _probe())
 """The type of what calling an ``async def`` function returns (without importing ``types``)."""
 _probe_coroutine.close()
 del _probe_coroutine
+_FUNCTION = type(_probe)
+_CO_COROUTINE = 0x80  # inspect.CO_COROUTINE
+_MARKED = sys.version_info >= (3, 12)  # inspect.markcoroutinefunction can mark any function
+_NEVER_COROUTINES = frozenset({type, type(len), type(str.join), type(str.__add__)})
+"""Classes, builtins and slot methods: never coroutine functions, unless marked so."""
 
 
 def _serve(fd: int, has_init: bool) -> None:
@@ -689,12 +694,16 @@ class _LoopServer:
     Frames are read when the loop sees the channel readable and handled in
     that callback: a sync call runs there, between two iterations of the
     loop, so it holds the loop (and the I/O of every coroutine call) only
-    while it runs; a coroutine call becomes a task of its own, answered when
-    it ends, so any number run at once.  CANCEL cancels a call's task (its
-    ``finally`` blocks run; the ERROR that answers it says it was
-    cancelled).  TERMINATE cancels every call still running, waits for them,
-    then closes the loop as ``asyncio.run`` does: what the calls left running
-    is cancelled too.  EOF (the supervisor is gone) exits at once, as before
+    while it runs; a coroutine function's call becomes a task of its own
+    (``run_call``: the function is called in the task, which answers as it
+    ends), so any number run at once.  The task's first step runs at once,
+    in that callback, as Python 3.12's eager tasks do (``aio.start_eagerly``):
+    a coroutine that returns without waiting is answered without a loop
+    iteration in between.  CANCEL cancels a call's task (its ``finally``
+    blocks run; the ERROR that answers it says it was cancelled).
+    TERMINATE cancels every call still running, waits for them, then closes
+    the loop as ``asyncio.run`` does: what the calls left running is
+    cancelled too.  EOF (the supervisor is gone) exits at once, as before
     the loop.  Replies are written with blocking writes, in this thread: the
     supervisor reads its channel as it comes.
     """
@@ -709,6 +718,8 @@ class _LoopServer:
         self.asyncio = asyncio
         self.aio = aio
         self.calls: dict[bytes, Any] = {}  # call id -> the task running it
+        # calls whose task has not run its first step (no eager tasks before 3.12)
+        self.unstarted: set[bytes] = set()
         self.terminated = loop.create_future()
         self.exiting = False  # leaving by an exception: nothing is answered any more
 
@@ -728,16 +739,16 @@ class _LoopServer:
                 loop.run_until_complete(self.terminated)
             finally:
                 loop.remove_reader(self.fd)
+            for cid in list(self.calls):
+                self.cancel(cid)
             calls = list(self.calls.values())
-            for task in calls:
-                task.cancel()
-            if calls:  # answered by ``done`` before the wait ends
+            if calls:  # each answers as it ends
                 loop.run_until_complete(self.asyncio.wait(calls))
         except BaseException:
             self.exiting = True  # sys.exit() in a call, a failed init: the calls end unanswered
             raise
         finally:
-            _close_loop(loop, self.asyncio)
+            self.aio.close_loop(loop)
         _flush_std()
         sys.exit(0)
 
@@ -751,9 +762,7 @@ class _LoopServer:
             if kind == _wire.CALL:
                 self.call(body)
             elif kind == _wire.CANCEL:
-                task = self.calls.get(bytes(body))
-                if task is not None:
-                    task.cancel()  # else it ended: its answer is on its way
+                self.cancel(bytes(body))
             elif kind == _wire.PING:
                 _wire.write_frame(self.fd, _wire.PONG, bytes(body))
             elif kind == _wire.DEFINE:
@@ -771,6 +780,23 @@ class _LoopServer:
         try:
             fn, args, kwargs = _load_call(body)  # the id is ignored (see _serve_calls)
             del body
+            fn_type = type(fn)
+            if fn_type is _FUNCTION:
+                coroutine = fn.__code__.co_flags & _CO_COROUTINE or (
+                    _MARKED and self.aio.is_coroutine_function(fn)
+                )
+            elif fn_type in _NEVER_COROUTINES:
+                coroutine = _MARKED and self.aio.is_coroutine_function(fn)
+            else:
+                coroutine = self.aio.is_coroutine_function(fn)
+            if coroutine:
+                self.unstarted.add(cid)  # until run_call begins
+                task, ended = self.aio.start_eagerly(
+                    self.loop, self.run_call(cid, fn, args, kwargs)
+                )
+                if not ended:
+                    self.calls[cid] = task  # until run_call removes it
+                return
             value = fn(*args, **kwargs)
         except (SystemExit, KeyboardInterrupt):
             raise
@@ -779,8 +805,49 @@ class _LoopServer:
             _wire.write_frame(self.fd, _wire.ERROR, _error_frame(e), cid)
             return
         if type(value) is _COROUTINE:
-            self.start(cid, value, False)
+            self.start(cid, value, False)  # a sync function's coroutine
         else:
+            _answer(self.fd, cid, value)
+
+    def cancel(self, cid: bytes) -> None:
+        """Cancel call ``cid``'s task, if it still runs (else its answer is on its way)."""
+        task = self.calls.get(cid)
+        if task is None:
+            return
+        task.cancel()
+        if cid in self.unstarted:
+            # cancelled before its first step: run_call never runs, so it is answered here
+            self.unstarted.discard(cid)
+            del self.calls[cid]
+            error = self.asyncio.CancelledError()
+            _wire.write_frame(self.fd, _wire.ERROR, _error_frame(error), cid)
+
+    async def run_call(
+        self, cid: bytes, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Call ``fn`` in this task, await what it returns, answer call ``cid``.
+
+        Called in the task (not before it), so the coroutine sees its task
+        from its first line (``asyncio.current_task()``, timeouts) and is
+        answered in the step it ends in, with no callback in between.
+        """
+        self.unstarted.discard(cid)
+        try:
+            value = fn(*args, **kwargs)
+            if type(value) is _COROUTINE or hasattr(type(value), "__await__"):
+                value = await value
+        except (SystemExit, KeyboardInterrupt):
+            raise  # leaves the loop through run_until_complete
+        except BaseException as e:
+            self.calls.pop(cid, None)
+            if not self.exiting:
+                e = e.with_traceback(self.aio.user_traceback(e.__traceback__))
+                _wire.write_frame(self.fd, _wire.ERROR, _error_frame(e), cid)
+            if isinstance(e, self.asyncio.CancelledError):
+                raise
+            return
+        self.calls.pop(cid, None)
+        if not self.exiting:
             _answer(self.fd, cid, value)
 
     def start(self, cid: bytes, coro: Any, first: bool) -> None:
@@ -812,21 +879,6 @@ class _LoopServer:
         _wire.write_frame(self.fd, _wire.ERROR, _error_frame(error), cid)
         if first:
             self.terminated.set_exception(SystemExit(1))  # a failed init ends the worker
-
-
-def _close_loop(loop: Any, asyncio: Any) -> None:
-    """What ``asyncio.run`` does at the end: cancel what is left, end async generators, close."""
-    try:
-        tasks = asyncio.all_tasks(loop)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-        loop.run_until_complete(loop.shutdown_asyncgens())
-        loop.run_until_complete(loop.shutdown_default_executor())
-    finally:
-        asyncio.set_event_loop(None)
-        loop.close()
 
 
 def main(fd: int) -> None:
