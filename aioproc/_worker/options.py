@@ -11,14 +11,12 @@ that they only read, the first start of a pool as its last replacement.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from .._base.checks import check_duration, check_env, check_preload, check_start_method
-from .._child.aio import LOOPS
+from .._func.boot import check_worker_loop
 from .._group.resources import CpusArg, check_capacity, check_cpus, check_worker_limits
 from .._limits.affinity import ROUND_ROBIN, allowed_cpus
 from .._limits.capacity import Capacity
@@ -29,7 +27,6 @@ from .process import DEFAULT_MAX_CONCURRENCY
 __all__ = [
     "WorkerOptions",
     "check_max_concurrency",
-    "check_worker_loop",
     "one_spelling",
     "worker_cpus",
     "worker_options",
@@ -170,24 +167,6 @@ def check_max_concurrency(value: object) -> int:
             f"max_concurrency must be >= 1 (calls in flight per worker), got {value!r}"
         )
     return value
-
-
-def check_worker_loop(value: object) -> str:
-    """``worker_loop``, checked: a loop the workers can make, before anything starts.
-
-    Raises:
-        ValueError: not one of ``_child.aio.LOOPS``, or ``"uvloop"`` where it is
-            not installed (the workers run this interpreter, with this
-            process's import path).
-    """
-    if value not in LOOPS:
-        raise ValueError(f"worker_loop must be 'asyncio' or 'uvloop', got {value!r}")
-    if value == "uvloop" and importlib.util.find_spec("uvloop") is None:
-        raise ValueError(
-            "worker_loop='uvloop' but uvloop is not installed for this Python "
-            f"({sys.executable}): pip install uvloop, or pass worker_loop='asyncio'"
-        )
-    return str(value)
 
 
 _cpu_turn = 0  # open_worker(cpus="round-robin"): the next CPU of the allowed set
