@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import os
 import random
 import signal
@@ -30,6 +31,7 @@ from helpers import child_pids, import_child, python
 from proc_utils import Fifo, still_alive_after
 
 from aioproc import BrokenWorkerError, ForcedKillWarning, open_pool, open_worker
+from aioproc._worker.dispatch import Dispatch
 from aioproc.errors import RemoteTraceback
 
 LOOPS = ("asyncio", "uvloop")
@@ -487,3 +489,60 @@ async def test_cancelling_or_timing_out_a_coroutine_submit_keeps_its_worker(
         assert state["events"] == [("c", "cancelled"), ("t", "cancelled")]
         assert state["started"] == state["ended"] == 2
         assert pool.pids() == pids and pool.stats().restarts == 0
+
+
+async def test_max_calls_per_worker_counts_concurrent_coroutine_calls(cf: ModuleType) -> None:
+    async with open_pool(1, max_calls_per_worker=3, max_concurrency=10) as pool:
+        results = await asyncio.gather(*(pool.submit(cf.stamped_sleep, 0.2) for _ in range(7)))
+        per_worker = collections.Counter(pid for _, _, pid in results)
+        # 3, 3 and 1 calls: a worker handed its third takes no more and is
+        # replaced only once its calls are back (never while they run)
+        assert sorted(per_worker.values()) == [1, 3, 3]
+        spans = {pid: [(b, e) for b, e, p in results if p == pid] for pid in per_worker}
+        for first, second in itertools.pairwise(sorted(spans.values())):
+            assert max(e for _, e in first) < min(b for b, _ in second)
+        assert pool.stats().restarts == 2
+
+
+# --------------------------------------------------------------- dispatch
+
+
+async def test_dispatch_least_busy_first_and_a_sync_call_waits_for_an_idle_position() -> None:
+    d = Dispatch(None, 3)
+    d.free([0, 1])
+    assert [await d.take(True) for _ in range(4)] == [0, 1, 0, 1]
+    sync = asyncio.ensure_future(d.take(False))
+    later = asyncio.ensure_future(d.take(True))  # behind the sync call: first come first served
+    await asyncio.sleep(0)
+    assert not sync.done() and not later.done() and d.queued() == 2
+    assert not d.give_back(0, True)
+    await asyncio.sleep(0)
+    assert not sync.done() and not later.done()  # position 0 still has a call
+    d.give_back(0, True)
+    assert await sync == 0  # idle now: the sync call holds it whole
+    assert await later == 1
+    assert (d.load(0), d.load(1)) == (1, 3)
+    third = asyncio.ensure_future(d.take(True))
+    await asyncio.sleep(0)
+    assert not third.done()  # 0 is held whole, 1 is full
+    d.give_back(0, False)
+    assert await third == 0
+
+
+async def test_dispatch_retires_a_worker_handed_its_last_call_once_they_are_back() -> None:
+    d = Dispatch(None, 5, max_calls=2)
+    d.free([0])
+    assert [await d.take(True), await d.take(True)] == [0, 0]
+    waiting = asyncio.ensure_future(d.take(True))
+    await asyncio.sleep(0)
+    assert not waiting.done()  # its worker was handed its last call
+    assert d.give_back(0, True) is False
+    assert d.give_back(0, True) is True  # spent: the caller retires it
+    assert await waiting == 0  # the next worker at 0 counts afresh
+    assert await d.take(True) == 0
+    cancelled = asyncio.ensure_future(d.take(True))
+    await asyncio.sleep(0)
+    cancelled.cancel()  # a waiter that leaves takes nothing with it
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    assert d.queued() == 0 and d.load(0) == 2
