@@ -246,6 +246,22 @@ async def test_a_sync_call_timeout_still_kills_its_worker(cf: ModuleType) -> Non
             await w.call(pow, 2, 2)
 
 
+async def test_a_cancelled_sync_call_still_kills_its_worker_and_its_coroutine_calls(
+    cf: ModuleType, fifo: Fifo
+) -> None:
+    async with open_worker(name="mixed") as w:
+        running = asyncio.ensure_future(w.call(cf.announce_then_sleep, fifo.path, 60))
+        await fifo.lines(1)  # the loop runs a coroutine call
+        sync = asyncio.ensure_future(w.call(cf.announce_then_block, fifo.path, 60))
+        await fifo.lines(1)  # the sync call holds the loop
+        sync.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(sync, 10)
+        with pytest.raises(BrokenWorkerError, match="was killed by SIGKILL during a call"):
+            await asyncio.wait_for(running, 10)
+        assert await still_alive_after([w.pid], 10) == set()
+
+
 async def test_a_coroutine_ignoring_its_cancellation_gets_the_worker_killed_after_grace(
     cf: ModuleType, fifo: Fifo
 ) -> None:

@@ -606,7 +606,7 @@ def _serve_calls(fd: int, first: bool) -> tuple[bytes, Any, bool]:
             else:
                 raise RuntimeError(f"aioproc worker: unexpected frame kind {kind}")
             continue
-        cid = bytes(body[-_ID_SIZE:])  # no copy of a bytes slice
+        cid: Any = body[-_ID_SIZE:]  # bytes here: the usual read brings a bytes object
         try:
             # the id after the call is left to the decoders, which ignore what
             # follows a value (marshal's and pickle's loads say so; the
@@ -615,7 +615,7 @@ def _serve_calls(fd: int, first: bool) -> tuple[bytes, Any, bool]:
             del body
             value = fn(*args, **kwargs)
             if type(value) is _COROUTINE:
-                return cid, value, first  # evaluated before the finally below
+                return bytes(cid), value, first  # evaluated before the finally below
             if first:
                 STATE, value = value, None
             if type(value) in _SCALARS:

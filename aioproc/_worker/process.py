@@ -7,9 +7,18 @@ reuses the group machinery: the same launch path (``_func.launch``: boot
 code, channel, spawn in its own session, pidfd exit watcher, the
 process-wide guardian) and graceful-then-forced stop.
 
+Requests carry ids (``_child.channel``): every call in flight has a reply
+future of its own, resolved by the answer that ends with its id.  Coroutine
+calls take one of ``max_concurrency`` slots and run concurrently in the
+worker; sync calls and pings also take the turn, one at a time, as the
+worker runs them one at a time.  A cancelled coroutine call is withdrawn
+(CANCEL) and waited for until its coroutine ended; a cancelled sync call,
+which cannot be, kills the worker.
+
 Never hangs: every wait is also a wait on the worker's exit.  If the worker
-dies mid-call the call raises ``BrokenWorkerError`` with the exit code or
-signal and the last lines of its stderr, as soon as the exit is noticed.
+dies mid-call every call in flight raises ``BrokenWorkerError`` with the
+exit code or signal and the last lines of its stderr, as soon as the exit
+is noticed.
 
 Resources: a worker given ``limits=`` or ``cpus=`` is a group of one to
 ``_group.resources``: its own placement (cgroups or rlimits), joined and
@@ -69,6 +78,8 @@ _MARSHAL_BYTE = _wire.MARSHAL_BYTE
 _ID_SIZE = _wire.ID_SIZE
 _ID = struct.Struct(">Q")  # a call id (``_wire.ID_SIZE`` bytes)
 assert _ID.size == _ID_SIZE
+_pack_id = _ID.pack
+_unpack_id = _ID.unpack_from
 
 DEFAULT_MAX_CONCURRENCY = 100
 """Calls one persistent worker has in flight at most, by default (``max_concurrency``)."""
@@ -219,7 +230,7 @@ class WorkerProcess:
     def _on_frame(self, kind: int, body: bytearray) -> None:
         # every answer ends with the id of its request
         try:
-            cid = _ID.unpack_from(body, -_ID_SIZE)[0]
+            cid = _unpack_id(body, -_ID_SIZE)[0]
         except struct.error:
             self._broke(f"worker sent a {_wire.kind_name(kind)} frame without a call id")
             return
@@ -507,7 +518,7 @@ class WorkerProcess:
                 reply: asyncio.Future[tuple[int, bytearray]] = self._loop.create_future()
                 self._replies[cid] = reply
                 self._last_sent = cid
-                ident = cid.to_bytes(_ID_SIZE, "big")
+                ident = _pack_id(cid)
                 if segments or before:
                     self._channel.send(
                         _wire.CALL, *parts, ident, segments=segments or (), before=before
