@@ -84,10 +84,23 @@ class Dispatch:
         Cancellation: a waiter cancelled just as a position reached it gives
         it back, uncounted; one cancelled before leaves the queue.
         """
-        i = None if self._waiters else self._pick(coroutine)
-        if i is not None:
-            self._assign(i, coroutine)
-            return i
+        if not self._waiters:
+            idle = self.idle
+            if idle and not self._left and not self._stopped:
+                # the usual case: the position idle longest, no counts to keep
+                first = idle.popleft()
+                if self._timers:
+                    timer = self._timers.pop(first, None)
+                    if timer is not None:
+                        timer.cancel()
+                self._load[first] = 1
+                if not coroutine:
+                    self._whole.add(first)
+                return first
+            i = self._pick(coroutine)
+            if i is not None:
+                self._assign(i, coroutine)
+                return i
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._waiters.append((fut, coroutine))
         try:
@@ -105,7 +118,8 @@ class Dispatch:
             all are back): the caller retires it; the count starts afresh.
         """
         spent = self._drop(i, coroutine) and self._renew_if_spent(i)
-        self._serve()
+        if self._waiters:
+            self._serve()
         return spent
 
     def count(self, i: int) -> None:

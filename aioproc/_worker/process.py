@@ -129,6 +129,13 @@ def coroutine_call(fn: Callable[..., Any]) -> bool:
     cancelled as a sync call, even if what it returns is a coroutine (which
     the worker then runs on its loop all the same).
     """
+    fn_type = type(fn)
+    if fn_type is _FunctionType:  # the usual cases first, without attribute lookups
+        return bool(fn.__code__.co_flags & _CO_COROUTINE) or (
+            _MARKED and _aio.is_coroutine_function(fn)
+        )
+    if fn_type in _NEVER_COROUTINES:
+        return _MARKED and _aio.is_coroutine_function(fn)
     return _aio.is_coroutine_function(fn)
 
 
@@ -448,7 +455,7 @@ class WorkerProcess:
         sent: Sent | None,
     ) -> Any:
         """``call`` with its arguments as the pool keeps them; ``sent`` learns if it went out."""
-        # coroutine_call, its usual cases inlined
+        # coroutine_call, inlined
         fn_type = type(fn)
         if fn_type is _FunctionType:
             is_async = fn.__code__.co_flags & _CO_COROUTINE or (_MARKED and coroutine_call(fn))
