@@ -562,3 +562,18 @@ async def test_dispatch_retires_a_worker_handed_its_last_call_once_they_are_back
     with pytest.raises(asyncio.CancelledError):
         await cancelled
     assert d.queued() == 0 and d.load(0) == 2
+
+
+async def test_cancelling_run_of_a_coroutine_function_keeps_every_worker(
+    cf: ModuleType, fifo: Fifo
+) -> None:
+    async with open_pool(2, initializer=cf.dict_init) as pool:
+        pids = pool.pids()
+        call = asyncio.ensure_future(pool.run(cf.guarded, ("r", 60, fifo.path)))
+        assert sorted(int(line) for line in await fifo.lines(2)) == sorted(pids)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(call, 10)
+        states = await pool.run(cf.read_state)
+        assert [s["events"] for s in states] == [[("r", "cancelled")]] * 2
+        assert pool.pids() == pids and pool.stats().restarts == 0

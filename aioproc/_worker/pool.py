@@ -4,8 +4,9 @@ Each position of the pool holds one worker at a time, started by
 ``start.start_worker`` with the pool's one ``WorkerOptions``: the first
 ones when the pool opens, a replacement when one dies, is recycled after
 ``max_calls_per_worker`` calls or was retired after ``idle_timeout``.
-``submit`` hands a call to an idle position (first come, first served),
-``run`` to every position.
+``submit`` hands a call to a position (``dispatch``: a sync call to an idle
+one, a coroutine call to the least busy one with a free slot; first come,
+first served), ``run`` to every position.
 """
 
 # Ownership
@@ -290,7 +291,13 @@ class WorkerPool:
     async def submit(
         self, fn: Callable[..., Any], /, *args: Any, timeout: float | None = None, **kwargs: Any
     ) -> Any:
-        """Run ``fn(*args, **kwargs)`` on one idle worker and return its value.
+        """Run ``fn(*args, **kwargs)`` on one worker and return its value.
+
+        A sync function runs on an idle worker, which it has to itself; a
+        coroutine function (``async def``) runs on the worker's event loop,
+        on the least busy worker with fewer than ``max_concurrency`` calls
+        in flight, so many run at once (see ``WorkerProcess.call``).  Calls
+        that find no worker wait, first come first served.
 
         ``timeout`` belongs to the pool, not to ``fn``: like the options of
         ``concurrent.futures``' ``Executor.map(..., timeout=)`` or dask's
@@ -316,18 +323,21 @@ class WorkerPool:
                 replaced for later calls.
             TimeoutError: ``timeout`` passed.  A call still waiting for a
                 worker (or for its worker to start) never runs; a running
-                one cannot be withdrawn, so its worker is killed (its whole
-                process group) and replaced.  The message names ``fn``, the
-                timeout and what happened.
+                coroutine is cancelled in its worker, which keeps serving; a
+                running sync call cannot be withdrawn, so its worker is
+                killed (its whole process group) and replaced.  The message
+                names ``fn``, the timeout and what happened.
             TypeError, ValueError: ``fn``, its arguments or ``timeout`` are
                 unusable; raised before a worker is involved.
             RuntimeError: the pool is closed, or was closed before the call
-                got a worker.
+                got a worker, or while its coroutine ran.
 
-        Cancellation: cancelling kills the worker running the call; the pool
-        replaces it.  Cancelled while waiting for a worker, the call never
-        runs; cancelled while its worker is (re)starting, the start goes on
-        and the pool keeps the worker.
+        Cancellation: a running coroutine call is cancelled in its worker
+        and the cancellation completes once the coroutine ended there (see
+        ``WorkerProcess.call``); cancelling a running sync call kills its
+        worker, which the pool replaces.  Cancelled while waiting for a
+        worker, the call never runs; cancelled while its worker is
+        (re)starting, the start goes on and the pool keeps the worker.
         """
         check_loop(self._owner.loop, self)
         limit = check_duration("submit(timeout=...)", timeout, allow_none=True, allow_negative=True)
@@ -406,7 +416,8 @@ class WorkerPool:
             Exception: the first error in worker order (after every worker
                 finished its call), with that worker's traceback.
 
-        Cancellation: cancelling kills the workers still running the call.
+        Cancellation: as for ``submit``: a coroutine ``fn`` is cancelled in
+        every worker still running it; a sync one kills those workers.
         """
         check_loop(self._owner.loop, self)
         if self._closed:
