@@ -335,10 +335,13 @@ class PContext:
         finally:
             if self._state is _State.STARTING:
                 self._state = _State.NEW  # failed before the launch: nothing was started
-            if self._state is _State.NEW:
+            unstarted = self._state is _State.NEW
+            if unstarted:
                 self._resources.close()  # no worker exists: slots and cgroups go back
             if not self._starting.done():
                 self._starting.set_result(None)
+            if unstarted:
+                await shielded(_lifeline.settle())  # the guardian its cgroups held, let go
 
     async def _take_resources(self) -> None:
         """Wait for the group's process slots, then open its placements.
@@ -348,12 +351,15 @@ class PContext:
 
         Cancellation: a cancelled wait holds no slot (``Capacity.acquire``).
         """
-        self._began = time.monotonic()
+        queued = time.monotonic()
         if self._early_close is None:
             with anyio.CancelScope() as self._capacity_wait:
                 await self._resources.acquire()
             self._capacity_wait = None
+        self._began = time.monotonic()  # the start's time excludes the wait for slots
         if self._early_close is None:
+            if self._rec.enabled:
+                self._rec.group_queued(self.name, self._role, self._began - queued)
             self._ranks.joins = self._resources.open()
             self._ranks.entries = self._resources.entries()
 
@@ -484,7 +490,7 @@ class PContext:
         """After the supervisor, however it ended."""
         assert self._launched is not None
         self._unhold_guardian()
-        self._resources.close()  # every worker is reaped: cgroups and slots go back
+        await self._resources.aclose()  # every worker is reaped: cgroups and slots go back
         self._state = _State.CLOSED
         if not self._launched.done():
             if self._launch_error is not None:
@@ -824,9 +830,12 @@ class PContext:
                 await self._launch_done.wait()
                 running = [c for c in self._children.values() if c.returncode is None]
                 if running:
+                    began = time.monotonic()
                     forced = await stop_groups(
                         list(self._children.values()), signal.SIGTERM, self.grace_period
                     )
+                    if self._rec.enabled:  # a stop a failure caused is timed as a close's
+                        self._rec.group_stopped(self.name, self._role, time.monotonic() - began)
                     try:
                         warn_forced(forced, signal.SIGTERM, self.grace_period)
                     except Exception:  # a filter made the warning an error: log it

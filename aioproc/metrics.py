@@ -7,9 +7,16 @@ until a recorder is enabled::
     import aioproc.metrics
 
     recorder = aioproc.metrics.enable()  # the process-wide Recorder
-    server = await aioproc.metrics.serve("127.0.0.1", 9464)  # GET /metrics
-    ...
-    await server.aclose()
+    async with aioproc.metrics.serve("127.0.0.1", 9464) as server:  # GET /metrics
+        ...
+
+(or ``server = await serve(...)``, then ``await server.aclose()``).  A
+service that already runs an HTTP server mounts the page on it instead of
+opening a second port: ``make_asgi_app()`` (Starlette, FastAPI, any ASGI
+server) or ``make_aiohttp_handler()``::
+
+    app.mount("/metrics", aioproc.metrics.make_asgi_app())  # FastAPI, Starlette
+    app.router.add_get("/metrics", aioproc.metrics.make_aiohttp_handler())  # aiohttp
 
 A host service that already exports with ``prometheus_client`` registers
 aioproc's metrics into its own registry instead (``pip install
@@ -18,8 +25,44 @@ aioproc's metrics into its own registry instead (``pip install
     aioproc.metrics.enable()
     aioproc.metrics.register(registry)  # a CollectorRegistry; None: the default one
 
-``serve()`` and ``render()`` need no extra: they write Prometheus's text
-format 0.0.4 themselves, the same bytes ``prometheus_client`` would.
+**Why not prometheus_client for the page.**  ``serve()``, the ASGI app,
+the aiohttp handler and ``render()`` need no extra: they write
+Prometheus's text format 0.0.4 themselves (``_metrics/text.py``, about a
+hundred lines), the same bytes ``prometheus_client.generate_latest``
+writes (a test compares them).  ``generate_latest`` renders a whole
+registry in one call, so a large page would hold the loop for all of it,
+where aioproc's writer hands out a series at a time and the exporters give
+the loop a turn every 2 ms of rendering; it would also copy every sample
+into its own family objects first, and make an optional package a
+dependency of every supervisor.  Its HTTP server runs on a thread per
+connection, without a cap, and rendering there contends with the loop for
+the GIL.  ``prometheus_client`` stays what it is good at: the registry of
+a host that already uses it (``register()``).
+
+**The server** (``serve()``, ``aioproc run --metrics-port``) answers at
+most ``max_connections`` clients at once (64): at the cap a new
+connection replaces the oldest one still sending its request head, or is
+answered 503 when all are being answered; it holds at most the cap's
+sockets plus 16 (connections being replaced), and past that does not
+accept at all (the kernel queues the rest), so a crowd of half-open
+connections never costs the supervisor more than 81 fds (its listening
+socket included).  A client has 10 s to send its request head, 30 s to
+take the response, and is cut off (reset) after 5 s without progress
+either way; ``aclose()`` gives the responses under way a grace period
+(1 s) and then drops them, read or not.
+
+**Series of finished groups expire.**  Every group labels a score of
+series; a scheduler that names every job differently would grow the page
+for ever.  A ``(group, role)`` keeps series of its own while anything of
+it runs and while it is one of the last ``keep_finished`` finished ones
+(``Recorder(keep_finished=100)``); then its counters and histograms are
+added into the series of its role labelled ``group="(expired)"``
+(``EXPIRED``), and its gauges are removed.  ``sum by (role)`` over a
+counter or a histogram's buckets keeps counting every group; a dashboard
+by ``group`` shows the running and the recent ones.  A group that runs
+again (an agent's restart) gets fresh series: a counter reset, which
+``rate()`` and ``increase()`` handle.  ``Recorder(group_label=...)`` maps
+names to fewer values before any of this.
 
 **The hooks.**  The launcher reads the recorder in force
 (``aioproc._metrics.hooks.current``, a ``NullRecorder`` until ``enable()``)
@@ -30,12 +73,16 @@ once when a group, pool or agent opens, and before each hook checks its
   is known and watched), once per worker start, restarts included;
 - ``worker_exited(group, role, outcome)``: its ``"exited"`` event, once per
   start (``outcome_of(returncode, stopped=...)`` names the outcome);
+- ``group_queued(group, role, seconds)``: the group has its ``Capacity``
+  slots, after waiting ``seconds`` for them (0 without a ``Capacity``);
 - ``group_started(group, role, seconds)``: the group's start, after its
-  last worker started;
+  last worker started (timed from ``group_queued``: a wait for slots is
+  never start time);
 - ``group_exited(group, role, outcome)``: when the group's result is final
   (``wait()``/``poll()`` returns it, or a close stopped the group);
-- ``group_stopped(group, role, seconds)``: the end of a ``close()`` that
-  signalled workers, from the first signal to the last reap;
+- ``group_stopped(group, role, seconds)``: the end of every stop that
+  signalled workers (a ``close()``, or the stop of the other ranks after a
+  failure), from the first signal to the last reap;
 - ``restarted(group, role, remaining)``: the agent schedules a restart;
 - ``run_finished(group, role, outcome, restarts)``: ``LocalElasticAgent.run()``
   returns (torch's ``_record_metrics``);
@@ -80,7 +127,8 @@ aioproc's seconds):
 
 and, with no torch counterpart: ``aioproc_groups_running``,
 ``aioproc_workers_started_total``, ``aioproc_workers_running``,
-``aioproc_workers_exited_total`` (by outcome), ``aioproc_output_lines_total``,
+``aioproc_workers_exited_total`` (by outcome), ``aioproc_group_queue_seconds``,
+``aioproc_output_lines_total``,
 ``aioproc_output_bytes_total`` and ``aioproc_output_backpressure_seconds_total``
 (by stream), ``aioproc_pool_calls_total`` (by outcome) and
 ``aioproc_pool_call_seconds``.  ``CATALOGUE`` lists them all with their labels.
@@ -110,25 +158,32 @@ receiver, which keeps aioproc free of the SDK.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from ._base.resource import OpenResource
 from ._metrics import hooks as _hooks
+from ._metrics.apps import MetricsApp
+from ._metrics.apps import aiohttp_handler as _aiohttp_handler
 from ._metrics.families import Counter, Gauge, Histogram, Registry
 from ._metrics.hooks import OUTCOMES, POOL_OUTCOMES, STREAMS, NullRecorder
 from ._metrics.recorder import (
     CATALOGUE,
     DURATION_BUCKETS,
+    EXPIRED,
+    KEEP_FINISHED,
     POOL_BUCKETS,
     MetricInfo,
     Recorder,
     outcome_of,
 )
-from ._metrics.server import MetricsServer
+from ._metrics.server import MAX_CONNECTIONS, MetricsServer
 from ._metrics.server import start as _start_server
 from ._metrics.text import CONTENT_TYPE
 from ._metrics.text import render as _render
 
 if TYPE_CHECKING:
+    from aiohttp import web
     from prometheus_client.registry import Collector, CollectorRegistry
 
 __all__ = [
@@ -136,9 +191,13 @@ __all__ = [
     "CONTENT_TYPE",
     "Counter",
     "DURATION_BUCKETS",
+    "EXPIRED",
     "Gauge",
     "Histogram",
+    "KEEP_FINISHED",
+    "MAX_CONNECTIONS",
     "MetricInfo",
+    "MetricsApp",
     "MetricsServer",
     "NullRecorder",
     "OUTCOMES",
@@ -151,6 +210,8 @@ __all__ = [
     "enable",
     "get_recorder",
     "is_enabled",
+    "make_aiohttp_handler",
+    "make_asgi_app",
     "outcome_of",
     "register",
     "render",
@@ -163,6 +224,7 @@ for _name in (
     "Gauge",
     "Histogram",
     "MetricInfo",
+    "MetricsApp",
     "MetricsServer",
     "NullRecorder",
     "Recorder",
@@ -276,14 +338,28 @@ def register(
     return prom.register(lambda: _registry(None), registry)
 
 
-async def serve(
-    host: str = "127.0.0.1", port: int = 0, *, recorder: Recorder | None = None
-) -> MetricsServer:
+def _source(recorder: Recorder | None) -> Callable[[], Registry | None]:
+    """What an exporter reads at each request; checks ``recorder`` now."""
+    if recorder is None:
+        return lambda: _registry(None)
+    fixed = _registry(recorder)
+    return lambda: fixed
+
+
+def serve(
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    recorder: Recorder | None = None,
+    max_connections: int = MAX_CONNECTIONS,
+) -> OpenResource[MetricsServer]:
     """Serve ``GET /metrics`` over HTTP on the running loop, without prometheus_client.
 
-    ``server = await serve(host, port)``, then ``server.port`` and
-    ``await server.aclose()``; or ``async with await serve(...) as server:``.
-    Other paths answer 404; a connection serves one request.
+    ``async with serve(host, port) as server:`` closes the server when the
+    block exits; ``server = await serve(host, port)`` leaves that to
+    ``await server.aclose()``.  ``server.port`` says the port.  Other paths
+    answer 404; a connection serves one request.  What a client can cost
+    the supervisor is bounded: see the module's "The server".
 
     Args:
         host: the address to listen on; the default takes no traffic from
@@ -291,17 +367,84 @@ async def serve(
         port: the port; 0: one the system chooses (``server.port`` says which).
         recorder: whose metrics; None: the process-wide recorder at each
             request (an empty page while metrics are off).
+        max_connections: clients served at once (``MAX_CONNECTIONS``, 64).
 
     Returns:
-        The server, listening.
+        An ``OpenResource``: awaited, or used with ``async with``.
 
     Raises:
-        OSError: the address cannot be bound (in use, not local).
+        TypeError: ``recorder`` is no ``Recorder``, ``host`` no str, or
+            ``port`` or ``max_connections`` no int (raised by the call,
+            before anything listens).
+        ValueError: ``port`` is not 0-65535, or ``max_connections`` is
+            under 1.
+        OSError: the address cannot be bound (in use, not local), when
+            awaited.
 
-    **Cancellation:** cancelling ``serve()`` before it returns leaves no
-    socket open; ``aclose()`` cancels the requests in flight and waits for
-    their connections to close.
+    **Cancellation:** cancelling the open before it returns leaves no
+    socket open; ``aclose()`` closes every connection within its grace
+    period, shielded.
     """
-    if recorder is not None:
-        _registry(recorder)  # a TypeError now rather than at the first scrape
-    return await _start_server(lambda: render(recorder), host, port)
+    source = _source(recorder)  # a TypeError now rather than at the first scrape
+    if not isinstance(host, str):
+        raise TypeError(f"serve() host must be a str, got {host!r}")
+    for name, value, low, high in (
+        ("port", port, 0, 65535),
+        ("max_connections", max_connections, 1, None),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"serve() {name} must be an int, got {value!r}")
+        if value < low or (high is not None and value > high):
+            bound = f"{low}-{high}" if high is not None else f"{low} or more"
+            raise ValueError(f"serve() {name} must be {bound}, got {value!r}")
+
+    async def close(server: MetricsServer, exc: BaseException | None) -> None:
+        await server.aclose()
+
+    return OpenResource(
+        lambda: _start_server(source, host, port, max_connections), close, "serve(...)"
+    )
+
+
+def make_asgi_app(*, recorder: Recorder | None = None) -> MetricsApp:
+    """The metrics page as an ASGI application, to mount on the service's own server.
+
+    ``app.mount("/metrics", make_asgi_app())`` in FastAPI or Starlette, or
+    the whole application of an ASGI server.  It answers ``GET`` and
+    ``HEAD`` on every path it is given (other methods: 405), rendering a
+    slice at a time as ``serve()`` does; the host's server keeps its own
+    connection limits and timeouts.
+
+    Args:
+        recorder: whose metrics; None: the process-wide recorder at each
+            request (an empty page while metrics are off).
+
+    Returns:
+        The ASGI 3 application.
+
+    Raises:
+        TypeError: ``recorder`` is not a ``Recorder``.
+    """
+    return MetricsApp(_source(recorder))
+
+
+def make_aiohttp_handler(
+    *, recorder: Recorder | None = None
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """The metrics page as an aiohttp handler: ``app.router.add_get("/metrics", handler)``.
+
+    It renders a slice at a time as ``serve()`` does; ``add_get`` routes
+    ``HEAD`` to it too.  aiohttp is imported by this call, not before.
+
+    Args:
+        recorder: whose metrics; None: the process-wide recorder at each
+            request (an empty page while metrics are off).
+
+    Returns:
+        The request handler.
+
+    Raises:
+        TypeError: ``recorder`` is not a ``Recorder``.
+        ModuleNotFoundError: aiohttp is not installed.
+    """
+    return _aiohttp_handler(_source(recorder))

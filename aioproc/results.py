@@ -32,8 +32,11 @@ class Usage:
             into the program it execs, so for a worker started by ``exec``
             (a binary, a spawned function worker) this is at least the
             supervisor's own peak when it launched the worker, and a forked
-            worker counts the pages it shares with its template;
-            ``tree_max_memory`` (with ``limits=``) counts only the worker's.
+            worker counts the pages it shares with its template.  A worker
+            with a memory cgroup of its own (``limits=``) whose figure does
+            not rise above the supervisor's own peak (so cannot be told
+            from it) gets its cgroup's peak instead, which counts only
+            what is the worker's.
         tree_cpu_time: CPU seconds of every process in its cgroup (the
             worker and all its descendants, reaped or not), or ``None``
             where no cgroup counted it.

@@ -100,14 +100,16 @@ def start_processes(
         kwargs: ``{local_rank: {name: value}}``, keyword arguments of
             function workers (ranks left out get none).
         limits: resource limits (``aioproc.Limits``: memory, CPU quota,
-            processes): one ``Limits`` the ranks share (one cgroup for the
-            group), or ``{local_rank: Limits}``, one for each rank named.
+            processes): one ``Limits`` is each rank's own (a cgroup per
+            rank, as ``aioproc run --memory-limit``), or
+            ``{local_rank: Limits}`` for the ranks named.
             Each limit is enforced by the best mechanism this host offers
             (a cgroup v2 or v1 group, else an rlimit), said once in the log
             at INFO; a limit nothing can enforce here is named in a
-            WARNING.  A rank the kernel's OOM killer ends is reported as
-            such (``ProcessFailure.oom``, the summary, the ``"exited"``
-            event).  The cgroups are removed when the group is closed.
+            WARNING.  A rank the kernel's OOM killer ends, or a process of
+            its cgroup, is reported as such (``ProcessFailure.oom``, the
+            summary, the ``"exited"`` event).  The cgroups are removed when
+            the group is closed.
         capacity: a process budget (``aioproc.Capacity``) shared with other
             groups: the start waits, first come first served, until all
             ``len(args)`` workers fit, and gives the slots back once the

@@ -267,7 +267,7 @@ def _guardians_marked(mark: str) -> set[int]:
             continue
         try:
             with open(f"/proc/{name}/cmdline", "rb") as f:
-                if b"aioproc-guardian" not in f.read().split(b"\0"):
+                if not f.read().startswith(b"aioproc-guardian "):
                     continue
             with open(f"/proc/{name}/environ", "rb") as f:
                 env = f.read().split(b"\0")

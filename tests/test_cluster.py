@@ -820,7 +820,7 @@ async def test_tasks_kill_their_groups_on_their_channels_eof_with_the_guardian_s
                 for p in os.listdir("/proc")
                 if p.isdigit()
                 and parent_of(int(p)) == proc.pid
-                and b"aioproc-guardian" in cmdline(int(p)).split(b"\0")
+                and cmdline(int(p)).startswith(b"aioproc-guardian ")
             )
             os.kill(guardian, signal.SIGSTOP)
             proc.kill()

@@ -41,6 +41,8 @@ PUBLIC_MODULES = (
     "aioproc.cluster",
     "aioproc.agent",
     "aioproc.rendezvous",
+    "aioproc.launcher",
+    "aioproc.torchrun",
     "aioproc.errors",
     "aioproc.testing",
     "aioproc.timer",

@@ -6,6 +6,8 @@ only the supervisor; it stops them with itself (``aioproc._proc.jobcontrol``).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import pty
 import signal
@@ -13,8 +15,10 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import _LOOP_FACTORIES
@@ -180,3 +184,112 @@ async def test_fg_never_continues_a_group_whose_fence_expired_while_stopped() ->
         "SIGKILL",
         "SIGTERM",
     ]
+
+
+# ------------------------------------------------- closing a group of stopped workers
+
+# The handler leaves by os._exit: a SystemExit raised while the interpreter
+# finalizes an object (the FIFO's, just written) would be ignored.
+ON_TERM = (
+    "import os, signal, sys\n"
+    "def term(*_):\n"
+    "    with open(sys.argv[1], 'a') as f:\n"
+    "        f.write('term\\n')\n"
+    "    os._exit(0)\n"
+    "signal.signal(signal.SIGTERM, term)\n"
+    "open(sys.argv[2], 'w').write('ready\\n')\n"
+    "while True:\n"
+    "    signal.pause()\n"
+)
+
+
+def on_term(out: str, fifo: str) -> None:
+    """``ON_TERM`` as a function worker: its SIGTERM handler writes a line, then exits."""
+    import sys
+
+    sys.argv[1:] = [out, fifo]
+    exec(ON_TERM)
+
+
+def _stopped(pid: int) -> None:
+    os.kill(pid, signal.SIGSTOP)
+    _wait_for(f"{pid} to stop", lambda: state(pid) == "T", bytearray())
+
+
+@pytest.mark.parametrize("kind", ["function", "binary"])
+@pytest.mark.parametrize("grace", [5.0, None], ids=["grace5", "default"])
+async def test_a_stopped_worker_is_continued_and_closed_in_what_it_needs(
+    tmp_path: Path, kind: str, grace: float | None
+) -> None:
+    """A worker stopped (SIGSTOP: a debugger, a suspended job) when its group is
+    closed gets SIGCONT right after SIGTERM, as systemd sends it: its handler
+    runs at once, and the close takes what the worker needs, not the grace period
+    (5 s, or the default 30 s) ending in a SIGKILL."""
+    from proc_utils import Fifo
+
+    out = tmp_path / "out"
+    kw = {} if grace is None else {"grace_period": grace}
+    async with Fifo(tmp_path / "fifo") as fifo:
+        if kind == "function":
+            entry: Any = on_term
+            args: tuple[str, ...] = (str(out), fifo.path)
+        else:
+            entry, args = sys.executable, ("-c", ON_TERM, str(out), fifo.path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", aioproc.ForcedKillWarning)
+            async with aioproc.start_processes(
+                "stopped", entry, {0: args}, {0: {}}, sinks=[], **kw
+            ) as pc:
+                await fifo.lines(1)
+                _stopped(pc.pids()[0])
+                began = time.monotonic()
+            took = time.monotonic() - began  # leaving: SIGTERM, then the grace period
+    assert took < (2.5 if grace else 10.0), took
+    assert out.read_text() == "term\n"
+    result = pc.poll()
+    assert result is not None and not result.failures  # its handler exited 0
+
+
+async def test_a_fenced_groups_stopped_worker_is_never_continued(tmp_path: Path) -> None:
+    """Two stopped groups closed together: the one whose lease fence expired is
+    never continued (its handler never runs; it is SIGKILLed, stopped, at the end
+    of the grace period); the other is continued and stops on its own."""
+    from proc_utils import Fifo
+
+    fence = _lifeline.Fence()
+    outs = [tmp_path / "fenced", tmp_path / "free"]
+    groups: list[aioproc.PContext] = []
+    async with Fifo(tmp_path / "fifo") as fifo:
+        try:
+            for name, out in zip(("fenced", "free"), outs, strict=True):
+                with fence.scope() if name == "fenced" else contextlib.nullcontext():
+                    groups.append(
+                        await aioproc.start_processes(
+                            name,
+                            sys.executable,
+                            {0: ("-c", ON_TERM, str(out), fifo.path)},
+                            {0: {}},
+                            sinks=[],
+                        )
+                    )
+            await fifo.lines(2)
+            fenced, free = (pc.pids()[0] for pc in groups)
+            fence.renew(time.monotonic() + 60)  # what the guardian hears
+            _stopped(fenced)
+            _stopped(free)
+            # the lease was lost while they were stopped; the guardian is not told
+            fence.renew(time.monotonic() - 1, lag=3600)
+            assert _lifeline.fenced_out() == {fenced}
+            closing = asyncio.ensure_future(groups[0].close(timeout=1.5))
+            await groups[1].close(timeout=1.5)
+            assert state(fenced) == "T"  # still stopped, well into its grace period
+            with pytest.warns(aioproc.ForcedKillWarning, match=r"fenced/0 \(pid"):
+                await closing
+        finally:
+            fence.close()
+            for pc in groups:
+                await pc.close(signal.SIGKILL)
+    assert (outs[0].exists(), outs[1].read_text()) == (False, "term\n")
+    results = [pc.poll() for pc in groups]
+    assert results[0] is not None and results[0].failures[0].signal_name() == "SIGKILL"
+    assert results[1] is not None and not results[1].failures

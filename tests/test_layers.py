@@ -96,6 +96,9 @@ ORDER = (
     "_cli",
     "cli",
     "__main__",
+    "_launch",  # torch's launch API: LaunchConfig and torchrun's flags, run by the agent
+    "launcher",
+    "torchrun",
     "_cluster",
     "cluster",
     "pool",

@@ -23,16 +23,16 @@ CHILDREN = Path(__file__).parent / "children"
 GRANDCHILD = str(CHILDREN / "grandchild.py")
 
 
+def is_guardian(pid: int) -> bool:
+    """Whether ``pid`` is a guardian shell: ``ps`` shows ``aioproc-guardian <pid>``."""
+    return cmdline(pid).startswith(b"aioproc-guardian ")
+
+
 def guardians() -> list[int]:
     """Guardian shells among this process's children."""
     found = []
     for pid in child_pids():
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"aioproc-guardian" in argv:
+        if is_guardian(pid):
             found.append(pid)
     return found
 
@@ -279,14 +279,8 @@ def all_pids() -> list[int]:
 
 
 def guardian_of(pid: int, supervisor: int) -> bool:
-    """The guardian shell of ``supervisor`` (while the supervisor lives: its parent)."""
-    argv = cmdline(pid).split(b"\0")
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return False
-    return b"aioproc-guardian" in argv and ppid == supervisor
+    """The guardian shell of ``supervisor``: its title names it."""
+    return cmdline(pid) == f"aioproc-guardian {supervisor}\0".encode()
 
 
 # ------------------------------------------------------------------ fences
@@ -394,7 +388,7 @@ def _guardians_in(root: Path) -> set[int]:
     """Guardians working in a directory under ``root`` (they keep their supervisor's)."""
     found = set()
     for pid in all_pids():
-        if b"aioproc-guardian" not in cmdline(pid).split(b"\0"):
+        if not is_guardian(pid):
             continue
         try:
             cwd = os.readlink(f"/proc/{pid}/cwd")

@@ -27,7 +27,7 @@ from aioproc._limits import cgroups, join
 from aioproc._limits.cgroups import Host, discover
 from aioproc._limits.placement import Placement, open_placement
 from aioproc._limits.spec import format_bytes, parse_memory
-from aioproc._limits.usage import TreeUsage, reap_with_usage, usage_from_rusage
+from aioproc._limits.usage import TreeUsage, reap_with_usage, sample, usage_from_rusage
 
 MiB = 1 << 20
 HOST = discover()
@@ -194,6 +194,20 @@ def test_usage_of_a_child_burning_a_second_of_cpu(spawn: type[Child]) -> None:
     assert usage.cpu_time >= 0.8, usage
     assert usage.cpu_time == pytest.approx(usage.user_time + usage.system_time)
     assert usage.tree_cpu_time is None and usage.tree_max_memory is None
+
+
+def test_a_live_sample_of_a_process_that_exited_unreaped_is_none() -> None:
+    """Between its exit and its reap a worker is a zombie whose ``/proc`` figures are
+    all 0: no sample, rather than a peak of 0 bytes."""
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-c", ALLOCATE.format(mib=64)])
+    try:
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+        assert sample(child.pid) is None
+    finally:
+        child.wait()
+    assert sample(os.getpid()) is not None
 
 
 def test_usage_of_a_child_allocating_200_mib(spawn: type[Child]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO_ROOT
 
+import aioproc
 import aioproc.metrics as metrics
 from aioproc._metrics import hooks
 from aioproc.metrics import Counter, Gauge, Histogram, Recorder, Registry
@@ -47,6 +49,7 @@ def _value(recorder: Recorder, name: str, *labels: str) -> float:
 
 def test_the_hooks_move_their_metrics() -> None:
     rec = Recorder()
+    rec.group_queued("train", "default", 0.5)
     rec.worker_started("train", "default")
     rec.worker_started("train", "default")
     rec.group_started("train", "default", 0.04)
@@ -96,6 +99,7 @@ def test_the_hooks_move_their_metrics() -> None:
     }
     assert histograms == {
         "aioproc_group_start_seconds": {G: (1, 0.04)},
+        "aioproc_group_queue_seconds": {G: (1, 0.5)},
         "aioproc_group_stop_seconds": {G: (1, 1.5)},
         "aioproc_pool_call_seconds": {("pool",): (2, 0.501)},
         "aioproc_rendezvous_seconds": {("trainer", "c10d"): (1, 2.0)},
@@ -388,91 +392,174 @@ def test_aioproc_metrics_needs_no_prometheus_client() -> None:
     assert "prometheus_client" not in _imported_after("import aioproc.metrics")["watched"]
 
 
-# -- the HTTP server --------------------------------------------------------
+# -- bounded cardinality ------------------------------------------------------
 
 
-async def _http(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(request)
-        await writer.drain()
-        response = await asyncio.wait_for(reader.read(), 10)  # the server closes
-    finally:
-        writer.close()
-        await writer.wait_closed()
-    head, _, body = response.partition(b"\r\n\r\n")
-    status_line, *header_lines = head.decode("latin-1").split("\r\n")
-    headers = dict(line.split(": ", 1) for line in header_lines)
-    return int(status_line.split()[1]), headers, body
+def _finished(rec: Recorder, group: str, role: str = "default") -> None:
+    """One group's whole life, as the launcher records it."""
+    rec.group_queued(group, role, 0.001)
+    rec.worker_started(group, role)
+    rec.worker_started(group, role)
+    rec.group_started(group, role, 0.02)
+    rec.output(group, role, "stdout", 3, 90)
+    rec.worker_exited(group, role, "succeeded")
+    rec.worker_exited(group, role, "failed")
+    rec.group_stopped(group, role, 0.5)
+    rec.group_exited(group, role, "failed")
 
 
-async def test_server_answers_get_metrics_and_404s_the_rest() -> None:
+def _groups_in(text: str) -> set[str]:
+    return set(re.findall(r'group="([^"]*)"', text))
+
+
+def test_finished_groups_expire_into_their_roles_series() -> None:
+    """10,000 jobs named apart: the page keeps the running, the last 100, and the rest summed."""
     rec = Recorder()
-    rec.worker_started("train", "default")
-    server = await metrics.serve("127.0.0.1", 0, recorder=rec)
-    try:
-        assert server.port > 0 and server.host == "127.0.0.1"
-        assert repr(server) == f"<MetricsServer http://127.0.0.1:{server.port}/metrics serving>"
-        status, headers, body = await _http(
-            server.port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
+    rec.worker_started("server", "default")  # runs throughout: never expires
+    for n in range(10_000):
+        _finished(rec, f"job-{n}", "default" if n % 2 else "etl")
+    text = metrics.render(rec)
+    recent = {f"job-{n}" for n in range(9_900, 10_000)}
+    assert _groups_in(text) == recent | {"server", metrics.EXPIRED}
+    assert len(text) < 600_000, len(text)  # about 4.5 KB per group kept, not 45 MB for all
+
+    def total(name: str, **where: str) -> float:
+        metric = rec.registry.get(name)
+        assert isinstance(metric, Counter)
+        labels = metric.labelnames
+        return sum(
+            value
+            for key, value in metric.samples()
+            if all(key[labels.index(k)] == v for k, v in where.items())
         )
-        assert status == 200
-        assert headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
-        assert headers["Content-Length"] == str(len(body))
-        assert body.decode() == metrics.render(rec)
-        assert b'aioproc_workers_started_total{group="train",role="default"} 1.0\n' in body
 
-        rec.worker_started("train", "default")  # each scrape reads the values of its time
-        _, _, body = await _http(server.port, b"GET /metrics?x=1 HTTP/1.0\r\n\r\n")
-        assert b'aioproc_workers_started_total{group="train",role="default"} 2.0\n' in body
-
-        status, headers, body = await _http(server.port, b"HEAD /metrics HTTP/1.1\r\n\r\n")
-        assert (status, body) == (200, b"") and int(headers["Content-Length"]) > 0
-        for path in (b"/", b"/metricsx", b"/favicon.ico"):
-            status, _, _ = await _http(server.port, b"GET " + path + b" HTTP/1.1\r\n\r\n")
-            assert status == 404, path
-        status, headers, _ = await _http(server.port, b"POST /metrics HTTP/1.1\r\n\r\n")
-        assert (status, headers["Allow"]) == (405, "GET, HEAD")
-        status, _, _ = await _http(server.port, b"nonsense\r\n\r\n")
-        assert status == 400
-    finally:
-        await server.aclose()
-    assert repr(server).endswith("closed>")
-    with pytest.raises(ConnectionRefusedError):
-        await _http(server.port, b"GET /metrics HTTP/1.1\r\n\r\n")
-
-
-async def test_server_follows_the_process_wide_recorder() -> None:
-    async with await metrics.serve() as server:
-        _, _, body = await _http(server.port, b"GET /metrics HTTP/1.1\r\n\r\n")
-        assert body == b""  # metrics are off
-        metrics.enable().group_started("g", "default", 0.1)
-        _, _, body = await _http(server.port, b"GET /metrics HTTP/1.1\r\n\r\n")
-        assert b'aioproc_groups_started_total{group="g",role="default"} 1.0\n' in body
+    # every group is still counted, whether its series are its own or its role's
+    assert total("aioproc_groups_started_total") == 10_000
+    assert total("aioproc_groups_exited_total", outcome="failed") == 10_000
+    assert total("aioproc_workers_exited_total", role="etl", outcome="succeeded") == 5_000
+    assert total("aioproc_output_lines_total", stream="stdout") == 30_000
+    assert _value(rec, "aioproc_groups_started_total", metrics.EXPIRED, "etl") == 4_950
+    assert _value(rec, "aioproc_workers_started_total", metrics.EXPIRED, "default") == 9_900
+    for name in ("aioproc_group_start_seconds", "aioproc_group_queue_seconds"):
+        histogram = rec.registry.get(name)
+        assert isinstance(histogram, Histogram)
+        counts = {key: count for key, _, _, count in histogram.samples()}
+        assert sum(counts.values()) == 10_000
+        assert counts[(metrics.EXPIRED, "etl")] == 4_950
+    stops = rec.registry.get("aioproc_group_stop_seconds")
+    assert isinstance(stops, Histogram)
+    sums = {key: total for key, _, total, _ in stops.samples()}
+    assert sums[(metrics.EXPIRED, "default")] == pytest.approx(4_950 * 0.5)
+    # a gauge of something over says nothing: the expired groups have none
+    running = rec.registry.get("aioproc_workers_running")
+    assert isinstance(running, Gauge)
+    assert {key[0] for key, _ in running.samples()} == recent | {"server"}
+    assert _value(rec, "aioproc_workers_running", "server", "default") == 1
 
 
-async def test_server_closes_with_clients_connected() -> None:
-    """A client that never sends its request does not hold aclose() up, nor leak its socket."""
-    server = await metrics.serve(recorder=Recorder())
-    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+def test_an_event_after_expiry_starts_fresh_series_that_expire_again() -> None:
+    rec = Recorder(keep_finished=2)
+    _finished(rec, "a")
+    _finished(rec, "b")
+    rec.restarted("a", "default", remaining=3)  # "a" is most recent again: "b" is next to go
+    _finished(rec, "c")
+    assert _groups_in(metrics.render(rec)) == {"a", "c", metrics.EXPIRED}
+    rec.output("b", "default", "stderr", 1, 10)  # late output of an expired group
+    assert _groups_in(metrics.render(rec)) == {"b", "c", metrics.EXPIRED}
+    assert _value(rec, "aioproc_output_bytes_total", "b", "default", "stderr") == 10
+    _finished(rec, "d")
+    _finished(rec, "e")
+    assert _groups_in(metrics.render(rec)) == {"d", "e", metrics.EXPIRED}
+    assert _value(rec, "aioproc_output_bytes_total", metrics.EXPIRED, "default", "stderr") == 10
+    assert _value(rec, "aioproc_restarts_total", metrics.EXPIRED, "default") == 1
+    assert _value(rec, "aioproc_groups_started_total", metrics.EXPIRED, "default") == 3
+
+
+def test_a_running_group_keeps_its_series_whatever_finishes_around_it() -> None:
+    rec = Recorder(keep_finished=0)
+    rec.worker_started("long", "default")
+    rec.group_started("long", "default", 0.1)
+    for n in range(50):
+        _finished(rec, f"short-{n}")
+    assert _groups_in(metrics.render(rec)) == {"long", metrics.EXPIRED}
+    rec.worker_exited("long", "default", "succeeded")  # one of two things of it still runs
+    assert "long" in _groups_in(metrics.render(rec))
+    rec.group_exited("long", "default", "succeeded")
+    assert _groups_in(metrics.render(rec)) == {metrics.EXPIRED}
+    assert _value(rec, "aioproc_groups_started_total", metrics.EXPIRED, "default") == 51
+
+
+@pytest.mark.parametrize(
+    ("keep", "error", "message"),
+    [(-1, ValueError, "keep_finished must be 0 or more, got -1"),
+     (1.5, TypeError, "keep_finished must be an int, got 1.5"),
+     (True, TypeError, "keep_finished must be an int, got True")],
+)  # fmt: skip
+def test_keep_finished_is_checked(keep: object, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        Recorder(keep_finished=keep)  # type: ignore[arg-type]
+
+
+# -- the launcher's figures ------------------------------------------------------
+
+
+def _histogram(rec: Recorder, name: str, group: str) -> tuple[float, float]:
+    """(count, sum) of a histogram's series for ``group``."""
+    metric = rec.registry.get(name)
+    assert isinstance(metric, Histogram)
+    for key, _, total, count in metric.samples():
+        if key == (group, "default"):
+            return count, total
+    return 0.0, 0.0
+
+
+async def test_a_queued_groups_start_time_excludes_its_wait_for_slots() -> None:
+    rec = metrics.enable(Recorder())
+    capacity = aioproc.Capacity(1)
+    specs = aioproc.DefaultLogsSpecs(os.devnull)
+    holder = await aioproc.start_processes(
+        "holder", "sleep", {0: ("30",)}, {0: {}}, specs, capacity=capacity
+    )
     try:
-        writer.write(b"GET /metr")  # and then nothing
-        await writer.drain()
-        # a later connection answered: the server accepted the silent one before it
-        status, _, _ = await _http(server.port, b"GET /metrics HTTP/1.1\r\n\r\n")
-        assert status == 200
-        assert len(server._handlers) == 1
-        await asyncio.wait_for(server.aclose(), 5)
-        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed without an answer
+        queued = asyncio.ensure_future(
+            aioproc.run("/bin/true", 1, name="queued", logs_specs=specs, capacity=capacity)
+        )
+        while capacity.waiting == 0:
+            await asyncio.sleep(0.01)
+        held = 1.0  # the queue wait this test makes: the holder's slot is kept this long
+        await asyncio.sleep(held)
+        await holder.close()
+        result = await asyncio.wait_for(queued, 30)
     finally:
-        writer.close()
-        await writer.wait_closed()
-    await server.aclose()  # a second close does nothing
+        await holder.close()
+    assert not result.is_failed()
+    queue_count, queue_seconds = _histogram(rec, "aioproc_group_queue_seconds", "queued")
+    start_count, start_seconds = _histogram(rec, "aioproc_group_start_seconds", "queued")
+    assert queue_count == start_count == 1
+    assert queue_seconds >= held
+    # the start is a spawn (tens of ms); with the wait it was over a second
+    assert start_seconds < held, (start_seconds, queue_seconds)
+    assert _histogram(rec, "aioproc_group_queue_seconds", "holder") == (
+        1,
+        pytest.approx(0, abs=0.5),
+    )
 
 
-async def test_serve_refuses_what_is_no_recorder() -> None:
-    with pytest.raises(TypeError, match=r"expected an aioproc\.metrics\.Recorder or Registry"):
-        await metrics.serve(recorder="nope")  # type: ignore[arg-type]
+async def test_the_stop_after_a_failure_is_timed() -> None:
+    """aioproc stops the other ranks when one fails: that stop is a stop, timed once."""
+    rec = metrics.enable(Recorder())
+    code = "import sys, time\nif sys.argv[1] == '0': sys.exit(3)\ntime.sleep(30)\n"
+    group = "failing"
+    async with aioproc.start_processes(
+        group, sys.executable, {r: ("-c", code, str(r)) for r in range(2)}, {0: {}, 1: {}},
+        aioproc.DefaultLogsSpecs(os.devnull),
+    ) as pc:  # fmt: skip
+        result = await pc.wait()
+    assert result.is_failed() and result.failures[0].exitcode == 3
+    count, seconds = _histogram(rec, "aioproc_group_stop_seconds", group)
+    assert count == 1, metrics.render(rec)
+    assert 0 < seconds < 30
+    assert _value(rec, "aioproc_workers_exited_total", group, "default", "stopped") == 1
 
 
 # -- prometheus_client ------------------------------------------------------

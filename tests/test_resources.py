@@ -10,6 +10,7 @@ runs on asyncio and on uvloop (``conftest.py``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -252,6 +253,113 @@ async def test_a_sigkill_aioproc_sent_is_never_taken_for_the_oom_kill_beside_it(
     assert {r: e.oom for r, e in exited(events).items()} == {0: None, 1: OOM_TEXT}
 
 
+INSIDE_TEXT = (
+    "a process in its cgroup was killed by the kernel's OOM killer: memory limit 64 MiB reached"
+)
+# a child allocating past the rank's limit; the rank goes on and exits 3
+OOM_CHILD = (
+    "import subprocess, sys\n"
+    f"code = subprocess.run([sys.executable, '-c', {ALLOCATE.format(mib=256)!r}]).returncode\n"
+    "print('child', code, flush=True)\n"
+)
+
+
+def oom_child() -> None:
+    exec(OOM_CHILD)
+    raise RuntimeError("my child was killed")
+
+
+@KINDS
+async def test_an_oom_kill_inside_a_rank_is_named_in_its_failure(kind: str) -> None:
+    """The rank's child dies of the OOM killer in the rank's cgroup; the rank itself
+    fails otherwise (exit 3, or an exception): its failure names the OOM kill."""
+    need_cgroup("memory")
+    events: list[aioproc.WorkerEvent] = []
+    if kind == "function":
+        entrypoint: Any = oom_child
+        argv: tuple[Any, ...] = ()
+    else:
+        entrypoint, argv = sys.executable, ("-c", OOM_CHILD + "raise SystemExit(3)\n")
+    async with aioproc.start_processes(
+        "inside",
+        entrypoint,
+        {0: argv, 1: ("-c", "pass") if kind == "binary" else ()},
+        {0: {}, 1: {}},
+        limits={0: Limits(memory="64M")},
+        on_event=events.append,
+        logs_specs=NO_LOGS,
+        sinks=[],
+    ) as pc:
+        result = await pc.wait()
+    assert result is not None and result.is_failed()
+    failure = result.failures[0]
+    assert (failure.exitcode, failure.oom) == (3 if kind == "binary" else 1, INSIDE_TEXT)
+    assert f"  oom       : {INSIDE_TEXT}\n" in str(ChildFailedError("inside", result.failures))
+    assert exited(events)[0].oom == INSIDE_TEXT
+
+
+DEAF_AFTER_OOM = OOM_CHILD + DEAF.replace("import signal, sys\n", "import signal\n")
+
+
+async def test_a_rank_aioproc_killed_names_the_oom_kill_of_its_child_not_its_own(
+    tmp_path: Path,
+) -> None:
+    """A rank whose child the OOM killer took, then SIGKILLed by aioproc at the end
+    of the grace period: its failure names the child's OOM kill, never its own
+    death as one; a rank that ends without any OOM kill names none."""
+    need_cgroup("memory")
+    events: list[aioproc.WorkerEvent] = []
+    async with Fifo(tmp_path / "fifo") as fifo:
+        pc = await aioproc.start_processes(
+            "deaf",
+            sys.executable,
+            {0: ("-c", DEAF_AFTER_OOM, fifo.path), 1: ("-c", DEAF, fifo.path)},
+            {0: {}, 1: {}},
+            limits=Limits(memory="64M"),
+            on_event=events.append,
+            logs_specs=NO_LOGS,
+            sinks=[],
+        )
+        try:
+            await fifo.lines(2)
+            with pytest.warns(ForcedKillWarning, match=r"deaf/0 \(pid"):
+                await pc.close(timeout=1)
+        finally:
+            await pc.close(signal.SIGKILL)
+    result = pc.poll()
+    assert result is not None
+    assert {r: (f.exitcode, f.oom) for r, f in result.failures.items()} == {
+        0: (-signal.SIGKILL, INSIDE_TEXT),
+        1: (-signal.SIGKILL, ""),
+    }
+    assert {r: e.oom for r, e in exited(events).items()} == {0: INSIDE_TEXT, 1: None}
+
+
+async def test_one_limits_is_each_ranks_own() -> None:
+    """``Limits(memory="64M")`` is every rank's, as ``--memory-limit`` is: two ranks
+    of 40 MiB both fit, each in a cgroup of its own; a rank past it is OOM-killed
+    and named, and the rank beside it is not blamed."""
+    need_cgroup("memory")
+    result = await aioproc.run(allocate, 2, (40,), limits=Limits(memory="64M"), sinks=[])
+    assert result.return_values == {0: 40, 1: 40}
+    trees = {r: u.tree_max_memory for r, u in result.usage.items()}
+    assert all(t is not None and 40 * MiB <= t <= 64 * MiB for t in trees.values()), trees
+    async with aioproc.start_processes(
+        "over",
+        allocate,
+        {0: (16,), 1: (256,)},
+        {0: {}, 1: {}},
+        limits=Limits(memory="64M"),
+        logs_specs=NO_LOGS,
+        sinks=[],
+    ) as pc:
+        over = await pc.wait()
+    assert over is not None
+    assert (over.failures[1].exitcode, over.failures[1].oom) == (-signal.SIGKILL, OOM_TEXT)
+    # rank 0 returned, or was stopped by rank 1's failure: never an OOM kill of its own
+    assert 0 not in over.failures or over.failures[0].oom == ""
+
+
 @KINDS
 async def test_without_cgroups_memory_is_an_rlimit_and_the_allocation_fails(
     kind: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
@@ -435,6 +543,50 @@ async def test_usage_on_failure_and_on_the_exited_event_of_a_stopped_rank(kind: 
     assert final is not None and final.failures[0].stopped
     assert exited(events)[0].usage == final.usage[0]
     assert final.usage[0].cpu_time > 0
+
+
+BIG_SUPERVISOR = """\
+import asyncio, os, sys
+import aioproc
+
+def allocate(mib):
+    data = bytearray(mib << 20)
+    data[::4096] = b"x" * len(data[::4096])
+
+async def main(kind):
+    entry = allocate if kind == "function" else sys.executable
+    code = f"data = bytearray(256 << 20)\\ndata[::4096] = b'x' * len(data[::4096])"
+    args = {0: (256,), 1: (1,)} if kind == "function" else {0: ("-c", code), 1: ("-c", "")}
+    async with aioproc.start_processes(
+        "big", entry, args, {0: {}, 1: {}}, aioproc.DefaultLogsSpecs(log_dir=os.devnull),
+        limits={0: aioproc.Limits(memory="64M")}, sinks=[],
+    ) as pc:
+        result = await pc.wait()
+    print(result.failures[0].oom, file=sys.stderr)
+    print(result.usage[0].max_rss, result.usage[0].tree_max_memory, result.usage[1].max_rss)
+
+allocate(300)  # this supervisor's own peak, carried into what it execs
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+@KINDS
+async def test_a_ranks_max_rss_is_its_own_not_its_supervisors_peak(kind: str) -> None:
+    """A supervisor whose own peak is 300 MiB starts a rank limited to 64 MiB, which
+    the OOM killer ends: the rank's ``max_rss`` is what its cgroup held, not the
+    supervisor's peak that Linux carries over the exec into its ``ru_maxrss``; a
+    rank without a memory cgroup of its own keeps the kernel's figure."""
+    need_cgroup("memory")
+    out = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", BIG_SUPERVISOR, kind,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    stdout, stderr = await asyncio.wait_for(out.communicate(), 60)
+    assert out.returncode == 0, stderr.decode()
+    assert stderr.decode().strip() == OOM_TEXT
+    limited, tree, free = map(int, stdout.split())
+    assert limited <= tree <= 64 * MiB, (limited, tree)
+    assert free >= 300 * MiB  # no cgroup of its own: the kernel's ru_maxrss, carried over
 
 
 # ------------------------------------------------------------------ capacity
@@ -649,10 +801,12 @@ async def test_sample_interval_reports_each_running_workers_live_figures(tmp_pat
     assert result is not None and not result.is_failed()
     samples = [e for e in events if e.kind == "sampled"]
     assert all(e.local_rank == 0 and e.pid == pid and e.exitcode is None for e in samples)
-    last = samples[-1].usage
-    assert last is not None and last.rss is not None
-    assert last.max_rss >= last.rss >= 100 * MiB
-    assert last.cpu_time == pytest.approx(last.user_time + last.system_time)
+    # the one that saw it grown (later ones may catch it freeing its memory as it exits)
+    seen = next(e.usage for e in samples if e.usage is not None and (e.usage.rss or 0) >= 100 * MiB)
+    assert seen is not None and seen.rss is not None
+    assert seen.max_rss >= seen.rss >= 100 * MiB
+    assert seen.cpu_time == pytest.approx(seen.user_time + seen.system_time)
+    assert all(e.usage is not None and e.usage.max_rss >= (e.usage.rss or 0) for e in samples)
     # none after the exit: the sampler ends with the group
     kinds = [e.kind for e in events]
     assert "sampled" not in kinds[kinds.index("exited") :]
@@ -684,7 +838,7 @@ async def main():
         "crash", sys.executable, {0: ("-c", "import time; time.sleep(3600)")}, {0: {}},
         limits=aioproc.Limits(memory="256M"),
     )
-    paths = [str(p) for p in pc._resources._group.cgroups]
+    paths = [str(p) for p in pc._resources.placement_of(0).cgroups]
     print("ready", pc.pids()[0], *paths, flush=True)
     await asyncio.sleep(3600)
 
@@ -732,6 +886,154 @@ async def test_a_sigkilled_supervisors_cgroups_are_removed_by_its_guardian() -> 
 def _is_guardian(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"aioproc-guardian" in f.read().split(b"\0")
+            return b"aioproc-guardian" in f.read()
     except OSError:
         return False
+
+
+STARTS = str(Path(__file__).parent / "children" / "cgroup_starts.py")
+BACKEND_KINDS = pytest.mark.parametrize("backend", ["cgroup1", "cgroup2"])
+
+
+def cgroup_parents(backend: str) -> list[Path]:
+    """Where ``backend``'s groups with memory and pids limits are made, or skip."""
+    version = int(backend[-1])
+    hierarchies = [h for h in cgroup_host().hierarchies if h.version == version]
+    offered = set().union(*(h.controllers for h in hierarchies))
+    if not {"memory", "pids"} <= offered:
+        pytest.skip(
+            f"this process cannot make {backend} groups with memory and pids "
+            f"(notes: {'; '.join(cgroup_host().notes) or 'none'})"
+        )
+    return sorted({h.parent for h in hierarchies})
+
+
+def cgroups_of(parents: list[Path], supervisors: list[int]) -> list[Path]:
+    """The cgroup directories ``supervisors`` made under ``parents`` that still exist."""
+    names = tuple(f"aioproc-{pid}-" for pid in supervisors)
+    return sorted(p / n for p in parents for n in os.listdir(p) if n.startswith(names))
+
+
+def _guardians_in(root: Path) -> set[int]:
+    """Guardians working in ``root`` (a guardian keeps its supervisor's directory)."""
+    found = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit() and _is_guardian(int(name)):
+            try:
+                if os.readlink(f"/proc/{name}/cwd") == str(root):
+                    found.add(int(name))
+            except OSError:
+                continue
+    return found
+
+
+def _workers_of(supervisors: list[int]) -> set[int]:
+    """Live processes whose lifeline names one of ``supervisors`` (their workers)."""
+    marks = tuple(f"{pid}-".encode() for pid in supervisors)
+    found = set()
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        for entry in env:
+            name_, _, chain = entry.partition(b"=")
+            if name_ == b"AIOPROC_LIFELINE" and any(t.startswith(marks) for t in chain.split(b":")):
+                found.add(int(name))
+    return found
+
+
+async def _nothing_left(root: Path, parents: list[Path], supervisors: list[int]) -> None:
+    """Once every guardian working in ``root`` has finished: no worker, no cgroup left."""
+    from helpers import state
+
+    deadline = time.monotonic() + 25  # the guardians sweep ~1.5 s, then rmdir up to 4 s
+    while _guardians_in(root) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert _guardians_in(root) == set()
+    assert {p for p in _workers_of(supervisors) if state(p) not in ("Z", "")} == set()
+    left = cgroups_of(parents, supervisors)
+    for path in left:  # what a failing run left, for the next test's sake
+        with contextlib.suppress(OSError):
+            path.rmdir()
+    assert left == []
+
+
+def supervisor_env() -> dict[str, str]:
+    env = dict(os.environ)
+    if "uvloop" in type(asyncio.get_running_loop()).__module__:
+        env["AIOPROC_LOOP"] = "uvloop"
+    return env
+
+
+@BACKEND_KINDS
+@pytest.mark.timeout(120)
+async def test_a_supervisor_killed_as_its_cgroups_appear_leaves_none(
+    backend: str, tmp_path: Path
+) -> None:
+    """SIGKILLed right after its first cgroup directory appears (the guardian was
+    not running yet), after each rank's, after the last of a group's (no worker
+    yet) and as the second group makes its own: the guardian removes them all."""
+    parents = cgroup_parents(backend)
+    sups = [
+        await asyncio.create_subprocess_exec(
+            sys.executable, STARTS, backend, str(n), cwd=tmp_path, env=supervisor_env(),
+            stdout=asyncio.subprocess.DEVNULL,
+        )
+        for n in (1, 2, 3, 4, 6, 7, 9)
+    ]  # fmt: skip
+    try:
+        codes = [await asyncio.wait_for(sup.wait(), 60) for sup in sups]
+        assert codes == [-signal.SIGKILL] * len(sups)
+        await _nothing_left(tmp_path, parents, [sup.pid for sup in sups])
+    finally:
+        for sup in sups:
+            if sup.returncode is None:
+                sup.kill()
+                await sup.wait()
+
+
+@BACKEND_KINDS
+@pytest.mark.timeout(400)
+async def test_supervisors_sigkilled_at_random_moments_of_200_starts_leave_no_cgroup(
+    backend: str, tmp_path: Path
+) -> None:
+    """Supervisors that start groups with per-rank limits back to back, each SIGKILLed
+    after a random number of starts and a random part of the next one (a start's
+    length is measured as they go: the moments follow the machine's load), 200
+    starts in all: no cgroup directory of theirs and no worker outlives them."""
+    parents = cgroup_parents(backend)
+    rng = random.Random(os.getpid())
+    starts = 0
+    killed: list[int] = []
+    lengths = [0.3]  # seconds between two "started" lines, as seen so far
+
+    async def one() -> int:
+        sup = await asyncio.create_subprocess_exec(
+            sys.executable, STARTS, backend, "0", cwd=tmp_path, env=supervisor_env(),
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert sup.stdout is not None
+        killed.append(sup.pid)
+        done = 0
+        try:
+            assert await asyncio.wait_for(sup.stdout.readline(), 120) == b"ready\n"
+            last = time.monotonic()
+            for _ in range(rng.randrange(8)):
+                line = await asyncio.wait_for(sup.stdout.readline(), 120)
+                assert line.startswith(b"started "), line
+                done, now = done + 1, time.monotonic()
+                lengths.append(now - last)
+                last = now
+            # somewhere in the next start (or between two), wherever it is
+            await asyncio.sleep(rng.uniform(0, 1.2 * sorted(lengths)[len(lengths) // 2]))
+        finally:
+            sup.kill()
+            await sup.wait()
+        return done
+
+    while starts < 200:
+        assert len(killed) < 200, f"only {starts} starts by {len(killed)} supervisors"
+        starts += sum(await asyncio.gather(*(one() for _ in range(6))))
+    await _nothing_left(tmp_path, parents, killed)

@@ -1,10 +1,11 @@
 """Child side of a function worker.  Standard library (and the user's code) only.
 
-The supervisor starts ``sys.executable -c <BOOT_CODE> <fd>`` (see ``_func.boot``)
-where ``fd`` is this worker's end of a socketpair.  Over it the child
-receives this module and ``_child.channel`` as compiled code, then INIT (the
-parent's ``sys.path``) and CALL (the function and its arguments), runs the
-function in the main thread and answers with RESULT or ERROR before exiting.
+The supervisor starts ``sys.executable -c <stub> <fd> <title>`` (see
+``_func.boot``) where ``fd`` is this worker's end of a socketpair.  Over it
+the child receives its boot code, this module and ``_child.channel`` as
+compiled code, then INIT (the parent's ``sys.path``) and CALL (the function
+and its arguments), runs the function in the main thread and answers with
+RESULT or ERROR before exiting.
 After a RESULT it waits for the supervisor's TERMINATE before it exits (see
 "Holding" below).
 
@@ -36,6 +37,22 @@ as binary workers' are, and a channel the supervisor closes on a protocol
 error comes with a SIGKILL to the group.  A second thread costs every exit:
 64 workers exit 2.5-4.4 ms later with one blocked in ``read()``
 (``benchmarks/RESULTS.md``).
+
+Title: ``ps -o args`` (``/proc/<pid>/cmdline``) shows a process's command
+line, for a function worker or a template an interpreter running a short
+boot stub, alike for every worker.  ``set_title`` rewrites it to a title
+(``aioproc: trainer[3]``) without a dependency (setproctitle) or C: the
+command line lives in the process's own memory, between ``arg_start`` and
+``arg_end`` of ``/proc/self/stat``, and ``/proc/self/mem`` lets the process
+write there.  The title is written NUL-terminated and the span's last byte
+made non-NUL: that is how the kernel tells a rewritten command line
+(setproctitle(3)'s) from the original, and it then reads it up to the first
+NUL, so the title alone is shown.  Python keeps its own copies of the
+arguments (``sys.argv``, ``sys.orig_argv``): nothing reads the span after
+start-up.  Best effort: where ``/proc`` cannot be written the command line
+stays as it was, and a title longer than the span is cut to fit.  A
+template's forks write over the span the template read (a fork has its
+memory at the same addresses).
 
 Holding: as torch's ``start_processes`` does, a worker whose function
 returned stays alive until the supervisor has read every local worker's
@@ -967,3 +984,51 @@ def main(fd: int) -> None:
         _hold(fd)  # until the supervisor has every local worker's result
     # Exit the normal way so atexit handlers and non-daemon threads behave as in a script.
     sys.exit(0)
+
+
+# ---------------------------------------------------------------- the title
+# What ``ps`` shows for the process: set by the boot code (``_func.boot``)
+# and by a template for itself and its forks, before any function runs, and
+# kept apart from the code that runs one.  See "Title" in the docstring.
+
+
+def arg_span() -> tuple[int, int] | None:
+    """Where this process's command line lives in its memory: ``(start, end)``, or None."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read()
+        # the fields after the command name's last ')' start with proc(5)'s
+        # field 3; arg_start and arg_end are fields 48 and 49
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        start, end = int(fields[45]), int(fields[46])
+    except (OSError, ValueError, IndexError):
+        return None
+    return (start, end) if end - start >= 2 else None
+
+
+def set_title(title: str, span: tuple[int, int] | None = None) -> bool:
+    """Make this process's command line read ``title``; whether it could.
+
+    Args:
+        title: what ``ps -o args`` is to show.
+        span: ``arg_span()`` as read before (by a template, for its forks).
+    """
+    if span is None:
+        span = arg_span()
+    if span is None:
+        return False
+    start, end = span
+    size = end - start
+    text = title.encode(errors="replace")[: size - 2]
+    # the title, NULs, and a last byte that is not one (see the module docstring)
+    data = text + bytes(size - len(text) - 1) + b" "
+    try:
+        fd = os.open("/proc/self/mem", os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return os.pwrite(fd, data, start) == size
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

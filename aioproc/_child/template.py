@@ -1,14 +1,16 @@
 """Child side of the forkserver template.  Standard library only.
 
-The supervisor runs this file's source with ``sys.executable -c <source>
-<fd>`` in a session of its own (see ``_func.template``); ``fd`` is the template's
-end of a socketpair.  The template reads its INIT message (the parent's
-``sys.path``, the modules to preload, the code of the function workers'
-boot modules, which it builds once), imports the modules, checks it is
-still single-threaded and has not initialised CUDA, has a large memory
-backed by 2 MiB pages so that forks copy few page-table entries
-(``_collapse``), answers READY (or why not) and then serves fork requests
-until EOF.
+The supervisor runs this file's source through the boot stub,
+``sys.executable -c <stub> <fd> 'aioproc-template <pid>'``, in a session of
+its own (see ``_func.template``); ``fd`` is the template's end of a
+socketpair, on which the source comes first.  The template reads its INIT
+message (the parent's ``sys.path``, the modules to preload, the code of the
+function workers' boot modules, which it builds once), takes its title
+("Title" in ``_child.boot``: ``ps`` shows ``aioproc-template <pid>``),
+imports the modules, checks it is still single-threaded and has not
+initialised CUDA, has a large memory backed by 2 MiB pages so that forks
+copy few page-table entries (``_collapse``), answers READY (or why not) and
+then serves fork requests until EOF.
 
 A request carries, as SCM_RIGHTS fds, a worker's stdout, stderr, channel
 socket and extra fds, and as data their fd numbers in the worker, its
@@ -34,7 +36,8 @@ read end of a pipe that came with the request, whose write end only the
 supervisor holds.  The supervisor writes "go" there once it has the
 worker's pid and the guardian knows it; EOF instead (the supervisor gave
 the request up, or died) ends the worker before it runs anything of the
-user's.  Then a fresh ``__main__`` and the same boot code as a spawned
+user's.  Past its gate it takes its title (``aioproc: trainer[3]``, sent with
+the request).  Then a fresh ``__main__`` and the same boot code as a spawned
 worker (the rest arrives over the channel), or the script, as ``python
 [-u] script args`` would (``_child.script``).  A worker that failed to set
 itself up also waits for its gate before it exits: until the supervisor
@@ -414,6 +417,7 @@ def _become_worker(
     cwd: str,
     report: int,
     gate: int,
+    title: str,
 ) -> None:
     """In the new process: own session, fds at their numbers, env, cwd; then the gate.
 
@@ -467,6 +471,8 @@ def _become_worker(
         os._exit(127)  # given up, or the supervisor died: nothing of the user's runs
     if _own_name is not None:
         _set_name(_own_name)  # adopted now: the name a spawned worker has
+    if _retitle is not None and title:
+        _retitle(title)  # one page of the template's copied: the command line's
 
 
 def _say(report: int, what: bytes) -> None:
@@ -480,6 +486,9 @@ def _say(report: int, what: bytes) -> None:
 
 _own_name: bytes | None = None
 """The template's process name before it took the one it gives its forks."""
+
+_retitle: Callable[[str], object] | None = None
+"""Sets a fork's title over the template's command line ("Title" in ``_child.boot``)."""
 
 
 def _set_name(name: bytes) -> None:
@@ -506,8 +515,9 @@ def _pass_gate(gate: int) -> bool:
     return go == GO
 
 
-def _load_boot(blob: bytes) -> Callable[[int], None]:
-    """The function workers' boot modules, built here once; their ``main``.
+def _load_boot(blob: bytes) -> tuple[Callable[[int], None], Any]:
+    """The function workers' boot modules, built here once; their ``main``, and
+    ``_child.boot`` (whose ``set_title`` the template and its forks use too).
 
     What ``_boot.BOOT_CODE`` does in a spawned worker with the code the
     supervisor sends, done before forking: a forked worker only calls
@@ -526,7 +536,25 @@ def _load_boot(blob: bytes) -> Callable[[int], None]:
     sys.modules["aioproc._child.boot"] = boot
     sys.modules["aioproc._child.pickling"] = load
     main: Callable[[int], None] = boot.main
-    return main
+    return main, boot
+
+
+def _take_title(titles: Any, title: str) -> None:
+    """Show ``title`` in ``ps``; keep how a fork shows its own (``_retitle``).
+
+    The span of the command line is read once, here: a fork has the
+    template's memory at the same addresses, and writes its title there.
+    """
+    global _retitle
+    span = titles.arg_span()
+    if span is None or not title or not titles.set_title(title, span):
+        return
+    set_title = titles.set_title
+
+    def retitle(text: str) -> object:
+        return set_title(text, span)
+
+    _retitle = retitle
 
 
 def serve(fd: int) -> NoReturn:
@@ -541,7 +569,9 @@ def serve(fd: int) -> NoReturn:
     if init is None:
         os._exit(0)
     sys.path[:] = init["sys_path"]
-    boot_main = _load_boot(init["boot"])
+    boot_main, titles = _load_boot(init["boot"])
+    _take_title(titles, sys.argv[2] if len(sys.argv) > 2 else "")
+    del sys.argv[1:]
     runner = type(sys)("aioproc._child.script")
     exec(marshal.loads(init["script"]), runner.__dict__)
     _OURS.append(runner.__dict__)  # its frames are cut from a script's traceback
@@ -613,8 +643,8 @@ def serve(fd: int) -> NoReturn:
             batch.reverse()
             # the modules the workers' functions live in, and the scripts
             # they run, read and compiled before they fork
-            learned = modules.learn({name for (*_, named), _ in batch for name in named})
-            for (_, _, _, cwd, script, _), _ in batch:
+            learned = modules.learn({name for (*_, named, _), _ in batch for name in named})
+            for (_, _, _, cwd, script, _, _), _ in batch:
                 if script is not None and scripts.learn(script, cwd):
                     learned = True
             if learned:
@@ -623,14 +653,14 @@ def serve(fd: int) -> NoReturn:
             # compared the two itself would touch (and copy) the pages of every
             # variable's strings, and so would the template between forks.
             environ = dict(os.environ)
-            for i, ((targets, channel, env, cwd, script, _), fds) in enumerate(batch):
+            for i, ((targets, channel, env, cwd, script, _, title), fds) in enumerate(batch):
                 changes = (
                     [key for key in environ if key not in env],
                     [(key, value) for key, value in env.items() if environ.get(key) != value],
                 )
-                batch[i] = ((targets, channel, changes, cwd, script, None), fds)
+                batch[i] = ((targets, channel, changes, cwd, script, None, title), fds)
             del environ
-        (targets, channel, changes, cwd, script, _), fds = batch.pop()
+        (targets, channel, changes, cwd, script, _, title), fds = batch.pop()
         read_end, write_end = os.pipe()
         try:
             if len(fds) != len(targets) + 1:
@@ -647,7 +677,7 @@ def serve(fd: int) -> NoReturn:
             # here would write (and copy) the page of every entry it reads.
             sock.close()
             gate = fds.pop()
-            _become_worker(fds, targets, changes, cwd, write_end, gate)
+            _become_worker(fds, targets, changes, cwd, write_end, gate, title)
             # From the fork itself, never returning through this frame: that
             # would free what the template's loop holds, touching its pages.
             if script is not None:

@@ -1,13 +1,19 @@
 """How a function worker's interpreter is started (parent side).
 
-The child runs a few lines given with ``-c`` that read the compiled code of
-``_child.channel`` and ``_child.boot`` from the channel and execute it.  Shipping code
-objects (compiled once per supervisor) instead of importing the package
-means a worker never searches for, reads or compiles aioproc's sources:
-with ``PYTHONDONTWRITEBYTECODE`` set or a read-only install there are no
-cached ``.pyc`` files, and compiling them cost every worker several
-milliseconds.  The worker is the same ``sys.executable``, so the marshal
-format matches.
+The child runs a stub of a few lines given with ``-c`` (``STUB``) that
+reads the boot code from its channel and runs it (``BOOT_CODE``, sent first
+on the channel, ``boot_head()``), which reads the compiled code of
+``_child.channel``, ``_child.boot`` and ``_child.pickling`` from the channel
+and executes it.  The command line stays short and says what the worker
+is: ``sys.executable -c <stub> <fd> 'aioproc: trainer[3]'``, and once booted
+the worker rewrites it to the title alone (``process_title``; "Title" in
+``_child.boot``).  Shipping code objects
+(compiled once per supervisor) instead of importing the package means a
+worker never searches for, reads or compiles aioproc's sources: with
+``PYTHONDONTWRITEBYTECODE`` set or a read-only install there are no cached
+``.pyc`` files, and compiling them cost every worker several milliseconds.
+The worker is the same ``sys.executable``, so the marshal format matches.
+A forkserver template starts from the same stub (``_func.template``).
 """
 
 from __future__ import annotations
@@ -32,24 +38,33 @@ from .._errors.failure import RemoteTraceback
 from . import pickling as _funcpickle
 from .pickling import Cached, cached, dumps, function_ref, lookup
 
+STUB = (
+    "import os,sys\n"
+    "def _r(n,b=b'',f=int(sys.argv[1])):\n"
+    " while len(b)<n:b+=os.read(f,n-len(b))or sys.exit(1)\n"
+    " return b\n"
+    "exec(_r(int(_r(8))))"
+)
+"""The ``-c`` code of a function worker or a template: it reads code from the fd
+in ``argv[1]`` (its length in 8 ASCII digits, then the source) and runs it in
+``__main__``; a supervisor that closes the channel first ends it (exit 1)."""
+
 BOOT_CODE = """\
-import marshal, os, sys
+import marshal, sys
 fd = int(sys.argv[1])
-del sys.argv[1]
-def _read(n):
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = os.read(fd, n - len(buf))
-        if not chunk:
-            raise SystemExit("aioproc worker: supervisor closed the channel during startup")
-        buf += chunk
-    return buf
-wire_code, boot_code, load_code = marshal.loads(_read(int.from_bytes(_read(8), "big")))
+title = sys.argv[2] if len(sys.argv) > 2 else ""
+del sys.argv[1:]
+try:
+    wire_code, boot_code, load_code = marshal.loads(_r(int.from_bytes(_r(8), "big")))
+except SystemExit:
+    raise SystemExit("aioproc worker: supervisor closed the channel during startup") from None
 _wire = type(sys)("aioproc._child.channel")
 exec(wire_code, _wire.__dict__)
 _boot = type(sys)("aioproc._child.boot")
 _boot._wire = _wire
 exec(boot_code, _boot.__dict__)
+if title:
+    _boot.set_title(title)
 _load = type(sys)("aioproc._child.pickling")
 exec(load_code, _load.__dict__)
 # registered so user code can reach aioproc.worker_state() in this process,
@@ -57,9 +72,45 @@ exec(load_code, _load.__dict__)
 sys.modules["aioproc._child.channel"] = _wire
 sys.modules["aioproc._child.boot"] = _boot
 sys.modules["aioproc._child.pickling"] = _load
-del _read, wire_code, boot_code, load_code, _wire, _load
+del _r, title, wire_code, boot_code, load_code, _wire, _load
 _boot.main(fd)
 """
+"""What the stub runs in a spawned function worker (sent first on its channel)."""
+
+TITLE_LIMIT = 120
+"""Characters of a process title kept (``process_title``); the rest is cut."""
+
+
+def process_title(label: str) -> str:
+    """``"trainer/3"`` -> ``"aioproc: trainer[3]"``: what ``ps`` shows for a worker.
+
+    A label without a rank (a persistent worker's own name) is shown as it
+    is: ``"aioproc: ckpt"``.  Cut to ``TITLE_LIMIT`` characters; a character
+    that cannot be shown (a NUL, which no argument may hold, a control
+    character, a lone surrogate) is shown as ``?``.
+    """
+    group, _, rank = label.rpartition("/")
+    name = f"{group}[{rank}]" if group and rank.isdigit() else label
+    title = f"aioproc: {name}"[:TITLE_LIMIT]
+    return "".join(c if c.isprintable() else "?" for c in title)
+
+
+def stub_argv(fd: int, title: str) -> list[str]:
+    """The command line of a process started from ``STUB`` on channel ``fd``."""
+    return [
+        sys.executable,
+        *subprocess._args_from_interpreter_flags(),  # type: ignore[attr-defined]
+        "-c",
+        STUB,
+        str(fd),
+        title,
+    ]
+
+
+def code_frame(source: str) -> bytes:
+    """``source`` as ``STUB`` reads it: its length in 8 ASCII digits, then the source."""
+    data = source.encode()
+    return b"%08d" % len(data) + data
 
 
 @functools.cache
@@ -74,15 +125,15 @@ def boot_blob() -> bytes:
     return len(data).to_bytes(8, "big") + data
 
 
-def boot_argv(fd: int) -> list[str]:
-    """argv of a function worker whose channel is ``fd``."""
-    return [
-        sys.executable,
-        *subprocess._args_from_interpreter_flags(),  # type: ignore[attr-defined]
-        "-c",
-        BOOT_CODE,
-        str(fd),
-    ]
+@functools.cache
+def boot_head() -> bytes:
+    """What a spawned function worker reads first: ``BOOT_CODE``, then ``boot_blob()``."""
+    return code_frame(BOOT_CODE) + boot_blob()
+
+
+def boot_argv(fd: int, title: str = "aioproc: worker") -> list[str]:
+    """argv of a function worker whose channel is ``fd``, shown as ``title``."""
+    return stub_argv(fd, title)
 
 
 def check_worker_loop(value: object) -> str:

@@ -36,6 +36,7 @@ from .._proc.channel import Channel
 from .._proc.exits import PidProc
 from .._proc.spawn import Child, adopt
 from . import template as _template
+from .boot import process_title
 from .script import ScriptCommand
 from .template import CLOSE_WAIT, Template, TemplateLost, _Request
 
@@ -131,7 +132,16 @@ async def spawn_forked(
         targets.extend(pass_fds)
         worker_env = {**env, _lifeline.TOKEN_VAR: _lifeline.lineage()}
         pid = await _fork(
-            template, fds, targets, channel_fd, worker_env, os.getcwd(), script, join, modules
+            template,
+            fds,
+            targets,
+            channel_fd,
+            worker_env,
+            os.getcwd(),
+            script,
+            join,
+            modules,
+            process_title(label),
         )
     except BaseException:
         for reader in readers.values():
@@ -140,7 +150,9 @@ async def spawn_forked(
     finally:
         close_given_ends(mine)
     proc = PidProc(pid, readers.get(1), readers.get(2))
-    return await adopt(label, proc, channel, tee_out, tee_err)
+    child = await adopt(label, proc, channel, tee_out, tee_err)
+    child.execed = False  # forked: its ru_maxrss counts the template's pages, not ours
+    return child
 
 
 async def _fork(
@@ -153,6 +165,7 @@ async def _fork(
     script: ScriptCommand | None,
     join: Callable[[int], None] | None = None,
     modules: Sequence[str] = (),
+    title: str = "",
 ) -> int:
     """One fork request, answered on the helper thread; the registered, released pid.
 
@@ -166,7 +179,7 @@ async def _fork(
     """
 
     def submit(to: Template, pool: Executor) -> _Request:
-        return to.submit(pool, fds, targets, channel_fd, env, cwd, script, join, modules)
+        return to.submit(pool, fds, targets, channel_fd, env, cwd, script, join, modules, title)
 
     try:
         return await _fork_once(template, submit)

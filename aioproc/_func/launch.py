@@ -29,7 +29,7 @@ from .._errors.failure import BrokenWorkerError
 from .._output.tee import TeeProtocol
 from .._proc.channel import Channel
 from .._proc.spawn import Child, spawn
-from .boot import boot_argv, boot_blob
+from .boot import boot_argv, boot_head, process_title
 
 if TYPE_CHECKING:
     from .template import Template
@@ -118,7 +118,7 @@ async def launch_function(
         else:
             child = await spawn(
                 label,
-                boot_argv(child_sock.fileno()),
+                boot_argv(child_sock.fileno(), process_title(label)),
                 env,
                 stdout=stdout,
                 stderr=stderr,
@@ -187,7 +187,7 @@ def _queue(
     queued: list[Frame] = list(frames)
     if extra_fds:
         queued.insert(0, (_wire.FD_SOCKET, [str(extra_fds[0]).encode()]))
-    head = [] if forked else [boot_blob()]
+    head = [] if forked else [boot_head()]
     if not segments and sum(len(p) for _, parts in queued for p in parts) <= _wire.JOIN_LIMIT:
         # small frames in one write: one send, one wake-up of the worker
         for kind, parts in queued:

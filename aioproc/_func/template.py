@@ -75,7 +75,7 @@ from .._base.shield import shielded
 from .._errors.failure import RemoteTraceback
 from .._proc import lifeline as _lifeline
 from .._proc.exits import ExitWatcher
-from .boot import boot_blob
+from .boot import boot_blob, code_frame, stub_argv
 from .script import ScriptCommand
 from .template_exec import (
     MARK_VAR,
@@ -173,13 +173,7 @@ class Template:
         _lifeline.ensure()
         try:
             self.popen = subprocess.Popen(
-                [
-                    sys.executable,
-                    *subprocess._args_from_interpreter_flags(),  # type: ignore[attr-defined]
-                    "-c",
-                    _source(),
-                    str(theirs.fileno()),
-                ],
+                stub_argv(theirs.fileno(), f"aioproc-template {os.getpid()}"),
                 env=_template_env(preload, self.mark, _thread_vars_logged),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -211,8 +205,9 @@ class Template:
                 "name": self.name,
             }
         )
-        # ~50 KB into an empty socket buffer (over 200 KB): does not block
-        mine.sendall(len(init).to_bytes(8, "big") + init)
+        # its source, then ~50 KB: into an empty socket buffer (over 200 KB),
+        # which does not block
+        mine.sendall(code_frame(_source()) + len(init).to_bytes(8, "big") + init)
         mine.setblocking(False)
         self._reading: asyncio.AbstractEventLoop | None = loop
         loop.add_reader(mine.fileno(), self._on_readable)
@@ -314,6 +309,7 @@ class Template:
         script: ScriptCommand | None = None,
         join: Callable[[int], None] | None = None,
         modules: Sequence[str] = (),
+        title: str = "",
     ) -> _Request:
         """Ask for one worker: ``fds[i]`` becomes its fd ``targets[i]``; its pid, later.
 
@@ -325,7 +321,8 @@ class Template:
         its limits, so the worker needs no copy of ``_limits.join.enter``.
         ``modules``: what the worker's function will import first (the
         module it lives in); the template reads their code once for all its
-        workers, which still run it themselves.
+        workers, which still run it themselves.  ``title``: what ``ps``
+        shows for the worker once past its gate ("Title" in ``_child.boot``).
         A worker that cannot be joined is let go unrun and reaped, and the
         future raises the error.
 
@@ -339,7 +336,9 @@ class Template:
         ``FORK_TIMEOUT``) or given up (``abandon``).
         """
         request = None if script is None else script.request()
-        body = marshal.dumps((list(targets), channel, dict(env), cwd, request, list(modules)))
+        body = marshal.dumps(
+            (list(targets), channel, dict(env), cwd, request, list(modules), title)
+        )
         gate_r, gate_w = os.pipe()
         req = _Request(len(body).to_bytes(8, "big") + body, [*fds, gate_r], gate_w, join)
         with self._lock:

@@ -1,31 +1,41 @@
-"""A group's resources: its limits (one placement, or one per rank), its CPUs and its slots.
+"""A group's resources: its limits (a placement per rank), its CPUs and its slots.
 
 ``GroupResources`` checks ``limits=``, ``capacity=`` and ``cpus=`` when the
-group is built, so a mistake raises before anything exists.  At start it waits for
-the group's slots (``Capacity``: first come, first served, all ranks at
-once), then opens the placements and says once, in the log, how each limit
-is enforced, warning about any that nothing here could enforce.  Each rank
-is joined to its placement, and pinned to its CPUs, from this process before
-it runs user code (see ``_proc.spawn``, ``_func.launch`` and ``_func.fork``):
-a spawned function worker waits for its boot code, a forked one at its
-gate.  A binary runs from its exec, so one with cgroups is started through
-a shell that enters them and then execs it (``entries``,
+group is built, so a mistake raises before anything exists.  One ``Limits``
+is each rank's own, as ``aioproc run --memory-limit`` gives it (and as a
+container per rank would): every rank gets a placement of its own, a cgroup
+where the host allows; ``{local_rank: Limits}`` names the ranks.  At start
+it waits for the group's slots (``Capacity``: first come, first served, all
+ranks at once), then opens the placements and says once, in the log, how
+each limit is enforced, warning about any that nothing here could enforce.
+Each rank is joined to its placement, and pinned to its CPUs, from this
+process before it runs user code (see ``_proc.spawn``, ``_func.launch`` and
+``_func.fork``): a spawned function worker waits for its boot code, a forked
+one at its gate.  A binary runs from its exec, so one with cgroups is
+started through a shell that enters them and then execs it (``entries``,
 ``_limits.join.ENTER_SH``); its rlimits and CPUs are set on the helper
-thread microseconds after its exec.  Persistent workers use the same object, as a group of one
-(``aioproc.worker``, ``aioproc.pool``).
+thread microseconds after its exec.  Persistent workers use the same
+object, as a group of one (``aioproc.worker``, ``aioproc.pool``).
 
-At a worker's exit it tells whether the kernel's OOM killer ended it and
-adds the cgroup's figures to the ``Usage`` its reap reported.  ``close()``
-runs once every worker is reaped: the placements are removed, then the
-slots given back, so a budget never counts a worker twice.
+No cgroup outlives this process: the guardian (``_proc.lifeline``) is told
+of each one before it is made, and kept until it is removed, so a SIGKILL
+at any moment leaves it to the guardian to remove.
+
+At a worker's exit it tells whether the kernel's OOM killer ended it, or a
+process of its cgroup, and adds the cgroup's figures to the ``Usage`` its
+reap reported.  ``close()`` runs once every worker is reaped: the
+placements are removed, then the slots given back, so a budget never
+counts a worker twice.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
 
 from .._limits import placement as _placement
 from .._limits.affinity import ROUND_ROBIN, allowed_cpus, check_cpu_set, with_affinity
@@ -33,6 +43,7 @@ from .._limits.capacity import Capacity
 from .._limits.join import PROCS_ENV
 from .._limits.placement import Placement, open_placement
 from .._limits.spec import Limits, format_bytes
+from .._limits.usage import own_peak
 from .._proc import lifeline as _lifeline
 from .._proc.spawn import Child
 from ..results import Usage
@@ -43,7 +54,7 @@ BACKENDS: tuple[str, ...] = _placement.BACKENDS
 """The mechanisms a group's limits may use, best first (tests narrow it)."""
 
 LimitsArg = Limits | Mapping[int, Limits] | None
-"""``limits=``: one ``Limits`` for the group, ``{local_rank: Limits}``, or none."""
+"""``limits=``: one ``Limits`` for each rank, ``{local_rank: Limits}``, or none."""
 
 
 def check_limits(limits: object, nprocs: int) -> Limits | dict[int, Limits] | None:
@@ -165,9 +176,11 @@ class GroupResources:
         self.capacity = check_capacity(capacity, nprocs)
         self.cpus = check_cpus(cpus, nprocs)
         self._held = 0  # slots taken from ``capacity``
-        self._group: Placement | None = None  # one placement for every rank
-        self._ranks: dict[int, Placement] = {}  # or one per rank
-        self._kills_seen: dict[int, int] = {}  # id(placement) -> OOM kills attributed
+        self._ranks: dict[int, Placement] = {}  # a placement per rank with limits
+        # cgroup paths told to the guardian (made or not), and whether this
+        # group holds the guardian for them (see _announce)
+        self._announced: list[str] = []
+        self._holding = False
         # False: how the limits are enforced is logged at DEBUG only (a pool's
         # workers after its first: the same limits, the same mechanisms)
         self.report = True
@@ -194,11 +207,24 @@ class GroupResources:
         if self.capacity is not None:
             self._held = self.nprocs
 
+    def per_rank(self) -> dict[int, Limits]:
+        """``{rank: Limits}`` of the ranks that get a placement.
+
+        One ``Limits`` is every rank's own (a cgroup each, as the CLI's
+        ``--memory-limit``), unless it limits nothing; ``{rank: Limits}``
+        names the ranks, ``Limits()`` among them for the figures alone.
+        """
+        limits = self.limits
+        if isinstance(limits, Limits):
+            return dict.fromkeys(range(self.nprocs), limits) if limits else {}
+        return dict(limits or {})
+
     def open(self) -> dict[int, Callable[[int], None]]:
         """Open the placements, log how each limit is enforced; ``{rank: join}``.
 
         A rank with ``cpus`` is pinned to them by its join too, before it
-        enters its placement.
+        enters its placement.  Must be called on the loop (the guardian is
+        started here if a cgroup is to be made).
 
         Raises:
             OSError: a cgroup could not be made; those made are removed.
@@ -209,41 +235,69 @@ class GroupResources:
         return joins
 
     def _open_placements(self) -> dict[int, Callable[[int], None]]:
-        limits = self.limits
-        if not limits:
-            return {}  # None, an empty dict, or a Limits() that limits nothing
+        wanted = self.per_rank()
+        if not wanted:
+            return {}
+        # a group of one given one Limits (a persistent worker) is named as the group
+        alone = self.nprocs == 1 and isinstance(self.limits, Limits)
         try:
-            if isinstance(limits, Limits):
-                self._group = _guarded(open_placement(limits, self.name, backends=BACKENDS))
-                self._report({"": self._group})
-                return dict.fromkeys(range(self.nprocs), self._group.join)
-            for rank, rank_limits in sorted(limits.items()):
-                self._ranks[rank] = _guarded(
-                    open_placement(rank_limits, f"{self.name}/{rank}", backends=BACKENDS)
+            for rank, rank_limits in sorted(wanted.items()):
+                self._ranks[rank] = open_placement(
+                    rank_limits,
+                    self.name if alone else f"{self.name}/{rank}",
+                    backends=BACKENDS,
+                    before_create=self._announce,
                 )
         except BaseException:
             self._close_placements()
             raise
-        self._report({f"rank {rank}: ": p for rank, p in self._ranks.items()})
+        self._report()
         return {rank: p.join for rank, p in self._ranks.items()}
 
-    def _report(self, placements: Mapping[str, Placement]) -> None:
-        """One INFO line for the group; one WARNING naming what nothing enforces."""
+    def _announce(self, path: Path) -> None:
+        """Tell the guardian of a cgroup about to be made, holding it until ``close()``.
+
+        The guardian removes every cgroup it knows when this process dies:
+        told before the directory exists, and kept running (not dismissed
+        when its last worker group is forgotten) until the directory is
+        gone, it leaves none behind whatever the moment of the death.
+        """
+        if not self._holding:
+            _lifeline.hold()
+            self._holding = True
+        self._announced.append(str(path))
+        _lifeline.remove_cgroup_after_crash(str(path))
+
+    def _report(self) -> None:
+        """One INFO line for the group; one WARNING naming what nothing enforces.
+
+        Ranks whose limits are enforced alike (the usual case: one
+        ``Limits`` for every rank) are said once, with the first one's
+        cgroups as the example.
+        """
+        placements = self._ranks
+        if len(placements) == 1 and self.nprocs == 1:
+            shown: dict[str, Placement] = {"": next(iter(placements.values()))}
+        elif len(placements) > 1 and len({_shape(p) for p in placements.values()}) == 1:
+            first = min(placements)
+            shown = {f"each rank (rank {first}'s): ": placements[first]}
+        else:
+            shown = {f"rank {rank}: ": p for rank, p in sorted(placements.items())}
         applied: list[str] = []
         missed: list[str] = []
-        for who, placement in placements.items():
+        for who, placement in shown.items():
             for key, how in placement.mechanisms.items():
                 value = getattr(placement.limits, key)
-                shown = format_bytes(value) if key == "memory" else f"{value:g}"
-                line = f"{who}{key} {shown}: {how}"
+                text = format_bytes(value) if key == "memory" else f"{value:g}"
+                line = f"{who}{key} {text}: {how}"
                 (missed if key in placement.unenforced else applied).append(line)
-        for lines, level, text in (
+        for lines, level, msg in (
             (applied, logging.INFO, "limits for %s: %s"),
             (missed, logging.WARNING, "limits for %s not enforced here: %s"),
         ):
             if lines:
                 level = level if self.report else logging.DEBUG
-                logger.log(level, text, self.name, "; ".join(lines))
+                logger.log(level, msg, self.name, "; ".join(lines))
 
     def entries(self) -> dict[int, dict[str, str]]:
         """``{rank: variables}``: what a binary rank needs to enter its cgroups by itself.
@@ -262,76 +316,92 @@ class GroupResources:
 
     def placement_of(self, rank: int) -> Placement | None:
         """The placement ``rank`` is in, if any."""
-        return self._group if self._group is not None else self._ranks.get(rank)
+        return self._ranks.get(rank)
 
     def oom(self, rank: int, child: Child, code: int) -> str | None:
-        """Why the kernel's OOM killer ended ``rank`` (exit ``code``), or None if it did not.
+        """Why ``rank`` (exit ``code``) failed with an OOM kill in its cgroup, or None.
 
-        Only a death by SIGKILL that aioproc did not send counts.  Where the
-        ranks share a placement, each OOM kill the cgroup counted is given to
-        one such death, in the order they are recorded.
+        The rank's own cgroup counts every OOM kill among its processes:
+        the rank itself, dead by a SIGKILL that aioproc did not send, is
+        named as killed by the OOM killer; a rank that ended otherwise
+        (an exit status, a signal of aioproc's) after the OOM killer took a
+        process of its cgroup (its child) names that kill.  A SIGKILL
+        aioproc sent is never taken for an OOM kill.
         """
-        if code != -signal.SIGKILL or child.forced:
-            return None
         placement = self.placement_of(rank)
         if placement is None:
             return None
-        kills = placement.oom_kills()
-        if kills is None:
-            return placement.oom_killed()  # a kernel without a count: the limit's hits
-        seen = self._kills_seen.get(id(placement), 0)
-        if kills <= seen:
-            return None
-        self._kills_seen[id(placement)] = seen + 1
-        return placement.oom_killed()
+        killed_itself = code == -signal.SIGKILL and not child.forced
+        if killed_itself:
+            return placement.oom_killed()
+        return placement.oom_killed(inside=True)
 
     def usage(self, children: Mapping[int, Child]) -> dict[int, Usage]:
-        """``{rank: Usage}`` of the reaped workers, with the tree figures of a rank's own cgroup.
+        """``{rank: Usage}`` of the reaped workers, with the figures of each rank's own cgroup.
 
-        The ranks of a group share its cgroup, and its figures are no one
-        rank's, except in a group of one (a persistent worker's).
+        A worker started by an exec carries the peak of the process that
+        started it (this one) in its ``ru_maxrss``: where the figure does
+        not rise above this process's own peak, it cannot be told from
+        ours, and a rank with a memory cgroup of its own takes that
+        cgroup's peak as its ``max_rss`` (see ``aioproc.Usage``).
         """
         out = {}
+        ours: int | None = None
         for rank, child in sorted(children.items()):
             usage = child.watcher.usage
             if usage is None:
                 continue
             own = self._ranks.get(rank)
-            if own is None and self.nprocs == 1:
-                own = self._group  # a group of one: its cgroup is the rank's own
             if own is not None:
                 tree = own.usage()
                 usage = replace(usage, tree_cpu_time=tree.cpu_time, tree_max_memory=tree.max_memory)
+                if tree.max_memory is not None and child.execed:
+                    ours = own_peak() if ours is None else ours
+                    if usage.max_rss <= ours:
+                        usage = replace(usage, max_rss=min(usage.max_rss, tree.max_memory))
             out[rank] = usage
         return out
 
     def close(self) -> None:
         """Remove the placements, then give the slots back; idempotent.
 
-        Call it once every worker is reaped.  A cgroup that cannot be
-        removed is logged, never raised: the group's own cleanup goes on.
+        Call it once every worker is reaped, then ``lifeline.settle()`` (or
+        use ``aclose``): the guardian held for the cgroups is let go here.
+        A cgroup that cannot be removed is logged, never raised: the
+        group's own cleanup goes on.
         """
         self._close_placements()
         if self._held and self.capacity is not None:
             held, self._held = self._held, 0
             self.capacity.release(held)
 
+    async def aclose(self) -> None:
+        """``close()``, then wait until a guardian it dismissed has exited.
+
+        **Cancellation:** bounded (``lifeline.settle``); callers run it shielded.
+        """
+        self.close()
+        await _lifeline.settle()
+
     def _close_placements(self) -> None:
-        placements = [p for p in (self._group, *self._ranks.values()) if p is not None]
-        for placement in placements:
-            paths = placement.cgroups
+        # closed placements stay: they keep their last figures for usage() and oom()
+        for placement in self._ranks.values():
             try:
                 placement.close()
             except OSError:
                 logger.exception("could not remove the cgroups of %s", placement.name)
-            for path in paths:
-                if not path.exists():
-                    _lifeline.forget_cgroup(str(path))
+        announced, self._announced = self._announced, []
+        for path in announced:
+            if not os.path.exists(path):
+                _lifeline.forget_cgroup(path)
+        if self._holding:
+            self._holding = False
+            _lifeline.unhold()
 
 
-def _guarded(placement: Placement) -> Placement:
-    """``placement``, its cgroups made known to the guardian, which removes them
-    if this process dies before it does."""
+def _shape(placement: Placement) -> tuple[object, ...]:
+    """How ``placement`` enforces what, its own cgroups' paths left out: alike or not."""
+    how = dict(placement.mechanisms)
     for path in placement.cgroups:
-        _lifeline.remove_cgroup_after_crash(str(path))
-    return placement
+        how = {key: text.replace(str(path), "") for key, text in how.items()}
+    return (placement.limits, tuple(sorted(how.items())), placement.unenforced)

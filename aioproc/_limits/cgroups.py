@@ -24,7 +24,7 @@ import errno
 import os
 import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -217,8 +217,19 @@ class Group:
         self.controllers = controllers
 
     @classmethod
-    def create(cls, hierarchy: Hierarchy, controllers: frozenset[str], name: str) -> Group:
+    def create(
+        cls,
+        hierarchy: Hierarchy,
+        controllers: frozenset[str],
+        name: str,
+        *,
+        before: Callable[[Path], None] | None = None,
+    ) -> Group:
         """Make a group for ``controllers`` under ``hierarchy.parent``.
+
+        ``before(path)``, if given, is told the new directory's path before
+        it is made: whoever must remove it after a crash then knows it
+        from its first instant (``_proc.lifeline``'s guardian).
 
         Raises:
             OSError: the directory cannot be made, or a v2 parent refuses
@@ -236,6 +247,8 @@ class Group:
                 )
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:64]
         path = hierarchy.parent / f"aioproc-{os.getpid()}-{secrets.token_hex(3)}-{safe}"
+        if before is not None:
+            before(path)
         path.mkdir()
         return cls(hierarchy, path, controllers)
 

@@ -5,7 +5,7 @@ else a cgroup v1 controller's group, else an rlimit (memory, processes), else
 nothing (a CPU quota has no rlimit); ``Placement.mechanisms`` says which, in
 words, so a user who asked for ``cpus=2`` on a laptop learns it was not
 enforced.  One placement is one set of groups: the launcher opens one per
-group (the ranks share the limits) or one per rank.
+rank (``_group.resources``), a persistent worker one of its own.
 
 The launcher's side, in order:
 
@@ -24,7 +24,7 @@ cgroupfs on the loop's thread.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 
@@ -136,30 +136,39 @@ class Placement:
         """How many processes the kernel's OOM killer killed in the placement so far.
 
         ``None`` where nothing counts them (no memory cgroup, or a kernel
-        that keeps no count): diff two readings to attribute a kill to one
-        exit when several ranks share the placement.
+        that keeps no count).
         """
         if self._final is not None:
             return self._final[1]
         group = self._group_for("memory")
         return None if group is None else group.oom_kills()
 
-    def oom_killed(self) -> str | None:
+    def oom_killed(self, *, inside: bool = False) -> str | None:
         """Why the kernel killed a process here, or None if it did not.
+
+        Args:
+            inside: the process asked about did not die of it, but shares
+                the placement with those that did (its children): they are
+                named instead.
 
         Returns:
             ``"killed by the kernel's OOM killer: memory limit 2 GiB
-            reached"`` once the memory cgroup counted an OOM kill.  A v1
-            kernel without an ``oom_kill`` count reports the limit hits
-            instead.  Rlimits never kill: a process that passes one gets a
-            failed allocation, and this returns None.
+            reached"`` once the memory cgroup counted an OOM kill (with
+            ``inside``: ``"a process in its cgroup was killed by ..."``).
+            A v1 kernel without an ``oom_kill`` count reports the limit
+            hits instead (not ``inside``: hits alone name no process).
+            Rlimits never kill: a process that passes one gets a failed
+            allocation, and this returns None.
         """
         limit = self.limits.memory
         where = f"memory limit {format_bytes(limit)}" if limit else "memory of its cgroup"
         kills = self.oom_kills()
         if kills:
             times = f" ({kills} OOM kills in {self.name})" if kills > 1 else ""
-            return f"killed by the kernel's OOM killer: {where} reached{times}"
+            who = "a process in its cgroup was killed" if inside else "killed"
+            return f"{who} by the kernel's OOM killer: {where} reached{times}"
+        if inside:
+            return None
         group = self._group_for("memory")
         hits = (
             self._final[2]
@@ -235,6 +244,7 @@ def open_placement(
     track_usage: bool = True,
     backends: Iterable[str] = BACKENDS,
     host: Host | None = None,
+    before_create: Callable[[Path], None] | None = None,
 ) -> Placement:
     """Make the cgroups (or rlimit settings) that apply ``limits``, before any process joins.
 
@@ -248,6 +258,9 @@ def open_placement(
         backends: the mechanisms allowed, from ``"cgroup2"``, ``"cgroup1"``
             and ``"rlimit"``; the best one the host offers wins per limit.
         host: the hierarchies to use (``cgroups.discover()`` by default).
+        before_create: told the path of each cgroup directory before it is
+            made (``Group.create``): a guardian that must remove it after a
+            crash knows it first.
 
     Returns:
         An open placement: close it (or use it as a ``with`` block).
@@ -272,7 +285,7 @@ def open_placement(
     ]
     wanted = [c for c in LIMITED if getattr(limits, _FIELD[c]) is not None]
     extra = [c for c in ("memory", ACCOUNTING) if track_usage and c not in wanted]
-    groups, mechanisms = _build(limits, name, wanted + extra, candidates, notes)
+    groups, mechanisms = _build(limits, name, wanted + extra, candidates, notes, before_create)
     why = "; ".join(notes) or "no cgroup hierarchy found"
     settings: dict[str, int] = {}
     for controller in wanted:
@@ -295,7 +308,12 @@ def open_placement(
 
 
 def _build(
-    limits: Limits, name: str, needs: list[str], candidates: list[Hierarchy], notes: list[str]
+    limits: Limits,
+    name: str,
+    needs: list[str],
+    candidates: list[Hierarchy],
+    notes: list[str],
+    before_create: Callable[[Path], None] | None,
 ) -> tuple[list[Group], dict[str, str]]:
     """Make the groups for ``needs``; a hierarchy that refuses is dropped and the rest retried.
 
@@ -308,7 +326,7 @@ def _build(
         mechanisms: dict[str, str] = {}
         try:
             for hierarchy, controllers in _choose(needs, candidates).items():
-                group = Group.create(hierarchy, controllers, name)
+                group = Group.create(hierarchy, controllers, name, before=before_create)
                 groups.append(group)
                 mechanisms.update(_apply(group, limits))
         except OSError as exc:

@@ -53,6 +53,17 @@ def usage_from_rusage(rusage: resource.struct_rusage, tree: TreeUsage | None = N
     )
 
 
+def own_peak() -> int:
+    """This process's peak resident set size in bytes, as ``ru_maxrss`` counts it.
+
+    Linux carries the peak of the process that execs a program into the
+    new program's ``ru_maxrss``: a worker started from this process by an
+    exec reports at least this process's peak at the time (at most this
+    figure, which only grows), however little it used itself.
+    """
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _MAXRSS_UNIT
+
+
 def reap_with_usage(pid: int) -> tuple[int, Usage]:
     """Reap ``pid`` (blocking) and return its exit code and usage.
 
@@ -82,6 +93,8 @@ def sample(pid: int) -> Usage | None:
             status = f.read()
         # the command name may hold spaces and parentheses: the fields follow its last ')'
         fields = stat[stat.rindex(b")") + 2 :].split()
+        if fields[0] in (b"Z", b"X"):
+            return None  # exited, not reaped yet: its memory is gone, its figures all 0
         # fields 14, 15 and 24 of proc(5) (utime, stime, rss); this list starts at field 3
         user, system = int(fields[11]) / _CLOCK_TICKS, int(fields[12]) / _CLOCK_TICKS
         rss = int(fields[21]) * _PAGE_SIZE

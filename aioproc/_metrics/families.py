@@ -9,6 +9,25 @@ C-level copy, which the GIL keeps whole, so a scrape never sees a dict
 changing size under it.  A scrape racing an observation may see a
 histogram's ``_sum`` one observation behind its buckets; ``_count`` is
 derived from the buckets, so the two always agree.
+
+**Expiry** (``Expiry``): which groups keep series of their own, the
+running ones and the last finished.  A scheduler that names every job
+differently would otherwise add a score of series per job, for ever: a
+page of megabytes after a thousand jobs.  The rule a ``Recorder`` applies
+(``keep_finished``):
+
+- a ``(group, role)`` is *running* while it has a started group or worker
+  not over yet; its series stay;
+- once nothing of it runs it is *finished*, and it keeps its series while
+  it is one of the last ``keep_finished`` finished (a later restart, stop
+  or run's end makes it running or most recently finished again; output,
+  the hot hook, only registers a series it creates);
+- the oldest finished beyond that *expires*: its counters and histograms
+  are added into the series of its role whose ``group`` label is
+  ``EXPIRED`` (so ``sum by (role)`` over a counter stays whole), and its
+  gauges are removed (a gauge of something over has nothing to say).
+
+The series of running groups are never folded: they are what is running.
 """
 
 from __future__ import annotations
@@ -16,9 +35,10 @@ from __future__ import annotations
 import bisect
 import math
 import re
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-__all__ = ["Counter", "Gauge", "Histogram", "Metric", "Registry"]
+__all__ = ["EXPIRED", "Counter", "Expiry", "Gauge", "Histogram", "Metric", "Registry"]
 
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
 _LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
@@ -78,13 +98,15 @@ class _Scalar(Metric):
         super().__init__(name, documentation, labelnames)
         self._cells: dict[tuple[str, ...], list[float]] = {}
 
-    def _add(self, key: tuple[str, ...], amount: float) -> None:
-        # the recorder's path: its keys are built right, so nothing is checked
+    def _add(self, key: tuple[str, ...], amount: float) -> bool:
+        # the recorder's path: its keys are built right, so nothing is checked;
+        # True when the series is new (the expiry must then know its group)
         cell = self._cells.get(key)
         if cell is None:
             self._cells[key] = [float(amount)]
-        else:
-            cell[0] += amount
+            return True
+        cell[0] += amount
+        return False
 
     def _set(self, key: tuple[str, ...], value: float) -> None:
         cell = self._cells.get(key)
@@ -92,6 +114,11 @@ class _Scalar(Metric):
             self._cells[key] = [value]
         else:
             cell[0] = value
+
+    def _pop(self, key: tuple[str, ...]) -> float | None:
+        # the recorder's expiry: the series goes, its value is returned
+        cell = self._cells.pop(key, None)
+        return None if cell is None else cell[0]
 
     def value(self, labels: Sequence[str] = ()) -> float:
         """The series' value; 0.0 for a series never recorded."""
@@ -190,6 +217,17 @@ class Histogram(Metric):
         row[bisect.bisect_left(self._bounds, value)] += 1
         row[-1] += value
 
+    def _pop(self, key: tuple[str, ...]) -> list[float] | None:
+        # the recorder's expiry: the series goes, its row is returned
+        return self._rows.pop(key, None)
+
+    def _merge(self, key: tuple[str, ...], row: list[float]) -> None:
+        # a new list, stored in one step: a reader on another thread copies
+        # either the old row or the merged one, never a row half added
+        old = self._rows.get(key)
+        merged = row.copy() if old is None else [a + b for a, b in zip(old, row, strict=True)]
+        self._rows[key] = merged
+
     def samples(self) -> list[tuple[tuple[str, ...], list[float], float, float]]:
         """Every series: (label values, cumulative bucket counts, sum, count)."""
         found = []
@@ -262,3 +300,81 @@ class Registry:
 
     def __repr__(self) -> str:
         return f"<Registry of {len(self._metrics)} metrics>"
+
+
+Key = tuple[str, str]
+Suffixes = Sequence[tuple[str, ...]]
+
+EXPIRED = "(expired)"
+"""The ``group`` label of the series that finished groups are folded into."""
+
+
+class Expiry:
+    """The running and the finished ``(group, role)`` keys of a recorder, and the fold.
+
+    Args:
+        keep: how many finished keys keep their own series.
+        folded: each counter or histogram labelled ``(group, role, ...)``,
+            with every value the labels after ``role`` can take.
+        dropped: each gauge labelled so, with its suffixes likewise.
+    """
+
+    def __init__(
+        self,
+        keep: int,
+        folded: Sequence[tuple[_Scalar | Histogram, Suffixes]],
+        dropped: Sequence[tuple[Gauge, Suffixes]],
+    ) -> None:
+        self.keep = keep
+        self.running: dict[Key, int] = {}
+        """Keys with something started and not over: how many such things."""
+        self.finished: OrderedDict[Key, None] = OrderedDict()
+        """Keys with nothing running that keep their series, oldest first."""
+        self._folded = folded
+        self._dropped = dropped
+
+    def started(self, key: Key) -> None:
+        """A group or a worker of ``key`` started."""
+        self.running[key] = self.running.get(key, 0) + 1
+        self.finished.pop(key, None)
+
+    def ended(self, key: Key) -> None:
+        """A group or a worker of ``key`` is over."""
+        left = self.running.get(key, 0) - 1
+        if left > 0:
+            self.running[key] = left
+        else:
+            self.running.pop(key, None)
+            self.touched(key)
+
+    def touched(self, key: Key) -> None:
+        """Something else was recorded for ``key`` while nothing of it runs.
+
+        The caller checks ``key not in running`` first: for a running key,
+        which is nearly every event, this costs no call.
+        """
+        finished = self.finished
+        finished[key] = None
+        finished.move_to_end(key)
+        while len(finished) > self.keep:
+            old, _ = finished.popitem(last=False)
+            self._expire(old)
+
+    def _expire(self, key: Key) -> None:
+        into = (EXPIRED, key[1])
+        for family, suffixes in self._folded:
+            for suffix in suffixes:
+                if isinstance(family, Histogram):
+                    row = family._pop((*key, *suffix))
+                    if row is not None:
+                        family._merge((*into, *suffix), row)
+                else:
+                    value = family._pop((*key, *suffix))
+                    if value is not None:
+                        family._add((*into, *suffix), value)
+        for gauge, suffixes in self._dropped:
+            for suffix in suffixes:
+                gauge._pop((*key, *suffix))
+
+    def __repr__(self) -> str:
+        return f"<Expiry running={len(self.running)} finished={len(self.finished)}/{self.keep}>"

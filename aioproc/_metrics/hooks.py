@@ -88,13 +88,27 @@ class NullRecorder:
 
         Call in the group's start (``PContext``'s start, the agent's attempt),
         once, after the last ``worker_started``; ``seconds`` runs from the
-        start's call to then.  A group that fails to start calls neither this
-        nor ``group_exited``.
+        moment the group had its ``Capacity`` slots (``group_queued``) to
+        then, so a wait for slots is never counted as start time.  A group
+        that fails to start calls neither this nor ``group_exited``.
 
         Args:
             group: the group's name.
             role: the agent's role, or ``"default"``.
             seconds: how long the start took.
+        """
+
+    def group_queued(self, group: str, role: str, seconds: float) -> None:
+        """A group has its ``Capacity`` slots: its start begins.
+
+        Call in the group's start, once, when its wait for slots is over
+        (at once, ``seconds`` 0, without a ``Capacity``); a group whose
+        wait is ended by a close or a cancellation calls nothing.
+
+        Args:
+            group: the group's name.
+            role: the agent's role, or ``"default"``.
+            seconds: how long the group waited for its slots.
         """
 
     def group_exited(self, group: str, role: str, outcome: str) -> None:
@@ -115,10 +129,11 @@ class NullRecorder:
     def group_stopped(self, group: str, role: str, seconds: float) -> None:
         """A close that had workers to stop has finished.
 
-        Call at the end of ``close()`` (and of the cleanup a cancelled
-        ``async with`` runs) when it signalled at least one worker;
-        ``seconds`` runs from the first signal to the last worker reaped,
-        escalation to SIGKILL included.
+        Call at the end of every stop that signalled at least one worker,
+        whatever caused it: a ``close()`` (and the cleanup a cancelled
+        ``async with`` runs), and the stop of the other ranks after a
+        failure; ``seconds`` runs from the first signal to the last worker
+        reaped, escalation to SIGKILL included.
 
         Args:
             group: the group's name.

@@ -11,10 +11,19 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NoReturn
 
-from .families import Counter, Gauge, Histogram, Registry
+from .families import EXPIRED, Counter, Expiry, Gauge, Histogram, Registry
 from .hooks import OUTCOMES, POOL_OUTCOMES, STREAMS, NullRecorder, outcome_of
 
-__all__ = ["CATALOGUE", "DURATION_BUCKETS", "POOL_BUCKETS", "MetricInfo", "Recorder", "outcome_of"]
+__all__ = [
+    "CATALOGUE",
+    "DURATION_BUCKETS",
+    "EXPIRED",
+    "KEEP_FINISHED",
+    "POOL_BUCKETS",
+    "MetricInfo",
+    "Recorder",
+    "outcome_of",
+]
 
 DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 """Upper bounds (seconds) for group starts and stops and rendezvous rounds: a
@@ -40,6 +49,9 @@ POOL_BUCKETS = (
 )
 """Upper bounds (seconds) for pool calls: a round trip to a warm worker takes
 a fraction of a millisecond, a real call whatever its function takes."""
+
+KEEP_FINISHED = 100
+"""How many finished groups keep series of their own by default (``Recorder(keep_finished=)``)."""
 
 _RUN_OUTCOMES = frozenset({"succeeded", "failed", "stopped"})
 _ROUND_OUTCOMES = frozenset({"succeeded", "failed"})
@@ -110,14 +122,20 @@ CATALOGUE: tuple[MetricInfo, ...] = (
     MetricInfo(
         "aioproc_group_start_seconds",
         "histogram",
-        "Seconds from a group's start to its last worker started.",
+        "Seconds from a group's start, once it has its Capacity slots, to its last worker started.",
         _GROUP,
         "LocalElasticAgent._start_workers.duration.ms (milliseconds there)",
     ),
     MetricInfo(
+        "aioproc_group_queue_seconds",
+        "histogram",
+        "Seconds a group waited for its Capacity slots before its start (0 without a Capacity).",
+        _GROUP,
+    ),
+    MetricInfo(
         "aioproc_group_stop_seconds",
         "histogram",
-        "Seconds from a stop's first signal to its last worker reaped.",
+        "Seconds from a stop's first signal to its last worker reaped, whatever caused the stop.",
         _GROUP,
         "LocalElasticAgent._stop_workers.duration.ms (milliseconds there)",
     ),
@@ -202,9 +220,18 @@ class Recorder(NullRecorder):
             label: a scheduler that names every job differently keeps the
             series few with ``lambda name: name.rsplit("-", 1)[0]`` or
             ``lambda name: ""``.  None: the name itself.
-        duration_buckets: the bucket bounds of the group start and stop and
-            rendezvous histograms (seconds).
+        duration_buckets: the bucket bounds of the group start, queue and
+            stop and rendezvous histograms (seconds).
         pool_buckets: the bucket bounds of the pool call histogram (seconds).
+        keep_finished: how many finished groups keep series of their own
+            (``KEEP_FINISHED``, 100); older ones are folded into their
+            role's ``group="(expired)"`` series (``EXPIRED``).  A group is
+            finished once none of its groups and workers runs; running
+            groups always keep theirs.  0 keeps none.
+
+    Raises:
+        TypeError: ``keep_finished`` is not an int.
+        ValueError: ``keep_finished`` is negative.
     """
 
     enabled = True
@@ -215,7 +242,12 @@ class Recorder(NullRecorder):
         group_label: Callable[[str], str] | None = None,
         duration_buckets: Iterable[float] = DURATION_BUCKETS,
         pool_buckets: Iterable[float] = POOL_BUCKETS,
+        keep_finished: int = KEEP_FINISHED,
     ) -> None:
+        if not isinstance(keep_finished, int) or isinstance(keep_finished, bool):
+            raise TypeError(f"keep_finished must be an int, got {keep_finished!r}")
+        if keep_finished < 0:
+            raise ValueError(f"keep_finished must be 0 or more, got {keep_finished!r}")
         self._group_label = group_label
         self.registry = Registry()
         """The recorder's metrics; a caller may register its own beside them."""
@@ -232,6 +264,7 @@ class Recorder(NullRecorder):
         self._remaining = self._gauge("aioproc_remaining_restarts")
         self._runs = self._counter("aioproc_runs_total")
         self._start_seconds = self._histogram("aioproc_group_start_seconds", durations)
+        self._queue_seconds = self._histogram("aioproc_group_queue_seconds", durations)
         self._stop_seconds = self._histogram("aioproc_group_stop_seconds", durations)
         self._lines = self._counter("aioproc_output_lines_total")
         self._bytes = self._counter("aioproc_output_bytes_total")
@@ -243,6 +276,33 @@ class Recorder(NullRecorder):
         self._capacity_waiting = self._gauge("aioproc_capacity_waiting")
         self._rounds = self._counter("aioproc_rendezvous_rounds_total")
         self._round_seconds = self._histogram("aioproc_rendezvous_seconds", durations)
+        outcomes = tuple((o,) for o in OUTCOMES)
+        streams = tuple((s,) for s in STREAMS)
+        runs = tuple((o, r) for o in sorted(_RUN_OUTCOMES) for r in ("true", "false"))
+        self._expiry = Expiry(
+            keep_finished,
+            folded=[
+                (self._groups_started, [()]),
+                (self._groups_exited, outcomes),
+                (self._workers_started, [()]),
+                (self._workers_exited, outcomes),
+                (self._restarts, [()]),
+                (self._runs, runs),
+                (self._start_seconds, [()]),
+                (self._queue_seconds, [()]),
+                (self._stop_seconds, [()]),
+                (self._lines, streams),
+                (self._bytes, streams),
+                (self._paused, streams),
+            ],
+            dropped=[
+                (self._groups_running, [()]),
+                (self._workers_running, [()]),
+                (self._remaining, [()]),
+            ],
+        )
+        # the expiry's dict itself, read by the hot hooks (output) without a hop
+        self._running = self._expiry.running
 
     def _counter(self, name: str) -> Counter:
         info = _BY_NAME[name]
@@ -266,6 +326,15 @@ class Recorder(NullRecorder):
         self._groups_started._add(key, 1.0)
         self._groups_running._add(key, 1.0)
         self._start_seconds._observe(key, seconds)
+        self._expiry.started(key)
+
+    def group_queued(self, group: str, role: str, seconds: float) -> None:
+        if self._group_label is not None:
+            group = self._group_label(group)
+        key = (group, role)
+        self._queue_seconds._observe(key, seconds)
+        if key not in self._running:
+            self._expiry.touched(key)
 
     def group_exited(self, group: str, role: str, outcome: str) -> None:
         if outcome not in OUTCOMES:
@@ -274,11 +343,15 @@ class Recorder(NullRecorder):
             group = self._group_label(group)
         self._groups_running._add((group, role), -1.0)
         self._groups_exited._add((group, role, outcome), 1.0)
+        self._expiry.ended((group, role))
 
     def group_stopped(self, group: str, role: str, seconds: float) -> None:
         if self._group_label is not None:
             group = self._group_label(group)
-        self._stop_seconds._observe((group, role), seconds)
+        key = (group, role)
+        self._stop_seconds._observe(key, seconds)
+        if key not in self._running:
+            self._expiry.touched(key)
 
     def worker_started(self, group: str, role: str) -> None:
         if self._group_label is not None:
@@ -286,6 +359,7 @@ class Recorder(NullRecorder):
         key = (group, role)
         self._workers_started._add(key, 1.0)
         self._workers_running._add(key, 1.0)
+        self._expiry.started(key)
 
     def worker_exited(self, group: str, role: str, outcome: str) -> None:
         if outcome not in OUTCOMES:
@@ -294,6 +368,7 @@ class Recorder(NullRecorder):
             group = self._group_label(group)
         self._workers_running._add((group, role), -1.0)
         self._workers_exited._add((group, role, outcome), 1.0)
+        self._expiry.ended((group, role))
 
     def restarted(self, group: str, role: str, remaining: int | None = None) -> None:
         if self._group_label is not None:
@@ -302,6 +377,8 @@ class Recorder(NullRecorder):
         self._restarts._add(key, 1.0)
         if remaining is not None:
             self._remaining._set(key, float(remaining))
+        if key not in self._running:
+            self._expiry.touched(key)
 
     def run_finished(self, group: str, role: str, outcome: str, restarts: int) -> None:
         if outcome not in _RUN_OUTCOMES:
@@ -310,6 +387,8 @@ class Recorder(NullRecorder):
             group = self._group_label(group)
         retried = "true" if restarts > 0 else "false"
         self._runs._add((group, role, outcome, retried), 1.0)
+        if (group, role) not in self._running:
+            self._expiry.touched((group, role))
 
     def output(self, group: str, role: str, stream: str, lines: int, nbytes: int) -> None:
         if stream not in STREAMS:
@@ -317,15 +396,19 @@ class Recorder(NullRecorder):
         if self._group_label is not None:
             group = self._group_label(group)
         key = (group, role, stream)
-        self._lines._add(key, lines)
         self._bytes._add(key, nbytes)
+        # the hot hook: only a new series (a last chunk read after the group
+        # expired) needs the expiry to know its group
+        if self._lines._add(key, lines) and (group, role) not in self._running:
+            self._expiry.touched((group, role))
 
     def backpressure(self, group: str, role: str, stream: str, seconds: float) -> None:
         if stream not in STREAMS:
             _reject(stream, STREAMS, "stream")
         if self._group_label is not None:
             group = self._group_label(group)
-        self._paused._add((group, role, stream), seconds)
+        if self._paused._add((group, role, stream), seconds) and (group, role) not in self._running:
+            self._expiry.touched((group, role))
 
     def pool_call(self, pool: str, outcome: str, seconds: float) -> None:
         if outcome not in POOL_OUTCOMES:

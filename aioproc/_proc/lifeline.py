@@ -3,7 +3,9 @@
 A worker killed with its supervisor is not enough: its own children live on,
 reparented.  So the supervisor process keeps ONE guardian: a tiny ``/bin/sh``
 in a session of its own, holding the read end of a pipe whose write end only
-the supervisor has.  The supervisor writes ``+PGID`` for every group it
+the supervisor has.  It reads its script from its stdin, so its command line
+is only its title: ``ps`` shows ``aioproc-guardian <supervisor's pid>``.
+The supervisor writes ``+PGID`` for every group it
 creates, before the worker can run user code, and ``-PGID`` before it reaps
 the group's leader (after which the id may be reused by a stranger).  If the
 supervisor dies, the kernel closes the pipe, the guardian reads EOF and
@@ -67,8 +69,9 @@ from .fence import fenced_out as fenced_out
 logger = logging.getLogger("aioproc")
 
 _SCRIPT = """\
+exec 3<&1 >/dev/null
 trap '' HUP INT TERM QUIT PIPE
-IFS= read -r token || exit 0
+IFS= read -r token <&3 || exit 0
 groups=" "
 dirs=""
 cgroups=""
@@ -106,7 +109,7 @@ while IFS= read -r line; do
     c/*) cgroups="$cgroups${line#c}
 " ;;
   esac
-done
+done <&3
 for g in $groups; do kill -s KILL -- "-$g" 2>/dev/null; done
 for f in $fences; do unfence "$f"; done
 for pause in 0 0 0.05 0.1 0.2 0.4 0.8; do
@@ -150,6 +153,20 @@ DISMISS_WAIT = 5.0
 """Seconds a dismissed guardian gets to exit before it is killed."""
 
 
+def _script_pipe() -> int:
+    """The read end of a pipe holding the guardian's whole script (a few KB: the
+    pipe's buffer takes it at once), its write end closed."""
+    read_fd, write_fd = os.pipe()
+    try:
+        os.write(write_fd, _SCRIPT.encode())
+    except BaseException:
+        os.close(read_fd)
+        raise
+    finally:
+        os.close(write_fd)
+    return read_fd
+
+
 def _guardian_env() -> dict[str, str]:
     """What the guardian's shell needs of the environment, and no more.
 
@@ -169,11 +186,17 @@ class _Guardian:
 
     def __init__(self, groups: set[int]) -> None:
         read_fd, self.write_fd = os.pipe()
+        script_fd = -1
         try:
+            script_fd = _script_pipe()
+            # the shell reads its script from stdin and our lines from its
+            # stdout (moved to fd 3 first thing): its command line is only
+            # its title, which ps shows
             self.popen = subprocess.Popen(
-                [SHELL, "-c", _SCRIPT, "aioproc-guardian"],
-                stdin=read_fd,
-                stdout=subprocess.DEVNULL,
+                [f"aioproc-guardian {os.getpid()}"],
+                executable=SHELL,
+                stdin=script_fd,
+                stdout=read_fd,
                 stderr=subprocess.DEVNULL,
                 start_new_session=True,
                 close_fds=True,
@@ -184,6 +207,8 @@ class _Guardian:
             raise
         finally:
             os.close(read_fd)
+            if script_fd >= 0:
+                os.close(script_fd)
         self.owner = os.getpid()
         self.groups = set(groups)
         self.dismissed = False

@@ -1,6 +1,8 @@
 """Graceful-then-forced stop of worker process groups, bounded in time.
 
-``stop_groups`` signals every group the supervisor still owns, waits (on exit
+``stop_groups`` signals every group the supervisor still owns, and continues
+it (SIGCONT, as systemd does: a stopped worker must run to handle the signal;
+never a group whose lease fence expired), waits (on exit
 watchers and pidfds, never by polling) up to ``timeout`` for the leaders and
 then for the descendants still in their groups, SIGKILLs what is left and
 waits a bounded time for the kill to land.  A worker that needed SIGKILL is
@@ -45,6 +47,12 @@ logger = logging.getLogger("aioproc")
 KILL_WAIT = 5.0
 """Seconds to wait for SIGKILLed workers to exit before reporting them."""
 
+
+_NO_CONTINUE = frozenset(
+    {signal.SIGKILL, signal.SIGCONT, signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU}
+)
+"""Signals after which no SIGCONT is sent: one a stopped process needs not
+handle, SIGCONT itself, and those that stop."""
 
 _SIGNAL_BATCH = 32
 """Groups signalled per loop iteration.
@@ -109,12 +117,18 @@ async def stop_groups(
     *,
     deadline: Deadline | None = None,
     leaders_done: Callable[[], None] | None = None,
+    fenced: Callable[[], frozenset[int]] = lifeline.fenced_out,
 ) -> list[Child]:
     """Stop ``children``: ``death_sig`` to each group, grace ``timeout``, then SIGKILL.
 
-    The grace period covers the whole group: once a leader has exited, the
-    processes it left in its group get the rest of ``timeout`` before they
-    are killed.  ``deadline``, if given, is where the grace period ends (at
+    Each group gets SIGCONT right after ``death_sig``, as systemd sends it: a
+    stopped worker (SIGSTOP, a debugger, a suspended job) would otherwise
+    keep the signal pending, unhandled, for the whole grace period, and be
+    SIGKILLed at its end.  Not the groups ``fenced()`` names (their lease
+    fence expired: their world is stale, and the guardian kills them), which
+    are never continued.  The grace period covers the whole group: once a
+    leader has exited, the processes it left in its group get the rest of
+    ``timeout`` before they are killed.  ``deadline``, if given, is where the grace period ends (at
     most ``timeout`` from now): whoever brings it forward cuts the grace
     period short.  ``leaders_done``, if given, is called once the leaders
     have exited or the grace period is over, before the wait for what they
@@ -132,11 +146,13 @@ async def stop_groups(
     # a swept group (SIGKILLed after its leader exited) can never hold a
     # process again: nothing to signal, nothing to wait for
     owned = [c for c in children if c.owns_group and not c.swept]
+    stale = fenced() if owned and death_sig not in _NO_CONTINUE else None
     for i, c in enumerate(owned):
         if i and not i % _SIGNAL_BATCH:
             await asyncio.sleep(0)  # a few hundred signals: let the loop breathe
         # exited leaders too: their descendants may still be in the group
-        c.signal_group(death_sig)
+        if c.signal_group(death_sig) and stale is not None and c.pgid not in stale:
+            c.signal_group(signal.SIGCONT)
     await deadline.wait(c.watcher.future for c in running)
     if leaders_done is not None:
         leaders_done()

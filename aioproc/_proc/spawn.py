@@ -84,6 +84,9 @@ class Child:
         self.stop_requested = False  # the supervisor signalled it while it ran
         self.unkillable = False  # survived SIGKILL; released when it finally exits
         self.swept = False  # its group was SIGKILLed after the leader exited: empty for good
+        # started by an exec from this process (not forked by a template): its
+        # ru_maxrss then carries this process's peak (see _limits.usage.own_peak)
+        self.execed = True
 
     def __repr__(self) -> str:
         if self.returncode is None:

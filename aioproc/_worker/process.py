@@ -627,7 +627,7 @@ class WorkerProcess:
         finally:
             # reaped now: its usage is final, and its cgroups and slot go back
             self._usage = self._resources.usage({0: self._child}).get(0)
-            self._resources.close()
+            await self._resources.aclose()
         if forced:
             warn_forced(forced, signal.SIGKILL, self._grace_period, request="the terminate request")
 
@@ -645,16 +645,19 @@ def describe(fn: Callable[..., Any]) -> str:
 
 def exit_text(code: int, oom: str | None) -> str:
     """How a worker ended, for messages: ``"was killed by SIGSEGV"``, the OOM killer's text."""
-    if oom is not None:
+    if oom is not None and not oom.startswith("a process"):
         # the placement's text starts "killed by the kernel's OOM killer" where
         # the kernel counted the kill; else it names the limit's hits
         return f"was {oom}" if oom.startswith("killed by") else f"was killed by SIGKILL ({oom})"
     if code < 0:
         try:
-            return f"was killed by {signal.Signals(-code).name}"
+            how = f"was killed by {signal.Signals(-code).name}"
         except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
+            how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with code {code}"
+    # "a process in its cgroup was killed by the kernel's OOM killer": its child
+    return f"{how} ({oom})" if oom is not None else how
 
 
 FILL_OFF_LOOP = 4 << 20

@@ -88,7 +88,7 @@ async def start_worker(
     except BaseException:
         # a slot handed over by a pool goes back too; a launched worker
         # was reaped by _launch_worker before its placement goes
-        resources.close()
+        await shielded(resources.aclose())
         raise
 
 

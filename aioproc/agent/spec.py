@@ -78,8 +78,8 @@ class WorkerSpec:
             its own GPU (see ``visible_device``).
         limits: resource limits of every attempt's workers, as
             ``start_processes(limits=...)`` takes them: one ``aioproc.Limits``
-            for the whole group, or ``{local_rank: Limits}`` (a rank not
-            named runs unlimited); None: no limit.
+            for each rank (a cgroup per rank), or ``{local_rank: Limits}`` (a
+            rank not named runs unlimited); None: no limit.
         cpus: the CPUs each worker may run on, as ``start_processes(cpus=...)``
             takes them: a list of CPU ids for every rank, ``"numa:<node>"``,
             ``"round-robin"`` (one CPU each, in turn), or ``{local_rank:

@@ -5,16 +5,19 @@ in a pytest of the torch interpreter, before torch's test modules are
 imported, it replaces torch's launcher entry points, in torch's own
 modules, with aioproc's:
 
-- ``torch.distributed.run.main(args)`` runs the ``aioproc run`` command
-  with the same argv, in this process (as torch's ``main`` runs in the
-  caller's), so the environment, ``PET_*`` variables, redirected
-  ``sys.stdout`` and mocked device counts the tests set up reach it.  The
-  command's exit status becomes what torch's function does instead: 1 (the
-  job failed) raises torch's ``ChildFailedError``, 2 (a usage error)
-  raises ``ValueError``.
+- ``torch.distributed.run.main(args)`` is ``aioproc.torchrun.main(args)``,
+  in this process (as torch's ``main`` runs in the caller's), so the
+  environment, ``PET_*`` variables, redirected ``sys.stdout`` and mocked
+  device counts the tests set up reach it.  It raises what torch's raises:
+  ``ValueError`` for a bad flag or combination, and for a failed job
+  ``ChildFailedError``, aioproc's turned into torch's class (the tests
+  catch torch's).
 - ``torch.distributed.elastic.rendezvous.registry.get_rendezvous_handler``
   builds aioproc's handler (``aioproc.rendezvous.create_handler``) from
-  torch's ``RendezvousParameters``: the c10d backend is aioproc's c10d.
+  torch's ``RendezvousParameters``: the c10d backend is aioproc's c10d, and
+  torch's two etcd backends (``etcd`` and ``etcd-v2``, both on etcd's v2
+  API) are aioproc's etcd backend (etcd's v3 API), against the same server
+  (torch's own ``EtcdServer``, an etcd that serves both APIs).
 - ``torch.distributed.elastic.agent.server.local_elastic_agent.LocalElasticAgent``
   is ``BlockingAgent``: torch's blocking agent API over
   ``aioproc.agent.LocalElasticAgent``, which it builds from torch's
@@ -27,11 +30,8 @@ and helpers are torch's.
 from __future__ import annotations
 
 import asyncio
-import io
-import sys
 import time
 from collections.abc import Sequence
-from contextlib import redirect_stderr
 from typing import Any
 
 import torch.distributed.elastic.agent.server.local_elastic_agent as torch_agent_module
@@ -41,7 +41,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs as TorchD
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 import aioproc
-import aioproc.cli
+import aioproc.torchrun
 from aioproc.agent import LocalElasticAgent as AioprocAgent
 from aioproc.agent import RunResult, WorkerGroup
 from aioproc.agent import WorkerSpec as AioprocSpec
@@ -58,60 +58,30 @@ ROUTED = (
 # ------------------------------------------------------------------ torchrun
 
 
-class CommandFailed(ChildFailedError):
-    """``aioproc run`` exited with status 1: the job failed (its summary is on stderr).
+class JobFailed(ChildFailedError):
+    """aioproc's ``ChildFailedError`` as torch's class: the tests catch torch's.
 
-    torch's ``main`` raises ``ChildFailedError`` where the command exits 1;
-    the failures themselves are in the command's ``FAILED`` summary, which
-    went to stderr as it does for a torchrun user.
+    torch's ``__init__`` formats torch's failures; the message is aioproc's
+    summary, the attributes aioproc's failures.
     """
 
-    def __init__(self, argv: Sequence[str]) -> None:
-        # torch's __init__ formats its failures, which the command printed instead
-        Exception.__init__(self, f"aioproc run {' '.join(argv)} exited with status 1")
-        self.name = argv[-1] if argv else "aioproc run"
-        self.failures = {}
+    def __init__(self, error: aioproc.ChildFailedError) -> None:
+        Exception.__init__(self, str(error))
+        self.name = error.name
+        self.failures = error.failures
 
 
 def run_main(args: Sequence[str] | None = None) -> None:
-    """torch's ``torch.distributed.run.main(args)``, done by ``aioproc run``.
+    """torch's ``torch.distributed.run.main(args)``: ``aioproc.torchrun.main(args)``.
 
     Raises:
-        ChildFailedError: the command exited 1 (``CommandFailed``).
-        ValueError: the command exited 2, a usage error (the message is
-            the command's).
-        SystemExit: any other status.
+        ChildFailedError: torch's class, for aioproc's (``JobFailed``).
+        ValueError: a bad flag or combination, as torch's ``main`` raises it.
     """
-    argv = list(sys.argv[1:] if args is None else args)
-    said = io.StringIO()
     try:
-        # usage errors go to stderr; kept to become the ValueError's message
-        with redirect_stderr(_Tee(sys.stderr, said)):
-            status = aioproc.cli.main(["run", *argv])
-    except SystemExit as e:
-        if e.code == 2:
-            raise ValueError(said.getvalue().strip().splitlines()[-1]) from None
-        raise
-    if status == 1:
-        raise CommandFailed(argv)
-    if status != 0:
-        raise SystemExit(status)
-
-
-class _Tee(io.TextIOBase):
-    """Writes to two text streams."""
-
-    def __init__(self, first: Any, second: io.StringIO) -> None:
-        self._first = first
-        self._second = second
-
-    def write(self, text: str) -> int:
-        self._first.write(text)
-        self._second.write(text)
-        return len(text)
-
-    def flush(self) -> None:
-        self._first.flush()
+        aioproc.torchrun.main(None if args is None else list(args))
+    except aioproc.ChildFailedError as e:
+        raise JobFailed(e) from e
 
 
 # -------------------------------------------------------------- rendezvous
@@ -140,10 +110,14 @@ class BlockingHandler:
         return bool(asyncio.run(self.handler.shutdown()))
 
 
+# torch's backends on etcd's v2 API, and aioproc's backend for them (etcd's v3 API)
+ETCD_BACKENDS = {"etcd": "etcd", "etcd-v2": "etcd"}
+
+
 def get_rendezvous_handler(params: Any) -> BlockingHandler:
     """torch's ``registry.get_rendezvous_handler``: aioproc's handler for torch's parameters."""
     ours = RendezvousParameters(
-        params.backend,
+        ETCD_BACKENDS.get(params.backend, params.backend),
         params.endpoint,
         params.run_id,
         params.min_nodes,
