@@ -108,6 +108,47 @@ async def test_max_concurrency_bounds_the_calls_in_flight(cf: ModuleType) -> Non
         assert max_overlap((b, e) for b, e, _ in results) == 3
 
 
+@pytest.mark.parametrize("kind", LOOPS)
+def test_start_eagerly_runs_the_first_step_as_the_task_before_what_was_queued(kind: str) -> None:
+    """A coroutine that returns at once is done when start_eagerly returns (no loop
+    iteration), having run as its task, ahead of a callback queued before it;
+    on uvloop before 3.12 it starts in the loop's next iteration instead."""
+    from aioproc._child import aio
+
+    eager = kind == "asyncio" or sys.version_info >= (3, 12)
+    seen: list[object] = []
+
+    async def at_once() -> str:
+        seen.append(asyncio.current_task())
+        return "done"
+
+    async def waits() -> str:
+        seen.append("began")
+        await asyncio.sleep(0)
+        return "waited"
+
+    def callback() -> None:
+        loop.call_soon(seen.append, "queued before")
+        task, ended = aio.start_eagerly(loop, at_once())
+        assert ended is eager and task.done() is eager
+        later, ended_too = aio.start_eagerly(loop, waits())
+        assert not ended_too and not later.done()
+        tasks.extend([task, later])
+
+    loop = aio.new_event_loop(kind)
+    tasks: list[asyncio.Task[str]] = []
+    try:
+        loop.call_soon(callback)
+        loop.run_until_complete(asyncio.sleep(0.05))
+        assert [t.result() for t in tasks] == ["done", "waited"]
+        if eager:
+            assert seen == [tasks[0], "began", "queued before"]
+        else:
+            assert seen == ["queued before", tasks[0], "began"]
+    finally:
+        loop.close()
+
+
 async def test_asyncio_is_imported_at_the_first_coroutine_call_only(
     pw: ModuleType, cf: ModuleType
 ) -> None:

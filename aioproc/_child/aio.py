@@ -313,9 +313,13 @@ def start_eagerly(
 
     Python 3.12's eager tasks (``asyncio.eager_task_factory``): the first
     step runs now, as the task, so a coroutine that returns without waiting
-    needs no loop iteration.  Before 3.12 the task starts in the loop's next
-    iteration, as ``loop.create_task`` starts one.  Call it from a callback
-    of the running ``loop``, outside any task.
+    needs no loop iteration.  Before 3.12, on asyncio's own loop, the same
+    is had from ``loop.create_task``: the task's first step is the handle it
+    has just put last in the loop's ready queue, which is taken back and run
+    here (what the loop's next iteration would have run, at the cost of a
+    ``epoll_wait`` and a pass of its ``_run_once``).  On a loop without that
+    queue (uvloop's) the task starts in the next iteration.  Call it from a
+    callback of the running ``loop``, outside any task.
 
     Returns:
         The task, and whether ``coro`` has ended already.
@@ -325,7 +329,13 @@ def start_eagerly(
 
         task: asyncio.Task[Any] = asyncio.eager_task_factory(loop, coro)  # type: ignore[attr-defined,unused-ignore]
         return task, task.done()
-    return loop.create_task(coro), False
+    task = loop.create_task(coro)
+    ready = getattr(loop, "_ready", None)
+    # only the handle of this task's step: a task factory may have queued others
+    if ready and getattr(ready[-1]._callback, "__self__", None) is task:
+        ready.pop()._run()
+        return task, task.done()
+    return task, False
 
 
 _EAGER_TASKS = sys.version_info >= (3, 12)

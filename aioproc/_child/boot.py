@@ -714,10 +714,11 @@ class _LoopServer:
     while it runs; a coroutine function's call becomes a task of its own
     (``run_call``: the function is called in the task, which answers as it
     ends), so any number run at once.  The task's first step runs at once,
-    in that callback, as Python 3.12's eager tasks do (``aio.start_eagerly``):
-    a coroutine that returns without waiting is answered without a loop
-    iteration in between.  CANCEL cancels a call's task (its ``finally``
-    blocks run; the ERROR that answers it says it was cancelled).
+    in that callback, as Python 3.12's eager tasks do (``aio.start_eagerly``;
+    before 3.12 on asyncio's loop, not on uvloop's): a coroutine that returns
+    without waiting is answered without a loop iteration in between.
+    CANCEL cancels a call's task (its ``finally`` blocks run; the ERROR that
+    answers it says it was cancelled).
     TERMINATE cancels every call still running, waits for them, then closes
     the loop as ``asyncio.run`` does: what the calls left running is
     cancelled too.  EOF (the supervisor is gone) exits at once, as before
@@ -735,7 +736,7 @@ class _LoopServer:
         self.asyncio = asyncio
         self.aio = aio
         self.calls: dict[bytes, Any] = {}  # call id -> the task running it
-        # calls whose task has not run its first step (no eager tasks before 3.12)
+        # calls whose task has not run its first step (not started eagerly)
         self.unstarted: set[bytes] = set()
         self.terminated = loop.create_future()
         self.exiting = False  # leaving by an exception: nothing is answered any more
