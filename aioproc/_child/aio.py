@@ -34,7 +34,7 @@ import sys
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs workers
 if TYPE_CHECKING:
     import asyncio
-    from collections.abc import Awaitable, Callable, Iterable
+    from collections.abc import Awaitable, Callable, Coroutine, Iterable
     from types import TracebackType
     from typing import Any, NoReturn, TypeVar
 
@@ -47,10 +47,12 @@ __all__ = [
     "Stopped",
     "die_by",
     "check_loop",
+    "close_loop",
     "is_coroutine",
     "is_coroutine_function",
     "new_event_loop",
     "run",
+    "start_eagerly",
     "user_traceback",
 ]
 
@@ -284,6 +286,59 @@ def _cancel_all_tasks(loop: asyncio.AbstractEventLoop) -> None:
                     "task": task,
                 }
             )
+
+
+def close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """End ``loop`` as ``run`` (and ``asyncio.run``) end theirs, for a loop run by hand.
+
+    The tasks left on it are cancelled and awaited, async generators and the
+    default executor are shut down, and it stops being this thread's current
+    loop and is closed (also when one of those steps raises).
+    """
+    import asyncio
+
+    try:
+        _cancel_all_tasks(loop)
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.run_until_complete(loop.shutdown_default_executor())
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+def start_eagerly(
+    loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]
+) -> tuple[asyncio.Task[Any], bool]:
+    """A task of ``loop`` running ``coro``, its first step run already where Python can.
+
+    Python 3.12's eager tasks (``asyncio.eager_task_factory``): the first
+    step runs now, as the task, so a coroutine that returns without waiting
+    needs no loop iteration.  Before 3.12, on asyncio's own loop, the same
+    is had from ``loop.create_task``: the task's first step is the handle it
+    has just put last in the loop's ready queue, which is taken back and run
+    here (what the loop's next iteration would have run, at the cost of a
+    ``epoll_wait`` and a pass of its ``_run_once``).  On a loop without that
+    queue (uvloop's) the task starts in the next iteration.  Call it from a
+    callback of the running ``loop``, outside any task.
+
+    Returns:
+        The task, and whether ``coro`` has ended already.
+    """
+    if _EAGER_TASKS:
+        import asyncio
+
+        task: asyncio.Task[Any] = asyncio.eager_task_factory(loop, coro)  # type: ignore[attr-defined,unused-ignore]
+        return task, task.done()
+    task = loop.create_task(coro)
+    ready = getattr(loop, "_ready", None)
+    # only the handle of this task's step: a task factory may have queued others
+    if ready and getattr(ready[-1]._callback, "__self__", None) is task:
+        ready.pop()._run()
+        return task, task.done()
+    return task, False
+
+
+_EAGER_TASKS = sys.version_info >= (3, 12)
 
 
 _RUNNERS = ("aioproc._child.", "asyncio.", "uvloop")
