@@ -396,7 +396,7 @@ def _defined(fid: int) -> Any:
     raise entry
 
 
-def _load_call(body: bytes | bytearray) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+def _load_call(body: bytes | bytearray | memoryview) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     view = memoryview(body)
     if body[0] == _wire.MARSHAL_BYTE:
         call = marshal.loads(view[1:])
@@ -589,6 +589,9 @@ def worker_state() -> Any:
             writer = aioproc.worker_state()
             writer.write(step)
 
+    Coroutine functions reach it the same way, on the worker's loop; an
+    ``async def`` init's value is the state once it returned.
+
     Raises:
         RuntimeError: outside a persistent worker.
     """
@@ -599,18 +602,67 @@ def worker_state() -> Any:
 
 _SERVING = False
 
+_LOOP = "asyncio"
+"""The event loop a persistent worker runs coroutine calls on (INIT's ``loop``)."""
+
+_ID_SIZE = _wire.ID_SIZE
+
+
+async def _probe() -> None:
+    pass
+
+
+_COROUTINE = type(_probe_coroutine := _probe())
+"""The type of what calling an ``async def`` function returns (without importing ``types``)."""
+_probe_coroutine.close()
+del _probe_coroutine
+_FUNCTION = type(_probe)
+_CO_COROUTINE = 0x80  # inspect.CO_COROUTINE
+_MARKED = sys.version_info >= (3, 12)  # inspect.markcoroutinefunction can mark any function
+_NEVER_COROUTINES = frozenset({type, type(len), type(str.join), type(str.__add__)})
+"""Classes, builtins and slot methods: never coroutine functions, unless marked so."""
+
 
 def _serve(fd: int, has_init: bool) -> None:
-    """Persistent worker: answer CALL/PING frames until TERMINATE or EOF.
+    """Persistent worker: answer the supervisor's requests until TERMINATE or EOF.
 
-    The first CALL is ``init``: its return value becomes the worker state.
-    An exception in a call is reported and the worker stays usable.  EOF on
-    the channel means the supervisor is gone: exit (the guardian also kills
-    the group).
+    The first CALL is ``init`` when ``has_init``: its return value becomes
+    the worker state, and a failed ``init`` ends the worker.  An exception
+    in a later call is reported and the worker stays usable.  EOF on the
+    channel means the supervisor is gone: exit (the guardian also kills the
+    group).
+
+    Calls run in this thread one after the other (``_serve_calls``) until one
+    returns a coroutine; from then on the worker serves its channel on an
+    event loop (``_LoopServer``), where coroutine calls run concurrently.
+    asyncio is imported only then, so a worker that never runs a coroutine
+    never pays for it.
     """
-    global STATE, _SERVING
+    global _SERVING
     _SERVING = True
     first = has_init
+    while True:
+        cid, coro, first = _serve_calls(fd, first)
+        try:
+            loop = _new_loop(_LOOP)
+        except Exception as e:
+            coro.close()
+            _wire.write_frame(fd, _wire.ERROR, _error_frame(e), cid)
+            if first:
+                _flush_std()
+                raise SystemExit(1) from None
+            first = False
+            continue
+        _LoopServer(fd, loop).run(cid, coro, first)
+
+
+def _serve_calls(fd: int, first: bool) -> tuple[bytes, Any, bool]:
+    """Answer requests in this thread until a call returns a coroutine.
+
+    Returns:
+        That call's id, its coroutine (not started), and whether it is ``init``.
+    """
+    global STATE
     # Wait for requests in poll(), not in read(): a task blocked in read() on
     # a Unix stream socket is also woken each time the parent consumes one
     # of its replies (the socket's "writable again" wakeup reaches every
@@ -645,25 +697,35 @@ def _serve(fd: int, has_init: bool) -> None:
             if kind == _wire.DEFINE:
                 _define(body)  # its CALL follows, usually in the same read
             elif kind == _wire.PING:
-                _wire.write_frame(fd, _wire.PONG)
+                _wire.write_frame(fd, _wire.PONG, bytes(body))  # the ping's id
+            elif kind == _wire.CANCEL:
+                pass  # its call has returned: the answer is on its way
             elif kind == _wire.TERMINATE:
                 _flush_std()
                 sys.exit(0)
             else:
                 raise RuntimeError(f"aioproc worker: unexpected frame kind {kind}")
             continue
+        cid: Any = body[-_ID_SIZE:]  # bytes here: the usual read brings a bytes object
         try:
+            # the id after the call is left to the decoders, which ignore what
+            # follows a value (marshal's and pickle's loads say so; the
+            # out-of-band layouts give their own sizes)
             fn, args, kwargs = _load_call(body)
             del body
             value = fn(*args, **kwargs)
+            if type(value) is _COROUTINE:
+                return bytes(cid), value, first  # evaluated before the finally below
             if first:
                 STATE, value = value, None
             if type(value) in _SCALARS:
                 # the common answer, framed here: one marshal call and one write
                 data = marshal.dumps(value)
-                size = len(data) + 1
+                size = len(data) + 1 + _ID_SIZE
                 if size <= _MAX_FRAME:
-                    frame = b"".join((_RESULT_KIND, size.to_bytes(8, "big"), _wire.MARSHAL, data))
+                    frame = b"".join(
+                        (_RESULT_KIND, size.to_bytes(8, "big"), _wire.MARSHAL, data, cid)
+                    )
                     sent = os.write(fd, frame)
                     if sent < len(frame):
                         _wire._write_all(fd, memoryview(frame)[sent:])
@@ -674,7 +736,7 @@ def _serve(fd: int, has_init: bool) -> None:
             raise
         except BaseException as e:
             e = e.with_traceback(e.__traceback__.tb_next if e.__traceback__ else None)
-            _wire.write_frame(fd, _wire.ERROR, _error_frame(e))
+            _wire.write_frame(fd, _wire.ERROR, _error_frame(e), cid)
             if first:
                 _flush_std()
                 raise SystemExit(1) from None  # a failed init ends the worker
@@ -682,6 +744,7 @@ def _serve(fd: int, has_init: bool) -> None:
         finally:
             first = False
         del value
+        parts.append(cid)
         if segments:
             _send_result(fd, parts, segments)
         else:  # only this thread writes to a persistent worker's channel
@@ -769,6 +832,232 @@ _SCALARS = frozenset({type(None), bool, int, float})
 _RESULT_KIND = _wire.RESULT.to_bytes(1, "big")
 
 
+def _answer(fd: int, cid: bytes, value: Any) -> None:
+    """Send a call's RESULT, or the ERROR saying why its value cannot travel."""
+    if type(value) in _SCALARS:  # the common answer, framed here (as in _serve_calls)
+        data = marshal.dumps(value)
+        size = len(data) + 1 + _ID_SIZE
+        frame = b"".join((_RESULT_KIND, size.to_bytes(8, "big"), _wire.MARSHAL, data, cid))
+        _wire._write_all(fd, memoryview(frame))
+        return
+    try:
+        parts, segments = _encode(value)
+        _check_size(parts, "return value of type {}", value)
+    except Exception as e:
+        _wire.write_frame(fd, _wire.ERROR, _error_frame(e), cid)
+        return
+    parts.append(cid)
+    if segments:
+        _send_result(fd, parts, segments)
+    else:
+        _wire.write_frame(fd, _wire.RESULT, *parts)
+
+
+def _new_loop(kind: str) -> Any:
+    """A new event loop of ``kind`` (``"asyncio"`` or ``"uvloop"``), set as the current one."""
+    import asyncio
+
+    from aioproc._child import aio
+
+    loop = aio.new_event_loop(kind)
+    asyncio.set_event_loop(loop)
+    return loop
+
+
+class _LoopServer:
+    """A persistent worker's channel, served on an event loop from its first coroutine call.
+
+    Frames are read when the loop sees the channel readable and handled in
+    that callback: a sync call runs there, between two iterations of the
+    loop, so it holds the loop (and the I/O of every coroutine call) only
+    while it runs; a coroutine function's call becomes a task of its own
+    (``run_call``: the function is called in the task, which answers as it
+    ends), so any number run at once.  The task's first step runs at once,
+    in that callback, as Python 3.12's eager tasks do (``aio.start_eagerly``;
+    before 3.12 on asyncio's loop, not on uvloop's): a coroutine that returns
+    without waiting is answered without a loop iteration in between.
+    CANCEL cancels a call's task (its ``finally`` blocks run; the ERROR that
+    answers it says it was cancelled).
+    TERMINATE cancels every call still running, waits for them, then closes
+    the loop as ``asyncio.run`` does: what the calls left running is
+    cancelled too.  EOF (the supervisor is gone) exits at once, as before
+    the loop.  Replies are written with blocking writes, in this thread: the
+    supervisor reads its channel as it comes.
+    """
+
+    def __init__(self, fd: int, loop: Any) -> None:
+        import asyncio
+
+        from aioproc._child import aio
+
+        self.fd = fd
+        self.loop = loop
+        self.asyncio = asyncio
+        self.aio = aio
+        self.calls: dict[bytes, Any] = {}  # call id -> the task running it
+        # calls whose task has not run its first step (not started eagerly)
+        self.unstarted: set[bytes] = set()
+        self.terminated = loop.create_future()
+        self.exiting = False  # leaving by an exception: nothing is answered any more
+
+    def run(self, cid: bytes, coro: Any, first: bool) -> NoReturn:
+        """Serve until TERMINATE, starting with ``coro`` (the call ``cid``), then exit 0.
+
+        The loop runs until a future resolves, not a task: the calls' tasks
+        (and the ones they start) are the only tasks on it.
+        """
+        loop = self.loop
+        try:
+            loop.add_reader(self.fd, self.readable)
+            self.start(cid, coro, first)
+            if _wire._pending:  # read along with the call that started the loop
+                loop.call_soon(self.readable)
+            try:
+                loop.run_until_complete(self.terminated)
+            finally:
+                loop.remove_reader(self.fd)
+            for cid in list(self.calls):
+                self.cancel(cid)
+            calls = list(self.calls.values())
+            if calls:  # each answers as it ends
+                loop.run_until_complete(self.asyncio.wait(calls))
+        except BaseException:
+            self.exiting = True  # sys.exit() in a call, a failed init: the calls end unanswered
+            raise
+        finally:
+            self.aio.close_loop(loop)
+        _flush_std()
+        sys.exit(0)
+
+    def readable(self) -> None:
+        """Handle every whole frame the channel holds (the loop saw it readable)."""
+        while not self.terminated.done():
+            try:
+                kind, body = _wire.read_frame(self.fd)
+            except (_wire.ChannelClosed, OSError):
+                os._exit(0)
+            if kind == _wire.CALL:
+                self.call(body)
+            elif kind == _wire.CANCEL:
+                self.cancel(bytes(body))
+            elif kind == _wire.PING:
+                _wire.write_frame(self.fd, _wire.PONG, bytes(body))
+            elif kind == _wire.DEFINE:
+                _define(body)
+            elif kind == _wire.TERMINATE:
+                self.terminated.set_result(None)
+            else:
+                error = RuntimeError(f"aioproc worker: unexpected frame kind {kind}")
+                self.terminated.set_exception(error)
+            if not _wire._pending:
+                return
+
+    def call(self, body: bytes | bytearray) -> None:
+        cid = bytes(body[-_ID_SIZE:])
+        try:
+            fn, args, kwargs = _load_call(body)  # the id is ignored (see _serve_calls)
+            del body
+            fn_type = type(fn)
+            if fn_type is _FUNCTION:
+                coroutine = fn.__code__.co_flags & _CO_COROUTINE or (
+                    _MARKED and self.aio.is_coroutine_function(fn)
+                )
+            elif fn_type in _NEVER_COROUTINES:
+                coroutine = _MARKED and self.aio.is_coroutine_function(fn)
+            else:
+                coroutine = self.aio.is_coroutine_function(fn)
+            if coroutine:
+                self.unstarted.add(cid)  # until run_call begins
+                task, ended = self.aio.start_eagerly(
+                    self.loop, self.run_call(cid, fn, args, kwargs)
+                )
+                if not ended:
+                    self.calls[cid] = task  # until run_call removes it
+                return
+            value = fn(*args, **kwargs)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as e:
+            e = e.with_traceback(e.__traceback__.tb_next if e.__traceback__ else None)
+            _wire.write_frame(self.fd, _wire.ERROR, _error_frame(e), cid)
+            return
+        if type(value) is _COROUTINE:
+            self.start(cid, value, False)  # a sync function's coroutine
+        else:
+            _answer(self.fd, cid, value)
+
+    def cancel(self, cid: bytes) -> None:
+        """Cancel call ``cid``'s task, if it still runs (else its answer is on its way)."""
+        task = self.calls.get(cid)
+        if task is None:
+            return
+        task.cancel()
+        if cid in self.unstarted:
+            # cancelled before its first step: run_call never runs, so it is answered here
+            self.unstarted.discard(cid)
+            del self.calls[cid]
+            error = self.asyncio.CancelledError()
+            _wire.write_frame(self.fd, _wire.ERROR, _error_frame(error), cid)
+
+    async def run_call(
+        self, cid: bytes, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Call ``fn`` in this task, await what it returns, answer call ``cid``.
+
+        Called in the task (not before it), so the coroutine sees its task
+        from its first line (``asyncio.current_task()``, timeouts) and is
+        answered in the step it ends in, with no callback in between.
+        """
+        self.unstarted.discard(cid)
+        try:
+            value = fn(*args, **kwargs)
+            if type(value) is _COROUTINE or hasattr(type(value), "__await__"):
+                value = await value
+        except (SystemExit, KeyboardInterrupt):
+            raise  # leaves the loop through run_until_complete
+        except BaseException as e:
+            self.calls.pop(cid, None)
+            if not self.exiting:
+                e = e.with_traceback(self.aio.user_traceback(e.__traceback__))
+                _wire.write_frame(self.fd, _wire.ERROR, _error_frame(e), cid)
+            if isinstance(e, self.asyncio.CancelledError):
+                raise
+            return
+        self.calls.pop(cid, None)
+        if not self.exiting:
+            _answer(self.fd, cid, value)
+
+    def start(self, cid: bytes, coro: Any, first: bool) -> None:
+        """Run the coroutine of call ``cid`` as a task; ``done`` answers it."""
+        # the task runs the caller's coroutine itself: cancelled before its
+        # first step, the coroutine is closed as it starts, never left unawaited
+        task = self.loop.create_task(coro)
+        self.calls[cid] = task
+        task.add_done_callback(lambda task: self.done(cid, task, first))
+
+    def done(self, cid: bytes, task: Any, first: bool) -> None:
+        global STATE
+        del self.calls[cid]
+        if self.exiting:
+            return
+        if task.cancelled():
+            error: BaseException | None = self.asyncio.CancelledError()
+        else:
+            error = task.exception()
+        if error is None:
+            value = task.result()
+            if first:
+                STATE, value = value, None
+            _answer(self.fd, cid, value)
+            return
+        if isinstance(error, (SystemExit, KeyboardInterrupt)):
+            return  # it leaves the loop through run_until_complete
+        error = error.with_traceback(self.aio.user_traceback(error.__traceback__))
+        _wire.write_frame(self.fd, _wire.ERROR, _error_frame(error), cid)
+        if first:
+            self.terminated.set_exception(SystemExit(1))  # a failed init ends the worker
+
+
 def main(fd: int) -> None:
     global _FD_SOCKET, _HOLD
     os.set_inheritable(fd, False)  # descendants must not hold the lifeline open
@@ -780,13 +1069,14 @@ def main(fd: int) -> None:
     if kind != _wire.INIT:
         raise RuntimeError(f"aioproc worker: expected INIT frame, got kind {kind}")
     init = marshal.loads(body)
-    global _MAX_FRAME
+    global _MAX_FRAME, _LOOP
     _MAX_FRAME = init.get("max_frame", _MAX_FRAME)
     _set_authkey(init.get("authkey"))
     # the parent's import path: functions pickled by reference import from it
     sys.path[:] = init["sys_path"]
     del sys.argv[1:]
     if init.get("serve"):
+        _LOOP = init.get("loop", _LOOP)
         _serve(fd, has_init=init.get("has_init", False))
         return
     kind, body = _wire.read_frame(fd)
