@@ -773,13 +773,6 @@ def _call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], loop: Any) -> 
     return value
 
 
-def _f() -> None: ...
-
-
-_FUNCTION = type(_f)
-_CO_COROUTINE = 0x80  # inspect.CO_COROUTINE
-
-
 def _aio() -> Any:
     """``_child.aio``, imported on first use (only coroutine workers pay for it)."""
     module = sys.modules.get("aioproc._child.aio")
