@@ -15,7 +15,7 @@ control (terminate, start a single task, pids, exit codes)::
     async with aioproc.cluster.open_cluster(train, spec) as runner:
         result = await runner.join()
 
-``barrier()`` synchronises the tasks.
+``barrier()`` synchronises the tasks (``await abarrier()`` in a coroutine).
 Differences from TF: a task killed by a signal is a failure
 (``UnexpectedSubprocessExitError``), results are ordered, a timeout reports
 every live task's stacks, restarts back off, and nothing polls.
@@ -27,7 +27,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._base import public_module
-from ._child.barrier import barrier as barrier
+from ._child.boot import abarrier as abarrier
+from ._child.boot import barrier as barrier
 from ._cluster.result import DEFAULT_TIMEOUT
 from ._cluster.result import MultiProcessRunnerResult as MultiProcessRunnerResult
 from ._cluster.result import SubprocessTimeoutError as SubprocessTimeoutError
@@ -45,6 +46,7 @@ public_module(
     MultiProcessRunnerResult,
     SubprocessTimeoutError,
     UnexpectedSubprocessExitError,
+    abarrier,
     assign_gpus,
     barrier,
     create_cluster_spec,
@@ -55,6 +57,7 @@ __all__ = [
     "MultiProcessRunnerResult",
     "SubprocessTimeoutError",
     "UnexpectedSubprocessExitError",
+    "abarrier",
     "assign_gpus",
     "barrier",
     "create_cluster_spec",

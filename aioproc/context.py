@@ -139,6 +139,10 @@ class PContext:
         return tuple(self._sup.spec.preload)
 
     @property
+    def worker_loop(self) -> str:
+        return self._sup.spec.worker_loop
+
+    @property
     def stdouts(self) -> dict[int, str]:
         return self._sup.dest.stdouts
 

@@ -29,6 +29,7 @@ from ._limits.capacity import Capacity
 from ._limits.spec import Limits
 from ._worker.options import worker_options
 from ._worker.pool import WorkerPool, open_workers
+from ._worker.process import DEFAULT_MAX_CONCURRENCY
 from ._worker.records import PoolStats
 from .results import DEFAULT_GRACE_PERIOD
 
@@ -50,6 +51,8 @@ def open_pool(
     name: str = "pool",
     start_method: str = "spawn",
     preload: Sequence[str] = (),
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+    worker_loop: str = "asyncio",
     limits: Limits | None = None,
     capacity: Capacity | None = None,
     cpus: CpusArg = None,
@@ -81,6 +84,13 @@ def open_pool(
             template for ``preload`` up for its whole life, so replacements
             fork from it too (see ``start_processes``).
         preload: modules the forkserver template imports first.
+        max_concurrency: calls in flight on each worker at most (default
+            100): the pool runs up to ``size * max_concurrency`` coroutine
+            calls at once, each on the least busy worker; more wait for
+            one, first come first served.  A sync call has a worker to
+            itself, as ever: it waits for an idle one.
+        worker_loop: the event loop coroutine calls run on in each worker,
+            ``"asyncio"`` (the default) or ``"uvloop"``.
         limits: resource limits for each worker (``aioproc.Limits``): every
             worker gets a placement of its own (its own cgroup, else
             rlimits), as the workers are independent; a replacement gets a
@@ -113,6 +123,8 @@ def open_pool(
             anything starts): a CPU outside the allowed set, an empty list,
             a NUMA node this machine does not list (the message names the
             missing file), a ``capacity`` with fewer slots than workers,
+            ``max_concurrency`` below 1, a ``worker_loop`` other than
+            ``"asyncio"``/``"uvloop"`` or uvloop not installed,
             ``grace_period`` and ``shutdown_timeout`` both given.
         Exception: what made a worker's start fail (the initializer's
             exception, ``TimeoutError``, ``BrokenWorkerError``), raised as
@@ -141,6 +153,8 @@ def open_pool(
         preload=preload,
         limits=limits,
         capacity=capacity,
+        max_concurrency=max_concurrency,
+        worker_loop=worker_loop,
     )
     return open_workers(
         slots,

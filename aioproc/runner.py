@@ -49,6 +49,7 @@ def start_processes(
     capacity: Capacity | None = None,
     cpus: CpusArg = None,
     sample_interval: float | None = None,
+    worker_loop: str = "asyncio",
 ) -> OpenResource[PContext]:
     """Start ``len(args)`` workers running ``entrypoint``.
 
@@ -131,6 +132,13 @@ def start_processes(
             loop and delivered to ``on_event`` as "sampled" events (Linux; a
             documented periodic read, off by default).  A positive number
             or None, else ValueError.
+        worker_loop: the event loop a coroutine-function ``entrypoint``
+            (``async def``) runs on in each worker, a fresh one closed after,
+            as ``asyncio.run`` does: ``"asyncio"`` (default) or ``"uvloop"``.
+            The stop (SIGTERM, SIGINT, SIGHUP) cancels the coroutine, so its
+            ``finally:`` blocks run within ``grace_period``.  Ignored by a
+            sync function.  Another value, or ``"uvloop"`` where uvloop is
+            not installed, raises ValueError before anything starts.
 
     Raises:
         TypeError, ValueError, RuntimeError, FileNotFoundError,
@@ -167,6 +175,7 @@ def start_processes(
         capacity=capacity,
         cpus=cpus,
         sample_interval=sample_interval,
+        worker_loop=worker_loop,
     )
     pc = PContext._from_spec(spec)
     return OpenResource(lambda: _start(pc), close_on_exit, "start_processes(...)")
@@ -190,6 +199,7 @@ async def run(
     limits: LimitsArg = None,
     capacity: Capacity | None = None,
     cpus: CpusArg = None,
+    worker_loop: str = "asyncio",
 ) -> RunProcsResult:
     """Run ``nprocs`` workers to completion: start, wait, close.
 
@@ -205,7 +215,8 @@ async def run(
         timeout: seconds before the group is stopped and ``RunTimeoutError``
             raised (its ``result`` attribute holds the partial result).
         logs_specs, log_line_prefixes, start_method: as for ``start_processes``.
-        grace_period, sinks, preload, limits, capacity, cpus: as for ``start_processes``.
+        grace_period, sinks, preload, limits, capacity, cpus, worker_loop: as
+            for ``start_processes``.
 
     Returns:
         The ``RunProcsResult`` when every worker succeeded; its ``usage``
@@ -249,6 +260,7 @@ async def run(
         limits=limits,
         capacity=capacity,
         cpus=cpus,
+        worker_loop=worker_loop,
     )
     group = PContext._from_spec(spec)
     async with OpenResource(lambda: _start(group), close_on_exit, "run()") as pc:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-__all__ = ["barrier", "rank", "task", "world_size"]
+__all__ = ["abarrier", "barrier", "rank", "task", "world_size"]
 
 
 def _env_int(name: str) -> int:
@@ -64,11 +64,13 @@ def barrier() -> None:
 
     The n-th call of each rank meets the n-th call of the others.  It is
     :func:`aioproc.cluster.barrier`, carried over each rank's control channel
-    to the plugin's supervisor; it blocks the calling thread, also in an
-    async body (the rank runs nothing else meanwhile).
+    to the plugin's supervisor; it blocks the calling thread.  An async body
+    awaits :func:`abarrier` instead: ``barrier()`` on the rank's running
+    event loop is an error (it would block the loop, the rank's stop with it).
 
     Raises:
-        RuntimeError: not inside a rank (or another function worker of aioproc).
+        RuntimeError: not inside a rank (or another function worker of
+            aioproc), or called on a running event loop.
         threading.BrokenBarrierError: a rank ended, passing or failing,
             without reaching the barrier; the message names it.
     """
@@ -76,3 +78,19 @@ def barrier() -> None:
     from ._child.boot import barrier_wait
 
     barrier_wait()
+
+
+async def abarrier() -> None:
+    """``barrier()`` for an ``async def`` body: the rank's event loop keeps running.
+
+    The same barrier as :func:`barrier` (the n-th call of each rank, sync or
+    async, meets the n-th call of the others), awaited.
+
+    Raises:
+        RuntimeError: not inside a rank (or another function worker of aioproc).
+        threading.BrokenBarrierError: a rank ended, passing or failing,
+            without reaching the barrier; the message names it.
+    """
+    from ._child.boot import abarrier_wait
+
+    await abarrier_wait()

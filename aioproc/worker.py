@@ -1,7 +1,10 @@
 """Persistent worker processes: one interpreter answering requests (``open_worker``).
 
 PyTorch's ``CheckpointProcess``, async: a worker that runs an initializer
-once, then answers ``call`` and ``ping`` until it is closed.  Its stop is a
+once, then answers ``call`` and ``ping`` until it is closed.  Coroutine
+functions run on the worker's own event loop, many calls at once
+(``max_concurrency``), and cancelling such a call cancels its coroutine in
+the worker.  Its stop is a
 terminate request, ``grace_period`` seconds for the worker to exit, then
 SIGKILL of its process group.  Never hangs: a worker that dies fails the
 call in flight with ``BrokenWorkerError`` as soon as its exit is noticed.
@@ -19,7 +22,7 @@ from ._group.resources import CpusArg
 from ._limits.capacity import Capacity
 from ._limits.spec import Limits
 from ._worker.options import one_spelling, worker_cpus, worker_options
-from ._worker.process import WorkerProcess
+from ._worker.process import DEFAULT_MAX_CONCURRENCY, WorkerProcess
 from ._worker.start import open_one
 from .results import DEFAULT_GRACE_PERIOD
 
@@ -42,6 +45,8 @@ def open_worker(
     name: str | None = None,
     start_method: str = "spawn",
     preload: Sequence[str] = (),
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+    worker_loop: str = "asyncio",
     limits: Limits | None = None,
     capacity: Capacity | None = None,
     cpus: CpusArg = None,
@@ -73,6 +78,14 @@ def open_worker(
         start_method: ``"spawn"`` or ``"forkserver"`` (forked from the
             template for ``preload``; see ``start_processes``).
         preload: modules the forkserver template imports first.
+        max_concurrency: calls in flight on the worker at most (default
+            100); more wait in the supervisor, in the order they were made.
+            Coroutine calls run concurrently up to it; sync calls run one at
+            a time whatever it is.  ``1`` makes every call wait for the one
+            before it.
+        worker_loop: the event loop coroutine calls run on in the worker,
+            ``"asyncio"`` (the default) or ``"uvloop"``; made at the first
+            coroutine call (a worker that runs none never imports asyncio).
         limits: resource limits for the worker and every process it starts
             (``aioproc.Limits``; its own cgroup, else rlimits: see
             ``start_processes``), removed once the worker is reaped.  Killed
@@ -95,9 +108,11 @@ def open_worker(
 
     Raises:
         TypeError, ValueError: a bad argument, named, before anything
-            starts (a CPU not in the allowed set, an empty list, a NUMA
-            node this machine does not list: the message names the missing
-            file); two spellings of one option given together.
+            starts (``max_concurrency`` below 1, a ``worker_loop`` other
+            than ``"asyncio"``/``"uvloop"`` or uvloop not installed, a CPU
+            not in the allowed set, an empty list, a NUMA node this machine
+            does not list: the message names the missing file); two
+            spellings of one option given together.
         TimeoutError: the initializer took longer than ``init_timeout``.
         Exception: whatever the initializer raised, with the worker's traceback.
         BrokenWorkerError: the worker died during its initializer.
@@ -122,6 +137,8 @@ def open_worker(
         preload=preload,
         limits=limits,
         capacity=capacity,
+        max_concurrency=max_concurrency,
+        worker_loop=worker_loop,
         spelled=(fn_name, args_name),
     )
     if name is not None and not isinstance(name, str):

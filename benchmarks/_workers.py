@@ -66,6 +66,19 @@ def ready_then_sleep(fifo: str, seconds: float = 60.0) -> None:
     time.sleep(seconds)
 
 
+async def async_noop() -> None:
+    """PC: the coroutine twin of the persistent-worker benchmarks' no-op: returns at once."""
+    return None
+
+
+async def async_sleep(seconds: float) -> float:
+    """PC: sleep ``seconds`` on the worker's event loop (asyncio is loaded by then)."""
+    import asyncio
+
+    await asyncio.sleep(seconds)
+    return seconds
+
+
 def script(func: str, *args: str) -> list[str]:
     """argv running ``func`` of this module in a plain interpreter (raw baselines).
 

@@ -37,7 +37,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--only",
         default="",
         help="comma-separated subset: p1,p2,p1b,memory,p3,p5,p6,p4,worker,p9,leak,rss,stall,"
-        "p7,mem1024,cluster,cold,p1t,torch (default: all), "
+        "p7,mem1024,cluster,cold,rdzv,coro,p1t,torch (default: all), "
         "and p1t-fork (P1t's forkserver rows only)",
     )
     p.add_argument("--no-torch", action="store_true", help="skip the torch comparison and P1t")
@@ -151,6 +151,7 @@ def main(argv: list[str]) -> int:
     import bench_cluster
     import bench_cold
     import bench_core
+    import bench_coro
     import bench_failure
     import bench_forkserver
     import bench_leak
@@ -185,6 +186,8 @@ def main(argv: list[str]) -> int:
         "mem1024": bench_rss_workers.rss_workers,
         "cold": bench_cold.cold,  # fresh interpreters: the first start's loop hold
         "rdzv": bench_rendezvous.rdzv_rows,  # skipped with a message where etcd is missing
+        # after leak: aiomultiprocess's spawn leaves multiprocessing's resource tracker
+        "coro": bench_coro.coro_rows,
         # P1t and torch start torch's launchers: its stdlib forkserver (stopped
         # again by P1t), its resource tracker and signal handlers
         "p1t": bench_p1t.p1t,

@@ -1,6 +1,6 @@
 """The barrier: ``aioproc.cluster.barrier()`` in function workers.
 
-A worker's ``barrier()`` (``aioproc._child.barrier``) sends ARRIVE on its
+A worker's ``barrier()`` (``aioproc._child.boot``) sends ARRIVE on its
 control channel and blocks until the supervisor's hub
 (``aioproc._func.barrier``) sends RELEASE to every member at once; the
 barrier is reusable.  A member that ends without arriving breaks it: every

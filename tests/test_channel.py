@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import marshal
 import multiprocessing
 import os
 import select
@@ -377,6 +378,27 @@ async def test_persistent_worker_call_sending_a_2gib_header_does_not_hang(
             await asyncio.wait_for(w.call(cf.forge_header, _wire.RESULT, 2 * GiB), 20)
         with pytest.raises(BrokenWorkerError):
             await asyncio.wait_for(w.call(cf.make_bytes, 1), 20)
+    assert pid_gone(w.pid)
+
+
+async def test_an_answer_for_no_call_in_flight_is_dropped(cf: ModuleType) -> None:
+    # a RESULT with an id the supervisor never gave (a stale or forged one)
+    # finds no call: the call gets its own answer, and the worker goes on
+    stray = _wire.MARSHAL + marshal.dumps(5) + (2**63).to_bytes(_wire.ID_SIZE, "big")
+    async with open_worker(name="stray") as w:
+        assert await asyncio.wait_for(w.call(cf.forge_frame, _wire.RESULT, stray, 7), 20) == 7
+        assert await w.call(cf.make_bytes, 2) == b"xx"
+        assert w.alive
+
+
+async def test_an_answer_without_a_call_id_breaks_the_worker(cf: ModuleType) -> None:
+    async with open_worker(name="idless", grace_period=5) as w:
+        with pytest.raises(
+            BrokenWorkerError,
+            match=r"worker idless \(pid \d+\): worker sent a RESULT \(10\) frame without a call id",
+        ):
+            await asyncio.wait_for(w.call(cf.forge_frame, _wire.RESULT, b"M"), 20)
+        assert not w.alive
     assert pid_gone(w.pid)
 
 

@@ -1110,7 +1110,7 @@ def test_barrier_meets_every_rank_and_breaks_when_one_leaves(pytester: pytest.Py
         """
         import os, threading
         import pytest
-        from aioproc.testing import barrier, rank
+        from aioproc.testing import abarrier, barrier, rank
 
         @pytest.mark.aioproc(nprocs=3, timeout=60)
         def test_meet(tmp_path):
@@ -1126,8 +1126,10 @@ def test_barrier_meets_every_rank_and_breaks_when_one_leaves(pytester: pytest.Py
         async def test_left(tmp_path):
             if rank() == 0:
                 return  # ends without reaching the barrier
+            with pytest.raises(RuntimeError, match="await aioproc.testing.abarrier()"):
+                barrier()  # would block this rank's running loop
             with pytest.raises(threading.BrokenBarrierError) as info:
-                barrier()
+                await abarrier()
             (tmp_path.parent / "broken.txt").write_text(str(info.value))
 
         def test_outside_a_rank():

@@ -81,6 +81,7 @@ if "_wire" not in globals():
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any, NoReturn
 
 # argv[1]: directory holding the aioproc package; argv[2]: channel fd
@@ -190,20 +191,86 @@ def _dump_stacks(fd: int) -> None:
     _write(fd, _wire.STACKS, text)
 
 
+def barrier() -> None:
+    """Wait inside a worker until every worker of its group called ``barrier()``.
+
+    The group is the cluster run (all the tasks of its cluster spec) or the
+    ``run``/``start_processes`` group (all its ranks).  Reusable: the n-th
+    call of every worker meets the n-th call of the others.  The worker's
+    side: ARRIVE on its control channel, then a wait for RELEASE
+    (``barrier_wait``); the supervisor's side is ``aioproc._func.barrier``.
+
+    It blocks the calling thread: a coroutine awaits :func:`abarrier`
+    instead, and ``barrier()`` called where an asyncio loop runs (the
+    worker's own, when its function is ``async def``) is an error.
+
+    Raises:
+        ValueError: called outside a function worker started by aioproc
+            (in the supervisor, or in a persistent/pool worker), as TF's
+            ``multi_process_runner`` raises there, with TF's words.
+        RuntimeError: called on a running event loop's thread.
+        threading.BrokenBarrierError: a worker of the group ended without
+            reaching the barrier; the message names it.
+    """
+    _check_barrier(ValueError)
+    barrier_wait()
+
+
+async def abarrier() -> None:
+    """``barrier()`` for a coroutine: await every worker of the group at the barrier.
+
+    The worker's loop keeps running meanwhile (its other tasks, and its
+    stop: a stop signal cancels the wait with the rest of the main task).
+    It is the same barrier as ``barrier()``: the n-th call of a worker,
+    sync or async, meets the n-th call of the others.  A cancelled wait
+    does not take the arrival back: the worker counts as arrived.
+
+    Raises:
+        ValueError: awaited outside a function worker started by aioproc.
+        threading.BrokenBarrierError: a worker of the group ended without
+            reaching the barrier; the message names it.
+    """
+    _check_barrier(ValueError)
+    await abarrier_wait()
+
+
+def _check_barrier(error: type[Exception]) -> None:
+    """Raise ``error`` (TF's words) or RuntimeError outside a one-shot function worker."""
+    if _ONE_SHOT_FD is not None:
+        return
+    if error is ValueError:
+        raise ValueError(
+            "barrier is not defined. It is likely because you are calling barrier() in the "
+            "main process. barrier() can only be called in the subprocesses: the function "
+            "workers aioproc starts (cluster.run, ClusterRunner, run or start_processes)."
+        )
+    raise RuntimeError(
+        "barrier() works only inside a function worker started by aioproc "
+        "(cluster.run, ClusterRunner, run or start_processes)"
+    )
+
+
 def barrier_wait() -> None:
     """Block until every worker of the group reached its barrier.
 
     Raises:
-        RuntimeError: not inside a one-shot function worker started by aioproc.
+        RuntimeError: not inside a one-shot function worker started by
+            aioproc, or called on a running event loop's thread (it would
+            block that loop: ``abarrier_wait`` is the way there).
         threading.BrokenBarrierError: a worker of the group ended without
             reaching the barrier (or the supervisor broke it).
     """
-    fd = _ONE_SHOT_FD
-    if fd is None:
+    _check_barrier(RuntimeError)
+    asyncio = sys.modules.get("asyncio")  # no loop can run where asyncio is not loaded
+    if asyncio is not None and asyncio._get_running_loop() is not None:
         raise RuntimeError(
-            "barrier() works only inside a function worker started by aioproc "
-            "(cluster.run, ClusterRunner, run or start_processes)"
+            "barrier() was called on a running event loop, which it would block (with the "
+            "worker's stop signal and every other task) until every worker arrives: in a "
+            "coroutine, use `await aioproc.cluster.abarrier()` (or "
+            "`await aioproc.testing.abarrier()` in a test rank)"
         )
+    fd = _ONE_SHOT_FD
+    assert fd is not None
     with _BARRIER_CALL:  # one waiter per worker: the supervisor counts workers
         try:
             _write(fd, _wire.ARRIVE)
@@ -221,6 +288,47 @@ def barrier_wait() -> None:
 
 
 _BARRIER_CALL = _thread.allocate_lock()
+
+
+async def abarrier_wait() -> None:
+    """``barrier_wait`` awaited: it blocks a thread of its own, not the loop.
+
+    The thread does what ``barrier_wait`` does (one waiter per worker, the
+    channel read by it or by the lifeline) and hands the outcome to the
+    loop; it ends with the wait, also when the awaiting task was cancelled
+    (nobody takes the outcome then).
+
+    Raises:
+        RuntimeError: not inside a one-shot function worker started by aioproc.
+        threading.BrokenBarrierError: see ``barrier_wait``.
+    """
+    _check_barrier(RuntimeError)
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if done.done():
+            return  # the wait was cancelled
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+
+    def wait() -> None:
+        error: BaseException | None = None
+        try:
+            barrier_wait()
+        except BaseException as e:
+            error = e
+        try:
+            loop.call_soon_threadsafe(settle, error)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits any more
+
+    _thread.start_new_thread(wait, ())
+    await done
 
 
 def error_report(exc: BaseException) -> dict[str, Any]:
@@ -288,7 +396,7 @@ def _defined(fid: int) -> Any:
     raise entry
 
 
-def _load_call(body: bytes | bytearray) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+def _load_call(body: bytes | bytearray | memoryview) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     view = memoryview(body)
     if body[0] == _wire.MARSHAL_BYTE:
         call = marshal.loads(view[1:])
@@ -481,6 +589,9 @@ def worker_state() -> Any:
             writer = aioproc.worker_state()
             writer.write(step)
 
+    Coroutine functions reach it the same way, on the worker's loop; an
+    ``async def`` init's value is the state once it returned.
+
     Raises:
         RuntimeError: outside a persistent worker.
     """
@@ -497,18 +608,67 @@ worker_state.__module__ = "aioproc"
 
 _SERVING = False
 
+_LOOP = "asyncio"
+"""The event loop a persistent worker runs coroutine calls on (INIT's ``loop``)."""
+
+_ID_SIZE = _wire.ID_SIZE
+
+
+async def _probe() -> None:
+    pass
+
+
+_COROUTINE = type(_probe_coroutine := _probe())
+"""The type of what calling an ``async def`` function returns (without importing ``types``)."""
+_probe_coroutine.close()
+del _probe_coroutine
+_FUNCTION = type(_probe)
+_CO_COROUTINE = 0x80  # inspect.CO_COROUTINE
+_MARKED = sys.version_info >= (3, 12)  # inspect.markcoroutinefunction can mark any function
+_NEVER_COROUTINES = frozenset({type, type(len), type(str.join), type(str.__add__)})
+"""Classes, builtins and slot methods: never coroutine functions, unless marked so."""
+
 
 def _serve(fd: int, has_init: bool) -> None:
-    """Persistent worker: answer CALL/PING frames until TERMINATE or EOF.
+    """Persistent worker: answer the supervisor's requests until TERMINATE or EOF.
 
-    The first CALL is ``init``: its return value becomes the worker state.
-    An exception in a call is reported and the worker stays usable.  EOF on
-    the channel means the supervisor is gone: exit (the guardian also kills
-    the group).
+    The first CALL is ``init`` when ``has_init``: its return value becomes
+    the worker state, and a failed ``init`` ends the worker.  An exception
+    in a later call is reported and the worker stays usable.  EOF on the
+    channel means the supervisor is gone: exit (the guardian also kills the
+    group).
+
+    Calls run in this thread one after the other (``_serve_calls``) until one
+    returns a coroutine; from then on the worker serves its channel on an
+    event loop (``_LoopServer``), where coroutine calls run concurrently.
+    asyncio is imported only then, so a worker that never runs a coroutine
+    never pays for it.
     """
-    global STATE, _SERVING
+    global _SERVING
     _SERVING = True
     first = has_init
+    while True:
+        cid, coro, first = _serve_calls(fd, first)
+        try:
+            loop = _new_loop(_LOOP)
+        except Exception as e:
+            coro.close()
+            _wire.write_frame(fd, _wire.ERROR, _error_frame(e), cid)
+            if first:
+                _flush_std()
+                raise SystemExit(1) from None
+            first = False
+            continue
+        _LoopServer(fd, loop).run(cid, coro, first)
+
+
+def _serve_calls(fd: int, first: bool) -> tuple[bytes, Any, bool]:
+    """Answer requests in this thread until a call returns a coroutine.
+
+    Returns:
+        That call's id, its coroutine (not started), and whether it is ``init``.
+    """
+    global STATE
     # Wait for requests in poll(), not in read(): a task blocked in read() on
     # a Unix stream socket is also woken each time the parent consumes one
     # of its replies (the socket's "writable again" wakeup reaches every
@@ -543,25 +703,35 @@ def _serve(fd: int, has_init: bool) -> None:
             if kind == _wire.DEFINE:
                 _define(body)  # its CALL follows, usually in the same read
             elif kind == _wire.PING:
-                _wire.write_frame(fd, _wire.PONG)
+                _wire.write_frame(fd, _wire.PONG, bytes(body))  # the ping's id
+            elif kind == _wire.CANCEL:
+                pass  # its call has returned: the answer is on its way
             elif kind == _wire.TERMINATE:
                 _flush_std()
                 sys.exit(0)
             else:
                 raise RuntimeError(f"aioproc worker: unexpected frame kind {kind}")
             continue
+        cid: Any = body[-_ID_SIZE:]  # bytes here: the usual read brings a bytes object
         try:
+            # the id after the call is left to the decoders, which ignore what
+            # follows a value (marshal's and pickle's loads say so; the
+            # out-of-band layouts give their own sizes)
             fn, args, kwargs = _load_call(body)
             del body
             value = fn(*args, **kwargs)
+            if type(value) is _COROUTINE:
+                return bytes(cid), value, first  # evaluated before the finally below
             if first:
                 STATE, value = value, None
             if type(value) in _SCALARS:
                 # the common answer, framed here: one marshal call and one write
                 data = marshal.dumps(value)
-                size = len(data) + 1
+                size = len(data) + 1 + _ID_SIZE
                 if size <= _MAX_FRAME:
-                    frame = b"".join((_RESULT_KIND, size.to_bytes(8, "big"), _wire.MARSHAL, data))
+                    frame = b"".join(
+                        (_RESULT_KIND, size.to_bytes(8, "big"), _wire.MARSHAL, data, cid)
+                    )
                     sent = os.write(fd, frame)
                     if sent < len(frame):
                         _wire._write_all(fd, memoryview(frame)[sent:])
@@ -572,7 +742,7 @@ def _serve(fd: int, has_init: bool) -> None:
             raise
         except BaseException as e:
             e = e.with_traceback(e.__traceback__.tb_next if e.__traceback__ else None)
-            _wire.write_frame(fd, _wire.ERROR, _error_frame(e))
+            _wire.write_frame(fd, _wire.ERROR, _error_frame(e), cid)
             if first:
                 _flush_std()
                 raise SystemExit(1) from None  # a failed init ends the worker
@@ -580,15 +750,311 @@ def _serve(fd: int, has_init: bool) -> None:
         finally:
             first = False
         del value
+        parts.append(cid)
         if segments:
             _send_result(fd, parts, segments)
         else:  # only this thread writes to a persistent worker's channel
             _wire.write_frame(fd, _wire.RESULT, *parts)
 
 
+def _call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], loop: Any) -> Any:
+    """Call the one-shot worker's function; a coroutine function runs on a loop of its own.
+
+    ``loop``: the loop a coroutine runs on (``_child.aio.run``'s ``loop``).
+    A plain function that is no coroutine function costs one flag test:
+    ``_child.aio`` (and asyncio) is imported only for a coroutine function,
+    or for a callable whose kind it takes more to tell (a partial, a
+    method), or when a function returns a coroutine (``lambda: main(x)``),
+    which then runs the same way.
+    """
+    if type(fn) is not _FUNCTION or fn.__code__.co_flags & _CO_COROUTINE:
+        aio = _aio()
+        if aio.is_coroutine_function(fn):
+            return aio.run(fn(*args, **kwargs), loop=loop)
+    value = fn(*args, **kwargs)
+    if type(value).__name__ == "coroutine":
+        aio = _aio()
+        if aio.is_coroutine(value):
+            return aio.run(value, loop=loop)
+    return value
+
+
+def _aio() -> Any:
+    """``_child.aio``, imported on first use (only coroutine workers pay for it)."""
+    module = sys.modules.get("aioproc._child.aio")
+    if module is None:
+        module = __import__("aioproc._child.aio", None, None, _FROMLIST)
+    return module
+
+
+def _stopped(aio: Any, stopped: Any) -> NoReturn:
+    """The worker's coroutine was cancelled by a stop signal: die of that signal.
+
+    As a sync worker dies of it: no error file, no traceback, and the
+    supervisor reports the worker stopped.  An exception the coroutine
+    raised while it unwound is printed first (it is not the worker's
+    failure: the stop is).
+    """
+    cause = stopped.__cause__
+    if cause is not None:
+        import traceback
+
+        try:
+            print(
+                f"aioproc: the worker's coroutine raised while it was stopped by signal "
+                f"{stopped.signum}:",
+                file=sys.stderr,
+            )
+            cause = cause.with_traceback(aio.user_traceback(cause.__traceback__))
+            traceback.print_exception(type(cause), cause, cause.__traceback__)
+        except (OSError, ValueError):
+            pass  # no stderr: the stop is still what the worker reports
+    die_by: Callable[[int], NoReturn] = aio.die_by
+    die_by(stopped.signum)
+
+
+def _user_traceback(tb: Any) -> Any:
+    """``tb`` without the frames of this module (and of a coroutine runner) at its head."""
+    aio = sys.modules.get("aioproc._child.aio")
+    if aio is not None:
+        return aio.user_traceback(tb)
+    while tb is not None and tb.tb_frame.f_globals is _GLOBALS:
+        tb = tb.tb_next
+    return tb
+
+
+_GLOBALS = globals()
+
+
 _SCALARS = frozenset({type(None), bool, int, float})
 """Return types a persistent worker frames itself (marshal, a few bytes)."""
 _RESULT_KIND = _wire.RESULT.to_bytes(1, "big")
+
+
+def _answer(fd: int, cid: bytes, value: Any) -> None:
+    """Send a call's RESULT, or the ERROR saying why its value cannot travel."""
+    if type(value) in _SCALARS:  # the common answer, framed here (as in _serve_calls)
+        data = marshal.dumps(value)
+        size = len(data) + 1 + _ID_SIZE
+        frame = b"".join((_RESULT_KIND, size.to_bytes(8, "big"), _wire.MARSHAL, data, cid))
+        _wire._write_all(fd, memoryview(frame))
+        return
+    try:
+        parts, segments = _encode(value)
+        _check_size(parts, "return value of type {}", value)
+    except Exception as e:
+        _wire.write_frame(fd, _wire.ERROR, _error_frame(e), cid)
+        return
+    parts.append(cid)
+    if segments:
+        _send_result(fd, parts, segments)
+    else:
+        _wire.write_frame(fd, _wire.RESULT, *parts)
+
+
+def _new_loop(kind: str) -> Any:
+    """A new event loop of ``kind`` (``"asyncio"`` or ``"uvloop"``), set as the current one."""
+    import asyncio
+
+    from aioproc._child import aio
+
+    loop = aio.new_event_loop(kind)
+    asyncio.set_event_loop(loop)
+    return loop
+
+
+class _LoopServer:
+    """A persistent worker's channel, served on an event loop from its first coroutine call.
+
+    Frames are read when the loop sees the channel readable and handled in
+    that callback: a sync call runs there, between two iterations of the
+    loop, so it holds the loop (and the I/O of every coroutine call) only
+    while it runs; a coroutine function's call becomes a task of its own
+    (``run_call``: the function is called in the task, which answers as it
+    ends), so any number run at once.  The task's first step runs at once,
+    in that callback, as Python 3.12's eager tasks do (``aio.start_eagerly``;
+    before 3.12 on asyncio's loop, not on uvloop's): a coroutine that returns
+    without waiting is answered without a loop iteration in between.
+    CANCEL cancels a call's task (its ``finally`` blocks run; the ERROR that
+    answers it says it was cancelled).
+    TERMINATE cancels every call still running, waits for them, then closes
+    the loop as ``asyncio.run`` does: what the calls left running is
+    cancelled too.  EOF (the supervisor is gone) exits at once, as before
+    the loop.  Replies are written with blocking writes, in this thread: the
+    supervisor reads its channel as it comes.
+    """
+
+    def __init__(self, fd: int, loop: Any) -> None:
+        import asyncio
+
+        from aioproc._child import aio
+
+        self.fd = fd
+        self.loop = loop
+        self.asyncio = asyncio
+        self.aio = aio
+        self.calls: dict[bytes, Any] = {}  # call id -> the task running it
+        # calls whose task has not run its first step (not started eagerly)
+        self.unstarted: set[bytes] = set()
+        self.terminated = loop.create_future()
+        self.exiting = False  # leaving by an exception: nothing is answered any more
+
+    def run(self, cid: bytes, coro: Any, first: bool) -> NoReturn:
+        """Serve until TERMINATE, starting with ``coro`` (the call ``cid``), then exit 0.
+
+        The loop runs until a future resolves, not a task: the calls' tasks
+        (and the ones they start) are the only tasks on it.
+        """
+        loop = self.loop
+        try:
+            loop.add_reader(self.fd, self.readable)
+            self.start(cid, coro, first)
+            if _wire._pending:  # read along with the call that started the loop
+                loop.call_soon(self.readable)
+            try:
+                loop.run_until_complete(self.terminated)
+            finally:
+                loop.remove_reader(self.fd)
+            for cid in list(self.calls):
+                self.cancel(cid)
+            calls = list(self.calls.values())
+            if calls:  # each answers as it ends
+                loop.run_until_complete(self.asyncio.wait(calls))
+        except BaseException:
+            self.exiting = True  # sys.exit() in a call, a failed init: the calls end unanswered
+            raise
+        finally:
+            self.aio.close_loop(loop)
+        _flush_std()
+        sys.exit(0)
+
+    def readable(self) -> None:
+        """Handle every whole frame the channel holds (the loop saw it readable)."""
+        while not self.terminated.done():
+            try:
+                kind, body = _wire.read_frame(self.fd)
+            except (_wire.ChannelClosed, OSError):
+                os._exit(0)
+            if kind == _wire.CALL:
+                self.call(body)
+            elif kind == _wire.CANCEL:
+                self.cancel(bytes(body))
+            elif kind == _wire.PING:
+                _wire.write_frame(self.fd, _wire.PONG, bytes(body))
+            elif kind == _wire.DEFINE:
+                _define(body)
+            elif kind == _wire.TERMINATE:
+                self.terminated.set_result(None)
+            else:
+                error = RuntimeError(f"aioproc worker: unexpected frame kind {kind}")
+                self.terminated.set_exception(error)
+            if not _wire._pending:
+                return
+
+    def call(self, body: bytes | bytearray) -> None:
+        cid = bytes(body[-_ID_SIZE:])
+        try:
+            fn, args, kwargs = _load_call(body)  # the id is ignored (see _serve_calls)
+            del body
+            fn_type = type(fn)
+            if fn_type is _FUNCTION:
+                coroutine = fn.__code__.co_flags & _CO_COROUTINE or (
+                    _MARKED and self.aio.is_coroutine_function(fn)
+                )
+            elif fn_type in _NEVER_COROUTINES:
+                coroutine = _MARKED and self.aio.is_coroutine_function(fn)
+            else:
+                coroutine = self.aio.is_coroutine_function(fn)
+            if coroutine:
+                self.unstarted.add(cid)  # until run_call begins
+                task, ended = self.aio.start_eagerly(
+                    self.loop, self.run_call(cid, fn, args, kwargs)
+                )
+                if not ended:
+                    self.calls[cid] = task  # until run_call removes it
+                return
+            value = fn(*args, **kwargs)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as e:
+            e = e.with_traceback(e.__traceback__.tb_next if e.__traceback__ else None)
+            _wire.write_frame(self.fd, _wire.ERROR, _error_frame(e), cid)
+            return
+        if type(value) is _COROUTINE:
+            self.start(cid, value, False)  # a sync function's coroutine
+        else:
+            _answer(self.fd, cid, value)
+
+    def cancel(self, cid: bytes) -> None:
+        """Cancel call ``cid``'s task, if it still runs (else its answer is on its way)."""
+        task = self.calls.get(cid)
+        if task is None:
+            return
+        task.cancel()
+        if cid in self.unstarted:
+            # cancelled before its first step: run_call never runs, so it is answered here
+            self.unstarted.discard(cid)
+            del self.calls[cid]
+            error = self.asyncio.CancelledError()
+            _wire.write_frame(self.fd, _wire.ERROR, _error_frame(error), cid)
+
+    async def run_call(
+        self, cid: bytes, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Call ``fn`` in this task, await what it returns, answer call ``cid``.
+
+        Called in the task (not before it), so the coroutine sees its task
+        from its first line (``asyncio.current_task()``, timeouts) and is
+        answered in the step it ends in, with no callback in between.
+        """
+        self.unstarted.discard(cid)
+        try:
+            value = fn(*args, **kwargs)
+            if type(value) is _COROUTINE or hasattr(type(value), "__await__"):
+                value = await value
+        except (SystemExit, KeyboardInterrupt):
+            raise  # leaves the loop through run_until_complete
+        except BaseException as e:
+            self.calls.pop(cid, None)
+            if not self.exiting:
+                e = e.with_traceback(self.aio.user_traceback(e.__traceback__))
+                _wire.write_frame(self.fd, _wire.ERROR, _error_frame(e), cid)
+            if isinstance(e, self.asyncio.CancelledError):
+                raise
+            return
+        self.calls.pop(cid, None)
+        if not self.exiting:
+            _answer(self.fd, cid, value)
+
+    def start(self, cid: bytes, coro: Any, first: bool) -> None:
+        """Run the coroutine of call ``cid`` as a task; ``done`` answers it."""
+        # the task runs the caller's coroutine itself: cancelled before its
+        # first step, the coroutine is closed as it starts, never left unawaited
+        task = self.loop.create_task(coro)
+        self.calls[cid] = task
+        task.add_done_callback(lambda task: self.done(cid, task, first))
+
+    def done(self, cid: bytes, task: Any, first: bool) -> None:
+        global STATE
+        del self.calls[cid]
+        if self.exiting:
+            return
+        if task.cancelled():
+            error: BaseException | None = self.asyncio.CancelledError()
+        else:
+            error = task.exception()
+        if error is None:
+            value = task.result()
+            if first:
+                STATE, value = value, None
+            _answer(self.fd, cid, value)
+            return
+        if isinstance(error, (SystemExit, KeyboardInterrupt)):
+            return  # it leaves the loop through run_until_complete
+        error = error.with_traceback(self.aio.user_traceback(error.__traceback__))
+        _wire.write_frame(self.fd, _wire.ERROR, _error_frame(error), cid)
+        if first:
+            self.terminated.set_exception(SystemExit(1))  # a failed init ends the worker
 
 
 def main(fd: int) -> None:
@@ -602,13 +1068,14 @@ def main(fd: int) -> None:
     if kind != _wire.INIT:
         raise RuntimeError(f"aioproc worker: expected INIT frame, got kind {kind}")
     init = marshal.loads(body)
-    global _MAX_FRAME
+    global _MAX_FRAME, _LOOP
     _MAX_FRAME = init.get("max_frame", _MAX_FRAME)
     _set_authkey(init.get("authkey"))
     # the parent's import path: functions pickled by reference import from it
     sys.path[:] = init["sys_path"]
     del sys.argv[1:]
     if init.get("serve"):
+        _LOOP = init.get("loop", _LOOP)
         _serve(fd, has_init=init.get("has_init", False))
         return
     kind, body = _wire.read_frame(fd)
@@ -637,7 +1104,7 @@ def main(fd: int) -> None:
         _fail(fd, RuntimeError(f"could not unpickle the worker function or its arguments: {e!r}"))
 
     try:
-        value = fn(*args, **kwargs)
+        value = _call(fn, args, kwargs, init.get("loop", "asyncio"))
     except SystemExit:
         raise  # the interpreter turns SystemExit.code into the exit status
     except KeyboardInterrupt:
@@ -650,8 +1117,12 @@ def main(fd: int) -> None:
         os.kill(os.getpid(), _signal.SIGINT)
         os._exit(130)  # not reached unless SIGINT is blocked
     except BaseException as e:
-        # drop this module's frame: the traceback starts in the user's function
-        _fail(fd, e.with_traceback(e.__traceback__.tb_next if e.__traceback__ else None))
+        aio = sys.modules.get("aioproc._child.aio")
+        if aio is not None and isinstance(e, aio.Stopped):
+            _stopped(aio, e)
+        # the traceback starts in the user's function: this module's frames
+        # (and a coroutine runner's) are dropped
+        _fail(fd, e.with_traceback(_user_traceback(e.__traceback__)))
 
     try:
         payload, segments = _encode(value)

@@ -18,6 +18,13 @@ bytes or more is written once into a sealed memfd passed beside the frame
 arrays view that memory; a value with out-of-band buffers that is smaller,
 or that cannot use a memfd, carries them after the stream in the frame
 itself (BUFFERS), where the receiver's arrays view the frame's buffer.
+
+Call ids: a persistent worker may have many calls in flight, so its CALL,
+RESULT, ERROR, PING and PONG frames end with the id of the call they belong
+to (``ID_SIZE`` bytes, big endian, chosen by the supervisor; the worker
+echoes it back untouched), and CANCEL names one by its id.  A one-shot
+worker's frames carry no id: it has one call.  The id is a suffix, not a
+prefix, so a body still starts with its codec byte wherever it is read.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ FD_SOCKET = 5  # the fd number (ascii) of the worker's end of the fd-passing soc
 RELEASE = 6  # barrier: empty body = passed, else utf-8 text saying why it broke
 DUMP = 7  # dump every thread's stack (faulthandler); answered with STACKS
 DEFINE = 8  # persistent workers: marshal (fid, drops, pickle): keep a function under an id
+CANCEL = 9  # persistent workers: the call id of a coroutine call to cancel (nothing if it ended)
 # child -> parent
 PONG = 12
 RESULT = 10  # codec byte + the return value
@@ -75,6 +83,7 @@ KIND_NAMES = {
     RELEASE: "RELEASE",
     DUMP: "DUMP",
     DEFINE: "DEFINE",
+    CANCEL: "CANCEL",
     PONG: "PONG",
     RESULT: "RESULT",
     ERROR: "ERROR",
@@ -95,6 +104,10 @@ values that large belong in a file or shared memory.  Read when a channel
 opens and sent to the worker in INIT, so both halves agree; ``Channel.open``
 and ``_boot.init_frame`` also take another cap.
 """
+
+ID_SIZE = 8
+"""Bytes of the call id that ends a persistent worker's CALL, RESULT, ERROR, PING and
+PONG bodies (and is CANCEL's whole body)."""
 
 _CHUNK = 1 << 20
 
@@ -356,12 +369,15 @@ def _marshallable(value: Any, depth: int = 0) -> bool:
     return False
 
 
-def decode_value(body: bytes | bytearray | memoryview) -> Any:
+def decode_value(body: bytes | bytearray | memoryview, trailer: int = 0) -> Any:
     """Inverse of ``encode_value`` (pickle is imported only when needed).
 
     An SHM body carries its mapping as ``body.mapping`` (see ``_shm.attach``).
+    ``trailer``: bytes at the end of ``body`` that are not the value's (a call id).
     """
     view = memoryview(body)
+    if trailer:
+        view = view[: len(view) - trailer]
     codec = body[0]
     if codec == MARSHAL_BYTE:
         return marshal.loads(view[1:])

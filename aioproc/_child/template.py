@@ -179,12 +179,66 @@ def _unsafe() -> str:
             f"started {threads - 1} thread(s){names}{native}; the template must stay "
             "single-threaded (a forked worker would inherit locks those threads hold)"
         )
+    events = sys.modules.get("asyncio.events")
+    if events is not None and events._get_running_loop() is not None:
+        return "left an event loop running; a forked worker cannot use its parent's loop"
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     is_initialized = getattr(cuda, "is_initialized", None)
     if is_initialized is not None and is_initialized():
         return "initialised CUDA; a forked worker cannot use CUDA initialised in its parent"
     return ""
+
+
+def _forget_event_loop() -> None:
+    """Close the event loop a preloaded module left set in asyncio, and forget it.
+
+    ``asyncio.set_event_loop(...)`` or ``get_event_loop()`` at import leaves
+    the policy holding a loop.  A fork would inherit that object without
+    its fds (``_become_worker`` closes them): once a worker's own loop took
+    its place (``asyncio.run``, a coroutine worker's loop), the inherited
+    object's finalizer would close those fd numbers, by then the worker's
+    own.  The template never runs a loop itself, so it closes the one it
+    holds and resets the policy's per-thread state, as a fresh interpreter
+    has it; the policy itself (uvloop's, say) stays.
+    """
+    events = sys.modules.get("asyncio.events")
+    policy = getattr(events, "_event_loop_policy", None)
+    local = getattr(policy, "_local", None)
+    if local is None:
+        return
+    loop = getattr(local, "_loop", None)
+    if loop is not None and not loop.is_running() and not loop.is_closed():
+        loop.close()
+    policy._local = type(local)()  # type: ignore[union-attr]
+
+
+IMPORT_AHEAD = ("asyncio", "aioproc._child.aio")
+"""What a coroutine worker imports first, imported by the template itself.
+
+Every worker whose function is a coroutine function imports asyncio (some
+30 modules, most of such a worker's start) and the runner; the supervisor
+names them with such a worker's fork request, and the template imports them
+once, the first time, so its forks find them imported.  Importing them
+starts no thread and makes no event loop (nor an event loop policy); other
+modules a worker names are only read here (``_Modules``), never run."""
+
+
+def _import_ahead(names: set[str]) -> bool:
+    """Import those of ``names`` in ``IMPORT_AHEAD`` not imported yet; whether any was.
+
+    One that fails to import is left to the worker, which imports it itself
+    and reports what goes wrong.
+    """
+    new = False
+    for name in IMPORT_AHEAD:
+        if name in names and name not in sys.modules:
+            try:
+                __import__(name)
+            except Exception:
+                continue
+            new = True
+    return new
 
 
 def _preload(names: list[str]) -> tuple[Any, ...]:
@@ -576,6 +630,7 @@ def serve(fd: int) -> NoReturn:
     exec(marshal.loads(init["script"]), runner.__dict__)
     _OURS.append(runner.__dict__)  # its frames are cut from a script's traceback
     answer = _preload(init["preload"])
+    _forget_event_loop()
     sys.stdout.flush()  # what a preloaded module printed must not reach a worker
     sys.stderr.flush()
     if answer[0] == "ready":
@@ -643,7 +698,9 @@ def serve(fd: int) -> NoReturn:
             batch.reverse()
             # the modules the workers' functions live in, and the scripts
             # they run, read and compiled before they fork
-            learned = modules.learn({name for (*_, named, _), _ in batch for name in named})
+            named = {name for (*_, named, _), _ in batch for name in named}
+            learned = _import_ahead(named)
+            learned = modules.learn(named) or learned
             for (_, _, _, cwd, script, _, _), _ in batch:
                 if script is not None and scripts.learn(script, cwd):
                     learned = True

@@ -32,8 +32,9 @@ from .._base import public_module
 from .._base.checks import check_duration, check_env, check_signal
 from .._base.owner import Owner
 from .._base.shield import shielded
+from .._child import aio as _aio
 from .._func.barrier import ControlHub
-from .._func.boot import CallEncoder
+from .._func.boot import CallEncoder, check_worker_loop
 from .._group.rank_launcher import SinkLike, make_sinks
 from .._group.restart import RestartPolicy
 from ..context import PContext
@@ -93,6 +94,9 @@ class ClusterRunner:
         on_exit: called on the loop with ``((task_type, task_id), exit code)``
             each time an attempt of a task has ended and its outcome is
             recorded (values and errors are then visible to ``join``).
+        worker_loop: the event loop an ``async def`` ``fn`` runs on in each
+            task, ``"asyncio"`` (default) or ``"uvloop"``, as
+            ``start_processes(worker_loop=...)`` takes it; a stop cancels it.
     """
 
     def __init__(
@@ -117,6 +121,7 @@ class ClusterRunner:
         max_restarts: int = 10,
         gpus: Sequence[str] | None = None,
         on_exit: Callable[[TaskKey, int], None] | None = None,
+        worker_loop: str = "asyncio",
     ) -> None:
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {fn!r}")
@@ -134,6 +139,7 @@ class ClusterRunner:
             raise TypeError(f"rpc_layer must be a str, got {rpc_layer!r}")
         if on_exit is not None and not callable(on_exit):
             raise TypeError(f"on_exit must be callable, got {on_exit!r}")
+        self.worker_loop = check_worker_loop(worker_loop)
         self._on_exit = on_exit
         self._env = dict(env or {})
         check_env("env", self._env)
@@ -162,7 +168,7 @@ class ClusterRunner:
             self._sinks.append(Collect(self._outcomes.stdout))
         # the barrier counts the tasks of the spec, as TF's Manager barrier does
         self._hub = ControlHub(len(spec_tasks), returns=self._comes_back)
-        self._base = base_spec(self.grace_period, self._sinks, self._hub)
+        self._base = base_spec(self.grace_period, self._sinks, self._hub, self.worker_loop)
         self._tasks: dict[TaskKey, Task] = {}
         self._halt = asyncio.Event()  # timeout, terminate_all, close, chief gone: no more attempts
         self._chief_succeeded = False
@@ -230,7 +236,8 @@ class ClusterRunner:
     async def start_in_process_as(self, as_task_type: str, as_task_id: int) -> Any:
         """Start every other task, then run ``fn`` here as ``(as_task_type, as_task_id)``.
 
-        ``fn`` runs in a worker thread with this process's ``TF_CONFIG`` set
+        ``fn`` runs in a worker thread (an ``async def`` on a fresh loop of
+        ``worker_loop``'s kind there) with this process's ``TF_CONFIG`` set
         to that task's (``os.environ`` is changed for the call and restored
         after, because the caller asked for it); its return value is returned.
         This task takes no part in ``barrier()``: the others meet without it.
@@ -256,7 +263,16 @@ class ClusterRunner:
             old = os.environ.get("TF_CONFIG")
             os.environ["TF_CONFIG"] = config
             try:
-                return self._fn(*self._args, **self._kwargs)
+                value = self._fn(*self._args, **self._kwargs)
+                if _aio.is_coroutine(value):
+                    # a loop of this thread's own, of the kind the tasks run on
+                    loop = _aio.new_event_loop(self.worker_loop)
+                    try:
+                        return loop.run_until_complete(value)
+                    finally:
+                        loop.run_until_complete(loop.shutdown_asyncgens())
+                        loop.close()
+                return value
             finally:
                 if old is None:
                     os.environ.pop("TF_CONFIG", None)

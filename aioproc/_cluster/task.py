@@ -78,11 +78,14 @@ class Task:
         return self.pc is not None and self.exit_code is None
 
 
-def base_spec(grace_period: float, sinks: list[Sink], hub: ControlHub) -> GroupSpec:
+def base_spec(
+    grace_period: float, sinks: list[Sink], hub: ControlHub, worker_loop: str
+) -> GroupSpec:
     """What every task's one-rank group shares; ``task_group`` fills in the task.
 
     Lines go to the runner's sinks (which outlive each attempt), no files;
-    ``barrier()`` goes through the runner's hub, keyed by task.
+    ``barrier()`` goes through the runner's hub, keyed by task; a coroutine
+    task runs on a ``worker_loop`` loop.
     """
     return GroupSpec(
         "",
@@ -94,6 +97,7 @@ def base_spec(grace_period: float, sinks: list[Sink], hub: ControlHub) -> GroupS
         sinks=sinks,
         close_sinks=False,
         hub=hub,
+        worker_loop=worker_loop,
     )
 
 

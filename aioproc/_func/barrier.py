@@ -1,6 +1,6 @@
 """The barrier of a group of function workers, and the supervisor's other requests.
 
-A worker that calls ``barrier()`` (``_child.barrier``) sends ARRIVE on its
+A worker that calls ``barrier()`` (``_child.boot``) sends ARRIVE on its
 private control channel and blocks until RELEASE comes: it reads the channel
 itself, or in a cluster run its lifeline thread reads it and wakes it (see
 ``_child.boot``).  The supervisor side is a ``ControlHub``: every worker of the group (a rank of a

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import importlib.util
 import marshal
 import pickle
 import subprocess
@@ -30,6 +31,7 @@ from typing import Any
 
 import cloudpickle
 
+from .._child import aio as _aio
 from .._child import channel as _wire
 from .._child import shm as _shm
 from .._errors.failure import RemoteTraceback
@@ -134,6 +136,24 @@ def boot_argv(fd: int, title: str = "aioproc: worker") -> list[str]:
     return stub_argv(fd, title)
 
 
+def check_worker_loop(value: object) -> str:
+    """``worker_loop``, checked: a loop the workers can make, before anything starts.
+
+    Raises:
+        ValueError: not one of ``_child.aio.LOOPS``, or ``"uvloop"`` where it is
+            not installed (the workers run this interpreter, with this
+            process's import path).
+    """
+    if value not in _aio.LOOPS:
+        raise ValueError(f"worker_loop must be 'asyncio' or 'uvloop', got {value!r}")
+    if value == "uvloop" and importlib.util.find_spec("uvloop") is None:
+        raise ValueError(
+            "worker_loop='uvloop' but uvloop is not installed for this Python "
+            f"({sys.executable}): pip install uvloop, or pass worker_loop='asyncio'"
+        )
+    return str(value)
+
+
 def init_frame(
     *,
     serve: bool = False,
@@ -141,6 +161,7 @@ def init_frame(
     max_frame_size: int | None = None,
     lifeline: bool = True,
     hold: bool = True,
+    loop: str = "asyncio",
 ) -> bytes:
     """Body of the INIT frame: what a worker needs before it runs user code.
 
@@ -155,6 +176,8 @@ def init_frame(
     function returned waits for TERMINATE before it exits, which its group
     sends once it has every rank's result (torch's ``start_processes``; see
     "Holding" in ``_child.boot``).  A persistent worker (``serve``) ignores it.
+    ``loop``: the event loop a worker runs coroutines on, ``"asyncio"`` or
+    ``"uvloop"`` (checked by the caller: ``check_worker_loop``).
     """
     # imported here, once per supervisor: ~7 ms that `import aioproc` need not pay
     from multiprocessing import process
@@ -167,6 +190,7 @@ def init_frame(
             "has_init": has_init,
             "lifeline": lifeline,
             "hold": hold,
+            "loop": loop,
             "max_frame": _wire.MAX_FRAME_SIZE if max_frame_size is None else max_frame_size,
             "authkey": bytes(process.current_process().authkey),
         }

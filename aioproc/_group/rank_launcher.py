@@ -18,6 +18,8 @@ from typing import IO, TYPE_CHECKING, Any, TypeAlias
 
 from .._child import channel as _wire
 from .._child import shm as _shm
+from .._child.aio import is_coroutine_function
+from .._child.template import IMPORT_AHEAD
 from .._func.boot import CallEncoder, init_frame
 from .._func.launch import launch_function
 from .._func.pickling import function_ref
@@ -67,8 +69,11 @@ class RankLauncher:
         sinks: list[Sink],
         prefixes: Mapping[int, str] | str | None,
         pass_fds: tuple[int, ...],
+        loop: str = "asyncio",
     ) -> None:
         self.name = name
+        self.loop = loop
+        """The event loop a coroutine function runs on in each worker (``init_frame``)."""
         self.entrypoint = entrypoint
         self.args = args
         self.envs = envs
@@ -85,7 +90,10 @@ class RankLauncher:
         self.scripts: dict[int, ScriptCommand] = script_commands(entrypoint, args)
         self._ref = None if isinstance(entrypoint, str) else function_ref(entrypoint)
         self.modules: tuple[str, ...] = () if self._ref is None else (self._ref[0],)
-        """The module the function lives in: a template reads its code once."""
+        """The module the function lives in: a template reads its code once (and
+        imports asyncio once for a coroutine function: ``IMPORT_AHEAD``)."""
+        if not isinstance(entrypoint, str) and is_coroutine_function(entrypoint):
+            self.modules += IMPORT_AHEAD
         self._segments: dict[int, list[_shm.Segment]] = {}
         self.joins: dict[int, Callable[[int], None]] = {}
         """``{rank: placement.join}`` for ranks with limits (see ``_group.resources``)."""
@@ -112,7 +120,7 @@ class RankLauncher:
         """
         if isinstance(self.entrypoint, str):
             return {}
-        init = init_frame(lifeline=lifeline)
+        init = init_frame(lifeline=lifeline, loop=self.loop)
         encoder = CallEncoder(self.entrypoint, self._ref)
         out: dict[int, list[bytes]] = {}
         try:

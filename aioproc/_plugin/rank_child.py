@@ -9,6 +9,9 @@ Stacks are dumped by ``faulthandler`` on a fatal signal (a segfaulting rank
 shows where) and on ``DUMP_SIGNAL``, which the parent sends to stop ranks
 that outlived the test's timeout: the dump is written before the signal's
 default action ends the process, so it is complete whenever the rank dies.
+An ``async def`` body runs as every coroutine worker does (``_child.aio``):
+the stop signal cancels it, its ``finally:`` blocks run, then it dies of
+the signal.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from typing import Any
+
+from .._child import aio as _aio
 
 DUMP_SIGNAL = signal.SIGUSR1
 """Stops a rank after dumping every thread's stack to its stderr."""
@@ -39,7 +44,7 @@ class RankCall:
     """``test_x`` or ``TestClass.test_x``."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     loop_factory: Any = None
-    """Makes the event loop of an ``async def`` body (default: asyncio's)."""
+    """Makes the event loop of an ``async def`` body (default: asyncio's); see ``_run_async``."""
     anyio_backend: Any = None
     """anyio's backend (name or ``(name, options)``) when the test asked for one."""
 
@@ -80,28 +85,43 @@ def _resolve(module: Any, qualname: str) -> Any:
 
 
 def _run_async(call: RankCall, fn: Any) -> Any:
+    """Run an ``async def`` body the way every coroutine worker runs (``_child.aio``).
+
+    On a loop of its own, made by the test run's loop factory (pytest-asyncio's,
+    or anyio's asyncio options), which a stop signal cancels.  Only anyio's
+    other backends (trio) run on their own runner.
+    """
+    loop: Any = call.loop_factory or "asyncio"
     if call.anyio_backend is not None:
-        import functools
-
-        import anyio
-
         backend = call.anyio_backend
         name, options = (backend, {}) if isinstance(backend, str) else backend
-        return anyio.run(
-            functools.partial(fn, **call.kwargs), backend=name, backend_options=options
-        )
-    import asyncio
+        if name != "asyncio":
+            import functools
 
-    loop = (call.loop_factory or asyncio.new_event_loop)()
-    try:
-        asyncio.set_event_loop(loop)
-        return loop.run_until_complete(fn(**call.kwargs))
-    finally:
-        try:
-            loop.run_until_complete(loop.shutdown_asyncgens())
-        finally:
-            asyncio.set_event_loop(None)
-            loop.close()
+            import anyio
+
+            return anyio.run(
+                functools.partial(fn, **call.kwargs), backend=name, backend_options=options
+            )
+        loop = _anyio_loop(options)
+    return _aio.run(fn(**call.kwargs), loop=loop)
+
+
+def _anyio_loop(options: dict[str, Any]) -> Any:
+    """The loop anyio's asyncio backend would make with ``options``, as ``_aio.run``'s ``loop``."""
+    loop: Any = options.get("loop_factory")
+    if loop is None:
+        loop = "uvloop" if options.get("use_uvloop") else "asyncio"
+    debug = options.get("debug")
+    if debug is None:
+        return loop
+
+    def make() -> Any:
+        made = _aio.new_event_loop(loop)
+        made.set_debug(debug)
+        return made
+
+    return make
 
 
 def main(call: RankCall) -> tuple[str, str] | None:

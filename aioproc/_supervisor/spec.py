@@ -21,6 +21,7 @@ from typing import Any
 
 from .._base.checks import check_duration, check_filters, check_preload
 from .._func.barrier import ControlHub
+from .._func.boot import check_worker_loop
 from .._group.checks import check_interval, check_kwargs, validate_group
 from .._group.rank_launcher import ROLE, SinkLike, make_sinks
 from .._group.resources import CpusArg, LimitsArg, check_capacity, check_cpus, check_limits
@@ -63,6 +64,7 @@ class GroupSpec:
     capacity: Capacity | None = None
     cpus: CpusArg = None
     sample_interval: float | None = None
+    worker_loop: str = "asyncio"
     role: str = ROLE
     hub: ControlHub | None = None
     hub_keys: Mapping[int, Hashable] | None = None
@@ -93,6 +95,7 @@ class GroupSpec:
         """
         grace_period = check_duration("grace_period", self.grace_period)
         sample_interval = check_interval(self.sample_interval)
+        worker_loop = check_worker_loop(self.worker_loop)
         validate_group(
             self.name,
             self.entrypoint,
@@ -132,5 +135,6 @@ class GroupSpec:
             capacity=capacity,
             cpus=cpus,
             sample_interval=sample_interval,
+            worker_loop=worker_loop,
             hub_keys=dict(self.hub_keys or {}),
         )

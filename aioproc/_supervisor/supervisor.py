@@ -89,6 +89,7 @@ class Supervisor:
             sinks=cast("list[Sink]", list(spec.sinks or ())),  # made by check()
             prefixes=spec.log_line_prefixes,
             pass_fds=tuple(spec.pass_fds),
+            loop=spec.worker_loop,
         )
         self._ranks.role = spec.role
         # read once: metrics enabled later count from the next group on

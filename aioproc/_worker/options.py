@@ -16,13 +16,21 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from .._base.checks import check_duration, check_env, check_preload, check_start_method
+from .._func.boot import check_worker_loop
 from .._group.resources import CpusArg, check_capacity, check_cpus, check_worker_limits
 from .._limits.affinity import ROUND_ROBIN, allowed_cpus
 from .._limits.capacity import Capacity
 from .._limits.spec import Limits
 from ..results import DEFAULT_GRACE_PERIOD
+from .process import DEFAULT_MAX_CONCURRENCY
 
-__all__ = ["WorkerOptions", "one_spelling", "worker_cpus", "worker_options"]
+__all__ = [
+    "WorkerOptions",
+    "check_max_concurrency",
+    "one_spelling",
+    "worker_cpus",
+    "worker_options",
+]
 
 T = TypeVar("T")
 
@@ -41,6 +49,8 @@ class WorkerOptions:
         preload: the forkserver template's modules; None for spawn.
         limits: each worker's own placement, or None.
         capacity: the process budget each worker takes one slot of, or None.
+        max_concurrency: calls each worker has in flight at most.
+        worker_loop: the event loop each worker runs coroutine calls on.
     """
 
     initializer: Callable[..., Any] | None
@@ -51,6 +61,8 @@ class WorkerOptions:
     preload: tuple[str, ...] | None
     limits: Limits | None
     capacity: Capacity | None
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY
+    worker_loop: str = "asyncio"
 
 
 def one_spelling(
@@ -85,6 +97,8 @@ def worker_options(
     preload: Sequence[str],
     limits: Limits | None,
     capacity: Capacity | None,
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+    worker_loop: str = "asyncio",
     spelled: tuple[str, str] = ("initializer", "initargs"),
 ) -> WorkerOptions:
     """Check a factory's options for ``workers`` workers; the one ``WorkerOptions``.
@@ -123,6 +137,8 @@ def worker_options(
         check_env("env", env)
     method = check_start_method(start_method)
     names = check_preload(method, preload)
+    concurrency = check_max_concurrency(max_concurrency)
+    loop = check_worker_loop(worker_loop)
     return WorkerOptions(
         initializer=initializer,
         initargs=tuple(initargs),
@@ -132,7 +148,25 @@ def worker_options(
         preload=names if method == "forkserver" else None,
         limits=check_worker_limits(limits),
         capacity=check_capacity(capacity, workers),
+        max_concurrency=concurrency,
+        worker_loop=loop,
     )
+
+
+def check_max_concurrency(value: object) -> int:
+    """``max_concurrency``, checked: a positive int.
+
+    Raises:
+        TypeError: not an int (or a bool).
+        ValueError: below 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"max_concurrency must be a positive int, got {value!r}")
+    if value < 1:
+        raise ValueError(
+            f"max_concurrency must be >= 1 (calls in flight per worker), got {value!r}"
+        )
+    return value
 
 
 _cpu_turn = 0  # open_worker(cpus="round-robin"): the next CPU of the allowed set

@@ -4,8 +4,9 @@ Each position of the pool holds one worker at a time, started by
 ``start.start_worker`` with the pool's one ``WorkerOptions``: the first
 ones when the pool opens, a replacement when one dies, is recycled after
 ``max_calls_per_worker`` calls or was retired after ``idle_timeout``.
-``submit`` hands a call to an idle position (first come, first served),
-``run`` to every position.
+``submit`` hands a call to a position (``dispatch``: a sync call to an idle
+one, a coroutine call to the least busy one with a free slot; first come,
+first served), ``run`` to every position.
 """
 
 # Ownership
@@ -81,10 +82,9 @@ class WorkerPool:
         self._slots = slots  # (name, env) of each worker position
         self._options = options
         self._supply = Supply([name for name, _ in slots], options, cpus)
-        self._dispatch = Dispatch(idle_timeout)
+        self._dispatch = Dispatch(idle_timeout, options.max_concurrency, max_calls_per_worker)
         # read once: metrics enabled later count from the next pool on
         self._rec = _hooks.current
-        self._max_calls = max_calls_per_worker
         self._workers: list[WorkerProcess | None] = [None] * len(slots)
         self._starts: dict[int, PoolStart] = {}  # position -> its start in flight
         self._restarts = 0
@@ -267,28 +267,39 @@ class WorkerPool:
             self._owner.group.start_soon(self._stop_worker, w)
 
     def _recycle_if_spent(self, i: int) -> None:
+        """After ``run``: retire the worker at ``i`` if it died, or is spent and idle."""
         w = self._workers[i]
         if w is None or self._closed:
             return
-        if not w.alive or (self._max_calls is not None and w.calls >= self._max_calls):
+        if not w.alive or self._dispatch.spent(i):
             self._retire(i)  # crashed, killed or recycled: replaced on next use
 
     # ---------------------------------------------------------- scheduling
 
-    async def _acquire(self) -> int:
+    async def _acquire(self, coroutine: bool) -> int:
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
-        return await self._dispatch.take()
+        return await self._dispatch.take(coroutine)
 
-    def _release(self, i: int) -> None:
-        if not self._closed:
-            self._recycle_if_spent(i)
-        self._dispatch.give_back(i)
+    def _release(self, i: int, coroutine: bool) -> None:
+        w = self._workers[i]
+        if not self._closed and w is not None and not w.alive:
+            self._retire(i)  # crashed or killed: replaced on next use
+        # before a waiter handed the position can look at its worker (a later
+        # loop iteration), a spent one is retired: the next call starts a fresh one
+        if self._dispatch.give_back(i, coroutine) and not self._closed:
+            self._retire(i)
 
     async def submit(
         self, fn: Callable[..., Any], /, *args: Any, timeout: float | None = None, **kwargs: Any
     ) -> Any:
-        """Run ``fn(*args, **kwargs)`` on one idle worker and return its value.
+        """Run ``fn(*args, **kwargs)`` on one worker and return its value.
+
+        A sync function runs on an idle worker, which it has to itself; a
+        coroutine function (``async def``) runs on the worker's event loop,
+        on the least busy worker with fewer than ``max_concurrency`` calls
+        in flight, so many run at once (see ``WorkerProcess.call``).  Calls
+        that find no worker wait, first come first served.
 
         ``timeout`` belongs to the pool, not to ``fn``: like the options of
         ``concurrent.futures``' ``Executor.map(..., timeout=)`` or dask's
@@ -314,18 +325,21 @@ class WorkerPool:
                 replaced for later calls.
             TimeoutError: ``timeout`` passed.  A call still waiting for a
                 worker (or for its worker to start) never runs; a running
-                one cannot be withdrawn, so its worker is killed (its whole
-                process group) and replaced.  The message names ``fn``, the
-                timeout and what happened.
+                coroutine is cancelled in its worker, which keeps serving; a
+                running sync call cannot be withdrawn, so its worker is
+                killed (its whole process group) and replaced.  The message
+                names ``fn``, the timeout and what happened.
             TypeError, ValueError: ``fn``, its arguments or ``timeout`` are
                 unusable; raised before a worker is involved.
             RuntimeError: the pool is closed, or was closed before the call
-                got a worker.
+                got a worker, or while its coroutine ran.
 
-        Cancellation: cancelling kills the worker running the call; the pool
-        replaces it.  Cancelled while waiting for a worker, the call never
-        runs; cancelled while its worker is (re)starting, the start goes on
-        and the pool keeps the worker.
+        Cancellation: a running coroutine call is cancelled in its worker
+        and the cancellation completes once the coroutine ended there (see
+        ``WorkerProcess.call``); cancelling a running sync call kills its
+        worker, which the pool replaces.  Cancelled while waiting for a
+        worker, the call never runs; cancelled while its worker is
+        (re)starting, the start goes on and the pool keeps the worker.
         """
         check_loop(self._owner.loop, self)
         limit = check_duration("submit(timeout=...)", timeout, allow_none=True, allow_negative=True)
@@ -365,12 +379,12 @@ class WorkerPool:
         return value
 
     async def _submit(self, call: PoolCall) -> Any:
-        i = await self._acquire()
+        i = await self._acquire(call.coroutine)
         call.position = i
         try:
             return await self._call_at(i, call)
         finally:
-            self._release(i)
+            self._release(i, call.coroutine)
 
     async def _call_at(self, i: int, call: PoolCall) -> Any:
         """Make ``call`` on the worker at ``i``; again on a fresh one if it never ran there.
@@ -384,8 +398,9 @@ class WorkerPool:
         """
         for attempt in (1, 2):
             call.worker = w = await self._ensure(i)
+            call.progress.sent = False
             try:
-                return await w._call(call.fn, call.args, call.kwargs)
+                return await w._call(call.fn, call.args, call.kwargs, call.progress)
             except Undelivered:
                 if attempt == 2 or self._closed:
                     raise
@@ -406,7 +421,8 @@ class WorkerPool:
             Exception: the first error in worker order (after every worker
                 finished its call), with that worker's traceback.
 
-        Cancellation: cancelling kills the workers still running the call.
+        Cancellation: as for ``submit``: a coroutine ``fn`` is cancelled in
+        every worker still running it; a sync one kills those workers.
         """
         check_loop(self._owner.loop, self)
         if self._closed:
@@ -416,6 +432,7 @@ class WorkerPool:
         began = time.monotonic() if rec.enabled else 0.0
 
         async def one(i: int) -> Any:
+            self._dispatch.count(i)
             try:
                 value = await self._call_at(i, PoolCall(fn, call_args, call_kwargs))
             except Exception as e:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
 
-from .process import WorkerProcess
+from .process import Sent, WorkerProcess, coroutine_call, describe
 
 __all__ = ["PoolCall", "PoolStart", "PoolStats"]
 
@@ -87,17 +86,19 @@ class PoolCall:
     shared-memory segments that are closed once sent.
     """
 
-    __slots__ = ("args", "fn", "kwargs", "name", "position", "worker")
+    __slots__ = ("args", "coroutine", "fn", "kwargs", "name", "position", "progress", "worker")
 
     def __init__(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        self.name = _describe(fn)
+        self.name = describe(fn)
         self.fn = fn
+        self.coroutine = coroutine_call(fn)  # scheduled (and cancelled) as a coroutine call
         self.args = args
         self.kwargs = kwargs
         self.position: int | None = None  # the position it holds, once it has one
         self.worker: WorkerProcess | None = None  # the worker it was handed to
+        self.progress = Sent()  # whether its request went out to that worker
 
     def timed_out(self, limit: float, slots: Sequence[tuple[str, object]], size: int) -> str:
         """The message of this call's ``TimeoutError``: what it was doing when time ran out."""
@@ -105,20 +106,14 @@ class PoolCall:
         w = self.worker
         if w is not None and not w.alive:
             return f"{what}; worker {w.name} (pid {w.pid}) running it was killed and is replaced"
+        if w is not None and self.progress.sent:
+            return (
+                f"{what}; its coroutine was cancelled in worker {w.name} (pid {w.pid}), "
+                "which keeps serving"
+            )
         if w is not None:
             return f"{what} before worker {w.name} took it; it never ran"
         if self.position is not None:
             name = slots[self.position][0]
             return f"{what} while worker {name} was starting; it never ran"
         return f"{what} waiting for a free worker (all {size} busy); it never ran"
-
-
-def _describe(fn: Callable[..., Any]) -> str:
-    """``fn`` as a message names it: ``module.qualname``, through ``functools.partial``."""
-    if isinstance(fn, functools.partial):
-        return f"functools.partial({_describe(fn.func)}, ...)"
-    qualname = getattr(fn, "__qualname__", None)
-    module = getattr(fn, "__module__", None)
-    if isinstance(qualname, str):
-        return f"{module}.{qualname}" if isinstance(module, str) else qualname
-    return repr(fn)

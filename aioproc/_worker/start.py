@@ -35,6 +35,8 @@ from .process import STDERR_TAIL, TailSink, WorkerProcess, exit_text, fill_segme
 
 __all__ = ["open_one", "start_worker"]
 
+_INIT_ID = (0).to_bytes(_wire.ID_SIZE, "big")  # the call id of the initializer
+
 
 def open_one(name: str, options: WorkerOptions, cpus: CpusArg) -> OpenResource[WorkerProcess]:
     """What ``open_worker`` returns: starts the worker when awaited or entered.
@@ -119,10 +121,11 @@ async def _launch_worker(
         if pending_init is not None and not pending_init.done():
             pending_init.set_result((kind, body))
 
-    frames: list[Frame] = [(_wire.INIT, [init_frame(serve=True, has_init=init_parts is not None)])]
+    boot = init_frame(serve=True, has_init=init_parts is not None, loop=options.worker_loop)
+    frames: list[Frame] = [(_wire.INIT, [boot])]
     if init_parts is not None:
         pending_init = asyncio.get_running_loop().create_future()
-        frames.append((_wire.CALL, init_parts))
+        frames.append((_wire.CALL, [*init_parts, _INIT_ID]))
     try:
         child = await launch_function(
             name,
@@ -142,7 +145,14 @@ async def _launch_worker(
         if pending_init is not None:
             await _initialized(name, child, pending_init, options.init_timeout, resources)
         worker = WorkerProcess(
-            name, child, child.channel, options.grace_period, tail, console, resources
+            name,
+            child,
+            child.channel,
+            options.grace_period,
+            tail,
+            console,
+            resources,
+            options.max_concurrency,
         )
         child.channel.deliver_to(worker._on_frame)
         return worker
@@ -177,7 +187,7 @@ async def _initialized(
     if reply.done():
         kind, body = reply.result()
         if kind == _wire.ERROR:
-            exc = rebuild_exception(body)
+            exc = rebuild_exception(body[: -_wire.ID_SIZE])
             raise exc if exc is not None else RuntimeError(f"init of {name} failed")
     elif failed.done():
         raise BrokenWorkerError(f"worker {name} (pid {child.pid}) during init: {failed.result()}")
@@ -186,7 +196,7 @@ async def _initialized(
         if settled:  # an error report written just before the exit is read by now
             await asyncio.wait(settled, timeout=1.0)
         if reply.done() and reply.result()[0] == _wire.ERROR:
-            exc = rebuild_exception(reply.result()[1])
+            exc = rebuild_exception(reply.result()[1][: -_wire.ID_SIZE])
             raise exc if exc is not None else RuntimeError(f"init of {name} failed")
         code = exited.result()
         how = exit_text(code, resources.oom(0, child, code))

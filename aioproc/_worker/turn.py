@@ -1,11 +1,18 @@
-"""One request at a time, in arrival order: the turn a persistent worker's calls take."""
+"""What a persistent worker's calls wait for: the turn of its sync requests, its call slots.
+
+``Turn``: one sync request (call or ping) at a time, in arrival order.
+``Slots``: at most ``max_concurrency`` calls in flight, the others wait in
+arrival order.  Both hand what is released straight to the first waiter,
+so nobody arriving meanwhile overtakes it, and both are taken without a
+coroutine when free, the case of every call made one after the other.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 
-__all__ = ["Turn"]
+__all__ = ["Slots", "Turn"]
 
 
 class Turn:
@@ -86,3 +93,55 @@ class Turn:
 
     async def __aexit__(self, *exc: object) -> None:
         self.release()
+
+
+class Slots:
+    """At most ``limit`` holders at once; the others wait in arrival order.
+
+    ``asyncio.Semaphore``'s contract with ``Turn``'s hand-over: a released
+    slot goes to the first waiter (``used`` stays), and a waiter cancelled
+    as the slot reached it passes it on.
+    """
+
+    __slots__ = ("_waiters", "limit", "used")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    def take_now(self) -> bool:
+        if self.used >= self.limit or self._waiters:
+            return False
+        self.used += 1
+        return True
+
+    async def take(self) -> None:
+        """Wait for a slot.
+
+        Cancellation: a waiter cancelled before its slot came leaves the
+        queue; one cancelled as it came passes it on.
+        """
+        if self.take_now():
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release()
+            else:
+                try:
+                    self._waiters.remove(waiter)
+                except ValueError:
+                    pass
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # the slot passes on: still used
+                return
+        self.used -= 1

@@ -118,6 +118,7 @@ class Workers:
             capacity=capacity,
             cpus=spec.cpus,
             role=spec.role,
+            worker_loop=spec.worker_loop,
         )
         self._publish = publish
         self._starting = starting

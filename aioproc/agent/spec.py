@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from .._base import public_module
 from .._base.checks import check_duration, check_env, check_exec_text, check_preload
 from .._errors.failure import ProcessFailure
+from .._func.boot import check_worker_loop
 from .._group.resources import CpusArg, LimitsArg, check_cpus, check_limits
 from .._group.restart import RestartPolicy
 from ..logs import Std
@@ -85,6 +86,9 @@ class WorkerSpec:
             takes them: a list of CPU ids for every rank, ``"numa:<node>"``,
             ``"round-robin"`` (one CPU each, in turn), or ``{local_rank:
             list}``; None: wherever this process may run.
+        worker_loop: the event loop a coroutine-function ``entrypoint`` runs
+            on in each worker, ``"asyncio"`` or ``"uvloop"``, as
+            ``start_processes(worker_loop=...)`` takes it.
     """
 
     role: str
@@ -108,6 +112,7 @@ class WorkerSpec:
     virtual_local_rank: bool = False
     limits: LimitsArg = None
     cpus: CpusArg = None
+    worker_loop: str = "asyncio"
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, str) or not self.role:
@@ -178,6 +183,7 @@ class WorkerSpec:
         try:
             self.limits = check_limits(self.limits, self.local_world_size)
             check_cpus(self.cpus, self.local_world_size)
+            self.worker_loop = check_worker_loop(self.worker_loop)
         except (TypeError, ValueError) as e:
             raise type(e)(f"WorkerSpec.{e}") from None
         self.args = tuple(self.args)

@@ -37,6 +37,12 @@ def forge_header(kind: int, length: int) -> str:
     return "sent"
 
 
+def forge_frame(kind: int, body: bytes, value: Any = "sent") -> Any:
+    """Write a whole frame of ``kind`` with ``body``; return ``value``."""
+    os.write(channel_fd(), kind.to_bytes(1, "big") + len(body).to_bytes(8, "big") + body)
+    return value
+
+
 def forge_header_then_block(kind: int, length: int) -> None:
     """Like :func:`forge_header`, then wait forever (until killed)."""
     forge_header(kind, length)

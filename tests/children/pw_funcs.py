@@ -283,3 +283,8 @@ def flood_stderr_then_exit(n: int, code: int) -> None:
     while view:
         view = view[os.write(2, view) :]
     os._exit(code)
+
+
+def modules_loaded(names: list[str]) -> list[bool]:
+    """Whether each module named is imported in this worker."""
+    return [name in sys.modules for name in names]
