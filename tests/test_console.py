@@ -15,8 +15,11 @@ keep.  What a user must be able to rely on:
 
 Tests that need the supervisor's own stdout to be a stuck pipe run a small
 supervisor in a subprocess (``children/out_pressure.py``) on the test's kind
-of event loop.  ``ConsoleSink``'s progress bars are test_output.py's, other
-sinks under fault test_sinks_faults.py's.
+of event loop.  ``ConsoleSink``'s progress bars are drawn through the console
+too: rarely and finally once where the console is not a terminal, on status
+lines (``Screen``) where it is, replayed through a minimal terminal emulator
+(a small supervisor on a pseudo-terminal).  Other sinks under fault are
+test_sinks_faults.py's.
 """
 
 from __future__ import annotations
@@ -25,20 +28,40 @@ import asyncio
 import contextlib
 import io
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
-from helpers import CHILDREN_DIR, loop_name
-from output_helpers import DROPPED, FLOOD, LIMIT, flood, flood_lines, run_pressure, spec
+from helpers import CHILDREN_DIR, loop_name, release_fifo
+from output_helpers import (
+    DROPPED,
+    FLOOD,
+    GROUP_LIMIT,
+    LIMIT,
+    flood,
+    flood_lines,
+    logs,
+    read_bytes,
+    run_group,
+    run_pressure,
+    spec,
+    text_lines,
+    workload,
+)
+from output_helpers import ow as ow  # the out_workers fixture
+from terminal import Terminal, run_on_pty
 
 import aioproc
-from aioproc import ConsoleSink
+from aioproc import ConsoleSink, Sink, Std
+
+TQDM_SUPERVISOR = os.path.join(CHILDREN_DIR, "out_tqdm_supervisor.py")
 
 # ------------------------------------------------- a console that never blocks
 
@@ -349,3 +372,186 @@ async def test_ascii_console_escapes_instead_of_dropping_lines(tmp_path: Path) -
     memory.flush()
     assert memory.buffer.getvalue().decode("ascii").splitlines() == want  # type: ignore[attr-defined]
     assert piped.decode("ascii").splitlines() == want
+
+
+# ---------------------------------------------------------- progress bars
+
+
+async def test_progress_on_non_tty_printed_rarely_final_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], ow: ModuleType
+) -> None:
+    entry, args = workload("binary", ow, "progress", {0: (50,)})
+    pc, result = await run_group(entry, args, logs(tmp_path, tee=Std.ERR))
+    assert not result.is_failed()
+    lines = text_lines(capsys.readouterr().err)
+    assert lines.count("[w0]:step 49") == 1
+    assert lines[-1] == "[w0]:step 49"
+    assert len(lines) <= 5  # at most one update per second, plus the final state
+    assert all(re.fullmatch(r"\[w0\]:step \d+", line) for line in lines)
+    assert read_bytes(pc.stderrs[0]) == "".join(f"\rstep {i}" for i in range(50)).encode() + b"\n"
+
+
+class Probe(Sink):
+    """Sets ``event`` once a line or bar state equal to ``text`` passes by.
+
+    Sinks are called in order, so when it fires the sinks listed before it
+    have handled that line or state too.
+    """
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.event = asyncio.Event()
+
+    def lines(self, rank: int, stream: str, prefix: str, lines: list[str]) -> None:
+        if self.text in lines:
+            self.event.set()
+
+    def status(self, rank: int, stream: str, prefix: str, text: str | None) -> None:
+        if text == self.text:
+            self.event.set()
+
+
+async def test_progress_final_state_not_repeated_when_lines_follow(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], ow: ModuleType
+) -> None:
+    """The last update is shown as a status; its newline then arrives with another line."""
+    probe = Probe("step 9")
+    with release_fifo(str(tmp_path / "go")) as go:
+        entry, args = workload("binary", ow, "progress", {0: (10, "done\n", str(tmp_path / "go"))})
+        spec = logs(tmp_path, tee=Std.ERR)
+        async with aioproc.start_processes(
+            "w", entry, args, {0: {}}, spec, sinks=[ConsoleSink(status_interval=0), probe]
+        ) as pc:
+            await asyncio.wait_for(probe.event.wait(), GROUP_LIMIT)
+            go(1)
+            await asyncio.wait_for(pc.wait(), GROUP_LIMIT)
+    lines = text_lines(capsys.readouterr().err)
+    assert lines[-2:] == ["[w0]:step 9", "[w0]:done"]
+    assert lines.count("[w0]:step 9") == 1
+
+
+async def test_console_sink_writes_to_sys_stdout_of_the_moment(
+    tmp_path: Path, ow: ModuleType
+) -> None:
+    """sys.stdout is looked up per write: swapping it mid-run moves later lines."""
+    probe = Probe("first")
+    before, after = io.StringIO(), io.StringIO()
+    with release_fifo(str(tmp_path / "go")) as go:
+        entry, args = workload("binary", ow, "two_lines", {0: (str(tmp_path / "go"),)})
+        spec = logs(tmp_path, tee=Std.OUT)
+        async with contextlib.AsyncExitStack() as stack:
+            with contextlib.redirect_stdout(before):
+                pc = await stack.enter_async_context(
+                    aioproc.start_processes(
+                        "w", entry, args, {0: {}}, spec, sinks=[ConsoleSink(), probe]
+                    )
+                )
+                await asyncio.wait_for(probe.event.wait(), GROUP_LIMIT)
+            with contextlib.redirect_stdout(after):
+                go(1)
+                await asyncio.wait_for(pc.wait(), GROUP_LIMIT)
+    assert before.getvalue() == "[w0]:first\n"
+    assert after.getvalue() == "[w0]:second\n"
+
+
+class FakeTerminal(io.StringIO):
+    """A text stream that says it is a terminal and reports what is written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = ""
+        self.changed: asyncio.Event | None = None
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.written += text
+        if self.changed is not None:
+            self.changed.set()
+        return super().write(text)
+
+
+def test_console_bars_drawn_after_an_earlier_loop_ended() -> None:
+    term = FakeTerminal()
+
+    async def first_run() -> None:
+        sink = ConsoleSink(stream=term, redraw_interval=60)
+        sink.status(0, "stderr", "[a0]:", "halfway")  # redraw due in 60 s: never runs
+        await sink.aclose()
+
+    async def second_run() -> None:
+        term.changed = asyncio.Event()
+        sink = ConsoleSink(stream=term, redraw_interval=0)
+        sink.status(0, "stderr", "[b0]:", "drawn?")
+        try:
+            while "[b0]:drawn?" not in term.written:
+                term.changed.clear()
+                await asyncio.wait_for(term.changed.wait(), 0.5)
+        finally:
+            await sink.aclose()
+
+    asyncio.run(first_run())
+    asyncio.run(second_run())
+
+
+def check_tty_screen(screen: list[str]) -> None:
+    prefixes = [f"[bar{r}]:" for r in range(4)]
+    for line in screen:
+        assert sum(line.count(p) for p in prefixes) <= 1, f"fragment: {line!r}"
+        assert any(line.startswith(p) for p in prefixes), f"stray text: {line!r}"
+    bars = [line for line in screen if "%|" in line]
+    assert sorted(line[: len(prefixes[0])] for line in bars) == prefixes, bars
+    for line in bars:
+        assert "100%|" in line and "100/100" in line, f"left-over bar state: {line!r}"
+
+
+def test_parent_progress_bar_is_never_garbled_by_worker_lines(tmp_path: Path) -> None:
+    """The parent draws its own tqdm bar; worker lines go through tqdm.write."""
+    pytest.importorskip("tqdm", reason="tqdm is not installed: the terminal test needs it")
+    code, raw = run_on_pty([sys.executable, TQDM_SUPERVISOR, str(tmp_path / "logs"), "parentbar"])
+    assert code == 0, raw.decode(errors="replace")[-2000:]
+    term = Terminal()
+    term.feed(raw.decode("utf-8", "replace"))
+    screen = [line for line in term.screen() if line.strip()]
+    # every worker line arrived whole, once, with its prefix
+    said = [line for line in screen if "reached" in line]
+    want = [f"[bar{r}]:rank {r} reached {k}" for r in range(4) for k in (25, 50, 75, 100)]
+    assert sorted(said) == sorted(want)
+    # each worker bar shows up once, in its final state
+    finals = [line for line in screen if line.startswith("[bar") and "100/100" in line]
+    assert len(finals) == 4
+    # the parent's own bar is the last line, complete, and appears exactly once
+    parent = [line for line in screen if "parent" in line]
+    assert len(parent) == 1, screen
+    assert screen[-1] == parent[0]
+    assert "100%" in parent[0] and "4/4" in parent[0]
+    # no line mixes a worker line into the parent's bar or two worker prefixes
+    for line in screen:
+        assert line.count("[bar") <= 1, line
+        if "parent" in line:
+            assert "[bar" not in line, line
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "bars",
+        "mixed",
+    ],
+)
+def test_tqdm_bars_on_a_terminal(tmp_path: Path, mode: str) -> None:
+    """4 workers draw tqdm bars through a supervisor whose console is a pty."""
+    pytest.importorskip("tqdm", reason="tqdm is not installed: the terminal test needs it")
+    code, raw = run_on_pty([sys.executable, TQDM_SUPERVISOR, str(tmp_path / "logs"), mode])
+    assert code == 0, raw.decode(errors="replace")[-2000:]
+    term = Terminal()
+    term.feed(raw.decode("utf-8", "replace"))
+    screen = term.screen()
+    check_tty_screen(screen)
+    if mode == "mixed":
+        said = [line for line in screen if "reached" in line]
+        want = [f"[bar{r}]:rank {r} reached {k}" for r in range(4) for k in (25, 50, 75, 100)]
+        assert sorted(said) == sorted(want)
+    else:
+        assert len(screen) == 4

@@ -1,4 +1,4 @@
-"""Workers for tests/test_output.py; standard library only.
+"""Workers for the output tests (test_output_*.py, test_sinks.py, test_console.py); stdlib only.
 
 Each function runs as a function worker (the test puts this directory on
 ``sys.path``, so a worker imports this module by name) and as a binary
