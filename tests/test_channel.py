@@ -32,7 +32,7 @@ from helpers import import_child, pid_gone
 
 import aioproc
 from aioproc import BrokenWorkerError, ChildFailedError, open_worker
-from aioproc._child import channel as _wire
+from aioproc._child import channel
 from aioproc._child import shm as _shm
 from aioproc._proc.channel import Channel, frame
 
@@ -49,8 +49,8 @@ def cf(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 class Pair:
     """A parent ``Channel`` and the raw socket a test writes as the worker."""
 
-    def __init__(self, channel: Channel, worker: socket.socket) -> None:
-        self.channel = channel
+    def __init__(self, parent: Channel, worker: socket.socket) -> None:
+        self.channel = parent
         self.worker = worker
         self.frames: list[tuple[int, bytes]] = []
         self.errors: list[BrokenWorkerError] = []
@@ -61,7 +61,7 @@ async def open_pair(max_frame_size: int | None = None) -> Pair:
     frames: list[tuple[int, bytes]] = []
     errors: list[BrokenWorkerError] = []
     try:
-        channel = await Channel.open(
+        opened = await Channel.open(
             parent,
             lambda kind, body: frames.append((kind, bytes(body))),
             on_error=errors.append,
@@ -71,7 +71,7 @@ async def open_pair(max_frame_size: int | None = None) -> Pair:
         parent.close()
         worker.close()
         raise
-    pair = Pair(channel, worker)
+    pair = Pair(opened, worker)
     pair.frames, pair.errors = frames, errors
     return pair
 
@@ -107,7 +107,7 @@ async def failure_of(p: Pair) -> BrokenWorkerError:
 async def test_header_over_the_cap_fails_the_channel_before_allocating(pair: Pair) -> None:
     tracemalloc.start()
     try:
-        pair.worker.sendall(_wire.header(_wire.RESULT, 2 * GiB) + b"some of the body")
+        pair.worker.sendall(channel.header(channel.RESULT, 2 * GiB) + b"some of the body")
         error = await failure_of(pair)
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -122,7 +122,7 @@ async def test_header_over_the_cap_fails_the_channel_before_allocating(pair: Pai
 
 
 async def test_unknown_frame_kind_fails_the_channel(pair: Pair) -> None:
-    pair.worker.sendall(_wire.header(99, 5) + b"hello")
+    pair.worker.sendall(channel.header(99, 5) + b"hello")
     error = await failure_of(pair)
     assert str(error) == (
         "worker sent a frame of unknown kind 99; the supervisor closed the channel"
@@ -131,34 +131,34 @@ async def test_unknown_frame_kind_fails_the_channel(pair: Pair) -> None:
 
 
 async def test_a_kind_only_the_supervisor_sends_fails_the_channel(pair: Pair) -> None:
-    pair.worker.sendall(_wire.header(_wire.CALL, 0))
+    pair.worker.sendall(channel.header(channel.CALL, 0))
     error = await failure_of(pair)
     assert "worker sent a CALL (2) frame, a kind only the supervisor sends" in str(error)
 
 
 async def test_frames_before_a_bad_one_are_delivered_and_nothing_after(pair: Pair) -> None:
     pair.worker.sendall(
-        _wire.header(_wire.PONG, 0)
-        + _wire.header(_wire.RESULT, 3)
+        channel.header(channel.PONG, 0)
+        + channel.header(channel.RESULT, 3)
         + b"abc"
-        + _wire.header(0, 0)
-        + _wire.header(_wire.RESULT, 3)
+        + channel.header(0, 0)
+        + channel.header(channel.RESULT, 3)
         + b"def"
     )
     error = await failure_of(pair)
     assert "unknown kind 0" in str(error)
-    assert pair.frames == [(_wire.PONG, b""), (_wire.RESULT, b"abc")]
+    assert pair.frames == [(channel.PONG, b""), (channel.RESULT, b"abc")]
 
 
 async def test_cap_is_inclusive_and_frames_arrive_in_pieces() -> None:
     p = await open_pair(max_frame_size=1024)
     try:
-        data = _wire.header(_wire.RESULT, 1024) + bytes(range(256)) * 4
+        data = channel.header(channel.RESULT, 1024) + bytes(range(256)) * 4
         for i in range(0, len(data), 100):  # a frame split across many reads
             p.worker.sendall(data[i : i + 100])
-        p.worker.sendall(_wire.header(_wire.ERROR, 1025))
+        p.worker.sendall(channel.header(channel.ERROR, 1025))
         error = await failure_of(p)
-        assert p.frames == [(_wire.RESULT, bytes(range(256)) * 4)]
+        assert p.frames == [(channel.RESULT, bytes(range(256)) * 4)]
         assert "ERROR (11) frame of 1025 bytes (1 KiB), over the 1 KiB limit" in str(error)
     finally:
         p.worker.close()
@@ -169,19 +169,19 @@ async def test_one_whole_frame_in_one_read_is_checked_like_any_other() -> None:
     # a reply that comes whole in one read takes a shorter path: same checks
     p = await open_pair(max_frame_size=16)
     try:
-        p.worker.sendall(_wire.header(_wire.RESULT, 16) + b"M" * 16)
+        p.worker.sendall(channel.header(channel.RESULT, 16) + b"M" * 16)
         await asyncio.wait_for(p.channel.settled(), 10)
-        assert p.frames == [(_wire.RESULT, b"M" * 16)]
-        p.worker.sendall(_wire.header(_wire.RESULT, 17) + b"M" * 17)
+        assert p.frames == [(channel.RESULT, b"M" * 16)]
+        p.worker.sendall(channel.header(channel.RESULT, 17) + b"M" * 17)
         error = await failure_of(p)
         assert "RESULT (10) frame of 17 bytes (17 bytes), over the 16 bytes limit" in str(error)
-        assert p.frames == [(_wire.RESULT, b"M" * 16)]
+        assert p.frames == [(channel.RESULT, b"M" * 16)]
     finally:
         p.worker.close()
         await p.channel.aclose()
     p = await open_pair()
     try:
-        p.worker.sendall(_wire.header(_wire.DEFINE, 3) + b"abc")
+        p.worker.sendall(channel.header(channel.DEFINE, 3) + b"abc")
         error = await failure_of(p)
         assert "worker sent a DEFINE (8) frame, a kind only the supervisor sends" in str(error)
         assert p.frames == []
@@ -192,13 +192,13 @@ async def test_one_whole_frame_in_one_read_is_checked_like_any_other() -> None:
 
 async def test_a_definition_goes_out_with_its_call_in_one_write(pair: Pair) -> None:
     """The worker wakes once for a DEFINE and the CALL that uses it."""
-    pair.channel.send(_wire.CALL, b"M", b"call", before=frame(_wire.DEFINE, b"definition"))
+    pair.channel.send(channel.CALL, b"M", b"call", before=frame(channel.DEFINE, b"definition"))
     fd = pair.worker.fileno()
     poller = _StrictPoller(fd)
-    got = [_wire.read_frame(fd, poller) for _ in range(2)]
+    got = [channel.read_frame(fd, poller) for _ in range(2)]
     assert [(kind, bytes(body)) for kind, body in got] == [
-        (_wire.DEFINE, b"definition"),
-        (_wire.CALL, b"Mcall"),
+        (channel.DEFINE, b"definition"),
+        (channel.CALL, b"Mcall"),
     ]
     assert poller.waits == 1
 
@@ -207,14 +207,14 @@ async def test_small_and_big_frames_mixed_in_any_pieces_arrive_intact(pair: Pair
     """Small frames are parsed out of the read buffer, bigger ones get their own."""
     big = bytes(range(256)) * 1200  # 300 KiB: more than one read buffer
     frames = [
-        (_wire.PONG, b""),
-        (_wire.RESULT, b"M" + b"x" * 100),
-        (_wire.RESULT, big),
-        (_wire.ERROR, b"e" * (_wire.READ_SIZE - _wire.HEADER_SIZE)),  # exactly one buffer
-        (_wire.PONG, b""),
-        (_wire.RESULT, b"tail"),
+        (channel.PONG, b""),
+        (channel.RESULT, b"M" + b"x" * 100),
+        (channel.RESULT, big),
+        (channel.ERROR, b"e" * (channel.READ_SIZE - channel.HEADER_SIZE)),  # exactly one buffer
+        (channel.PONG, b""),
+        (channel.RESULT, b"tail"),
     ]
-    data = b"".join(_wire.header(kind, len(body)) + body for kind, body in frames)
+    data = b"".join(channel.header(kind, len(body)) + body for kind, body in frames)
     pair.worker.sendall(data[:5])  # half a header, read on its own
     await asyncio.wait_for(pair.channel.settled(), 10)
     assert pair.channel.progress.received == 5
@@ -231,11 +231,11 @@ async def test_small_and_big_frames_mixed_in_any_pieces_arrive_intact(pair: Pair
 
 
 async def test_clean_eof_is_not_a_failure(pair: Pair) -> None:
-    pair.worker.sendall(_wire.header(_wire.PONG, 0))
+    pair.worker.sendall(channel.header(channel.PONG, 0))
     pair.worker.shutdown(socket.SHUT_WR)
     await asyncio.wait_for(pair.channel.settled(), 10)
     await asyncio.wait_for(asyncio.shield(pair.channel._protocol.closed), 10)
-    assert pair.frames == [(_wire.PONG, b"")]
+    assert pair.frames == [(channel.PONG, b"")]
     assert not pair.channel.failed.done() and pair.channel.error is None
     assert pair.errors == []
 
@@ -254,25 +254,25 @@ async def test_bad_max_frame_size_is_rejected_before_anything_opens(bad: Any) ->
 @pytest.fixture
 def raw_pair() -> Iterator[tuple[socket.socket, socket.socket]]:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    saved = _wire._pending
-    _wire._pending = b""
+    saved = channel._pending
+    channel._pending = b""
     try:
         yield a, b
     finally:
-        _wire._pending = saved
+        channel._pending = saved
         a.close()
         b.close()
 
 
 # three frames sent back to back, and what reading them one at a time gives
 THREE_FRAMES = (
-    _wire.header(_wire.INIT, 3)
+    channel.header(channel.INIT, 3)
     + b"abc"
-    + _wire.header(_wire.PING, 0)
-    + _wire.header(_wire.CALL, 2)
+    + channel.header(channel.PING, 0)
+    + channel.header(channel.CALL, 2)
     + b"de"
 )
-THREE_DECODED = [(_wire.INIT, b"abc"), (_wire.PING, b""), (_wire.CALL, b"de")]
+THREE_DECODED = [(channel.INIT, b"abc"), (channel.PING, b""), (channel.CALL, b"de")]
 
 
 def test_child_reads_back_to_back_frames_one_at_a_time(
@@ -281,12 +281,12 @@ def test_child_reads_back_to_back_frames_one_at_a_time(
     parent, child = raw_pair
     parent.sendall(THREE_FRAMES)
     fd = child.fileno()
-    got = [_wire.read_frame(fd) for _ in range(3)]
+    got = [channel.read_frame(fd) for _ in range(3)]
     assert [(kind, bytes(body)) for kind, body in got] == THREE_DECODED
-    parent.sendall(_wire.header(_wire.CALL, 10) + b"part")
+    parent.sendall(channel.header(channel.CALL, 10) + b"part")
     parent.shutdown(socket.SHUT_WR)
-    with pytest.raises(_wire.ChannelClosed, match="channel closed after 4 of 10 body bytes"):
-        _wire.read_frame(fd)
+    with pytest.raises(channel.ChannelClosed, match="channel closed after 4 of 10 body bytes"):
+        channel.read_frame(fd)
 
 
 class _StrictPoller:
@@ -313,16 +313,16 @@ def test_persistent_worker_waits_in_poll_only_when_nothing_is_buffered(
     fd = child.fileno()
     poller = _StrictPoller(fd)
     parent.sendall(THREE_FRAMES)
-    got = [_wire.read_frame(fd, poller) for _ in range(3)]
+    got = [channel.read_frame(fd, poller) for _ in range(3)]
     assert [(kind, bytes(body)) for kind, body in got] == THREE_DECODED
     assert poller.waits == 1
-    parent.sendall(_wire.header(_wire.PING, 0))
-    assert _wire.read_frame(fd, poller) == (_wire.PING, b"")
+    parent.sendall(channel.header(channel.PING, 0))
+    assert channel.read_frame(fd, poller) == (channel.PING, b"")
     assert poller.waits == 2
     # the supervisor gone: poll() reports the hangup and the read says so
     parent.close()
-    with pytest.raises(_wire.ChannelClosed, match="channel closed after 0 of 9 header bytes"):
-        _wire.read_frame(fd, poller)
+    with pytest.raises(channel.ChannelClosed, match="channel closed after 0 of 9 header bytes"):
+        channel.read_frame(fd, poller)
     assert poller.waits == 3
 
 
@@ -330,13 +330,13 @@ def test_child_eof_inside_a_header_is_channel_closed(
     raw_pair: tuple[socket.socket, socket.socket],
 ) -> None:
     parent, child = raw_pair
-    parent.sendall(_wire.header(_wire.CALL, 1)[:4])
+    parent.sendall(channel.header(channel.CALL, 1)[:4])
     parent.shutdown(socket.SHUT_WR)
-    with pytest.raises(_wire.ChannelClosed, match="after 4 of 9 header bytes"):
-        _wire.read_frame(child.fileno())
+    with pytest.raises(channel.ChannelClosed, match="after 4 of 9 header bytes"):
+        channel.read_frame(child.fileno())
 
 
-@pytest.mark.parametrize("size", [0, 10, _wire.JOIN_LIMIT, _wire.JOIN_LIMIT + 1, 5 * MiB])
+@pytest.mark.parametrize("size", [0, 10, channel.JOIN_LIMIT, channel.JOIN_LIMIT + 1, 5 * MiB])
 def test_child_frames_of_any_size_round_trip(
     raw_pair: tuple[socket.socket, socket.socket], size: int
 ) -> None:
@@ -347,24 +347,24 @@ def test_child_frames_of_any_size_round_trip(
     body = bytes(range(256)) * (size // 256) + b"z" * (size % 256)
     parts = [b"M", body, b"", b"!"]
     sender = threading.Thread(
-        target=_wire.write_frame, args=(writer.fileno(), _wire.RESULT, *parts)
+        target=channel.write_frame, args=(writer.fileno(), channel.RESULT, *parts)
     )
     sender.start()
     try:
-        kind, got = _wire.read_frame(reader.fileno())
+        kind, got = channel.read_frame(reader.fileno())
     finally:
         sender.join(10)
-    assert kind == _wire.RESULT
+    assert kind == channel.RESULT
     assert bytes(got) == b"M" + body + b"!"
-    assert _wire._pending == b""
+    assert channel._pending == b""
 
 
 def test_default_cap_is_one_gib_and_hundreds_of_mib_fit() -> None:
-    assert _wire.MAX_FRAME_SIZE == 1 << 30
-    assert _wire.format_size(GiB) == "1 GiB"
-    assert _wire.format_size(300 * MiB) == "300 MiB"
-    assert _wire.format_size(1536) == "1.5 KiB"
-    assert _wire.format_size(12) == "12 bytes"
+    assert channel.MAX_FRAME_SIZE == 1 << 30
+    assert channel.format_size(GiB) == "1 GiB"
+    assert channel.format_size(300 * MiB) == "300 MiB"
+    assert channel.format_size(1536) == "1.5 KiB"
+    assert channel.format_size(12) == "12 bytes"
 
 
 # ------------------------------------------------------------- real workers
@@ -375,7 +375,7 @@ async def test_persistent_worker_call_sending_a_2gib_header_does_not_hang(
 ) -> None:
     async with open_worker(name="forger", grace_period=5) as w:
         with pytest.raises(BrokenWorkerError, match=r"worker forger \(pid \d+\)"):
-            await asyncio.wait_for(w.call(cf.forge_header, _wire.RESULT, 2 * GiB), 20)
+            await asyncio.wait_for(w.call(cf.forge_header, channel.RESULT, 2 * GiB), 20)
         with pytest.raises(BrokenWorkerError):
             await asyncio.wait_for(w.call(cf.make_bytes, 1), 20)
     assert pid_gone(w.pid)
@@ -384,9 +384,9 @@ async def test_persistent_worker_call_sending_a_2gib_header_does_not_hang(
 async def test_an_answer_for_no_call_in_flight_is_dropped(cf: ModuleType) -> None:
     # a RESULT with an id the supervisor never gave (a stale or forged one)
     # finds no call: the call gets its own answer, and the worker goes on
-    stray = _wire.MARSHAL + marshal.dumps(5) + (2**63).to_bytes(_wire.ID_SIZE, "big")
+    stray = channel.MARSHAL + marshal.dumps(5) + (2**63).to_bytes(channel.ID_SIZE, "big")
     async with open_worker(name="stray") as w:
-        assert await asyncio.wait_for(w.call(cf.forge_frame, _wire.RESULT, stray, 7), 20) == 7
+        assert await asyncio.wait_for(w.call(cf.forge_frame, channel.RESULT, stray, 7), 20) == 7
         assert await w.call(cf.make_bytes, 2) == b"xx"
         assert w.alive
 
@@ -397,7 +397,7 @@ async def test_an_answer_without_a_call_id_breaks_the_worker(cf: ModuleType) -> 
             BrokenWorkerError,
             match=r"worker idless \(pid \d+\): worker sent a RESULT \(10\) frame without a call id",
         ):
-            await asyncio.wait_for(w.call(cf.forge_frame, _wire.RESULT, b"M"), 20)
+            await asyncio.wait_for(w.call(cf.forge_frame, channel.RESULT, b"M"), 20)
         assert not w.alive
     assert pid_gone(w.pid)
 
@@ -407,7 +407,7 @@ async def test_persistent_worker_call_raises_the_channel_error_at_once(
 ) -> None:
     async with open_worker(name="forger", grace_period=5) as w:
         # the worker stays blocked: only the channel error can end the call
-        call = w.call(cf.forge_header_then_block, _wire.RESULT, 2 * GiB)
+        call = w.call(cf.forge_header_then_block, channel.RESULT, 2 * GiB)
         with pytest.raises(BrokenWorkerError) as info:
             await asyncio.wait_for(call, 20)
         assert "RESULT (10) frame of 2147483648 bytes (2 GiB), over the 1 GiB limit" in str(
@@ -434,7 +434,7 @@ async def test_function_worker_sending_an_unknown_kind_fails_its_group(
 async def test_function_worker_failure_names_the_broken_frame(cf: ModuleType) -> None:
     with pytest.raises(ChildFailedError) as info:
         await asyncio.wait_for(
-            aioproc.run(cf.forge_header_then_block, 1, args=(_wire.RESULT, 2 * GiB)), 30
+            aioproc.run(cf.forge_header_then_block, 1, args=(channel.RESULT, 2 * GiB)), 30
         )
     assert info.value.failures[0].message == (
         "worker sent a RESULT (10) frame of 2147483648 bytes (2 GiB), over the 1 GiB limit "
@@ -445,7 +445,7 @@ async def test_function_worker_failure_names_the_broken_frame(cf: ModuleType) ->
 async def test_value_over_the_cap_fails_in_the_worker_with_a_clear_error(
     cf: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_wire, "MAX_FRAME_SIZE", MiB)  # read at each start
+    monkeypatch.setattr(channel, "MAX_FRAME_SIZE", MiB)  # read at each start
     # in the frame: a value in shared memory is not capped (see test_shm.py)
     monkeypatch.setattr(_shm, "AVAILABLE", False)
     with pytest.raises(ChildFailedError) as info:
@@ -468,7 +468,7 @@ async def test_value_over_the_cap_fails_in_the_worker_with_a_clear_error(
 async def test_persistent_worker_value_over_the_cap_raises_and_the_worker_stays_usable(
     cf: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_wire, "MAX_FRAME_SIZE", MiB)
+    monkeypatch.setattr(channel, "MAX_FRAME_SIZE", MiB)
     monkeypatch.setattr(_shm, "AVAILABLE", False)  # in the frame, as without memfds
     async with open_worker(name="big") as w:
         with pytest.raises(ValueError, match=r"return value of type bytes encodes to 2097226"):

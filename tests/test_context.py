@@ -416,6 +416,12 @@ async def test_worker_imports_no_event_loop_or_parent_modules(workers: types.Mod
     assert "ctx_workers" in modules  # it really ran our function
     assert _banned(modules) == []
     assert "_pickle" not in modules  # by name with core-type arguments: marshal only
+    # the boot code arrives with its channel module bound: no package import
+    assert [m for m in modules if m.split(".")[0] == "aioproc"] == [
+        "aioproc._child.boot",
+        "aioproc._child.channel",
+        "aioproc._child.pickling",
+    ]
 
 
 async def test_pickled_worker_imports_no_event_loop_or_parent_modules(

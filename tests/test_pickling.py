@@ -28,7 +28,8 @@ import cloudpickle
 import pytest
 from helpers import REPO_ROOT
 
-from aioproc._func import pickling as _funcpickle
+from aioproc._child.pickling import define, restore
+from aioproc._func import pickling
 
 PRELUDE = """\
 import asyncio, json, sys
@@ -331,7 +332,7 @@ def test_persistent_worker_calls_match_cloudpickle(tmp_path: Path) -> None:
 
 
 def roundtrip(obj: Any) -> Any:
-    return pickle.loads(_funcpickle.dumps_by_value(obj))
+    return pickle.loads(pickling.dumps_by_value(obj))
 
 
 def make_recursive() -> Any:
@@ -393,9 +394,9 @@ def test_local_class_falls_back_to_cloudpickle() -> None:
     def get() -> int:
         return Local.value
 
-    with pytest.raises(_funcpickle.Unrepresentable, match="Local"):
-        _funcpickle.dumps_by_value(get)
-    assert pickle.loads(_funcpickle.dumps(get))() == 5
+    with pytest.raises(pickling.Unrepresentable, match="Local"):
+        pickling.dumps_by_value(get)
+    assert pickle.loads(pickling.dumps(get))() == 5
 
 
 def test_dynamic_module_falls_back_to_cloudpickle() -> None:
@@ -405,9 +406,9 @@ def test_dynamic_module_falls_back_to_cloudpickle() -> None:
     def get() -> int:
         return module.value  # type: ignore[no-any-return]
 
-    with pytest.raises(_funcpickle.Unrepresentable, match="made_up"):
-        _funcpickle.dumps_by_value(get)
-    assert pickle.loads(_funcpickle.dumps(get))() == 9
+    with pytest.raises(pickling.Unrepresentable, match="made_up"):
+        pickling.dumps_by_value(get)
+    assert pickle.loads(pickling.dumps(get))() == 9
 
 
 async def test_unpicklable_global_is_a_clear_error_before_anything_starts() -> None:
@@ -426,8 +427,6 @@ async def test_unpicklable_global_is_a_clear_error_before_anything_starts() -> N
 
 
 # ------------------------------------------- the call cache (persistent workers)
-
-from aioproc._child import pickling as _funcload  # noqa: E402
 
 
 def script_namespace(source: str) -> dict[str, Any]:
@@ -457,17 +456,17 @@ CACHED_SCRIPT = """
 def test_unchanged_function_is_pickled_once_and_any_change_gets_a_new_id() -> None:
     ns = script_namespace(CACHED_SCRIPT)
     f = ns["f"]
-    first = _funcpickle.cached(f)
+    first = pickling.cached(f)
     assert first is not None
-    assert _funcpickle.cached(f) is first  # nothing changed: the same pickle, the same id
+    assert pickling.cached(f) is first  # nothing changed: the same pickle, the same id
     fids = {first.fid}
 
     def changed() -> Any:
-        entry = _funcpickle.cached(f)
+        entry = pickling.cached(f)
         assert entry is not None
         assert entry.fid not in fids, "a change kept the old id"
         fids.add(entry.fid)
-        assert _funcpickle.cached(f) is entry
+        assert pickling.cached(f) is entry
         return pickle.loads(entry.data)
 
     ns["SCALE"] = True  # equal to 1, not the same object: must not pass for it
@@ -486,10 +485,10 @@ def test_unchanged_function_is_pickled_once_and_any_change_gets_a_new_id() -> No
     f.__qualname__ = "renamed"
     assert changed().__qualname__ == "renamed"
     get, set_ = ns["make"](1)
-    entry = _funcpickle.cached(get)
+    entry = pickling.cached(get)
     assert entry is not None and pickle.loads(entry.data)() == 1
     set_(7)  # a closure cell the parent rebinds
-    again = _funcpickle.cached(get)
+    again = pickling.cached(get)
     assert again is not None and again.fid != entry.fid
     assert pickle.loads(again.data)() == 7
 
@@ -497,12 +496,12 @@ def test_unchanged_function_is_pickled_once_and_any_change_gets_a_new_id() -> No
 def test_a_helper_changed_behind_the_function_is_seen() -> None:
     ns = script_namespace(CACHED_SCRIPT)
     f, helper = ns["f"], ns["helper"]
-    entry = _funcpickle.cached(f)
+    entry = pickling.cached(f)
     assert entry is not None
     helper.__defaults__ = ()  # helper's own state is part of f's pickle
-    assert _funcpickle.cached(f) is not entry
+    assert pickling.cached(f) is not entry
     ns["SCALE"] = 2
-    assert pickle.loads(_funcpickle.cached(f).data)(3) == 6  # type: ignore[union-attr]
+    assert pickle.loads(pickling.cached(f).data)(3) == 6  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(
@@ -518,36 +517,36 @@ def test_a_helper_changed_behind_the_function_is_seen() -> None:
 )
 def test_functions_with_mutable_state_are_not_cached(source: str) -> None:
     # their state must be pickled at every call: nothing to gain, much to get wrong
-    assert _funcpickle.cached(script_namespace(source)["f"]) is None
+    assert pickling.cached(script_namespace(source)["f"]) is None
 
 
 def test_a_function_with_a_large_constant_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     ns = script_namespace("BLOB = b'x' * 4096\ndef f():\n    return len(BLOB)\n")
-    assert _funcpickle.cached(ns["f"]) is not None
-    monkeypatch.setattr(_funcpickle, "CACHE_MAX_BYTES", 1024)
+    assert pickling.cached(ns["f"]) is not None
+    monkeypatch.setattr(pickling, "CACHE_MAX_BYTES", 1024)
     ns["BLOB"] = b"y" * 4096
-    assert _funcpickle.cached(ns["f"]) is None
+    assert pickling.cached(ns["f"]) is None
 
 
 def test_functions_named_by_reference_and_other_callables_are_not_cached() -> None:
-    assert _funcpickle.cached(json.dumps) is None
-    assert _funcpickle.cached(functools.partial(len)) is None
-    assert _funcpickle.cached(len) is None
+    assert pickling.cached(json.dumps) is None
+    assert pickling.cached(functools.partial(len)) is None
+    assert pickling.cached(len) is None
 
 
 def test_cache_is_bounded_and_holds_functions_weakly(monkeypatch: pytest.MonkeyPatch) -> None:
     import gc
 
-    monkeypatch.setattr(_funcpickle, "CACHE_SIZE", 3)
+    monkeypatch.setattr(pickling, "CACHE_SIZE", 3)
     fns = [script_namespace(f"def f():\n    return {i}\n")["f"] for i in range(5)]
     for fn in fns:
-        assert _funcpickle.cached(fn) is not None
-    assert len(_funcpickle._cache) <= 3
-    assert id(fns[-1]) in _funcpickle._cache
+        assert pickling.cached(fn) is not None
+    assert len(pickling._cache) <= 3
+    assert id(fns[-1]) in pickling._cache
     key = id(fns[-1])
     del fns, fn
     gc.collect()
-    assert key not in _funcpickle._cache
+    assert key not in pickling._cache
 
 
 def test_worker_puts_a_defined_function_back_before_each_call() -> None:
@@ -573,15 +572,15 @@ def test_worker_puts_a_defined_function_back_before_each_call() -> None:
         """
     )
     for name, fn, expected in (("bump", ns["bump"], [1, 1]), ("inc", ns["counter"](), 1)):
-        entry = _funcpickle.cached(fn)
+        entry = pickling.cached(fn)
         assert entry is not None, name
-        rebuilt, plan = _funcload.define(entry.data)
+        rebuilt, plan = define(entry.data)
         for _ in range(3):
-            _funcload.restore(plan)
+            restore(plan)
             assert rebuilt() == expected, name
         if name == "bump":
             assert "NEW" in rebuilt.__globals__
-            _funcload.restore(plan)
+            restore(plan)
             assert "NEW" not in rebuilt.__globals__
             assert rebuilt.__defaults__ == (1,) and not hasattr(rebuilt, "calls")
 
@@ -595,16 +594,16 @@ def test_worker_restores_recursive_and_mutually_recursive_functions() -> None:
             return False if n == 0 else is_even(n - 1)
         """
     )
-    entry = _funcpickle.cached(ns["is_even"])
+    entry = pickling.cached(ns["is_even"])
     assert entry is not None
-    fn, plan = _funcload.define(entry.data)
+    fn, plan = define(entry.data)
     assert len(plan[1]) == 2  # both functions are put back
     fn.__globals__["is_odd"] = None  # broken by a call...
-    _funcload.restore(plan)
+    restore(plan)
     assert fn(10) is True  # ...and mended before the next
     recursive = make_recursive()
-    entry = _funcpickle.cached(recursive)
+    entry = pickling.cached(recursive)
     assert entry is not None
-    fn, plan = _funcload.define(entry.data)
-    _funcload.restore(plan)
+    fn, plan = define(entry.data)
+    restore(plan)
     assert fn(5) == 5 and fn.__closure__[0].cell_contents is fn

@@ -30,8 +30,17 @@ from proc_utils import Fifo
 
 import aioproc
 from aioproc import BrokenWorkerError, WorkerProcess, open_pool, open_worker
-from aioproc._child import channel as _wire
 from aioproc._child import shm as _shm
+from aioproc._child.channel import (
+    BUFFERS,
+    MARSHAL,
+    PICKLE,
+    RESULT,
+    SHM,
+    decode_value,
+    encode_value,
+    write_frame,
+)
 from aioproc._proc.channel import Channel
 
 MiB = 1 << 20
@@ -192,12 +201,12 @@ async def test_no_fd_or_memfd_accumulates_over_100_calls(
 async def test_small_values_stay_in_band() -> None:
     segments: list[_shm.Segment] = []
     for value in (b"x" * 100, [1, "a", None], {"k": b"v" * 1000}):
-        assert _wire.encode_value(value, segments)[0] == _wire.MARSHAL
-    assert _wire.encode_value(object, segments)[0] == _wire.PICKLE
-    assert _wire.encode_value(bytearray(100 * 1024), segments)[0] == _wire.PICKLE
-    assert _wire.encode_value(memoryview(bytes(100 * 1024)), segments)[0] == _wire.BUFFERS
+        assert encode_value(value, segments)[0] == MARSHAL
+    assert encode_value(object, segments)[0] == PICKLE
+    assert encode_value(bytearray(100 * 1024), segments)[0] == PICKLE
+    assert encode_value(memoryview(bytes(100 * 1024)), segments)[0] == BUFFERS
     assert segments == []
-    assert _wire.encode_value(bytes(2 * MiB), segments)[0] == _wire.SHM
+    assert encode_value(bytes(2 * MiB), segments)[0] == SHM
     assert len(segments) == 1
     segments[0].close()
 
@@ -260,7 +269,7 @@ async def _channel_pair() -> tuple[Channel, socket.socket, socket.socket, asynci
 
     def on_frame(kind: int, body: bytearray) -> None:
         if not frames.done():
-            frames.set_result(_wire.decode_value(body))
+            frames.set_result(decode_value(body))
 
     channel = await Channel.open(parent, on_frame, fd_socket=fd_parent)
     return channel, child, fd_child, frames
@@ -270,9 +279,9 @@ async def test_shm_frame_without_its_memfd_fails_the_channel() -> None:
     channel, child, fd_child, _ = await _channel_pair()
     try:
         segments: list[_shm.Segment] = []
-        parts = _wire.encode_value(bytes(2 * MiB), segments)
+        parts = encode_value(bytes(2 * MiB), segments)
         segments[0].close()  # never sent
-        _wire.write_frame(child.fileno(), _wire.RESULT, *parts)
+        write_frame(child.fileno(), RESULT, *parts)
         error = await asyncio.wait_for(channel.failed, 10)
         assert "shared-memory RESULT frame, but its file descriptor did not arrive" in str(error)
     finally:
@@ -285,13 +294,13 @@ async def test_unsealed_memfd_is_refused() -> None:
     channel, child, fd_child, _ = await _channel_pair()
     try:
         segments: list[_shm.Segment] = []
-        parts = _wire.encode_value(bytes(2 * MiB), segments)
+        parts = encode_value(bytes(2 * MiB), segments)
         size = segments[0].size
         segments[0].close()
         fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
         os.ftruncate(fd, size)
         _shm.send(fd_child, [_shm.Segment(fd, size)])
-        _wire.write_frame(child.fileno(), _wire.RESULT, *parts)
+        write_frame(child.fileno(), RESULT, *parts)
         error = await asyncio.wait_for(channel.failed, 10)
         assert "its memfd is not sealed against writes" in str(error)
     finally:
@@ -305,10 +314,10 @@ async def test_shm_result_over_a_channel_decodes_from_the_mapping() -> None:
     try:
         value = {"a": bytes(3 * MiB), "b": memoryview(bytearray(b"xy" * MiB))}
         segments: list[_shm.Segment] = []
-        parts = _wire.encode_value(value, segments)
-        assert parts[0] == _wire.SHM
+        parts = encode_value(value, segments)
+        assert parts[0] == SHM
         _shm.send(fd_child, segments)
-        _wire.write_frame(child.fileno(), _wire.RESULT, *parts)
+        write_frame(child.fileno(), RESULT, *parts)
         got = await asyncio.wait_for(frames, 10)
         assert got["a"] == value["a"] and got["b"].tobytes() == b"xy" * MiB
         assert isinstance(got["b"].obj, mmap.mmap)
@@ -323,7 +332,7 @@ async def test_shared_memory_values_are_not_held_to_the_frame_cap(
 ) -> None:
     # the cap guards what the supervisor allocates from a header; a memfd
     # was allocated (and paid for) by its sender and is only mapped here
-    monkeypatch.setattr(_wire, "MAX_FRAME_SIZE", MiB)
+    monkeypatch.setattr("aioproc._child.channel.MAX_FRAME_SIZE", MiB)
     async with open_worker(name="capped") as w:
         assert await w.call(of.make_bytes, "bytes", 4 * MiB) == _payload("bytes", 4 * MiB)
         assert bytes(await w.call(of.identity, memoryview(bytes(4 * MiB)))) == bytes(4 * MiB)

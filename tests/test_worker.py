@@ -31,7 +31,7 @@ from proc_utils import Fifo, still_alive_after
 
 import aioproc
 from aioproc import BrokenWorkerError, ForcedKillWarning, WorkerProcess, open_worker
-from aioproc._func import pickling as _funcpickle
+from aioproc._func import pickling
 from aioproc._func.boot import Definitions
 from aioproc._worker.process import STDERR_TAIL
 from aioproc.errors import RemoteTraceback
@@ -518,7 +518,7 @@ def script(source: str) -> dict[str, Any]:
 
 def sent_by_id(w: WorkerProcess, fn: Any) -> bool:
     """Whether the next call of ``fn`` on ``w`` names it by id, without a definition."""
-    entry = _funcpickle.cached(fn)
+    entry = pickling.cached(fn)
     return entry is not None and entry.fid in w._definitions._ids
 
 

@@ -74,10 +74,10 @@ import marshal
 import os
 import sys
 
-if "_wire" not in globals():
+if "channel" not in globals():
     # Imported normally.  When the supervisor ships this module as a code
     # object (see ``_func.boot``), it pre-binds ``_child.channel`` so no package import runs.
-    from aioproc._child import channel as _wire
+    from aioproc._child import channel
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -105,18 +105,18 @@ def _serve_requests(fd: int, *, until_release: bool) -> str:
     """
     try:
         while True:
-            kind, body = _wire.read_frame(fd)
-            if kind == _wire.RELEASE:
+            kind, body = channel.read_frame(fd)
+            if kind == channel.RELEASE:
                 answer = bytes(body).decode("utf-8", "replace")
                 if until_release:
                     return answer
                 _BARRIER["answer"] = answer
                 _BARRIER["lock"].release()
-            elif kind == _wire.DUMP:
+            elif kind == channel.DUMP:
                 _dump_stacks(fd)
-            elif kind == _wire.TERMINATE and _HOLD is not None and _HOLD.locked():
+            elif kind == channel.TERMINATE and _HOLD is not None and _HOLD.locked():
                 _HOLD.release()  # the group has every result: the main thread exits
-    except (_wire.ChannelClosed, OSError):
+    except (channel.ChannelClosed, OSError):
         pass
     _supervisor_gone()
 
@@ -159,9 +159,9 @@ def _hold(fd: int) -> None:
 
         poller = select.poll()
         poller.register(fd, select.POLLIN)
-        while _wire.read_frame(fd, poller)[0] != _wire.TERMINATE:
+        while channel.read_frame(fd, poller)[0] != channel.TERMINATE:
             pass  # after a RESULT nothing else is sent: never reached
-    except (_wire.ChannelClosed, OSError):
+    except (channel.ChannelClosed, OSError):
         pass
     except KeyboardInterrupt:
         _flush_std()
@@ -172,7 +172,7 @@ def _hold(fd: int) -> None:
 
 def _write(fd: int, kind: int, *parts: bytes) -> None:
     with _WRITE_LOCK:
-        _wire.write_frame(fd, kind, *parts)
+        channel.write_frame(fd, kind, *parts)
 
 
 def _dump_stacks(fd: int) -> None:
@@ -188,7 +188,7 @@ def _dump_stacks(fd: int) -> None:
         os.write(2, b"aioproc: stacks of every thread (the supervisor asked)\n" + text)
     except OSError:
         pass  # no stderr: the supervisor still gets the text
-    _write(fd, _wire.STACKS, text)
+    _write(fd, channel.STACKS, text)
 
 
 def barrier() -> None:
@@ -273,8 +273,8 @@ def barrier_wait() -> None:
     assert fd is not None
     with _BARRIER_CALL:  # one waiter per worker: the supervisor counts workers
         try:
-            _write(fd, _wire.ARRIVE)
-        except (_wire.ChannelClosed, OSError):
+            _write(fd, channel.ARRIVE)
+        except (channel.ChannelClosed, OSError):
             _supervisor_gone()  # arriving after it went away: as a waiter would
         if _BARRIER["lock"] is None:
             answer = _serve_requests(fd, until_release=True)  # no lifeline thread reads
@@ -341,7 +341,7 @@ def error_report(exc: BaseException) -> dict[str, Any]:
 
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
-        pickled: bytes | None = _wire.dumps(exc)
+        pickled: bytes | None = channel.dumps(exc)
     except Exception:
         pickled = None
     return {
@@ -398,7 +398,7 @@ def _defined(fid: int) -> Any:
 
 def _load_call(body: bytes | bytearray | memoryview) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     view = memoryview(body)
-    if body[0] == _wire.MARSHAL_BYTE:
+    if body[0] == channel.MARSHAL_BYTE:
         call = marshal.loads(view[1:])
         if len(call) == 3:  # a function the supervisor defined (DEFINE)
             fid, args, kwargs = call
@@ -429,17 +429,17 @@ def _load_call(body: bytes | bytearray | memoryview) -> tuple[Any, tuple[Any, ..
     else:  # the id of a function the supervisor defined
         fn = _defined(int.from_bytes(view[9:17], "big"))
         rest = view[17:]
-    if codec == _wire.PICKLE:
+    if codec == channel.PICKLE:
         args, kwargs = _pickle.loads(rest)
     else:
         mapping = None
-        if codec == _wire.SHM:
+        if codec == channel.SHM:
             if _FD_SOCKET is None:
                 raise RuntimeError("shared-memory arguments, but this worker has no fd socket")
             from aioproc._child import shm as _shm
 
             mapping = _shm.worker_map(rest, _FD_SOCKET)
-        args, kwargs = _wire.loads_oob(codec, rest, mapping)
+        args, kwargs = channel.loads_oob(codec, rest, mapping)
     return fn, args, kwargs
 
 
@@ -448,9 +448,9 @@ _FD_SOCKET: int | None = None
 
 
 def _encode(value: Any) -> tuple[list[bytes], list[Any] | None]:
-    """``_wire.encode_value`` and the memfds it made (sent by ``_send_result``)."""
+    """``channel.encode_value`` and the memfds it made (sent by ``_send_result``)."""
     segments: list[Any] | None = [] if _FD_SOCKET is not None else None
-    return _wire.encode_value(value, segments), segments
+    return channel.encode_value(value, segments), segments
 
 
 def _send_result(fd: int, parts: list[bytes], segments: list[Any] | None) -> None:
@@ -460,10 +460,10 @@ def _send_result(fd: int, parts: list[bytes], segments: list[Any] | None) -> Non
 
         assert _FD_SOCKET is not None
         _shm.send(_shm.worker_socket(_FD_SOCKET), segments)
-    _write(fd, _wire.RESULT, *parts)
+    _write(fd, channel.RESULT, *parts)
 
 
-_MAX_FRAME = _wire.MAX_FRAME_SIZE  # the parent's cap, from INIT
+_MAX_FRAME = channel.MAX_FRAME_SIZE  # the parent's cap, from INIT
 
 
 def _check_size(parts: list[bytes], what: str, value: Any) -> None:
@@ -475,15 +475,15 @@ def _check_size(parts: list[bytes], what: str, value: Any) -> None:
     if size > _MAX_FRAME:
         what = what.format(type(value).__qualname__)
         raise ValueError(
-            f"{what} encodes to {size} bytes ({_wire.format_size(size)}), over the "
-            f"{_wire.format_size(_MAX_FRAME)} limit of aioproc's control channel; "
+            f"{what} encodes to {size} bytes ({channel.format_size(size)}), over the "
+            f"{channel.format_size(_MAX_FRAME)} limit of aioproc's control channel; "
             "pass data that large through a file or shared memory"
         )
 
 
 def _error_frame(exc: BaseException) -> bytes:
     """ERROR frame body for ``exc``, cut down to fit under the parent's cap."""
-    body = _wire.dumps(error_report(exc))
+    body = channel.dumps(error_report(exc))
     if len(body) <= _MAX_FRAME:
         return body
     report = error_report(exc)
@@ -494,7 +494,7 @@ def _error_frame(exc: BaseException) -> bytes:
             cut = f"\n[... {len(text) - keep} characters cut ...]\n"
             report[key] = text[: keep // 2] + cut + text[-keep // 2 :]
     report["exception"] = None  # too big to carry: the parent rebuilds it from the text
-    return _wire.dumps(report)
+    return channel.dumps(report)
 
 
 class _AuthkeyHook:
@@ -568,7 +568,7 @@ def _fail(fd: int, exc: BaseException, *, record: bool = True) -> NoReturn:
     except (OSError, ValueError):
         pass  # stderr on a full disk (ENOSPC) or closed: the ERROR frame still goes
     try:
-        _write(fd, _wire.ERROR, _error_frame(exc))
+        _write(fd, channel.ERROR, _error_frame(exc))
     except OSError:
         pass  # supervisor gone: its guardian (or our lifeline) is ending us
     # exit like a script with an uncaught exception: atexit handlers run
@@ -611,7 +611,7 @@ _SERVING = False
 _LOOP = "asyncio"
 """The event loop a persistent worker runs coroutine calls on (INIT's ``loop``)."""
 
-_ID_SIZE = _wire.ID_SIZE
+_ID_SIZE = channel.ID_SIZE
 
 
 async def _probe() -> None:
@@ -653,7 +653,7 @@ def _serve(fd: int, has_init: bool) -> None:
             loop = _new_loop(_LOOP)
         except Exception as e:
             coro.close()
-            _wire.write_frame(fd, _wire.ERROR, _error_frame(e), cid)
+            channel.write_frame(fd, channel.ERROR, _error_frame(e), cid)
             if first:
                 _flush_std()
                 raise SystemExit(1) from None
@@ -679,34 +679,34 @@ def _serve_calls(fd: int, first: bool) -> tuple[bytes, Any, bool]:
 
     poller = select.poll()
     poller.register(fd, select.POLLIN)
-    read_frame = _wire.read_frame
-    header_size = _wire.HEADER_SIZE
+    read_frame = channel.read_frame
+    header_size = channel.HEADER_SIZE
     while True:
         try:
-            if _wire._pending:
+            if channel._pending:
                 kind, body = read_frame(fd, poller)
             else:
                 # read_frame's usual case, inlined: one read brings one whole frame
                 poller.poll()
-                data = os.read(fd, _wire.READ_SIZE)
+                data = os.read(fd, channel.READ_SIZE)
                 if len(data) >= header_size and len(data) == header_size + int.from_bytes(
                     data[1:header_size], "big"
                 ):
                     kind, body = data[0], data[header_size:]
                 else:
-                    _wire._pending = data
+                    channel._pending = data
                     kind, body = read_frame(fd)
                 del data
-        except (_wire.ChannelClosed, OSError):
+        except (channel.ChannelClosed, OSError):
             os._exit(0)
-        if kind != _wire.CALL:
-            if kind == _wire.DEFINE:
+        if kind != channel.CALL:
+            if kind == channel.DEFINE:
                 _define(body)  # its CALL follows, usually in the same read
-            elif kind == _wire.PING:
-                _wire.write_frame(fd, _wire.PONG, bytes(body))  # the ping's id
-            elif kind == _wire.CANCEL:
+            elif kind == channel.PING:
+                channel.write_frame(fd, channel.PONG, bytes(body))  # the ping's id
+            elif kind == channel.CANCEL:
                 pass  # its call has returned: the answer is on its way
-            elif kind == _wire.TERMINATE:
+            elif kind == channel.TERMINATE:
                 _flush_std()
                 sys.exit(0)
             else:
@@ -730,11 +730,11 @@ def _serve_calls(fd: int, first: bool) -> tuple[bytes, Any, bool]:
                 size = len(data) + 1 + _ID_SIZE
                 if size <= _MAX_FRAME:
                     frame = b"".join(
-                        (_RESULT_KIND, size.to_bytes(8, "big"), _wire.MARSHAL, data, cid)
+                        (_RESULT_KIND, size.to_bytes(8, "big"), channel.MARSHAL, data, cid)
                     )
                     sent = os.write(fd, frame)
                     if sent < len(frame):
-                        _wire._write_all(fd, memoryview(frame)[sent:])
+                        channel._write_all(fd, memoryview(frame)[sent:])
                     continue
             parts, segments = _encode(value)
             _check_size(parts, "return value of type {}", value)
@@ -742,7 +742,7 @@ def _serve_calls(fd: int, first: bool) -> tuple[bytes, Any, bool]:
             raise
         except BaseException as e:
             e = e.with_traceback(e.__traceback__.tb_next if e.__traceback__ else None)
-            _wire.write_frame(fd, _wire.ERROR, _error_frame(e), cid)
+            channel.write_frame(fd, channel.ERROR, _error_frame(e), cid)
             if first:
                 _flush_std()
                 raise SystemExit(1) from None  # a failed init ends the worker
@@ -754,7 +754,7 @@ def _serve_calls(fd: int, first: bool) -> tuple[bytes, Any, bool]:
         if segments:
             _send_result(fd, parts, segments)
         else:  # only this thread writes to a persistent worker's channel
-            _wire.write_frame(fd, _wire.RESULT, *parts)
+            channel.write_frame(fd, channel.RESULT, *parts)
 
 
 def _call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], loop: Any) -> Any:
@@ -828,7 +828,7 @@ _GLOBALS = globals()
 
 _SCALARS = frozenset({type(None), bool, int, float})
 """Return types a persistent worker frames itself (marshal, a few bytes)."""
-_RESULT_KIND = _wire.RESULT.to_bytes(1, "big")
+_RESULT_KIND = channel.RESULT.to_bytes(1, "big")
 
 
 def _answer(fd: int, cid: bytes, value: Any) -> None:
@@ -836,20 +836,20 @@ def _answer(fd: int, cid: bytes, value: Any) -> None:
     if type(value) in _SCALARS:  # the common answer, framed here (as in _serve_calls)
         data = marshal.dumps(value)
         size = len(data) + 1 + _ID_SIZE
-        frame = b"".join((_RESULT_KIND, size.to_bytes(8, "big"), _wire.MARSHAL, data, cid))
-        _wire._write_all(fd, memoryview(frame))
+        frame = b"".join((_RESULT_KIND, size.to_bytes(8, "big"), channel.MARSHAL, data, cid))
+        channel._write_all(fd, memoryview(frame))
         return
     try:
         parts, segments = _encode(value)
         _check_size(parts, "return value of type {}", value)
     except Exception as e:
-        _wire.write_frame(fd, _wire.ERROR, _error_frame(e), cid)
+        channel.write_frame(fd, channel.ERROR, _error_frame(e), cid)
         return
     parts.append(cid)
     if segments:
         _send_result(fd, parts, segments)
     else:
-        _wire.write_frame(fd, _wire.RESULT, *parts)
+        channel.write_frame(fd, channel.RESULT, *parts)
 
 
 def _new_loop(kind: str) -> Any:
@@ -909,7 +909,7 @@ class _LoopServer:
         try:
             loop.add_reader(self.fd, self.readable)
             self.start(cid, coro, first)
-            if _wire._pending:  # read along with the call that started the loop
+            if channel._pending:  # read along with the call that started the loop
                 loop.call_soon(self.readable)
             try:
                 loop.run_until_complete(self.terminated)
@@ -932,23 +932,23 @@ class _LoopServer:
         """Handle every whole frame the channel holds (the loop saw it readable)."""
         while not self.terminated.done():
             try:
-                kind, body = _wire.read_frame(self.fd)
-            except (_wire.ChannelClosed, OSError):
+                kind, body = channel.read_frame(self.fd)
+            except (channel.ChannelClosed, OSError):
                 os._exit(0)
-            if kind == _wire.CALL:
+            if kind == channel.CALL:
                 self.call(body)
-            elif kind == _wire.CANCEL:
+            elif kind == channel.CANCEL:
                 self.cancel(bytes(body))
-            elif kind == _wire.PING:
-                _wire.write_frame(self.fd, _wire.PONG, bytes(body))
-            elif kind == _wire.DEFINE:
+            elif kind == channel.PING:
+                channel.write_frame(self.fd, channel.PONG, bytes(body))
+            elif kind == channel.DEFINE:
                 _define(body)
-            elif kind == _wire.TERMINATE:
+            elif kind == channel.TERMINATE:
                 self.terminated.set_result(None)
             else:
                 error = RuntimeError(f"aioproc worker: unexpected frame kind {kind}")
                 self.terminated.set_exception(error)
-            if not _wire._pending:
+            if not channel._pending:
                 return
 
     def call(self, body: bytes | bytearray) -> None:
@@ -978,7 +978,7 @@ class _LoopServer:
             raise
         except BaseException as e:
             e = e.with_traceback(e.__traceback__.tb_next if e.__traceback__ else None)
-            _wire.write_frame(self.fd, _wire.ERROR, _error_frame(e), cid)
+            channel.write_frame(self.fd, channel.ERROR, _error_frame(e), cid)
             return
         if type(value) is _COROUTINE:
             self.start(cid, value, False)  # a sync function's coroutine
@@ -996,7 +996,7 @@ class _LoopServer:
             self.unstarted.discard(cid)
             del self.calls[cid]
             error = self.asyncio.CancelledError()
-            _wire.write_frame(self.fd, _wire.ERROR, _error_frame(error), cid)
+            channel.write_frame(self.fd, channel.ERROR, _error_frame(error), cid)
 
     async def run_call(
         self, cid: bytes, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -1018,7 +1018,7 @@ class _LoopServer:
             self.calls.pop(cid, None)
             if not self.exiting:
                 e = e.with_traceback(self.aio.user_traceback(e.__traceback__))
-                _wire.write_frame(self.fd, _wire.ERROR, _error_frame(e), cid)
+                channel.write_frame(self.fd, channel.ERROR, _error_frame(e), cid)
             if isinstance(e, self.asyncio.CancelledError):
                 raise
             return
@@ -1052,7 +1052,7 @@ class _LoopServer:
         if isinstance(error, (SystemExit, KeyboardInterrupt)):
             return  # it leaves the loop through run_until_complete
         error = error.with_traceback(self.aio.user_traceback(error.__traceback__))
-        _wire.write_frame(self.fd, _wire.ERROR, _error_frame(error), cid)
+        channel.write_frame(self.fd, channel.ERROR, _error_frame(error), cid)
         if first:
             self.terminated.set_exception(SystemExit(1))  # a failed init ends the worker
 
@@ -1060,12 +1060,12 @@ class _LoopServer:
 def main(fd: int) -> None:
     global _FD_SOCKET, _HOLD
     os.set_inheritable(fd, False)  # descendants must not hold the lifeline open
-    kind, body = _wire.read_frame(fd)
-    if kind == _wire.FD_SOCKET:
+    kind, body = channel.read_frame(fd)
+    if kind == channel.FD_SOCKET:
         _FD_SOCKET = int(body)
         os.set_inheritable(_FD_SOCKET, False)
-        kind, body = _wire.read_frame(fd)
-    if kind != _wire.INIT:
+        kind, body = channel.read_frame(fd)
+    if kind != channel.INIT:
         raise RuntimeError(f"aioproc worker: expected INIT frame, got kind {kind}")
     init = marshal.loads(body)
     global _MAX_FRAME, _LOOP
@@ -1078,8 +1078,8 @@ def main(fd: int) -> None:
         _LOOP = init.get("loop", _LOOP)
         _serve(fd, has_init=init.get("has_init", False))
         return
-    kind, body = _wire.read_frame(fd)
-    if kind != _wire.CALL:
+    kind, body = channel.read_frame(fd)
+    if kind != channel.CALL:
         raise RuntimeError(f"aioproc worker: expected CALL frame, got kind {kind}")
     hold = init.get("hold", False)
     if init.get("lifeline", True):

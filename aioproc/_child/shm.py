@@ -1,6 +1,6 @@
 """Large values in shared memory: sealed memfds passed beside the control channel.
 
-A value of ``_wire.SHM_MIN`` bytes or more is written once into a memfd
+A value of ``channel.SHM_MIN`` bytes or more is written once into a memfd
 (``Segment.create``): the pickle stream, then each out-of-band buffer.  The
 memfd is sealed (no write, shrink or grow) so the receiver's views can
 neither change under it nor fault with SIGBUS, and passed with SCM_RIGHTS on
@@ -213,7 +213,7 @@ def map_next(sock: Any, size: int) -> mmap.mmap:
 
 
 class SharedBody(bytearray):
-    """A SHM frame's body with the mapping of its memfd (read by ``_wire.decode_value``)."""
+    """A SHM frame's body with the mapping of its memfd (read by ``channel.decode_value``)."""
 
     mapping: mmap.mmap | None = None
 

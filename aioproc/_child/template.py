@@ -578,15 +578,15 @@ def _load_boot(blob: bytes) -> tuple[Callable[[int], None], Any]:
     ``main(channel)``.  Registered before the preload, as a spawned worker
     has them before it runs user code.
     """
-    wire_code, boot_code, load_code = marshal.loads(blob)
-    wire = type(sys)("aioproc._child.channel")
-    exec(wire_code, wire.__dict__)
+    channel_code, boot_code, load_code = marshal.loads(blob)
+    child_channel = type(sys)("aioproc._child.channel")
+    exec(channel_code, child_channel.__dict__)
     boot = type(sys)("aioproc._child.boot")
-    boot._wire = wire  # type: ignore[attr-defined]
+    boot.channel = child_channel  # type: ignore[attr-defined]
     exec(boot_code, boot.__dict__)
     load = type(sys)("aioproc._child.pickling")
     exec(load_code, load.__dict__)
-    sys.modules["aioproc._child.channel"] = wire
+    sys.modules["aioproc._child.channel"] = child_channel
     sys.modules["aioproc._child.boot"] = boot
     sys.modules["aioproc._child.pickling"] = load
     main: Callable[[int], None] = boot.main

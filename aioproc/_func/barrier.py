@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Hashable
 
-from .._child import channel as _wire
+from .._child.channel import ARRIVE, DUMP, RELEASE, STACKS
 from .._proc.channel import Channel
 
 __all__ = ["ControlHub"]
@@ -69,20 +69,20 @@ class ControlHub:
         member = self._members.get(key)
         if member is None:
             return
-        if kind == _wire.ARRIVE:
+        if kind == ARRIVE:
             self._arrive(key, member)
-        elif kind == _wire.STACKS and member.stacks is not None and not member.stacks.done():
+        elif kind == STACKS and member.stacks is not None and not member.stacks.done():
             member.stacks.set_result(bytes(body).decode("utf-8", "replace"))
 
     def _arrive(self, key: Hashable, member: _Member) -> None:
         if self.broken:
-            member.channel.send(_wire.RELEASE, self.broken.encode())
+            member.channel.send(RELEASE, self.broken.encode())
             return
         self._arrived[key] = member
         if len(self._arrived) >= self.parties:
             arrived, self._arrived = self._arrived, {}
             for waiting in arrived.values():
-                waiting.channel.send(_wire.RELEASE)
+                waiting.channel.send(RELEASE)
 
     def left(self, key: Hashable, code: int) -> None:
         """``key``'s worker exited with ``code`` (negative: killed by that signal)."""
@@ -98,7 +98,7 @@ class ControlHub:
         self.broken = f"barrier broken: {member.label} {how} without reaching it"
         arrived, self._arrived = self._arrived, {}
         for waiting in arrived.values():
-            waiting.channel.send(_wire.RELEASE, self.broken.encode())
+            waiting.channel.send(RELEASE, self.broken.encode())
 
     async def dump_stacks(self, key: Hashable, timeout: float) -> str:
         """The faulthandler dump of every thread of ``key``'s worker ("" if none came).
@@ -111,7 +111,7 @@ class ControlHub:
             return ""
         if member.stacks is None or member.stacks.done():
             member.stacks = asyncio.get_running_loop().create_future()
-            member.channel.send(_wire.DUMP)
+            member.channel.send(DUMP)
         try:
             return await asyncio.wait_for(asyncio.shield(member.stacks), timeout)
         except asyncio.TimeoutError:

@@ -32,10 +32,10 @@ from typing import Any
 import cloudpickle
 
 from .._child import aio as _aio
-from .._child import channel as _wire
+from .._child import channel
 from .._child import shm as _shm
 from .._errors.failure import RemoteTraceback
-from . import pickling as _funcpickle
+from . import pickling
 from .pickling import Cached, cached, dumps, function_ref, lookup
 
 STUB = (
@@ -55,24 +55,24 @@ fd = int(sys.argv[1])
 title = sys.argv[2] if len(sys.argv) > 2 else ""
 del sys.argv[1:]
 try:
-    wire_code, boot_code, load_code = marshal.loads(_r(int.from_bytes(_r(8), "big")))
+    channel_code, boot_code, load_code = marshal.loads(_r(int.from_bytes(_r(8), "big")))
 except SystemExit:
     raise SystemExit("aioproc worker: supervisor closed the channel during startup") from None
-_wire = type(sys)("aioproc._child.channel")
-exec(wire_code, _wire.__dict__)
+channel = type(sys)("aioproc._child.channel")
+exec(channel_code, channel.__dict__)
 _boot = type(sys)("aioproc._child.boot")
-_boot._wire = _wire
+_boot.channel = channel
 exec(boot_code, _boot.__dict__)
 if title:
     _boot.set_title(title)
 _load = type(sys)("aioproc._child.pickling")
 exec(load_code, _load.__dict__)
 # registered so user code can reach aioproc.worker_state() in this process,
-# and so functions pickled by value (_funcpickle) find their rebuilders
-sys.modules["aioproc._child.channel"] = _wire
+# and so functions pickled by value (``_func.pickling``) find their rebuilders
+sys.modules["aioproc._child.channel"] = channel
 sys.modules["aioproc._child.boot"] = _boot
 sys.modules["aioproc._child.pickling"] = _load
-del _r, title, wire_code, boot_code, load_code, _wire, _load
+del _r, title, channel_code, boot_code, load_code, channel, _load
 _boot.main(fd)
 """
 """What the stub runs in a spawned function worker (sent first on its channel)."""
@@ -191,7 +191,7 @@ def init_frame(
             "lifeline": lifeline,
             "hold": hold,
             "loop": loop,
-            "max_frame": _wire.MAX_FRAME_SIZE if max_frame_size is None else max_frame_size,
+            "max_frame": channel.MAX_FRAME_SIZE if max_frame_size is None else max_frame_size,
             "authkey": bytes(process.current_process().authkey),
         }
     )
@@ -275,18 +275,18 @@ class CallEncoder:
         """CALL body parts; with ``segments``, large arguments go to shared memory.
 
         A memfd made for large arguments is appended to ``segments`` (see
-        ``_wire.pickle_parts``): the caller passes it with the frame or
+        ``channel.pickle_parts``): the caller passes it with the frame or
         closes it.
         """
         if self._ref is not None:
             call: Any = None
             if type(args) is tuple and not args and type(kwargs) is dict and not kwargs:
                 call = (*self._ref, (), {})
-            elif _wire._marshallable(args) and _wire._marshallable(kwargs):
+            elif channel._marshallable(args) and channel._marshallable(kwargs):
                 # exact tuple/list and dict: what the worker unpacks into the call
                 call = (*self._ref, args, kwargs)
             if call is not None:
-                return [_wire.MARSHAL, marshal.dumps(call)]
+                return [channel.MARSHAL, marshal.dumps(call)]
         args, kwargs = tuple(args), dict(kwargs)
         if self._pickled is None:
             try:
@@ -307,8 +307,8 @@ class CallEncoder:
         try:
             # data: plain pickle opcodes (the worker imports no cloudpickle for
             # them); a function or class among them travels by value
-            codec, *pickled_args = _wire.pickle_parts(
-                (args, kwargs), _wire._pickler(cloudpickle.Pickler), segments
+            codec, *pickled_args = channel.pickle_parts(
+                (args, kwargs), channel._pickler(cloudpickle.Pickler), segments
             )
         except Exception as e:
             raise TypeError(f"arguments for {self._fn!r} cannot be pickled: {e}") from e
@@ -339,19 +339,19 @@ def encode_call(
         kwargs = {**fn.keywords, **kwargs} if fn.keywords else kwargs
         fn = fn.func
     marshallable = (not args and not kwargs) or (
-        _wire._marshallable(args) and _wire._marshallable(kwargs)
+        channel._marshallable(args) and channel._marshallable(kwargs)
     )
     # first: a cached function needs no function_ref (the rest: one dict lookup)
-    entry = lookup(fn) if id(fn) in _funcpickle._cache else None
+    entry = lookup(fn) if id(fn) in pickling._cache else None
     if entry is None:
         ref = function_ref(fn)
         if ref is not None and marshallable:
-            return [_wire.MARSHAL, marshal.dumps((*ref, args, kwargs))], None  # CallEncoder's
+            return [channel.MARSHAL, marshal.dumps((*ref, args, kwargs))], None  # CallEncoder's
         entry = cached(fn) if ref is None and type(fn) is _FunctionType else None
         if entry is None:
             return CallEncoder(fn, ref).encode(args, kwargs, segments), None
     if marshallable:
-        return [_wire.MARSHAL, marshal.dumps((entry.fid, args, kwargs))], entry
+        return [channel.MARSHAL, marshal.dumps((entry.fid, args, kwargs))], entry
     fid = entry.fid.to_bytes(8, "big")
     return CallEncoder(fn)._args(args, kwargs, segments, _NO_ID, fid), entry
 

@@ -23,8 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 from .._base.shield import shielded
-from .._child import channel as _wire
 from .._child import shm as _shm
+from .._child.channel import FD_SOCKET, JOIN_LIMIT, header
 from .._errors.failure import BrokenWorkerError
 from .._output.tee import TeeProtocol
 from .._proc.channel import Channel
@@ -186,12 +186,12 @@ def _queue(
     """Queue the boot code (unless ``forked``: the template has it) and ``frames``."""
     queued: list[Frame] = list(frames)
     if extra_fds:
-        queued.insert(0, (_wire.FD_SOCKET, [str(extra_fds[0]).encode()]))
+        queued.insert(0, (FD_SOCKET, [str(extra_fds[0]).encode()]))
     head = [] if forked else [boot_head()]
-    if not segments and sum(len(p) for _, parts in queued for p in parts) <= _wire.JOIN_LIMIT:
+    if not segments and sum(len(p) for _, parts in queued for p in parts) <= JOIN_LIMIT:
         # small frames in one write: one send, one wake-up of the worker
         for kind, parts in queued:
-            head += [_wire.header(kind, sum(map(len, parts))), *parts]
+            head += [header(kind, sum(map(len, parts))), *parts]
         channel.send_raw(b"".join(head))
         return
     if head:

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .._child import channel as _wire
+from .._child.channel import ERROR, RESULT, decode_value
 from .._errors.failure import ProcessFailure
 from .._func.boot import rebuild_exception
 from .._proc.spawn import Child
@@ -57,9 +57,9 @@ class Outcomes:
 
     def frame_handler(self, rank: int) -> Callable[[int, bytearray], None]:
         def on_frame(kind: int, body: bytearray) -> None:
-            if kind == _wire.RESULT:
+            if kind == RESULT:
                 self._results[rank] = body
-            elif kind == _wire.ERROR:
+            elif kind == ERROR:
                 self._errors[rank] = body
 
         return on_frame
@@ -95,7 +95,7 @@ class Outcomes:
             )
         elif returned and rank in self._results:
             try:
-                value = _wire.decode_value(self._results.pop(rank))
+                value = decode_value(self._results.pop(rank))
             except Exception as e:
                 problem = f"return value could not be unpickled in the supervisor: {e!r}"
         if returned and not problem:

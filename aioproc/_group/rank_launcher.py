@@ -16,9 +16,9 @@ import subprocess
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any, TypeAlias
 
-from .._child import channel as _wire
 from .._child import shm as _shm
 from .._child.aio import is_coroutine_function
+from .._child.channel import CALL, INIT
 from .._child.template import IMPORT_AHEAD
 from .._func.boot import CallEncoder, init_frame
 from .._func.launch import launch_function
@@ -236,7 +236,7 @@ class RankLauncher:
                         label,
                         env,
                         on_frame=on_frame,
-                        frames=[(_wire.INIT, [init]), (_wire.CALL, call)],
+                        frames=[(INIT, [init]), (CALL, call)],
                         stdout=streams["stdout"],
                         stderr=streams["stderr"],
                         pass_fds=self.pass_fds,

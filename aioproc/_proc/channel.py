@@ -35,7 +35,7 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import cast
 
-from .._child import channel as _wire
+from .._child import channel
 from .._child import shm as _shm
 from .._errors.failure import BrokenWorkerError
 from .._output.drain import ReadProgress
@@ -46,8 +46,8 @@ ErrorHandler = Callable[[BrokenWorkerError], None]
 _HEADER = struct.Struct(">BQ")
 """``_child.channel``'s frame header (kind, body length): one C call to parse or build
 it, where the child, which imports no ``struct``, slices and converts."""
-assert _HEADER.size == _wire.HEADER_SIZE
-_SHM_BYTE = _wire.SHM[0]
+assert _HEADER.size == channel.HEADER_SIZE
+_SHM_BYTE = channel.SHM[0]
 
 
 class _ChannelProtocol(asyncio.BufferedProtocol):
@@ -56,8 +56,8 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
         on_frame: FrameHandler,
         progress: ReadProgress,
         *,
-        max_frame_size: int = _wire.MAX_FRAME_SIZE,
-        kinds: frozenset[int] = _wire.CHILD_KINDS,
+        max_frame_size: int = channel.MAX_FRAME_SIZE,
+        kinds: frozenset[int] = channel.CHILD_KINDS,
         on_error: ErrorHandler | None = None,
         fd_socket: socket.socket | None = None,
     ) -> None:
@@ -71,7 +71,7 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
         # read brings; a body that does not fit gets its own buffer, allocated
         # once its header passed the checks, and the rest of it is read
         # straight into it.
-        self._scratch = bytearray(_wire.READ_SIZE)
+        self._scratch = bytearray(channel.READ_SIZE)
         self._have = 0  # bytes in _scratch not parsed yet (a partial header)
         self._body: bytearray | None = None
         self._kind = 0
@@ -97,17 +97,17 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
         if self.failed.done():
             return  # aborted: bytes read in the same wakeup are ignored
         if self._body is None:
-            if not self._have and nbytes >= _wire.HEADER_SIZE:
+            if not self._have and nbytes >= channel.HEADER_SIZE:
                 # The usual reply: exactly one whole small frame, read at once.
                 # Delivered here, without the general parser's bookkeeping.
                 kind, length = _HEADER.unpack_from(self._scratch)
                 if (
-                    nbytes - _wire.HEADER_SIZE == length
+                    nbytes - channel.HEADER_SIZE == length
                     and kind in self._kinds
                     and length <= self._max
                 ):
-                    body = self._scratch[_wire.HEADER_SIZE : nbytes]
-                    if kind == _wire.RESULT and body and body[0] == _SHM_BYTE:
+                    body = self._scratch[channel.HEADER_SIZE : nbytes]
+                    if kind == channel.RESULT and body and body[0] == _SHM_BYTE:
                         self._deliver(kind, body)
                     else:
                         self._on_frame(kind, body)
@@ -127,13 +127,13 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
     def _parse(self) -> None:
         """Deliver every whole frame in the scratch buffer; keep what is left."""
         scratch, have, start = self._scratch, self._have, 0
-        while have - start >= _wire.HEADER_SIZE and not self.failed.done():
+        while have - start >= channel.HEADER_SIZE and not self.failed.done():
             kind, length = _HEADER.unpack_from(scratch, start)
             problem = self._check(kind, length)
             if problem:
                 self._fail(problem)
                 return
-            begin = start + _wire.HEADER_SIZE
+            begin = start + channel.HEADER_SIZE
             if have - begin >= length:
                 start = begin + length
                 self._deliver(kind, scratch[begin:start])
@@ -149,15 +149,16 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
     def _check(self, kind: int, length: int) -> str:
         """What is wrong with a frame header, before its body is allocated."""
         if kind not in self._kinds:
-            if kind in _wire.KIND_NAMES:
+            if kind in channel.KIND_NAMES:
                 return (
-                    f"worker sent a {_wire.kind_name(kind)} frame, a kind only the supervisor sends"
+                    f"worker sent a {channel.kind_name(kind)} frame, "
+                    "a kind only the supervisor sends"
                 )
             return f"worker sent a frame of unknown kind {kind}"
         if length > self._max:
             return (
-                f"worker sent a {_wire.kind_name(kind)} frame of {length} bytes "
-                f"({_wire.format_size(length)}), over the {_wire.format_size(self._max)} limit "
+                f"worker sent a {channel.kind_name(kind)} frame of {length} bytes "
+                f"({channel.format_size(length)}), over the {channel.format_size(self._max)} limit "
                 "of the control channel"
             )
         return ""
@@ -172,7 +173,7 @@ class _ChannelProtocol(asyncio.BufferedProtocol):
             self._on_error(error)
 
     def _deliver(self, kind: int, body: bytearray) -> None:
-        if kind == _wire.RESULT and body and body[0] == _SHM_BYTE:
+        if kind == channel.RESULT and body and body[0] == _SHM_BYTE:
             try:
                 if self._fd_socket is None:
                     raise ValueError("this channel passes no file descriptors")
@@ -246,7 +247,7 @@ class Channel:
             on_error: called once with the ``BrokenWorkerError`` if the worker
                 breaks the protocol (also available as ``failed``).
             max_frame_size: largest body accepted, in bytes; checked before
-                allocating.  Default: ``_wire.MAX_FRAME_SIZE`` (1 GiB), read
+                allocating.  Default: ``_child.channel.MAX_FRAME_SIZE`` (1 GiB), read
                 at each call, as ``_boot.init_frame`` does for the worker.
             fd_socket: the parent's end of the worker's fd socket (see
                 ``_child.shm``); the channel owns it from now on.  None: large
@@ -256,7 +257,7 @@ class Channel:
             ValueError: ``max_frame_size`` is not a positive int.
         """
         if max_frame_size is None:
-            max_frame_size = _wire.MAX_FRAME_SIZE
+            max_frame_size = channel.MAX_FRAME_SIZE
         if (
             isinstance(max_frame_size, bool)
             or not isinstance(max_frame_size, int)
@@ -326,7 +327,7 @@ class Channel:
                 self._transport.abort()
                 return
         size = sum(map(len, parts))
-        if size <= _wire.JOIN_LIMIT:
+        if size <= channel.JOIN_LIMIT:
             # one write, so one send(): the worker wakes once per small frame
             self._transport.write(b"".join((before, _HEADER.pack(kind, size), *parts)))
             return

@@ -55,7 +55,7 @@ from .._base.pipes import connect_read_pipe
 from .._base.shield import shielded
 from .._output.tee import TeeProtocol
 from . import lifeline as _lifeline
-from . import posix_spawn as _binspawn
+from . import posix_spawn
 from .channel import Channel
 from .exits import ExitWatcher, Proc
 
@@ -326,7 +326,7 @@ async def spawn(
                     close_fds=True,
                 )
         except OSError as e:
-            _binspawn.name_fd_limit(e)
+            posix_spawn.name_fd_limit(e)
             raise
         _lifeline.register_from_thread(popen.pid)  # at once: see the module docstring
         if join is not None:
@@ -372,16 +372,16 @@ async def spawn_binaries(
 
     def start_all() -> tuple[list[Proc], Exception | None]:
         procs: list[Proc] = []
-        batch = _binspawn.Batch()
+        batch = posix_spawn.Batch()
         for start in starts:
             env = {**start.env, _lifeline.TOKEN_VAR: token}
             try:
                 with inherited_affinity(start.join):
-                    proc = _binspawn.exec_binary(
+                    proc = posix_spawn.exec_binary(
                         start.argv, env, start.stdout, start.stderr, keep, batch
                     )
             except Exception as e:
-                return procs, _binspawn.name_fd_limit(e)
+                return procs, posix_spawn.name_fd_limit(e)
             _lifeline.register_from_thread(proc.pid)  # at once: see the module docstring
             if start.join is not None:
                 try:

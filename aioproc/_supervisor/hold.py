@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from .._child import channel as _wire
+from .._child.channel import TERMINATE
 from .._proc.spawn import Child
 
 
@@ -80,4 +80,4 @@ class Hold:
         if child.returncode is None:
             # the result is read already: nothing the worker writes is lost
             # if it is gone before this arrives
-            child.channel.send(_wire.TERMINATE)
+            child.channel.send(TERMINATE)

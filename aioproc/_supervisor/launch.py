@@ -25,7 +25,7 @@ from collections.abc import Callable, Hashable, MutableMapping
 import anyio
 
 from .._base.shield import shielded
-from .._child import channel as _wire
+from .._child.channel import ARRIVE, RESULT, STACKS
 from .._func import template as _template
 from .._func.barrier import ControlHub
 from .._func.script import script_dirs
@@ -250,11 +250,11 @@ class Launch:
         returned = weakref.WeakMethod(self._hold.returned)
 
         def on_frame(kind: int, body: bytearray) -> None:
-            if kind == _wire.ARRIVE or kind == _wire.STACKS:
+            if kind in (ARRIVE, STACKS):
                 hub.on_frame(key, kind, body)
             else:
                 outcome(kind, body)
-                if kind == _wire.RESULT:
+                if kind == RESULT:
                     group_returned = returned()
                     if group_returned is not None:
                         group_returned(rank)

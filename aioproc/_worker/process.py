@@ -48,8 +48,21 @@ from .._base.offloop import run_detached
 from .._base.resource import handle_closed
 from .._base.shield import shielded
 from .._child import aio as _aio
-from .._child import channel as _wire
 from .._child import shm as _shm
+from .._child.channel import (
+    CALL,
+    CANCEL,
+    DEFINE,
+    ERROR,
+    ID_SIZE,
+    MARSHAL_BYTE,
+    PING,
+    PONG,
+    RESULT,
+    TERMINATE,
+    decode_value,
+    kind_name,
+)
 from .._errors.failure import BrokenWorkerError, ForcedKillWarning
 from .._func.boot import Definitions, encode_call, rebuild_exception
 from .._group.resources import GroupResources
@@ -75,10 +88,8 @@ __all__ = [
 ]
 
 _get_running_loop = asyncio._get_running_loop  # None outside a loop; no exception to raise
-_MARSHAL_BYTE = _wire.MARSHAL_BYTE
-_ID_SIZE = _wire.ID_SIZE
-_ID = struct.Struct(">Q")  # a call id (``_wire.ID_SIZE`` bytes)
-assert _ID.size == _ID_SIZE
+_ID = struct.Struct(">Q")  # a call id (``ID_SIZE`` bytes)
+assert _ID.size == ID_SIZE
 _pack_id = _ID.pack
 _unpack_id = _ID.unpack_from
 
@@ -238,9 +249,9 @@ class WorkerProcess:
     def _on_frame(self, kind: int, body: bytearray) -> None:
         # every answer ends with the id of its request
         try:
-            cid = _unpack_id(body, -_ID_SIZE)[0]
+            cid = _unpack_id(body, -ID_SIZE)[0]
         except struct.error:
-            self._broke(f"worker sent a {_wire.kind_name(kind)} frame without a call id")
+            self._broke(f"worker sent a {kind_name(kind)} frame without a call id")
             return
         reply = self._replies.pop(cid, None)
         if reply is not None and not reply.done():
@@ -324,7 +335,7 @@ class WorkerProcess:
         """
         answer: asyncio.Future[tuple[int, bytearray]] = self._loop.create_future()
         self._replies[cid] = answer  # resolved by the answer, the exit or a broken channel
-        self._channel.send(_wire.CANCEL, cid.to_bytes(_ID_SIZE, "big"))
+        self._channel.send(CANCEL, cid.to_bytes(ID_SIZE, "big"))
         self._last_sent = 0
         try:
             await shielded(self._await_withdrawn(answer))
@@ -366,7 +377,7 @@ class WorkerProcess:
             reply: asyncio.Future[tuple[int, bytearray]] = self._loop.create_future()
             self._replies[cid] = reply
             self._last_sent = cid
-            self._channel.send(_wire.PING, cid.to_bytes(_ID_SIZE, "big"))
+            self._channel.send(PING, cid.to_bytes(ID_SIZE, "big"))
             try:
                 kind, _ = await reply
             except asyncio.CancelledError:
@@ -374,7 +385,7 @@ class WorkerProcess:
                 raise
             finally:
                 self._replies.pop(cid, None)
-            assert kind == _wire.PONG
+            assert kind == PONG
 
     async def call(
         self, fn: Callable[..., Any], /, *args: Any, timeout: float | None = None, **kwargs: Any
@@ -520,7 +531,7 @@ class WorkerProcess:
                     # decided as the frame goes out, in the order frames go out
                     definition = self._definitions.use(cached)
                     if definition is not None:
-                        before, defined = frame(_wire.DEFINE, definition), cached.fid
+                        before, defined = frame(DEFINE, definition), cached.fid
                 cid = self._next_id
                 self._next_id = cid + 1
                 reply: asyncio.Future[tuple[int, bytearray]] = self._loop.create_future()
@@ -528,11 +539,9 @@ class WorkerProcess:
                 self._last_sent = cid
                 ident = _pack_id(cid)
                 if segments or before:
-                    self._channel.send(
-                        _wire.CALL, *parts, ident, segments=segments or (), before=before
-                    )
+                    self._channel.send(CALL, *parts, ident, segments=segments or (), before=before)
                 else:
-                    self._channel.send(_wire.CALL, *parts, ident)
+                    self._channel.send(CALL, *parts, ident)
                 if sent is not None:
                     sent.sent = True
                 try:
@@ -562,20 +571,20 @@ class WorkerProcess:
             if segments:
                 for segment in segments:
                     segment.close()
-        if kind == _wire.RESULT and body[0] == _MARSHAL_BYTE:
+        if kind == RESULT and body[0] == MARSHAL_BYTE:
             # decode_value's usual case, inlined
-            return marshal.loads(memoryview(body)[1:-_ID_SIZE])
-        if kind == _wire.ERROR:
+            return marshal.loads(memoryview(body)[1:-ID_SIZE])
+        if kind == ERROR:
             if defined is not None:
                 self._definitions.forget(defined)
-            exc = rebuild_exception(body[:-_ID_SIZE])
+            exc = rebuild_exception(body[:-ID_SIZE])
             if exc is None:
                 raise RuntimeError(f"worker {self.name}: call failed (unreadable error report)")
             if isinstance(exc, asyncio.CancelledError):
                 # never a cancellation of the caller's task: the caller was not cancelled
                 raise RuntimeError(self._cancelled_inside(fn)) from exc.__cause__
             raise exc
-        return _wire.decode_value(body, _ID_SIZE)
+        return decode_value(body, ID_SIZE)
 
     def _cancelled_inside(self, fn: Callable[..., Any]) -> str:
         who = f"worker {self.name} (pid {self.pid})"
@@ -615,7 +624,7 @@ class WorkerProcess:
     async def _shutdown(self) -> None:
         forced: list[Child] = []
         if self._child.returncode is None:
-            self._channel.send(_wire.TERMINATE)
+            self._channel.send(TERMINATE)
             done, _ = await asyncio.wait({self._child.watcher.future}, timeout=self._grace_period)
             if not done:
                 forced = await stop_groups([self._child], signal.SIGKILL, 0)

@@ -18,8 +18,8 @@ from typing import Any
 
 from .._base.resource import OpenResource, opening
 from .._base.shield import shielded
-from .._child import channel as _wire
 from .._child import shm as _shm
+from .._child.channel import CALL, ERROR, ID_SIZE, INIT
 from .._errors.failure import BrokenWorkerError
 from .._func import template as _template
 from .._func.boot import CallEncoder, init_frame, rebuild_exception
@@ -35,7 +35,7 @@ from .process import STDERR_TAIL, TailSink, WorkerProcess, exit_text, fill_segme
 
 __all__ = ["open_one", "start_worker"]
 
-_INIT_ID = (0).to_bytes(_wire.ID_SIZE, "big")  # the call id of the initializer
+_INIT_ID = (0).to_bytes(ID_SIZE, "big")  # the call id of the initializer
 
 
 def open_one(name: str, options: WorkerOptions, cpus: CpusArg) -> OpenResource[WorkerProcess]:
@@ -122,10 +122,10 @@ async def _launch_worker(
             pending_init.set_result((kind, body))
 
     boot = init_frame(serve=True, has_init=init_parts is not None, loop=options.worker_loop)
-    frames: list[Frame] = [(_wire.INIT, [boot])]
+    frames: list[Frame] = [(INIT, [boot])]
     if init_parts is not None:
         pending_init = asyncio.get_running_loop().create_future()
-        frames.append((_wire.CALL, [*init_parts, _INIT_ID]))
+        frames.append((CALL, [*init_parts, _INIT_ID]))
     try:
         child = await launch_function(
             name,
@@ -186,8 +186,8 @@ async def _initialized(
     await asyncio.wait(waits, timeout=init_timeout, return_when=asyncio.FIRST_COMPLETED)
     if reply.done():
         kind, body = reply.result()
-        if kind == _wire.ERROR:
-            exc = rebuild_exception(body[: -_wire.ID_SIZE])
+        if kind == ERROR:
+            exc = rebuild_exception(body[:-ID_SIZE])
             raise exc if exc is not None else RuntimeError(f"init of {name} failed")
     elif failed.done():
         raise BrokenWorkerError(f"worker {name} (pid {child.pid}) during init: {failed.result()}")
@@ -195,8 +195,8 @@ async def _initialized(
         settled = child.output_settled()
         if settled:  # an error report written just before the exit is read by now
             await asyncio.wait(settled, timeout=1.0)
-        if reply.done() and reply.result()[0] == _wire.ERROR:
-            exc = rebuild_exception(reply.result()[1][: -_wire.ID_SIZE])
+        if reply.done() and reply.result()[0] == ERROR:
+            exc = rebuild_exception(reply.result()[1][:-ID_SIZE])
             raise exc if exc is not None else RuntimeError(f"init of {name} failed")
         code = exited.result()
         how = exit_text(code, resources.oom(0, child, code))

@@ -23,7 +23,7 @@ from aioproc import DefaultLogsSpecs, Std
 from aioproc._base import pipes as _pipes
 from aioproc._group import rankdirs as _rankdirs
 from aioproc._proc import lifeline as _lifeline
-from aioproc._proc import posix_spawn as _binspawn
+from aioproc._proc import posix_spawn
 from aioproc._proc.spawn import BinaryStart, discard, spawn_binaries
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -56,8 +56,8 @@ def _refuse_popen(*args: Any, **kwargs: Any) -> Any:
 def no_popen(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make any binary start that falls back to ``Popen`` fail the test."""
     fake = types.SimpleNamespace(PIPE=subprocess.PIPE, Popen=_refuse_popen)
-    monkeypatch.setattr(_binspawn, "subprocess", fake)
-    monkeypatch.setattr(_binspawn, "_skip_scans", 0)  # no back-off left by another test
+    monkeypatch.setattr(posix_spawn, "subprocess", fake)
+    monkeypatch.setattr(posix_spawn, "_skip_scans", 0)  # no back-off left by another test
 
 
 def pipe_target(fd: int) -> str:
@@ -68,12 +68,12 @@ def pipe_target(fd: int) -> str:
 async def test_binary_workers_lead_sessions_and_inherit_no_stray_fd(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
-    monkeypatch.setattr(_binspawn, "_skip_scans", 0)  # no back-off left by another test
+    monkeypatch.setattr(posix_spawn, "_skip_scans", 0)  # no back-off left by another test
     if how == "popen":
-        monkeypatch.setattr(_binspawn, "SCAN_LIMIT", 0)  # too many fds to scan: Popen
+        monkeypatch.setattr(posix_spawn, "SCAN_LIMIT", 0)  # too many fds to scan: Popen
     else:
         fake = types.SimpleNamespace(PIPE=subprocess.PIPE, Popen=_refuse_popen)
-        monkeypatch.setattr(_binspawn, "subprocess", fake)
+        monkeypatch.setattr(posix_spawn, "subprocess", fake)
     r, w = os.pipe()
     os.set_inheritable(w, True)  # as a C library or an os.dup2() leaves an fd
     inherited = pipe_target(w)
@@ -232,8 +232,8 @@ def test_exec_errors_name_the_file_and_leave_nothing(
     path = make(tmp_path)
     fds_before = sorted(os.listdir("/proc/self/fd"))
     with pytest.raises(error) as info:
-        _binspawn.exec_binary(
-            [path], dict(os.environ), subprocess.PIPE, subprocess.PIPE, (), _binspawn.Batch()
+        posix_spawn.exec_binary(
+            [path], dict(os.environ), subprocess.PIPE, subprocess.PIPE, (), posix_spawn.Batch()
         )
     assert info.value.filename == path
     assert child_pids() == set()
@@ -269,7 +269,7 @@ async def test_a_binary_group_whose_entrypoint_vanishes_raises_and_leaves_nothin
     tmp_path: Path, no_popen: None
 ) -> None:
     tool = write_file(str(tmp_path / "tool"), "#!/bin/sh\nexec sleep 1000\n", 0o755)
-    real = _binspawn.exec_binary
+    real = posix_spawn.exec_binary
     started = 0
 
     def vanishing(*args: Any) -> Any:
@@ -287,7 +287,7 @@ async def test_a_binary_group_whose_entrypoint_vanishes_raises_and_leaves_nothin
         DefaultLogsSpecs(tmp_path / "logs"),
     )
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_binspawn, "exec_binary", vanishing)
+        mp.setattr(posix_spawn, "exec_binary", vanishing)
         with pytest.raises(FileNotFoundError) as info:
             await pc.start()
     assert info.value.filename == tool
