@@ -381,7 +381,7 @@ def serve(
         OSError: the address cannot be bound (in use, not local), when
             awaited.
 
-    **Cancellation:** cancelling the open before it returns leaves no
+    Cancellation: cancelling the open before it returns leaves no
     socket open; ``aclose()`` closes every connection within its grace
     period, shielded.
     """

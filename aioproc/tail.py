@@ -383,7 +383,7 @@ class TailLog:
             RuntimeError: ``start()`` or ``aclose()`` was called before.
             OSError: the ``dst`` path cannot be opened.
 
-        **Cancellation:** safe; if cancelled while opening the ``dst`` path,
+        Cancellation: safe; if cancelled while opening the ``dst`` path,
         nothing is started and the ``TailLog`` is left stopped.
         """
         if self._state != "new":
@@ -440,7 +440,7 @@ class TailLog:
         that close; a call once closed, or on a ``TailLog`` never started,
         returns at once.
 
-        **Cancellation:** the drain is abandoned: the followers are cancelled
+        Cancellation: the drain is abandoned: the followers are cancelled
         and awaited, every fd (files, inotify, a ``dst`` path) is closed, the
         ``TailLog`` is stopped, and ``CancelledError`` propagates; lines not
         yet written are lost.

@@ -192,3 +192,19 @@ def test_reference_documents_every_public_name() -> None:
             if not shown:
                 missing.append(ident)
     assert not missing, f"add a ::: line to a page of docs/reference/ for {missing}"
+
+
+def test_cancellation_paragraphs_are_written_one_way() -> None:
+    """Docstrings open the paragraph with ``Cancellation:``; the docs extension bolds it.
+
+    A paragraph written ``**Cancellation:**`` in the source renders the same, so
+    nothing else would catch the second dialect coming back.
+    """
+    package = Path(REPO_ROOT) / "aioproc"
+    bold = [
+        f"{path.relative_to(REPO_ROOT)}:{number}"
+        for path in sorted(package.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "**Cancellation:**" in line
+    ]
+    assert bold == []

@@ -191,7 +191,7 @@ class GroupResources:
     async def acquire(self) -> None:
         """Wait for the group's slots (none without ``capacity``).
 
-        **Cancellation:** a cancelled wait holds nothing (``Capacity.acquire``).
+        Cancellation: a cancelled wait holds nothing (``Capacity.acquire``).
         """
         if self.capacity is not None and not self._held:
             await self.capacity.acquire(self.nprocs)
@@ -378,7 +378,7 @@ class GroupResources:
     async def aclose(self) -> None:
         """``close()``, then wait until a guardian it dismissed has exited.
 
-        **Cancellation:** bounded (``lifeline.settle``); callers run it shielded.
+        Cancellation: bounded (``lifeline.settle``); callers run it shielded.
         """
         self.close()
         await _lifeline.settle()

@@ -91,7 +91,7 @@ class Capacity:
             TypeError: ``k`` is not an int.
             ValueError: ``k`` is not positive or exceeds ``total``.
 
-        **Cancellation:** a cancelled call holds no slot: it leaves the
+        Cancellation: a cancelled call holds no slot: it leaves the
         queue, or returns slots granted an instant before, and wakes the
         requests behind it that now fit.
         """
@@ -139,7 +139,7 @@ class Capacity:
             TypeError: ``k`` is not an int.
             ValueError: ``k`` is not positive or exceeds ``total``.
 
-        **Cancellation:** as ``acquire``; the slots are released however the
+        Cancellation: as ``acquire``; the slots are released however the
         block exits.
         """
         await self.acquire(k)

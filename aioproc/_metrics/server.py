@@ -383,7 +383,7 @@ class MetricsServer:
             TypeError: ``grace_period`` is not a number.
             ValueError: ``grace_period`` is negative, infinite or NaN.
 
-        **Cancellation:** the close runs to its end (bounded by
+        Cancellation: the close runs to its end (bounded by
         ``grace_period``), then the cancellation is re-raised.
         """
         grace = check_duration("aclose(grace_period=...)", grace_period)
