@@ -7,7 +7,9 @@ Two figures, per supervisor loop (the workers run asyncio's loop):
 - latency: the median time of one ``await w.call(async_noop)`` against one
   ``await w.call(noop)`` on the same worker, whose loop is running (it ran
   a coroutine call first), blocks of the two alternating so that drift in
-  the machine's load reaches both alike (target: 1.3x).
+  the machine's load reaches both alike (target: 1.3x); measured again with
+  the supervisor and a new worker on one CPU (where ``sched_setaffinity``
+  exists), the placement in which the worker's extra steps count fully.
 - fan-out: ``FANOUT_CALLS`` concurrent ``asyncio.sleep(FANOUT_SLEEP)`` calls
   across a pool of ``FANOUT_WORKERS`` workers with ``max_concurrency``
   ``FANOUT_CONCURRENCY``, from the first submit to the last result, against
@@ -74,6 +76,25 @@ async def latency(w: aioproc.WorkerProcess, n: int) -> tuple[float, float]:
     return statistics.median(times[NOOP]), statistics.median(times[_workers.async_noop])
 
 
+async def latency_on_one_cpu(n: int) -> tuple[float, float]:
+    """``latency`` with the supervisor and the worker on one CPU (the worker inherits it).
+
+    Where the scheduler places them together (a loaded machine does), each
+    call's time is the sum of both processes' work, nothing of it hidden by
+    the other CPU: the worst placement for a coroutine call's extra steps.
+    """
+    cpus = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cpus)})
+    try:
+        async with aioproc.open_worker(name="bench-coro-one-cpu") as w:
+            for _ in range(20):
+                await w.call(_workers.async_noop)
+                await w.call(NOOP)
+            return await latency(w, n)
+    finally:
+        os.sched_setaffinity(0, cpus)
+
+
 async def fanout(submit: Any) -> float:
     """Seconds from submitting every sleep to the last result."""
     t0 = time.perf_counter()
@@ -124,6 +145,8 @@ async def one_round(n: int, with_amp: bool) -> dict[str, Sample]:
             await w.call(NOOP)
         sync, coro = await latency(w, n)
     out["sync"], out["coro"] = Sample(sync), Sample(coro)
+    if hasattr(os, "sched_setaffinity"):
+        out["sync1"], out["coro1"] = map(Sample, await latency_on_one_cpu(n))
     if with_amp:
         out["aiomultiprocess"] = await _util.measure_async(aiomultiprocess_fanout)
     out["aioproc"] = await _util.measure_async(aioproc_fanout)
@@ -152,7 +175,10 @@ def coro_rows(cfg: Config) -> list[Row]:
     n = 300 if cfg.quick else 2000
     with_amp = aiomultiprocess_available()
     data: dict[str, dict[str, Series]] = {
-        loop: {k: Series() for k in ("sync", "coro", "aioproc", "aiomultiprocess", "ideal")}
+        loop: {
+            k: Series()
+            for k in ("sync", "coro", "sync1", "coro1", "aioproc", "aiomultiprocess", "ideal")
+        }
         for loop in cfg.loops
     }
     for i in range(cfg.warmup + cfg.rounds):
@@ -174,6 +200,14 @@ def coro_rows(cfg: Config) -> list[Row]:
         unit="µs",
         note="baseline: one `w.call(noop)` (sync), same worker, its loop running",
     )
+    if all(d["sync1"].samples for d in data.values()):
+        rows += rows_from(
+            f"PC latency, supervisor and worker on one CPU (median of {n})",
+            {loop: (us(d["sync1"]), us(d["coro1"])) for loop, d in data.items()},
+            LATENCY_TARGET,
+            unit="µs",
+            note="baseline: one `w.call(noop)` (sync), same worker, both pinned to one CPU",
+        )
     what = (
         f"PC fan-out: {FANOUT_CALLS} x `asyncio.sleep({FANOUT_SLEEP:g})`, pool of "
         f"{FANOUT_WORKERS}, max_concurrency {FANOUT_CONCURRENCY}"

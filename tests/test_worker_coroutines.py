@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import anyio
 import pytest
@@ -109,8 +110,8 @@ async def test_max_concurrency_bounds_the_calls_in_flight(cf: ModuleType) -> Non
 
 
 @pytest.mark.parametrize("kind", LOOPS)
-def test_start_eagerly_runs_the_first_step_as_the_task_before_what_was_queued(kind: str) -> None:
-    """A coroutine that returns at once is done when start_eagerly returns (no loop
+def test_eager_starter_runs_the_first_step_as_the_task_before_what_was_queued(kind: str) -> None:
+    """A coroutine that returns at once is done when its task is made (no loop
     iteration), having run as its task, ahead of a callback queued before it;
     on uvloop before 3.12 it starts in the loop's next iteration instead."""
     from aioproc._child import aio
@@ -128,11 +129,12 @@ def test_start_eagerly_runs_the_first_step_as_the_task_before_what_was_queued(ki
         return "waited"
 
     def callback() -> None:
+        start = aio.eager_starter(loop)
         loop.call_soon(seen.append, "queued before")
-        task, ended = aio.start_eagerly(loop, at_once())
-        assert ended is eager and task.done() is eager
-        later, ended_too = aio.start_eagerly(loop, waits())
-        assert not ended_too and not later.done()
+        task = start(at_once())
+        assert task.done() is eager
+        later = start(waits())
+        assert not later.done()
         tasks.extend([task, later])
 
     loop = aio.new_event_loop(kind)
@@ -145,6 +147,37 @@ def test_start_eagerly_runs_the_first_step_as_the_task_before_what_was_queued(ki
             assert seen == [tasks[0], "began", "queued before"]
         else:
             assert seen == ["queued before", tasks[0], "began"]
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("kind", LOOPS)
+def test_eager_starter_makes_tasks_with_the_loops_task_factory(kind: str) -> None:
+    """A task factory set on the worker's loop (after the starter was made)
+    makes its tasks; they still run their coroutines to the end."""
+    from aioproc._child import aio
+
+    made: list[object] = []
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
+        task = asyncio.Task(coro, loop=loop, **kwargs)
+        made.append(task)
+        return task
+
+    async def at_once() -> str:
+        return "done"
+
+    def callback() -> None:
+        start = aio.eager_starter(loop)
+        loop.set_task_factory(factory)
+        tasks.append(start(at_once()))
+
+    loop = aio.new_event_loop(kind)
+    tasks: list[asyncio.Task[str]] = []
+    try:
+        loop.call_soon(callback)
+        loop.run_until_complete(asyncio.sleep(0.05))
+        assert made == tasks and tasks[0].result() == "done"
     finally:
         loop.close()
 

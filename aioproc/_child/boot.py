@@ -869,12 +869,12 @@ class _LoopServer:
     Frames are read when the loop sees the channel readable and handled in
     that callback: a sync call runs there, between two iterations of the
     loop, so it holds the loop (and the I/O of every coroutine call) only
-    while it runs; a coroutine function's call becomes a task of its own
-    (``run_call``: the function is called in the task, which answers as it
-    ends), so any number run at once.  The task's first step runs at once,
-    in that callback, as Python 3.12's eager tasks do (``aio.start_eagerly``;
-    before 3.12 on asyncio's loop, not on uvloop's): a coroutine that returns
-    without waiting is answered without a loop iteration in between.
+    while it runs; a coroutine function's call becomes a task of its own,
+    whose end answers it, so any number run at once.  The task's first step
+    runs at once, in that callback, as Python 3.12's eager tasks do
+    (``aio.eager_starter``; before 3.12 on asyncio's loop, not on uvloop's):
+    a coroutine that returns without waiting is answered there, without a
+    loop iteration in between.
     CANCEL cancels a call's task (its ``finally`` blocks run; the ERROR that
     answers it says it was cancelled).
     TERMINATE cancels every call still running, waits for them, then closes
@@ -894,8 +894,7 @@ class _LoopServer:
         self.asyncio = asyncio
         self.aio = aio
         self.calls: dict[bytes, Any] = {}  # call id -> the task running it
-        # calls whose task has not run its first step (not started eagerly)
-        self.unstarted: set[bytes] = set()
+        self.start_task = aio.eager_starter(loop)
         self.terminated = loop.create_future()
         self.exiting = False  # leaving by an exception: nothing is answered any more
 
@@ -908,7 +907,8 @@ class _LoopServer:
         loop = self.loop
         try:
             loop.add_reader(self.fd, self.readable)
-            self.start(cid, coro, first)
+            # the loop is not running yet: the task starts in its first iteration
+            self.track(cid, loop.create_task(coro), first)
             if channel._pending:  # read along with the call that started the loop
                 loop.call_soon(self.readable)
             try:
@@ -957,104 +957,79 @@ class _LoopServer:
             fn, args, kwargs = _load_call(body)  # the id is ignored (see _serve_calls)
             del body
             fn_type = type(fn)
-            if fn_type is _FUNCTION:
-                coroutine = fn.__code__.co_flags & _CO_COROUTINE or (
-                    _MARKED and self.aio.is_coroutine_function(fn)
-                )
-            elif fn_type in _NEVER_COROUTINES:
-                coroutine = _MARKED and self.aio.is_coroutine_function(fn)
+            if fn_type is _FUNCTION and fn.__code__.co_flags & _CO_COROUTINE:
+                # calling an ``async def`` function runs none of its body: that
+                # starts in the task, which sees itself as the current task
+                coro = fn(*args, **kwargs)
+            elif (
+                _MARKED or (fn_type is not _FUNCTION and fn_type not in _NEVER_COROUTINES)
+            ) and self.aio.is_coroutine_function(fn):
+                # a partial, a method, a marked function: called in the task,
+                # which runs whatever the call runs before its first await
+                coro = _awaited(fn, args, kwargs)
             else:
-                coroutine = self.aio.is_coroutine_function(fn)
-            if coroutine:
-                self.unstarted.add(cid)  # until run_call begins
-                task, ended = self.aio.start_eagerly(
-                    self.loop, self.run_call(cid, fn, args, kwargs)
-                )
-                if not ended:
-                    self.calls[cid] = task  # until run_call removes it
-                return
-            value = fn(*args, **kwargs)
+                coro = fn(*args, **kwargs)
+            task = self.start_task(coro) if type(coro) is _COROUTINE else None
         except (SystemExit, KeyboardInterrupt):
             raise
         except BaseException as e:
             e = e.with_traceback(e.__traceback__.tb_next if e.__traceback__ else None)
             channel.write_frame(self.fd, channel.ERROR, _error_frame(e), cid)
             return
-        if type(value) is _COROUTINE:
-            self.start(cid, value, False)  # a sync function's coroutine
+        if task is None:
+            _answer(self.fd, cid, coro)  # a sync function's value (its coroutine runs too)
+        elif task.done():  # it returned without waiting: answered now, not by a callback
+            self.answer(cid, task, False)
         else:
-            _answer(self.fd, cid, value)
+            self.track(cid, task, False)
 
     def cancel(self, cid: bytes) -> None:
-        """Cancel call ``cid``'s task, if it still runs (else its answer is on its way)."""
-        task = self.calls.get(cid)
-        if task is None:
-            return
-        task.cancel()
-        if cid in self.unstarted:
-            # cancelled before its first step: run_call never runs, so it is answered here
-            self.unstarted.discard(cid)
-            del self.calls[cid]
-            error = self.asyncio.CancelledError()
-            channel.write_frame(self.fd, channel.ERROR, _error_frame(error), cid)
+        """Cancel call ``cid``'s task, if it still runs (else its answer is on its way).
 
-    async def run_call(
-        self, cid: bytes, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
-        """Call ``fn`` in this task, await what it returns, answer call ``cid``.
-
-        Called in the task (not before it), so the coroutine sees its task
-        from its first line (``asyncio.current_task()``, timeouts) and is
-        answered in the step it ends in, with no callback in between.
+        The task's end answers the call, also when it is cancelled before
+        its first step: its coroutine is then closed unstarted.
         """
-        self.unstarted.discard(cid)
-        try:
-            value = fn(*args, **kwargs)
-            if type(value) is _COROUTINE or hasattr(type(value), "__await__"):
-                value = await value
-        except (SystemExit, KeyboardInterrupt):
-            raise  # leaves the loop through run_until_complete
-        except BaseException as e:
-            self.calls.pop(cid, None)
-            if not self.exiting:
-                e = e.with_traceback(self.aio.user_traceback(e.__traceback__))
-                channel.write_frame(self.fd, channel.ERROR, _error_frame(e), cid)
-            if isinstance(e, self.asyncio.CancelledError):
-                raise
-            return
-        self.calls.pop(cid, None)
-        if not self.exiting:
-            _answer(self.fd, cid, value)
+        task = self.calls.get(cid)
+        if task is not None:
+            task.cancel()
 
-    def start(self, cid: bytes, coro: Any, first: bool) -> None:
-        """Run the coroutine of call ``cid`` as a task; ``done`` answers it."""
-        # the task runs the caller's coroutine itself: cancelled before its
-        # first step, the coroutine is closed as it starts, never left unawaited
-        task = self.loop.create_task(coro)
+    def track(self, cid: bytes, task: Any, first: bool) -> None:
+        """Answer call ``cid`` when ``task``, which runs its coroutine, ends."""
         self.calls[cid] = task
         task.add_done_callback(lambda task: self.done(cid, task, first))
 
     def done(self, cid: bytes, task: Any, first: bool) -> None:
-        global STATE
         del self.calls[cid]
+        self.answer(cid, task, first)
+
+    def answer(self, cid: bytes, task: Any, first: bool) -> None:
+        """Answer call ``cid`` with the end of ``task``, which ran its coroutine."""
+        global STATE
         if self.exiting:
             return
-        if task.cancelled():
-            error: BaseException | None = self.asyncio.CancelledError()
-        else:
-            error = task.exception()
-        if error is None:
+        try:
             value = task.result()
+        except BaseException as error:
+            if isinstance(error, (SystemExit, KeyboardInterrupt)):
+                return  # it leaves the loop through run_until_complete
+            if task.cancelled():
+                error = self.asyncio.CancelledError()
+            error = error.with_traceback(self.aio.user_traceback(error.__traceback__))
+            channel.write_frame(self.fd, channel.ERROR, _error_frame(error), cid)
             if first:
-                STATE, value = value, None
-            _answer(self.fd, cid, value)
+                self.terminated.set_exception(SystemExit(1))  # a failed init ends the worker
             return
-        if isinstance(error, (SystemExit, KeyboardInterrupt)):
-            return  # it leaves the loop through run_until_complete
-        error = error.with_traceback(self.aio.user_traceback(error.__traceback__))
-        channel.write_frame(self.fd, channel.ERROR, _error_frame(error), cid)
         if first:
-            self.terminated.set_exception(SystemExit(1))  # a failed init ends the worker
+            STATE, value = value, None
+        _answer(self.fd, cid, value)
+
+
+async def _awaited(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What calling ``fn`` returns, awaited if it is awaitable (a coroutine call's task)."""
+    value = fn(*args, **kwargs)
+    if type(value) is _COROUTINE or hasattr(type(value), "__await__"):
+        value = await value
+    return value
 
 
 def main(fd: int) -> None:
