@@ -21,6 +21,7 @@ import signal
 import sys
 import textwrap
 import time
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
@@ -28,7 +29,7 @@ from typing import Any
 
 import anyio
 import pytest
-from helpers import child_pids, import_child, python
+from helpers import child_pids, import_child, pid_gone, python, state
 from proc_utils import Fifo, still_alive_after
 
 from aioproc import BrokenWorkerError, ForcedKillWarning, open_pool, open_worker
@@ -441,6 +442,60 @@ async def test_aclose_cancels_the_coroutine_calls_in_flight(
         assert isinstance(result, RuntimeError), repr(result)
         assert "was closed while call coro_funcs.guarded_to_file ran" in str(result)
     assert ended.read_text().splitlines() == [f"finally {w.pid}"] * 3
+
+
+async def stop(pid: int) -> None:
+    """SIGSTOP ``pid`` (a debugger, a suspended job) and wait until it is stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    with anyio.fail_after(10):
+        while state(pid) != "T":
+            await asyncio.sleep(0.005)
+
+
+async def test_a_stopped_worker_is_continued_by_aclose_and_its_coroutines_unwind(
+    cf: ModuleType, fifo: Fifo, tmp_path: Path
+) -> None:
+    """A worker stopped while coroutine calls run gets SIGCONT with the terminate
+    request, as a group's workers do: the calls' ``finally`` blocks run and it
+    exits 0 at once, not SIGKILLed at the end of its 30 s grace period."""
+    ended = tmp_path / "ended"
+    w = await open_worker(grace_period=30, name="stopped")
+    try:
+        calls = [
+            asyncio.ensure_future(w.call(cf.guarded_to_file, str(ended), fifo.path, 60))
+            for _ in range(3)
+        ]
+        await fifo.lines(3)
+        await stop(w.pid)
+        began = time.monotonic()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ForcedKillWarning)
+            await w.aclose()
+        assert time.monotonic() - began < 10  # not the 30 s grace period
+    finally:
+        await w.aclose()
+    assert w.returncode == 0 and pid_gone(w.pid)
+    for result in await asyncio.gather(*calls, return_exceptions=True):
+        assert isinstance(result, RuntimeError), repr(result)
+        assert "was closed while call coro_funcs.guarded_to_file ran" in str(result)
+    assert ended.read_text().splitlines() == [f"finally {w.pid}"] * 3
+
+
+async def test_a_pool_with_a_stopped_worker_closes_without_its_grace_period(
+    cf: ModuleType,
+) -> None:
+    """Closing a pool continues its stopped worker too: none is SIGKILLed (no
+    ``ForcedKillWarning``), all are gone well within the grace period."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ForcedKillWarning)
+        async with open_pool(2, grace_period=30) as pool:
+            await asyncio.gather(*(pool.submit(cf.loop_type) for _ in range(4)))
+            pids = pool.pids()
+            assert len(pids) == 2 and None not in pids
+            await stop(pids[0])  # type: ignore[arg-type]
+            began = time.monotonic()
+        assert time.monotonic() - began < 10  # not the 30 s grace period
+    assert all(pid_gone(pid) for pid in pids)  # type: ignore[arg-type]
 
 
 async def test_a_sigkilled_supervisor_leaves_no_worker_running_coroutines(

@@ -67,6 +67,7 @@ from .._errors.failure import BrokenWorkerError, ForcedKillWarning
 from .._func.boot import Definitions, encode_call, rebuild_exception
 from .._group.resources import GroupResources
 from .._proc.channel import Channel, frame
+from .._proc.fence import fenced_out
 from .._proc.shutdown import release, stop_groups, warn_forced
 from .._proc.spawn import Child
 from ..results import Usage
@@ -601,6 +602,7 @@ class WorkerProcess:
         coroutine calls cancels them first and waits for them (their
         ``finally`` blocks run within the grace period; the calls raise
         ``RuntimeError``); a sync call in flight runs to its end first.
+        A stopped worker (SIGSTOP) is continued with the request.
         What it left in its group is stopped too.  Idempotent: a second call
         waits for the first, and when any call returns the worker is reaped
         and its placement and slot are given back.
@@ -625,6 +627,11 @@ class WorkerProcess:
         forced: list[Child] = []
         if self._child.returncode is None:
             self._channel.send(TERMINATE)
+            # a stopped worker (a debugger, a suspended job) must run to read
+            # the request: continued as systemd continues what it stops, unless
+            # its lease fence expired (then its world is stale: never continued)
+            if self._child.pgid not in fenced_out():
+                self._child.signal_group(signal.SIGCONT)
             done, _ = await asyncio.wait({self._child.watcher.future}, timeout=self._grace_period)
             if not done:
                 forced = await stop_groups([self._child], signal.SIGKILL, 0)
