@@ -1,4 +1,4 @@
-"""Coroutine (and a few sync) functions that tests/test_worker_coroutines.py sends to workers.
+"""Coroutine (and a few sync) functions that tests/test_coroutine_calls.py sends to workers.
 
 Standard library only; ``aioproc`` is imported inside the functions that
 read the worker state.  The tests put this directory on ``sys.path``, so

@@ -1,4 +1,4 @@
-"""Coroutine worker functions for test_coroutine_workers.py (standard library only).
+"""Coroutine worker functions for test_coroutine_groups.py (standard library only).
 
 Imported by name in the workers (``helpers.import_child`` puts ``children/``
 on the path), so they travel by reference.

@@ -1,4 +1,4 @@
-"""Sync worker functions for test_coroutine_workers.py: the references coroutine
+"""Sync worker functions for test_coroutine_groups.py: the references coroutine
 workers are compared with (standard library only, importing nothing else)."""
 
 from __future__ import annotations
