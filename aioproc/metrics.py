@@ -363,7 +363,8 @@ def serve(
 
     Args:
         host: the address to listen on; the default takes no traffic from
-            other machines.
+            other machines; ``""``: every interface, IPv4 and IPv6 (one
+            dual-stack socket where the system has IPv6).
         port: the port; 0: one the system chooses (``server.port`` says which).
         recorder: whose metrics; None: the process-wide recorder at each
             request (an empty page while metrics are off).

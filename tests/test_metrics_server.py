@@ -55,8 +55,10 @@ def running_groups(n: int, *, recorder: Recorder | None = None) -> Recorder:
     return rec
 
 
-async def _http(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+async def _http(
+    port: int, request: bytes, *, host: str = "127.0.0.1"
+) -> tuple[int, dict[str, str], bytes]:
+    reader, writer = await asyncio.open_connection(host, port)
     try:
         writer.write(request)
         await writer.drain()
@@ -116,6 +118,32 @@ async def test_server_answers_get_metrics_and_404s_the_rest() -> None:
     assert repr(server) == f"<MetricsServer {url} closed, 0 connections>"
     with pytest.raises(ConnectionRefusedError):
         await _http(server.port, GET)
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+async def test_serve_on_every_interface_answers_ipv4_and_ipv6_clients() -> None:
+    """``serve("")`` listens on every interface of both families: a client of
+    127.0.0.1 and one of ::1 (where the machine has IPv6) get the same page."""
+    rec = Recorder()
+    rec.worker_started("train", "default")
+    async with metrics.serve("", 0, recorder=rec) as server:
+        hosts = ["127.0.0.1"] + (["::1"] if _has_ipv6_loopback() else [])
+        if len(hosts) == 2:
+            assert server.host == "::" and server.url == f"http://[::]:{server.port}/metrics"
+        for host in hosts:
+            status, _, body = await _http(server.port, GET, host=host)
+            assert (status, body.decode()) == (200, metrics.render(rec)), host
+        with pytest.raises(OSError, match="in use"):  # the port taken: no fallback to IPv4
+            async with metrics.serve("", server.port, recorder=rec):
+                pass
 
 
 async def test_server_follows_the_process_wide_recorder() -> None:

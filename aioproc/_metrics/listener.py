@@ -50,11 +50,28 @@ class Listener:
     async def bind(self, host: str, port: int) -> tuple[str, int]:
         """Listen on the first address ``host`` resolves to; the address and port bound.
 
-        ``""`` is every interface.
+        ``""`` is every interface, IPv4 and IPv6: one dual-stack socket on
+        ``::`` where the system has IPv6, else ``0.0.0.0``.
 
         Raises:
             OSError: the address cannot be resolved or bound.
         """
+        sock = _dual_stack(port) if host == "" else None
+        if sock is None:
+            sock = await self._socket_for(host, port)
+        try:
+            sock.listen(self._backlog)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        name = sock.getsockname()
+        self._resume()
+        return name[0], name[1]
+
+    async def _socket_for(self, host: str, port: int) -> socket.socket:
+        """A socket bound to the first address ``host`` resolves to (IPv6 only, for IPv6)."""
         try:
             # an address needs no lookup: no thread (the loop's resolver runs
             # getaddrinfo on its executor) for the usual 127.0.0.1 or 0.0.0.0
@@ -77,15 +94,10 @@ class Listener:
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind(address)
-            sock.listen(self._backlog)
-            sock.setblocking(False)
         except BaseException:
             sock.close()
             raise
-        self._sock = sock
-        name = sock.getsockname()
-        self._resume()
-        return name[0], name[1]
+        return sock
 
     def _resume(self) -> None:
         if self._sock is not None and not self._reading and self.held < self._budget:
@@ -148,3 +160,31 @@ class Listener:
             sock.close()
         if self._setups:
             await asyncio.wait(set(self._setups))
+
+
+def _dual_stack(port: int) -> socket.socket | None:
+    """A socket bound to ``port`` on every IPv4 and IPv6 address, or None without IPv6.
+
+    Raises:
+        OSError: the port is taken (or refused) though IPv6 is there.
+    """
+    if not socket.has_ipv6:
+        return None
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    except OSError:
+        return None  # a kernel without IPv6
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # IPv4 clients too, as ::ffff:a.b.c.d (the system's default may say otherwise)
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(("::", port))
+    except OSError as e:
+        sock.close()
+        if e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+            return None  # IPv6 switched off on every interface
+        raise
+    except BaseException:
+        sock.close()
+        raise
+    return sock
