@@ -47,9 +47,10 @@ __all__ = [
 
 # Defined in the wing, named here: reprs show the path users import.  Not
 # run_script_path: it runs in --run-path's workers, which import it where it
-# lives (light), not this module (the agent's imports).
+# lives (light), not this module (the agent's imports).  Named, not
+# __name__: run as ``python -m aioproc.torchrun`` this module is __main__.
 public_module(
-    __name__,
+    "aioproc.torchrun",
     config_from_args,
     determine_local_world_size,
     get_args_parser,
@@ -60,3 +61,6 @@ public_module(
     parse_min_max_nnodes,
     run,
 )
+
+if __name__ == "__main__":  # python -m aioproc.torchrun, as python -m torch.distributed.run
+    main()

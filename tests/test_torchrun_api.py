@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -428,6 +429,29 @@ def test_main_raises_child_failed_error_and_writes_the_error_file(
     # torch's @record on main: the root cause's error file becomes this process's
     written = json.loads(error_file.read_text())
     assert "KeyError: 'rank 1 fails'" in written["message"]["extraInfo"]["py_callstack"]
+
+
+def test_python_m_aioproc_torchrun_runs_the_job_as_python_m_torch_distributed_run(
+    tmp_path: Path,
+) -> None:
+    """``python -m aioproc.torchrun`` is the command, as ``python -m
+    torch.distributed.run`` is torch's: every rank runs, exit 0; a failed rank
+    exits 1 with ChildFailedError's report naming it; a bad flag exits 2."""
+    path, out = script(tmp_path)
+    command = [sys.executable, "-m", "aioproc.torchrun", "--nproc-per-node=2"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
+    done = subprocess.run([*command, str(path), str(out), "-x"], env=env, capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()
+    assert {p.name: p.read_text() for p in out.iterdir()} == {"0": "2 -x", "1": "2 -x"}
+    failed = subprocess.run(
+        [*command, str(path), str(out)], env={**env, "FAIL_RANK": "1"}, capture_output=True
+    )
+    assert failed.returncode == 1
+    assert "ChildFailedError" in failed.stderr.decode()
+    assert "rank      : 1 (local_rank: 1)" in failed.stderr.decode()
+    bad = subprocess.run([*command, "--no-such-flag", str(path)], env=env, capture_output=True)
+    assert bad.returncode == 2
+    assert "unrecognized arguments: --no-such-flag" in bad.stderr.decode()
 
 
 def test_main_refuses_no_python_with_module_before_anything_starts(tmp_path: Path) -> None:
