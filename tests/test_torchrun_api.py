@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -158,6 +159,19 @@ def test_parser_has_torchs_flags_dests_and_defaults() -> None:
         "for a in get_args_parser()._actions]))"
     )
     assert [tuple(x) for x in theirs] == TORCHRUN_PARSER
+
+
+def test_parser_help_names_only_its_own_flags() -> None:
+    """The help texts come from aioproc run's, which name flags and a command
+    torchrun's parser does not have: none of those is left (``--rdzv-*`` is
+    torch's own family of flags)."""
+    parser = torchrun.get_args_parser()
+    flags = {s for action in parser._actions for s in action.option_strings}
+    for action in parser._actions:
+        text = action.help or ""
+        named = set(re.findall(r"--[a-z][a-z0-9-]*[a-z0-9]", text)) - {"--rdzv"}
+        assert named <= flags, (action.dest, named - flags)
+        assert "aioproc run" not in text, action.dest
 
 
 def test_entry_points_have_torchs_signatures_pinned() -> None:

@@ -102,6 +102,13 @@ DESTS = [flag.dest for flag in _FLAGS] + ["training_script", "training_script_ar
 
 _DEFAULT_NOTE = re.compile(r"\s*\(default[^)]*\)")
 
+_AIOPROC_RUN_ONLY = (
+    ("each running 'aioproc run'", "each running this command"),
+    ("a template interpreter that imported --preload once", "a template interpreter"),
+)
+"""Words of ``aioproc run``'s help that name that command or its own flags, as
+this parser says them: torchrun's parser has none of aioproc's flags."""
+
 
 def get_args_parser() -> argparse.ArgumentParser:
     """torchrun's parser (torch's ``get_args_parser``): its flags, dests and defaults.
@@ -115,6 +122,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     for flag in _FLAGS:
         # aioproc run's help, less the default it names: this parser's default is torch's
         text = _DEFAULT_NOTE.sub("", helps.get(RENAMED.get(flag.dest, flag.dest), ""))
+        for theirs, ours in _AIOPROC_RUN_ONLY:
+            text = text.replace(theirs, ours)
         env = f"PET_{flag.dest.upper()}"
         if flag.switch:
             parser.add_argument(*flag.strings, dest=flag.dest, action=EnvSwitch, env=env, help=text)
