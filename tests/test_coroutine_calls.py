@@ -421,29 +421,6 @@ async def test_sys_exit_in_a_coroutine_ends_the_worker_and_every_call_in_flight(
     assert ended.read_text().splitlines() == [f"finally {w.pid}"] * 3
 
 
-async def test_aclose_cancels_the_coroutine_calls_in_flight(
-    cf: ModuleType, fifo: Fifo, tmp_path: Path
-) -> None:
-    ended = tmp_path / "ended"
-    w = await open_worker(grace_period=20, name="closing")
-    try:
-        calls = [
-            asyncio.ensure_future(w.call(cf.guarded_to_file, str(ended), fifo.path, 60))
-            for _ in range(3)
-        ]
-        await fifo.lines(3)
-        began = time.monotonic()
-        await w.aclose()
-        assert time.monotonic() - began < 10  # well within the grace period
-    finally:
-        await w.aclose()
-    assert w.returncode == 0
-    for result in await asyncio.gather(*calls, return_exceptions=True):
-        assert isinstance(result, RuntimeError), repr(result)
-        assert "was closed while call coro_funcs.guarded_to_file ran" in str(result)
-    assert ended.read_text().splitlines() == [f"finally {w.pid}"] * 3
-
-
 async def stop(pid: int) -> None:
     """SIGSTOP ``pid`` (a debugger, a suspended job) and wait until it is stopped."""
     os.kill(pid, signal.SIGSTOP)
@@ -452,26 +429,29 @@ async def stop(pid: int) -> None:
             await asyncio.sleep(0.005)
 
 
-async def test_a_stopped_worker_is_continued_by_aclose_and_its_coroutines_unwind(
-    cf: ModuleType, fifo: Fifo, tmp_path: Path
+@pytest.mark.parametrize("stopped", [False, True], ids=["running", "stopped"])
+async def test_aclose_cancels_the_coroutine_calls_in_flight(
+    cf: ModuleType, fifo: Fifo, tmp_path: Path, stopped: bool
 ) -> None:
-    """A worker stopped while coroutine calls run gets SIGCONT with the terminate
-    request, as a group's workers do: the calls' ``finally`` blocks run and it
-    exits 0 at once, not SIGKILLed at the end of its 30 s grace period."""
+    """Their ``finally`` blocks run and the worker exits 0, well within its 30 s
+    grace period; also a worker stopped (SIGSTOP) while they run, which gets
+    SIGCONT with the terminate request, as a group's workers do, not a SIGKILL
+    at the end of the grace period."""
     ended = tmp_path / "ended"
-    w = await open_worker(grace_period=30, name="stopped")
+    w = await open_worker(grace_period=30, name="closing")
     try:
         calls = [
             asyncio.ensure_future(w.call(cf.guarded_to_file, str(ended), fifo.path, 60))
             for _ in range(3)
         ]
         await fifo.lines(3)
-        await stop(w.pid)
+        if stopped:
+            await stop(w.pid)
         began = time.monotonic()
         with warnings.catch_warnings():
             warnings.simplefilter("error", ForcedKillWarning)
             await w.aclose()
-        assert time.monotonic() - began < 10  # not the 30 s grace period
+        assert time.monotonic() - began < 10  # well within the grace period
     finally:
         await w.aclose()
     assert w.returncode == 0 and pid_gone(w.pid)
