@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers import cmdline
+from proc_utils import Fifo
 
 import aioproc
 from aioproc._proc import lifeline as _lifeline
@@ -90,9 +91,17 @@ async def test_a_forked_script_worker_is_shown_as_its_group_and_rank(tmp_path: P
 
 
 async def test_a_binary_worker_keeps_its_own_command_line(tmp_path: Path) -> None:
-    async with aioproc.start_processes("tool", "sleep", {0: ("30",)}, {0: {}}, sinks=[]) as pc:
-        assert cmdline(pc.pids()[0]) == b"sleep\x0030\x00"
-        await pc.close(timeout=5)
+    # read once the program runs: during its execve the kernel shows an empty line
+    code = "import sys, time; open(sys.argv[1], 'w').write('up\\n'); time.sleep(30)"
+    async with Fifo(tmp_path / "fifo") as fifo:
+        args = ("-c", code, fifo.path)
+        async with aioproc.start_processes(
+            "tool", sys.executable, {0: args}, {0: {}}, sinks=[]
+        ) as pc:
+            await fifo.lines(1)
+            expected = "\0".join([sys.executable, *args, ""]).encode()
+            assert cmdline(pc.pids()[0]) == expected
+            await pc.close(timeout=5)
 
 
 async def test_the_guardian_and_the_template_are_shown_with_their_supervisors_pid() -> None:
