@@ -318,10 +318,10 @@ def eager_starter(
     queue, which is taken back and run there and then (what the loop's next
     iteration would have run, at the cost of an ``epoll_wait`` and a pass
     of its ``_run_once``).  On uvloop's loop before 3.12 the task starts in
-    the next iteration.  A task factory set on the loop makes the tasks (on
-    3.12 they start when it starts them).  Call the function from a
-    callback of the running ``loop``, outside any task; a task that is
-    ``done()`` when it returns ran its coroutine to the end.
+    the next iteration.  A task factory set on the loop (also later) makes
+    the tasks; from 3.12 they start as that factory starts them.  Call the
+    function from a callback of the running ``loop``, outside any task; a
+    task that is ``done()`` when it returns ran its coroutine to the end.
 
     The task is made by its class, not ``loop.create_task``: a coroutine
     call that returns at once costs a fifth less in a worker without that
@@ -351,7 +351,7 @@ def eager_starter(
             step = ready.pop()
             # the handle's _run() without its frame: a task's step handles
             # every exception but the ones _run() lets through as well
-            step._context.run(step._callback)
+            step._context.run(step._callback, *step._args)
         return task
 
     return start_now
