@@ -12,12 +12,14 @@ all the same).  Worker functions live in ``children/peer_wait_funcs.py``.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import signal
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 from helpers import free_port, import_child, pid_gone
@@ -71,6 +73,51 @@ async def test_every_rank_lives_until_the_slowest_returned_then_all_exit(
     assert {e.exitcode for e in exits.values()} == {0}
     assert min(e.time for e in exits.values()) >= watched["returned_at"]
     assert all(pid_gone(pid) for pid in pids.values())
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+async def test_a_rank_that_returns_before_its_launch_is_over_still_breaks_the_barrier(
+    pw: ModuleType, tmp_path: Path, start_method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Early ranks whose results arrive while the supervisor is still finishing
+    their launches (a loaded machine, a forkserver's replies) have left the
+    barrier for good all the same: the rank waiting there is told so, and the
+    group ends, instead of waiting for ranks that will never come."""
+    from aioproc._group.rank_launcher import RankLauncher
+    from aioproc._supervisor.hold import Hold
+
+    launch, hold_returned = RankLauncher.launch, Hold.returned
+    n = 3
+    early: set[int] = set()
+    all_returned = asyncio.Event()
+
+    async def slow_launch(self: RankLauncher, rank: int, *args: Any, **kwargs: Any) -> Any:
+        child = await launch(self, rank, *args, **kwargs)
+        if rank < n - 1:
+            await all_returned.wait()  # every early result is in before its launch is over
+        return child
+
+    def result_in(self: Hold, rank: int) -> None:
+        hold_returned(self, rank)
+        early.add(rank)
+        if len(early) == n - 1:
+            all_returned.set()
+
+    monkeypatch.setattr(RankLauncher, "launch", slow_launch)
+    monkeypatch.setattr(Hold, "returned", result_in)
+    fifo = str(tmp_path / "early")
+    os.mkfifo(fifo)
+    async with aioproc.start_processes(
+        "peers",
+        pw.last_returns_after_watching,
+        {r: (r, n - 1, fifo) for r in range(n)},
+        {r: {} for r in range(n)},
+        logs_specs=aioproc.DefaultLogsSpecs(log_dir=os.devnull),
+        start_method=start_method,
+    ) as pc:
+        result = await asyncio.wait_for(pc.wait(), 30)  # a hang fails here, not at the timeout
+    assert result is not None and not result.is_failed(), result.failures
+    assert result.return_values[n - 1]["broken"].startswith("barrier broken: peers/")
 
 
 async def test_a_held_rank_exits_at_once_when_a_peer_fails(pw: ModuleType) -> None:

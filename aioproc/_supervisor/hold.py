@@ -36,6 +36,7 @@ class Hold:
         self._children = children
         self._left = left
         self._holding: set[int] = set()  # returned, waiting for TERMINATE
+        self._unannounced: set[int] = set()  # returned before its launch was over
         self._done: set[int] = set()  # outcome in or on its way (result, exit, never started)
         self.released = False  # every outcome is in, or a stop began: nobody holds
 
@@ -47,7 +48,11 @@ class Hold:
         """``rank`` sent its result: it now waits for TERMINATE to exit."""
         self._holding.add(rank)
         self.done(rank)
-        if rank in self._holding and self._left is not None:
+        if rank not in self._children:
+            # its launch is not over, so the barrier does not know it yet:
+            # ``started`` tells it, once it does
+            self._unannounced.add(rank)
+        elif rank in self._holding and self._left is not None:
             self._left(rank)
 
     def done(self, rank: int) -> None:
@@ -62,7 +67,12 @@ class Hold:
         self.done(rank)
 
     def started(self, rank: int) -> None:
-        """``rank``'s launch is over: let it go now if it returned while being launched."""
+        """``rank``'s launch is over: if it returned while being launched, the
+        barrier learns it left, and it is let go now if the group is done."""
+        if rank in self._unannounced:
+            self._unannounced.discard(rank)
+            if rank in self._holding and self._left is not None:
+                self._left(rank)
         if self.released and rank in self._holding:
             self._release(rank)
 
