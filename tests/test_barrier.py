@@ -12,9 +12,11 @@ Worker functions live in ``children/cluster_funcs.py``; the pytest plugin's
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from types import ModuleType
+from typing import Any
 
 import pytest
 from cluster_fixtures import make
@@ -50,6 +52,43 @@ async def test_barrier_in_forkserver_workers(cf: ModuleType) -> None:
         cf.barrier_rank, 2, args={r: (r,) for r in range(2)}, start_method="forkserver"
     )
     assert result.return_values == {0: 0, 1: 1}
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+async def test_ranks_that_arrive_before_their_launch_is_over_are_counted(
+    cf: ModuleType, start_method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker runs, and may reach the barrier, while the supervisor still
+    finishes its launch (a loaded machine, a forkserver's replies): each
+    launch here ends only once its worker's arrival is in, and the barrier
+    still passes for all of them."""
+    from aioproc._child.channel import ARRIVE
+    from aioproc._group.rank_launcher import RankLauncher
+
+    launch = RankLauncher.launch
+
+    async def late_launch(
+        self: RankLauncher, rank: int, dest: Any, payload: Any, on_frame: Any, *args: Any
+    ) -> Any:
+        arrived = asyncio.Event()
+
+        def watching(kind: int, body: bytearray) -> None:
+            if kind == ARRIVE:
+                arrived.set()
+            on_frame(kind, body)
+
+        child = await launch(self, rank, dest, payload, watching, *args)
+        await asyncio.wait_for(arrived.wait(), 30)
+        return child
+
+    monkeypatch.setattr(RankLauncher, "launch", late_launch)
+    result = await asyncio.wait_for(
+        aioproc.run(
+            cf.barrier_rank, 3, args={r: (r,) for r in range(3)}, start_method=start_method
+        ),
+        30,  # a rank never counted hangs the group: it fails here
+    )
+    assert result.return_values == {0: 0, 1: 1, 2: 2}
 
 
 def test_barrier_called_in_main_process() -> None:

@@ -205,7 +205,7 @@ class Launch:
             return
         finally:
             window.release()
-        self._started(rank, child)
+        self._started(rank, child, handler if isinstance(handler, _RankFrames) else None)
 
     async def _batch(
         self, dest: LogsDest, dirs: RankDirs, window: anyio.Semaphore, ranks: range
@@ -226,12 +226,14 @@ class Launch:
     def _key(self, rank: int) -> Hashable:
         return (self._spec.hub_keys or {}).get(rank, rank)
 
-    def _started(self, rank: int, child: Child) -> None:
+    def _started(self, rank: int, child: Child, frames: _RankFrames | None = None) -> None:
         spec = self._spec
         self._children[rank] = child
         if self._hub is not None and child.channel is not None:
             key = self._key(rank)
             self._hub.attach(key, child.channel, key if isinstance(key, str) else child.label)
+            if frames is not None:
+                frames.attached()  # what it sent the barrier while its launch went on
         self._hold.started(rank)  # it returned before its launch was over
         if self._rec.enabled:
             self._rec.worker_started(spec.name, spec.role)
@@ -241,22 +243,56 @@ class Launch:
 
     def _frame_handler(self, rank: int) -> Callable[[int, bytearray], None]:
         outcome = self._outcomes.frame_handler(rank)
-        hub, key = self._hub, self._key(rank)
-        if hub is None:
+        if self._hub is None:
             return outcome
         # weak: the worker's channel holds this handler, and this group its
         # workers; a cycle would keep every result (its shared memory, its
         # mapped fd) alive until the next garbage collection
         returned = weakref.WeakMethod(self._hold.returned)
+        return _RankFrames(rank, self._key(rank), self._hub, outcome, returned)
 
-        def on_frame(kind: int, body: bytearray) -> None:
-            if kind in (ARRIVE, STACKS):
-                hub.on_frame(key, kind, body)
+
+class _RankFrames:
+    """One launch's frames from its worker: its outcome, and its barrier's frames.
+
+    The worker runs (and may reach the barrier) before its launch is over
+    and the hub knows it: its barrier and stack frames are kept until then
+    (``attached``), not dropped, or a rank that arrived early would never
+    be counted.  One per launch, so a replacement never inherits them.
+    """
+
+    __slots__ = ("held", "hub", "key", "outcome", "rank", "returned")
+
+    def __init__(
+        self,
+        rank: int,
+        key: Hashable,
+        hub: ControlHub,
+        outcome: Callable[[int, bytearray], None],
+        returned: Callable[[], Callable[[int], None] | None],
+    ) -> None:
+        self.rank = rank
+        self.key = key
+        self.hub = hub
+        self.outcome = outcome
+        self.returned = returned
+        self.held: list[tuple[int, bytearray]] | None = []  # None: the hub knows the worker
+
+    def __call__(self, kind: int, body: bytearray) -> None:
+        if kind in (ARRIVE, STACKS):
+            if self.held is not None:
+                self.held.append((kind, body))
             else:
-                outcome(kind, body)
-                if kind == RESULT:
-                    group_returned = returned()
-                    if group_returned is not None:
-                        group_returned(rank)
+                self.hub.on_frame(self.key, kind, body)
+            return
+        self.outcome(kind, body)
+        if kind == RESULT:
+            group_returned = self.returned()
+            if group_returned is not None:
+                group_returned(self.rank)
 
-        return on_frame
+    def attached(self) -> None:
+        """The hub knows the worker now: it gets what the worker sent it meanwhile."""
+        held, self.held = self.held, None
+        for kind, body in held or ():
+            self.hub.on_frame(self.key, kind, body)
