@@ -77,6 +77,9 @@ async def launch_function(
     Cancellation: a cancelled launch kills the half-started worker's group
     (see ``spawn``) and closes the channel before re-raising.
     """
+    # made (read from the package's files, the first time) before anything
+    # starts: a failure here, EMFILE at the fd limit among them, leaves no worker
+    boot = boot_head() if template is None else None
     parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         fd_pair = _shm.fd_socketpair()
@@ -100,7 +103,7 @@ async def launch_function(
             # queued before the fork: the worker finds them at once, while
             # the template forks the next requests, and no send of ours
             # wakes it (see the module docstring for the guardian)
-            _queue(channel, frames, extra_fds, segments, forked=True)
+            _queue(channel, frames, extra_fds, segments, None)
             child = await spawn_forked(
                 template,
                 label,
@@ -147,7 +150,7 @@ async def launch_function(
     if ender is not None:
         ender.attach(child)
     if template is None:
-        _queue(channel, frames, extra_fds, segments, forked=False)
+        _queue(channel, frames, extra_fds, segments, boot)
     return child
 
 
@@ -181,13 +184,13 @@ def _queue(
     frames: Sequence[Frame],
     extra_fds: Sequence[int],
     segments: Sequence[_shm.Segment],
-    forked: bool,
+    boot: bytes | None,
 ) -> None:
-    """Queue the boot code (unless ``forked``: the template has it) and ``frames``."""
+    """Queue the boot code (None for a forked worker: the template has it) and ``frames``."""
     queued: list[Frame] = list(frames)
     if extra_fds:
         queued.insert(0, (FD_SOCKET, [str(extra_fds[0]).encode()]))
-    head = [] if forked else [boot_head()]
+    head = [] if boot is None else [boot]
     if not segments and sum(len(p) for _, parts in queued for p in parts) <= JOIN_LIMIT:
         # small frames in one write: one send, one wake-up of the worker
         for kind, parts in queued:
